@@ -1,0 +1,85 @@
+"""Identities of versions, attempts and sessions. Pure values, hashable, ordered."""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+from lorapub.errors import InvalidInput
+
+LORA_NAME_PREFIX = "relax_policy_lora"
+DIGEST_PREFIX_LEN = 12
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_id(kind: str, value: object) -> None:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidInput(
+            f"{kind} must be 1-128 characters of [A-Za-z0-9_.:-], got {value!r}"
+        )
+
+
+def _check_epoch(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInput(f"deployment_epoch must be a non-negative int, got {value!r}")
+
+
+def check_digest(digest: object) -> str:
+    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+        raise InvalidInput(f"digest must be a full lowercase SHA-256 hex string, got {digest!r}")
+    return digest
+
+
+@attrs.frozen(order=True)
+class VersionKey:
+    """``(deployment_epoch, version_id)``: fixed before the first reserve, never reused."""
+
+    deployment_epoch: int
+    version_id: str
+
+    def __attrs_post_init__(self) -> None:
+        _check_epoch(self.deployment_epoch)
+        _check_id("version_id", self.version_id)
+
+    def __str__(self) -> str:
+        return f"{self.deployment_epoch}-{self.version_id}"
+
+
+def lora_name_for(key: VersionKey, digest: str) -> str:
+    """The immutable engine-side name; the digest prefix is for humans, the full digest is compared."""
+    check_digest(digest)
+    return f"{LORA_NAME_PREFIX}@{key.deployment_epoch}-{key.version_id}-{digest[:DIGEST_PREFIX_LEN]}"
+
+
+def is_managed_name(name: str) -> bool:
+    return name.startswith(LORA_NAME_PREFIX + "@")
+
+
+@attrs.frozen(order=True)
+class AttemptToken:
+    """One publication attempt of one version. ``seq`` comes from the registry's counter."""
+
+    version: VersionKey
+    seq: int
+
+    def __str__(self) -> str:
+        return f"{self.version}#a{self.seq}"
+
+
+@attrs.frozen(order=True)
+class SessionKey:
+    """A session lifecycle: the nonce separates two lifecycles that reuse one session id."""
+
+    deployment_epoch: int
+    session_id: str
+    nonce: str
+
+    def __attrs_post_init__(self) -> None:
+        _check_epoch(self.deployment_epoch)
+        _check_id("session_id", self.session_id)
+        _check_id("nonce", self.nonce)
+
+    def __str__(self) -> str:
+        return f"{self.deployment_epoch}/{self.session_id}/{self.nonce}"

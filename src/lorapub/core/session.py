@@ -1,0 +1,89 @@
+"""SessionBinding: OPEN -> BOUND (first generation) -> CLOSING -> CLOSED tombstone.
+
+A session holds at most one session ref, on the one version it bound first;
+the ref is released exactly once, by close_and_release. A CLOSING or CLOSED
+session never opens, binds or dispatches again.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from lorapub.core.identity import SessionKey, VersionKey
+from lorapub.errors import InvalidTransition, SessionClosed
+
+
+class SessionState(enum.Enum):
+    OPEN = "OPEN"
+    BOUND = "BOUND"
+    CLOSING = "CLOSING"
+    CLOSED = "CLOSED"
+
+
+ENDING = frozenset({SessionState.CLOSING, SessionState.CLOSED})
+
+
+@attrs.frozen
+class SessionRecord:
+    key: SessionKey
+    state: SessionState
+    version: VersionKey | None = None
+    holds_ref: bool = False
+
+
+@attrs.frozen
+class Binding:
+    """What a session dispatches with, for its whole life."""
+
+    session: SessionKey
+    version: VersionKey
+    lora_name: str
+    digest: str
+
+
+def _refuse_if_ending(record: SessionRecord, what: str) -> None:
+    if record.state in ENDING:
+        raise SessionClosed(f"session {record.key} is {record.state.value}; {what} refused")
+
+
+def opened(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
+    if record is None:
+        return SessionRecord(key, SessionState.OPEN)
+    _refuse_if_ending(record, "open")
+    return record
+
+
+def bound(record: SessionRecord | None, key: SessionKey, version: VersionKey) -> SessionRecord:
+    """The caller checked the record is not bound yet and adds the version's ref."""
+    record = opened(record, key)
+    if record.state is not SessionState.OPEN:
+        raise InvalidTransition(f"session {key} is already {record.state.value}")
+    return attrs.evolve(record, state=SessionState.BOUND, version=version, holds_ref=True)
+
+
+def closing(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
+    if record is None:
+        return SessionRecord(key, SessionState.CLOSING)
+    if record.state in ENDING:
+        return record
+    return attrs.evolve(record, state=SessionState.CLOSING)
+
+
+def closed(record: SessionRecord | None, key: SessionKey) -> tuple[SessionRecord, VersionKey | None]:
+    """Returns the tombstone and the version whose ref must be dropped now (None if none)."""
+    record = closing(record, key)
+    if record.state is SessionState.CLOSED:
+        return record, None
+    release = record.version if record.holds_ref else None
+    return attrs.evolve(record, state=SessionState.CLOSED, holds_ref=False), release
+
+
+def require_dispatchable(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
+    if record is None:
+        raise InvalidTransition(f"session {key} is unknown; bind it before dispatching")
+    _refuse_if_ending(record, "dispatch")
+    if record.state is not SessionState.BOUND:
+        raise InvalidTransition(f"session {key} is {record.state.value}; bind it before dispatching")
+    return record

@@ -1,0 +1,102 @@
+"""Version lifecycle: LOADING -> PUBLISHED -> RETIRED -> RECLAIMING -> RECLAIMED,
+with the failure path LOADING -> ABORTED -> FAILED_CLEAN."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from lorapub.core.identity import AttemptToken, VersionKey
+from lorapub.errors import InvalidTransition
+
+
+class VersionState(enum.Enum):
+    LOADING = "LOADING"
+    PUBLISHED = "PUBLISHED"
+    RETIRED = "RETIRED"
+    RECLAIMING = "RECLAIMING"
+    RECLAIMED = "RECLAIMED"
+    ABORTED = "ABORTED"
+    FAILED_CLEAN = "FAILED_CLEAN"
+
+
+# States that hold one of the logical capacity slots.
+SLOT_HOLDING = frozenset(
+    {
+        VersionState.LOADING,
+        VersionState.PUBLISHED,
+        VersionState.RETIRED,
+        VersionState.RECLAIMING,
+        VersionState.ABORTED,
+    }
+)
+# States for which no new request may be dispatched.
+NOT_DISPATCHABLE = frozenset(
+    {
+        VersionState.LOADING,
+        VersionState.RECLAIMING,
+        VersionState.RECLAIMED,
+        VersionState.ABORTED,
+        VersionState.FAILED_CLEAN,
+    }
+)
+
+_ALLOWED = {
+    VersionState.LOADING: {VersionState.PUBLISHED, VersionState.ABORTED},
+    VersionState.PUBLISHED: {VersionState.RETIRED},
+    VersionState.RETIRED: {VersionState.RECLAIMING},
+    VersionState.RECLAIMING: {VersionState.RECLAIMED},
+    VersionState.ABORTED: {VersionState.FAILED_CLEAN},
+    VersionState.RECLAIMED: set(),
+    VersionState.FAILED_CLEAN: set(),
+}
+
+
+@attrs.frozen
+class CommitReceipt:
+    version: VersionKey
+    token: AttemptToken
+    default_revision: int
+    retired: VersionKey | None
+
+
+@attrs.frozen
+class Version:
+    key: VersionKey
+    digest: str
+    lora_name: str
+    state: VersionState
+    attempt: AttemptToken
+    session_refs: int = 0
+    # Engines that hold it once published; reclaim must hear from each of them.
+    engines: tuple[str, ...] = ()
+    commit: CommitReceipt | None = None
+    reclaim_id: str | None = None
+    reclaim_pending: frozenset[str] = frozenset()
+
+    @property
+    def holds_slot(self) -> bool:
+        return self.state in SLOT_HOLDING
+
+    @property
+    def dispatchable(self) -> bool:
+        return self.state not in NOT_DISPATCHABLE
+
+
+def advance(version: Version, to: VersionState, **changes: object) -> Version:
+    if to not in _ALLOWED[version.state]:
+        raise InvalidTransition(f"version {version.key}: {version.state.value} -> {to.value} is not a lifecycle move")
+    return attrs.evolve(version, state=to, **changes)
+
+
+def add_session_ref(version: Version) -> Version:
+    if version.state is not VersionState.PUBLISHED:
+        raise InvalidTransition(f"version {version.key} is {version.state.value}; only the PUBLISHED default is bound")
+    return attrs.evolve(version, session_refs=version.session_refs + 1)
+
+
+def drop_session_ref(version: Version) -> Version:
+    if version.session_refs <= 0:
+        raise InvalidTransition(f"version {version.key} has no session ref to release")
+    return attrs.evolve(version, session_refs=version.session_refs - 1)

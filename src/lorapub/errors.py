@@ -1,0 +1,118 @@
+"""Typed errors: every rejection a user can see carries a stable ``code``.
+
+The codes are part of the public contract (framework adapters switch on them),
+the messages are for humans and name the objects involved.
+"""
+
+from __future__ import annotations
+
+
+class LorapubError(Exception):
+    """Base of every error lorapub raises on purpose."""
+
+    code = "LORAPUB_ERROR"
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(f"{self.code}: {message}")
+        self.message = message
+        self.details = details
+
+
+class VersionConflict(LorapubError):
+    """Same version key, different content digest (or a stale default revision)."""
+
+    code = "VERSION_CONFLICT"
+
+
+class CapacityError(LorapubError):
+    """Both managed version slots are held; nothing was sent to any engine."""
+
+    code = "CAPACITY_ERROR"
+
+
+class NoPublishedVersion(LorapubError):
+    """No version has been committed yet in this deployment epoch."""
+
+    code = "NO_PUBLISHED_VERSION"
+
+
+class VersionMissing(LorapubError):
+    """An engine does not hold the exact version a session is bound to."""
+
+    code = "VERSION_MISSING"
+
+
+class VersionReclaiming(LorapubError):
+    """The version is being reclaimed or was reclaimed: new dispatches are refused."""
+
+    code = "VERSION_RECLAIMING"
+
+
+class PublicationBlocked(LorapubError):
+    """An earlier attempt is unresolved (in flight, cleaning, or of unknown outcome)."""
+
+    code = "PUBLICATION_BLOCKED"
+
+
+class NotReady(LorapubError):
+    """Commit asked for before every target reported a current READY."""
+
+    code = "NOT_READY"
+
+
+class StaleAttempt(LorapubError):
+    """The attempt token is not the current attempt of that version."""
+
+    code = "STALE_ATTEMPT"
+
+
+class SessionClosed(LorapubError):
+    """The session is closing or closed; it cannot open, bind or dispatch again."""
+
+    code = "SESSION_CLOSED"
+
+
+class NotReclaimable(LorapubError):
+    """Reclaim asked for a version that is not RETIRED with zero session refs."""
+
+    code = "NOT_RECLAIMABLE"
+
+
+class UnknownVersion(LorapubError):
+    code = "UNKNOWN_VERSION"
+
+
+class UnknownEngine(LorapubError):
+    code = "UNKNOWN_ENGINE"
+
+
+class EpochMismatch(LorapubError):
+    """A key from another deployment epoch reached this registry."""
+
+    code = "EPOCH_MISMATCH"
+
+
+class InvalidInput(LorapubError):
+    code = "INVALID_INPUT"
+
+
+class EngineError(LorapubError):
+    """The engine answered, and the answer was a definite failure."""
+
+    code = "ENGINE_ERROR"
+
+
+class OutcomeUnknown(LorapubError):
+    """No answer (timeout, dropped connection): the operation may or may not have happened.
+
+    Callers must not retry a generation on this error and must not treat any
+    resource as released.
+    """
+
+    code = "OUTCOME_UNKNOWN"
+
+
+class InvalidTransition(LorapubError):
+    """A state machine was asked for a move its table does not allow (a lorapub bug)."""
+
+    code = "INVALID_TRANSITION"

@@ -1,0 +1,395 @@
+"""Model-based exploration of the whole core under races.
+
+A simulated network holds every effect the core emitted; rules deliver them
+in any order, fail them, lose their replies, duplicate them, or replay old
+replies late. Engines restart. Sessions open, bind and close in any order.
+Invariants are checked after every step.
+"""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from lorapub.core import registry as R
+from lorapub.core.attempt import Phase, ReadyLocal
+from lorapub.core.effects import (
+    SOURCE,
+    ReadyToCommit,
+    ReclaimEligible,
+    SendBegin,
+    SendCleanup,
+    SendEnd,
+    SendReclaim,
+    TransferBucket,
+)
+from lorapub.core.identity import SessionKey, VersionKey
+from lorapub.core.session import SessionState
+from lorapub.core.version import VersionState
+from lorapub.errors import LorapubError, NotReclaimable, SessionClosed
+from tests.helpers import fake_plan
+
+ENGINES = ("e0", "e1")
+EPOCH = 7
+SESSION_POOL = [SessionKey(EPOCH, f"s{i}", "n0") for i in range(6)]
+
+
+@attrs.frozen
+class BucketAck:
+    token: object
+    party: str
+    index: int
+    incarnation: str | None
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self):
+        self.incarnations = {e: f"{e}-life0" for e in ENGINES}
+        self.lives = {e: 0 for e in ENGINES}
+        self.state = R.new_registry(EPOCH, self.incarnations)
+        self.network: list = []  # effects waiting for delivery
+        self.history: list = []  # replies already delivered once (replayed late)
+        self.ready_to_commit: list[ReadyToCommit] = []
+        self.next_version = 0
+        self.digests: dict[VersionKey, str] = {}
+        # model
+        self.bound: dict[SessionKey, VersionKey] = {}
+        self.closed: set[SessionKey] = set()
+        self.collectives: set[tuple] = set()
+        self.cleanup_sent: set = set()
+        self.cleaned: set[tuple] = set()  # (token, engine, incarnation) confirmed
+        self.unloaded: set[tuple] = set()  # (version, engine) confirmed
+        self.default_history: list = []
+        self.receipts: dict = {}
+
+    # -- helpers ------------------------------------------------------------
+    def apply(self, outcome: R.Outcome):
+        self.state = outcome.state
+        for fx in outcome.effects:
+            if isinstance(fx, TransferBucket):
+                key = (fx.token, fx.index)
+                assert key not in self.collectives, f"second collective for {key}"
+                assert fx.token not in self.cleanup_sent, "transfer after cleanup"
+                self.collectives.add(key)
+                self.network.append(BucketAck(fx.token, SOURCE, fx.index, None))
+                for e in fx.engines:
+                    self.network.append(BucketAck(fx.token, e, fx.index, "?"))
+            elif isinstance(fx, (SendBegin, SendEnd)):
+                assert fx.token not in self.cleanup_sent, f"{type(fx).__name__} after cleanup"
+                self.network.append(fx)
+            elif isinstance(fx, SendCleanup):
+                self.cleanup_sent.add(fx.token)
+                self.network.append(fx)
+            elif isinstance(fx, SendReclaim):
+                self.network.append(fx)
+            elif isinstance(fx, ReadyToCommit):
+                self.ready_to_commit.append(fx)
+            elif isinstance(fx, ReclaimEligible):
+                v = self.state.versions[fx.version]
+                assert v.state is VersionState.RETIRED and v.session_refs == 0
+        return outcome.reply
+
+    def try_apply(self, fn, *args):
+        try:
+            return self.apply(fn(self.state, *args))
+        except LorapubError as e:
+            return e
+
+    def deliver_ok(self, msg):
+        s = self.state
+        if isinstance(msg, SendBegin):
+            if msg.incarnation != self.incarnations[msg.engine]:
+                self.try_apply(R.record_failure, msg.token, msg.engine, "unknown incarnation")
+                return
+            reply = ("prepared", msg.token, msg.engine, msg.incarnation)
+            self.try_apply(R.record_prepared, msg.token, msg.engine, msg.incarnation)
+        elif isinstance(msg, BucketAck):
+            inc = None if msg.party == SOURCE else self.incarnations[msg.party]
+            reply = ("bucket", msg.token, msg.party, msg.index, inc)
+            self.try_apply(R.record_bucket_done, msg.token, msg.party, msg.index, inc)
+        elif isinstance(msg, SendEnd):
+            a = s.attempts[msg.token]
+            receipt = ReadyLocal(msg.engine, msg.token, a.digest, self.incarnations[msg.engine], "lid")
+            reply = ("ready", receipt)
+            self.try_apply(R.record_ready, receipt)
+        elif isinstance(msg, SendCleanup):
+            inc = self.incarnations[msg.engine]
+            reply = ("cleaned", msg.token, msg.engine, inc)
+            t = s.attempts[msg.token].target(msg.engine)
+            if t is not None and t.incarnation == inc:
+                self.cleaned.add((msg.token, msg.engine, inc))
+            self.try_apply(R.record_cleaned, msg.token, msg.engine, inc)
+        elif isinstance(msg, SendReclaim):
+            reply = ("unloaded", msg.version, msg.reclaim_id, msg.engine)
+            if s.versions[msg.version].reclaim_id == msg.reclaim_id:
+                self.unloaded.add((msg.version, msg.engine))
+            self.try_apply(R.confirm_reclaim, msg.version, msg.reclaim_id, msg.engine)
+        else:
+            raise AssertionError(msg)
+        self.history.append(reply)
+
+    def replay(self, reply):
+        kind = reply[0]
+        if kind == "prepared":
+            self.try_apply(R.record_prepared, *reply[1:])
+        elif kind == "bucket":
+            self.try_apply(R.record_bucket_done, *reply[1:])
+        elif kind == "ready":
+            self.try_apply(R.record_ready, reply[1])
+        elif kind == "cleaned":
+            self.try_apply(R.record_cleaned, *reply[1:])
+        elif kind == "unloaded":
+            self.try_apply(R.confirm_reclaim, *reply[1:])
+
+    # -- publication rules -----------------------------------------------------
+    @rule(tensors=st.integers(1, 4))
+    def reserve_new(self, tensors):
+        key = VersionKey(EPOCH, f"v{self.next_version}")
+        digest, plan = fake_plan(key.version_id, tensors, cap=128)
+        before_slots = self.state.slots_held
+        blocked = self.state.unresolved_attempt() is not None
+        result = self.try_apply(R.reserve, key, digest, plan)
+        if isinstance(result, LorapubError):
+            # Rejected before any begin: nothing entered the network.
+            assert result.code in {"CAPACITY_ERROR", "PUBLICATION_BLOCKED"}, result
+            assert (result.code == "PUBLICATION_BLOCKED") == blocked
+            if result.code == "CAPACITY_ERROR":
+                assert before_slots >= self.state.capacity
+            assert key not in self.state.versions
+        else:
+            assert not blocked and before_slots < self.state.capacity
+            self.digests[key] = digest
+            self.next_version += 1
+
+    @precondition(lambda self: self.digests)
+    @rule(data=st.data(), same=st.booleans())
+    def reserve_again(self, data, same):
+        key = data.draw(st.sampled_from(sorted(self.digests)))
+        n_effects = len(self.network)
+        if same:
+            digest, plan = fake_plan(key.version_id, 1)
+            digest = self.digests[key]
+            result = self.try_apply(R.reserve, key, digest, plan)
+            assert not isinstance(result, LorapubError), result
+            assert not result.created and result.token == self.state.versions[key].attempt
+        else:
+            digest, plan = fake_plan(key.version_id + "-other", 2)
+            result = self.try_apply(R.reserve, key, digest, plan)
+            assert getattr(result, "code", None) == "VERSION_CONFLICT"
+        assert len(self.network) == n_effects
+
+    @precondition(lambda self: self.network)
+    @rule(data=st.data(), mode=st.sampled_from(["ok", "ok", "ok", "fail", "unknown", "duplicate", "bad_digest"]))
+    def deliver(self, data, mode):
+        i = data.draw(st.integers(0, len(self.network) - 1))
+        msg = self.network.pop(i)
+        engine = getattr(msg, "engine", None) or getattr(msg, "party", None)
+        if mode == "ok":
+            self.deliver_ok(msg)
+        elif mode == "duplicate":
+            self.deliver_ok(msg)
+            self.deliver_ok(msg)
+        elif mode == "bad_digest" and isinstance(msg, SendEnd):
+            a = self.state.attempts[msg.token]
+            receipt = ReadyLocal(msg.engine, msg.token, "f" * 64, self.incarnations[msg.engine])
+            self.try_apply(R.record_ready, receipt)
+        elif isinstance(msg, SendReclaim):
+            if mode == "unknown":
+                return  # the receipt never arrives; reclaim stays RECLAIMING
+            self.deliver_ok(msg)
+        elif mode == "fail":
+            self.try_apply(R.record_failure, msg.token, engine, "engine said no")
+        else:
+            op = type(msg).__name__
+            self.try_apply(R.record_unknown, msg.token, engine, op)
+
+    @precondition(lambda self: self.network)
+    @rule(data=st.data())
+    def deliver_all_ok(self, data):
+        """Let the network drain happily (in a drawn order) so runs reach commit and reclaim."""
+        for _ in range(200):
+            if not self.network:
+                break
+            i = data.draw(st.integers(0, len(self.network) - 1))
+            self.deliver_ok(self.network.pop(i))
+
+    @rule(data=st.data())
+    def publish_cleanly(self, data):
+        """reserve -> drain -> commit in one step: the happy path racing everything else."""
+        self.reserve_new(tensors=data.draw(st.integers(1, 3)))
+        self.deliver_all_ok(data)
+        for fx in list(self.ready_to_commit):
+            if fx.token not in self.receipts:
+                self.commit_token(fx, lost_reply=False, stale_revision=False)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def late_reply(self, data):
+        self.replay(data.draw(st.sampled_from(self.history)))
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def restart_engine(self, engine):
+        self.lives[engine] += 1
+        self.incarnations[engine] = f"{engine}-life{self.lives[engine]}"
+        self.try_apply(R.register_engine, engine, self.incarnations[engine])
+
+    @precondition(lambda self: self.ready_to_commit)
+    @rule(data=st.data(), lost_reply=st.booleans(), stale_revision=st.booleans())
+    def commit(self, data, lost_reply, stale_revision):
+        self.commit_token(data.draw(st.sampled_from(self.ready_to_commit)), lost_reply, stale_revision)
+
+    def commit_token(self, fx, lost_reply, stale_revision):
+        rev = fx.expected_default_revision + (1 if stale_revision else 0)
+        before = self.state
+        result = self.try_apply(R.commit, fx.token.version, fx.token, rev)
+        if isinstance(result, LorapubError):
+            assert self.state is before
+            return
+        if fx.token in self.receipts:
+            assert result == self.receipts[fx.token], "a replayed commit changed its receipt"
+        else:
+            assert not stale_revision
+            self.receipts[fx.token] = result
+            self.default_history.append(fx.token.version)
+        if lost_reply:
+            again = self.try_apply(R.commit, fx.token.version, fx.token, rev)
+            assert again == result
+
+    @precondition(lambda self: any(a.phase is Phase.ABORTED for a in self.state.attempts.values()))
+    @rule()
+    def retry_cleanup(self):
+        for token, a in self.state.attempts.items():
+            if a.phase is Phase.ABORTED:
+                self.try_apply(R.retry_cleanup, token)
+
+    # -- sessions --------------------------------------------------------------
+    @rule(key=st.sampled_from(SESSION_POOL))
+    def open_session(self, key):
+        result = self.try_apply(R.open_session, key)
+        assert isinstance(result, SessionClosed) == (key in self.closed or self.state.sessions[key].state is SessionState.CLOSING)
+
+    @rule(key=st.sampled_from(SESSION_POOL), lost_reply=st.booleans())
+    def bind_first(self, key, lost_reply):
+        default = self.state.default
+        result = self.try_apply(R.bind_first, key)
+        if isinstance(result, LorapubError):
+            record = self.state.sessions.get(key)
+            if result.code == "NO_PUBLISHED_VERSION":
+                assert default is None
+            else:
+                assert result.code == "SESSION_CLOSED" and record.state in (SessionState.CLOSING, SessionState.CLOSED)
+            return
+        if key in self.bound:
+            assert result.version == self.bound[key], "binding changed"
+        else:
+            assert result.version == default
+            self.bound[key] = result.version
+        if lost_reply:
+            assert self.try_apply(R.bind_first, key) == result
+
+    @rule(key=st.sampled_from(SESSION_POOL))
+    def begin_close(self, key):
+        self.try_apply(R.begin_close, key)
+
+    @rule(key=st.sampled_from(SESSION_POOL), repeat=st.booleans())
+    def close_and_release(self, key, repeat):
+        self.try_apply(R.close_and_release, key)
+        self.closed.add(key)
+        if repeat:
+            self.try_apply(R.close_and_release, key)
+
+    @rule(key=st.sampled_from(SESSION_POOL))
+    def dispatch(self, key):
+        try:
+            result = R.authorize_dispatch(self.state, key)
+        except LorapubError as e:
+            record = self.state.sessions.get(key)
+            assert record is None or record.state is not SessionState.BOUND, e
+        else:
+            v = self.state.versions[result.version]
+            assert v.state in (VersionState.PUBLISHED, VersionState.RETIRED)
+            assert key not in self.closed
+            assert result.version == self.bound[key]
+
+    # -- reclaim ---------------------------------------------------------------
+    @precondition(lambda self: self.state.versions)
+    @rule(data=st.data())
+    def claim_reclaim(self, data):
+        key = data.draw(st.sampled_from(sorted(self.state.versions)))
+        v = self.state.versions[key]
+        result = self.try_apply(R.claim_reclaim, key)
+        if isinstance(result, NotReclaimable):
+            assert v.state not in (VersionState.RECLAIMING, VersionState.RECLAIMED)
+            assert v.state is not VersionState.RETIRED or v.session_refs > 0
+        elif v.state in (VersionState.RECLAIMING, VersionState.RECLAIMED):
+            assert result == v.reclaim_id, "repeated claim changed the reclaim id"
+
+    @precondition(lambda self: any(v.state is VersionState.RECLAIMING for v in self.state.versions.values()))
+    @rule()
+    def retry_reclaim(self):
+        for key, v in self.state.versions.items():
+            if v.state is VersionState.RECLAIMING:
+                self.try_apply(R.retry_reclaim, key)
+
+    # -- invariants ------------------------------------------------------------
+    @invariant()
+    def capacity_respected(self):
+        assert self.state.slots_held <= self.state.capacity
+        live = [v for v in self.state.versions.values() if v.state in (VersionState.PUBLISHED, VersionState.RETIRED, VersionState.RECLAIMING)]
+        assert len(live) <= self.state.capacity
+
+    @invariant()
+    def refs_match_sessions(self):
+        held: dict = {}
+        for record in self.state.sessions.values():
+            if record.holds_ref:
+                held[record.version] = held.get(record.version, 0) + 1
+                assert record.state in (SessionState.BOUND, SessionState.CLOSING)
+        for key, v in self.state.versions.items():
+            assert v.session_refs >= 0
+            assert v.session_refs == held.get(key, 0), f"{key}: refs {v.session_refs} vs sessions {held.get(key, 0)}"
+
+    @invariant()
+    def one_binding_per_session(self):
+        for key, record in self.state.sessions.items():
+            if record.version is not None:
+                assert self.bound[key] == record.version
+            if key in self.closed:
+                assert record.state is SessionState.CLOSED and not record.holds_ref
+
+    @invariant()
+    def default_moves_forward_only(self):
+        s = self.state
+        assert s.default_revision == len(self.default_history)
+        if s.default is not None:
+            assert s.default == self.default_history[-1]
+            assert s.versions[s.default].state is VersionState.PUBLISHED
+        published = [k for k, v in s.versions.items() if v.state is VersionState.PUBLISHED]
+        assert published == ([s.default] if s.default else [])
+
+    @invariant()
+    def nothing_released_on_unknown(self):
+        for key, v in self.state.versions.items():
+            if v.state is VersionState.FAILED_CLEAN:
+                a = self.state.attempts[v.attempt]
+                for t in a.targets:
+                    assert (v.attempt, t.engine, t.incarnation) in self.cleaned, f"{key} freed without {t.engine} cleanup"
+            if v.state is VersionState.RECLAIMED:
+                for e in v.engines:
+                    assert (key, e) in self.unloaded, f"{key} reclaimed without {e} receipt"
+
+    @invariant()
+    def at_most_one_unresolved_attempt(self):
+        unresolved = [a for a in self.state.attempts.values() if not a.resolved]
+        assert len(unresolved) <= 1
+
+    @invariant()
+    def reclaiming_never_dispatchable(self):
+        for key, record in self.state.sessions.items():
+            if record.state is SessionState.BOUND:
+                assert self.state.versions[record.version].state in (VersionState.PUBLISHED, VersionState.RETIRED)
+
+
+TestRegistryMachine = RegistryMachine.TestCase
