@@ -95,6 +95,7 @@ class BucketPlan:
 
     digest: str
     buckets: tuple[Bucket, ...] = attrs.field(converter=tuple)
+    serving_config_json: str = "{}"  # travels with begin: engines rebuild the adapter dir from it
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -122,4 +123,4 @@ class BucketPlan:
             )
             for i, group in enumerate(groups)
         )
-        return cls(digest=manifest.digest, buckets=buckets)
+        return cls(digest=manifest.digest, buckets=buckets, serving_config_json=manifest.serving_config_json)

@@ -1,0 +1,198 @@
+"""Executes the core's effects against engines and feeds every outcome back.
+
+The runner decides nothing: a reply becomes the matching registry command,
+an engine's "no" becomes ``record_failure``, a timeout or lost connection
+becomes ``record_unknown``. New effects from those commands run in turn until
+none is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable, Mapping
+
+import attrs
+
+from lorapub.core.effects import (
+    SOURCE,
+    Ignored,
+    ReadyToCommit,
+    ReclaimEligible,
+    SendBegin,
+    SendCleanup,
+    SendEnd,
+    SendReclaim,
+    TransferBucket,
+)
+from lorapub.errors import EngineError, LorapubError, OutcomeUnknown
+from lorapub.ports import BucketSource, EngineAdmin
+
+log = logging.getLogger("lorapub")
+
+
+@attrs.define
+class Deadlines:
+    """Per-phase deadlines in seconds. A deadline that passes is an unknown outcome."""
+
+    begin: float = 30.0
+    bucket: float = 120.0
+    end: float = 120.0
+    cleanup: float = 60.0
+    commit: float = 10.0
+    reclaim: float = 600.0
+
+
+@attrs.define
+class RunLog:
+    """What happened while running effects, for reports and tests."""
+
+    ready: list[ReadyToCommit] = attrs.field(factory=list)
+    eligible: list[Any] = attrs.field(factory=list)
+    ignored: list[str] = attrs.field(factory=list)
+    failures: list[str] = attrs.field(factory=list)
+    unknown: list[str] = attrs.field(factory=list)
+    collectives: int = 0
+    phase_started: dict[str, float] = attrs.field(factory=dict)
+    phase_ended: dict[str, float] = attrs.field(factory=dict)
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phase_started.setdefault(phase, now)
+        self.phase_ended[phase] = now
+
+    def phase_seconds(self) -> dict[str, float]:
+        return {p: self.phase_ended[p] - t for p, t in self.phase_started.items()}
+
+
+class EffectRunner:
+    def __init__(
+        self,
+        registry: Any,
+        engines: Mapping[str, EngineAdmin],
+        source: BucketSource | None = None,
+        deadlines: Deadlines | None = None,
+        on_eligible: Callable[[Any], Awaitable[None] | None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.engines = dict(engines)
+        self.source = source
+        self.deadlines = deadlines or Deadlines()
+        self.on_eligible = on_eligible
+
+    async def run(self, effects, runlog: RunLog | None = None) -> RunLog:
+        runlog = runlog or RunLog()
+        pending: set[asyncio.Task] = set()
+
+        def schedule(batch) -> None:
+            for fx in batch:
+                if isinstance(fx, ReadyToCommit):
+                    runlog.ready.append(fx)
+                elif isinstance(fx, ReclaimEligible):
+                    runlog.eligible.append(fx.version)
+                    if self.on_eligible is not None:
+                        maybe = self.on_eligible(fx.version)
+                        if asyncio.iscoroutine(maybe):
+                            pending.add(asyncio.ensure_future(maybe))
+                elif isinstance(fx, Ignored):
+                    runlog.ignored.append(fx.reason)
+                    log.debug("ignored: %s", fx.reason)
+                else:
+                    pending.add(asyncio.ensure_future(self._execute(fx, runlog)))
+
+        schedule(effects)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                pending.discard(task)
+                result = task.result()
+                if result:
+                    schedule(result)
+        return runlog
+
+    async def _call(self, seconds: float, awaitable):
+        try:
+            async with asyncio.timeout(seconds):
+                return await awaitable
+        except TimeoutError:
+            raise OutcomeUnknown(f"no answer within {seconds:g}s") from None
+
+    async def _execute(self, fx, runlog: RunLog):
+        reg, d = self.registry, self.deadlines
+        if isinstance(fx, SendBegin):
+            runlog.mark("begin")
+            engine = self.engines[fx.engine]
+            return await self._guarded(
+                fx.token, fx.engine, "begin", runlog,
+                lambda: self._call(d.begin, engine.begin(fx)),
+                lambda inc: reg.record_prepared(fx.token, fx.engine, inc),
+            )
+        if isinstance(fx, TransferBucket):
+            runlog.mark("transfer")
+            runlog.collectives += 1
+            return await self._transfer(fx, runlog)
+        if isinstance(fx, SendEnd):
+            runlog.mark("end")
+            engine = self.engines[fx.engine]
+            return await self._guarded(
+                fx.token, fx.engine, "end", runlog,
+                lambda: self._call(d.end, engine.end(fx.token)),
+                lambda receipt: reg.record_ready(receipt),
+            )
+        if isinstance(fx, SendCleanup):
+            runlog.mark("cleanup")
+            engine = self.engines[fx.engine]
+            try:
+                inc = await self._call(d.cleanup, engine.cleanup(fx.token, fx.lora_name))
+            except LorapubError as e:
+                # A cleanup that was refused or unanswered is not a confirmed cleanup.
+                runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e}")
+                return (await reg.record_unknown(fx.token, fx.engine, "cleanup")).effects
+            return (await reg.record_cleaned(fx.token, fx.engine, inc)).effects
+        if isinstance(fx, SendReclaim):
+            runlog.mark("reclaim")
+            engine = self.engines[fx.engine]
+            try:
+                await self._call(d.reclaim, engine.reclaim(fx.lora_name, fx.reclaim_id))
+            except LorapubError as e:
+                runlog.unknown.append(f"{fx.engine} reclaim {fx.version}: {e}")
+                return ()  # stays RECLAIMING with its slot; retry_reclaim later
+            return (await reg.confirm_reclaim(fx.version, fx.reclaim_id, fx.engine)).effects
+        raise TypeError(f"no executor for {fx!r}")
+
+    async def _guarded(self, token, engine: str, op: str, runlog: RunLog, call, feed):
+        try:
+            value = await call()
+        except EngineError as e:
+            runlog.failures.append(f"{engine} {op}: {e.message}")
+            return (await self.registry.record_failure(token, engine, f"{op}: {e.message}")).effects
+        except OutcomeUnknown as e:
+            runlog.unknown.append(f"{engine} {op}: {e.message}")
+            return (await self.registry.record_unknown(token, engine, op)).effects
+        return (await feed(value)).effects
+
+    async def _transfer(self, fx: TransferBucket, runlog: RunLog):
+        if self.source is None:
+            raise LorapubError("a bucket transfer needs a BucketSource")
+        d = self.deadlines
+        payload_needed = getattr(self.source, "carries_bytes", True)
+
+        async def source_half():
+            return await self._guarded(
+                fx.token, SOURCE, f"send bucket {fx.index}", runlog,
+                lambda: self._call(d.bucket, self.source.send(fx.token, fx.index, fx.engines)),
+                lambda _: self.registry.record_bucket_done(fx.token, SOURCE, fx.index, None),
+            )
+
+        async def engine_half(name: str):
+            engine = self.engines[name]
+            payload = self.source.payload(fx.token, fx.index) if payload_needed else b""
+            return await self._guarded(
+                fx.token, name, f"receive bucket {fx.index}", runlog,
+                lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload)),
+                lambda inc: self.registry.record_bucket_done(fx.token, name, fx.index, inc),
+            )
+
+        results = await asyncio.gather(source_half(), *(engine_half(e) for e in fx.engines))
+        return [effect for batch in results for effect in batch]

@@ -1,0 +1,37 @@
+"""Locally built LoRA fixtures (no downloads): PEFT-named A/B tensors, seeded, non-zero."""
+
+from __future__ import annotations
+
+from lorapub.snapshot import Snapshot
+
+
+def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: int = 8, modules=("q_proj", "v_proj")):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in modules:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            # B is non-zero on purpose: a fresh PEFT init (B = 0) would make A and B indistinguishable.
+            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((rank, hidden)).astype("float32") * 0.05
+            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((hidden, rank)).astype("float32") * 0.05
+    return tensors
+
+
+def peft_config(rank: int = 8, modules=("q_proj", "v_proj")) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(modules),
+        "bias": "none",
+        "base_model_name_or_path": "lorapub-tiny-qwen3",
+    }
+
+
+def lora_snapshot(seed: int, **shape) -> Snapshot:
+    rank = shape.get("rank", 8)
+    return Snapshot(peft_lora_state_dict(seed, **shape), peft_config(rank))

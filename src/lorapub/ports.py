@@ -1,0 +1,69 @@
+"""The protocols the orchestration needs from the outside world.
+
+Adapters implement them; the core never sees them. Every engine operation
+either returns, raises :class:`~lorapub.errors.EngineError` (a definite no),
+or raises :class:`~lorapub.errors.OutcomeUnknown` (no answer: it may have
+happened). Nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from lorapub.core.attempt import ReadyLocal
+from lorapub.core.effects import SendBegin
+from lorapub.core.identity import AttemptToken
+
+
+@runtime_checkable
+class EngineAdmin(Protocol):
+    """One serving engine (E0, E1…), addressed by its stable ``name``."""
+
+    name: str
+
+    async def incarnation(self) -> str:
+        """Identity of the engine's current process life; changes on every restart."""
+
+    async def begin(self, request: SendBegin) -> str:
+        """Fix identity, attempt and bucket plan; check resources. Returns the incarnation (PREPARED)."""
+
+    async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
+        """Store bucket ``index`` of ``token`` in the attempt's own stash; returns the incarnation.
+
+        A duplicate is a no-op that answers the same way (never a second transfer)."""
+
+    async def end(self, token: AttemptToken) -> ReadyLocal:
+        """Verify the manifest, fresh-load the adapter pinned, probe the exact version."""
+
+    async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
+        """Drop the attempt's stash and any load of it; refuse it forever. Returns the incarnation."""
+
+    async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
+        """Unregister the exact name, wait for the native request refs to reach 0, unload once."""
+
+    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """One backend generation, sent once: never resent by the transport."""
+
+
+class BucketSource(Protocol):
+    """The sending side of the ordered bucket transfer."""
+
+    async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
+        """Complete the source half of bucket ``index`` (a collective, or staging bytes)."""
+
+    def payload(self, token: AttemptToken, index: int) -> bytes:
+        """Bytes an engine stores for bucket ``index`` (for transports that carry bytes)."""
+
+
+class RegistryStore(Protocol):
+    """Where a registry keeps its state between calls (memory, or a durable store)."""
+
+    def load(self) -> Any | None: ...
+
+    def save(self, state: Any) -> None: ...
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...

@@ -1,0 +1,164 @@
+"""Publisher and Reclaimer: drive the core's effects on the target engines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+import attrs
+
+from lorapub.core.attempt import Phase
+from lorapub.core.identity import AttemptToken, VersionKey
+from lorapub.core.version import CommitReceipt, VersionState
+from lorapub.effects_runner import Deadlines, EffectRunner, RunLog
+from lorapub.errors import LorapubError, OutcomeUnknown, PublicationBlocked
+from lorapub.ports import BucketSource, EngineAdmin
+from lorapub.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+
+log = logging.getLogger("lorapub")
+
+
+class PublicationFailed(LorapubError):
+    """The candidate failed and was cleaned on every engine; the default did not move."""
+
+    code = "PUBLICATION_FAILED"
+
+
+@attrs.frozen
+class PublicationReport:
+    version: VersionKey
+    lora_name: str
+    receipt: CommitReceipt | None
+    state: VersionState
+    seconds: float
+    phases: Mapping[str, float]
+    collectives: int
+    reused: bool = False
+
+
+class Publisher:
+    """One publisher, at most one attempt at a time (the registry enforces both)."""
+
+    def __init__(
+        self,
+        registry: Any,
+        engines: Mapping[str, EngineAdmin],
+        *,
+        epoch: int,
+        deadlines: Deadlines | None = None,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
+        source_factory: Callable[[Snapshot, Any], BucketSource] = InlineBucketSource,
+        commit_retries: int = 5,
+    ) -> None:
+        self.registry = registry
+        self.engines = dict(engines)
+        self.epoch = epoch
+        self.deadlines = deadlines or Deadlines()
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.source_factory = source_factory
+        self.commit_retries = commit_retries
+
+    async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
+        started = time.monotonic()
+        key = VersionKey(self.epoch, version_id)
+        plan = snapshot.plan(self.bucket_cap_bytes)
+        reserved = await self.registry.reserve(key, snapshot.digest, plan)  # CAPACITY_ERROR before any begin
+        reply = reserved.reply
+        if not reply.created:
+            return await self._existing(key, reply, started)
+        runner = EffectRunner(self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines)
+        runlog = await runner.run(reserved.effects, RunLog())
+        status = await self.registry.query_attempt(reply.token)
+        if status.phase is Phase.READY and runlog.ready:
+            receipt = await self._commit(key, reply.token, runlog.ready[-1].expected_default_revision, runlog)
+            return PublicationReport(
+                key, reply.lora_name, receipt, VersionState.PUBLISHED, time.monotonic() - started,
+                runlog.phase_seconds(), runlog.collectives,
+            )
+        why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
+        if status.phase is Phase.CLEAN:
+            raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
+        raise PublicationBlocked(
+            f"{key} failed and cleanup is not confirmed on every engine ({status.targets}); "
+            f"its slot stays held until retry_cleanup() confirms it: {why}",
+            version=key,
+        )
+
+    async def _existing(self, key: VersionKey, reply, started: float) -> PublicationReport:
+        status = await self.registry.query_attempt(reply.token)
+        if status.phase is Phase.COMMITTED:
+            return PublicationReport(
+                key, reply.lora_name, status.commit, status.version_state, time.monotonic() - started, {}, 0, True
+            )
+        if status.phase is Phase.READY:
+            # A publisher that lost the commit reply (or died after READY) finishes the same commit.
+            receipt = await self._commit(key, reply.token, reply.expected_default_revision, RunLog())
+            return PublicationReport(
+                key, reply.lora_name, receipt, VersionState.PUBLISHED, time.monotonic() - started, {}, 0, True
+            )
+        raise PublicationBlocked(
+            f"{key} is already {status.phase.value} from an earlier attempt; call recover() to abort and clean it",
+            version=key,
+        )
+
+    async def _commit(self, key: VersionKey, token: AttemptToken, revision: int, runlog: RunLog) -> CommitReceipt:
+        """Commit, and on a lost reply retry the same commit: never clean B, never start another."""
+        runlog.mark("commit")
+        last: Exception | None = None
+        for attempt in range(self.commit_retries):
+            try:
+                async with asyncio.timeout(self.deadlines.commit):
+                    result = await self.registry.commit(key, token, revision)
+                runlog.mark("commit")
+                return result.reply
+            except (OutcomeUnknown, TimeoutError, ConnectionError) as e:
+                last = e
+                log.warning("commit %s: reply lost (%s); replaying the same commit", token, e)
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+        raise OutcomeUnknown(f"commit of {token} unanswered after {self.commit_retries} tries: {last}", token=token)
+
+    async def recover(self) -> list[str]:
+        """Abort a dangling attempt left by a dead publisher and drive its cleanup."""
+        state = await self.registry.snapshot()
+        notes = []
+        for version in state.versions.values():
+            a = state.attempts[version.attempt]
+            if a.resolved:
+                continue
+            runner = EffectRunner(self.registry, self.engines, None, self.deadlines)
+            if a.phase is Phase.ABORTED:
+                result = await self.registry.retry_cleanup(a.token)
+            else:
+                result = await self.registry.record_failure(a.token, "publisher", "recovered after restart")
+            await runner.run(result.effects)
+            notes.append(f"{a.token}: {(await self.registry.query_attempt(a.token)).phase.value}")
+        return notes
+
+    async def retry_cleanup(self, token: AttemptToken) -> Phase:
+        result = await self.registry.retry_cleanup(token)
+        await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        return (await self.registry.query_attempt(token)).phase
+
+
+class Reclaimer:
+    """unregister -> native wait_for_unload -> unload once -> confirm, on every engine."""
+
+    def __init__(self, registry: Any, engines: Mapping[str, EngineAdmin], deadlines: Deadlines | None = None) -> None:
+        self.registry = registry
+        self.engines = dict(engines)
+        self.deadlines = deadlines or Deadlines()
+
+    async def reclaim(self, key: VersionKey) -> VersionState:
+        result = await self.registry.claim_reclaim(key)
+        await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        return (await self.registry.snapshot()).versions[key].state
+
+    async def retry(self, key: VersionKey) -> VersionState:
+        result = await self.registry.retry_reclaim(key)
+        await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        return (await self.registry.snapshot()).versions[key].state
+
+    async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
+        return {key: await self.reclaim(key) for key in await self.registry.reclaimable()}

@@ -1,0 +1,32 @@
+import pytest
+
+from lorapub.adapters.sglang_http import SGLangEngine
+from lorapub.deployment import Deployment
+from lorapub.effects_runner import Deadlines
+from tests.engine_double import EngineDouble
+
+
+@pytest.fixture
+async def doubles():
+    pair = [await EngineDouble("e0").start(), await EngineDouble("e1").start()]
+    yield {d.name: d for d in pair}
+    for d in pair:
+        await d.stop()
+
+
+@pytest.fixture
+async def engines(doubles, tmp_path):
+    adapters = {name: SGLangEngine(name, d.url, str(tmp_path / "stash")) for name, d in doubles.items()}
+    yield adapters
+    for a in adapters.values():
+        await a.close()
+
+
+FAST = Deadlines(begin=2, bucket=2, end=2, cleanup=2, commit=1, reclaim=5)
+
+
+@pytest.fixture
+async def deployment(engines, tmp_path):
+    d = await Deployment(engines, epoch=1, enabled=True, deadlines=FAST, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path)).start()
+    yield d
+    await d.settle()

@@ -1,0 +1,381 @@
+"""Engine contract double: an aiohttp server speaking SGLang 0.5.23's LoRA HTTP contract.
+
+It is a test double, not an engine: no model runs. What it keeps faithful is
+the lifecycle lorapub depends on, using SGLang's real ``LoRARegistry`` where
+the package is installed:
+
+* ``/load_lora_adapter`` (fresh engine-local ``lora_id`` per load, ``pinned``,
+  "already exists" on a name clash, LRU eviction that skips pinned adapters),
+* ``/unload_lora_adapter`` (unregister -> ``wait_for_unload`` -> unload),
+* ``/generate`` with ``lora_path`` (acquire, release exactly once on every
+  terminal path, implicit reload of a known-but-unloaded name — the hazard
+  lorapub must avoid — unless the managed-adapter patch is on),
+* a prefix cache keyed by ``lora_id`` that reports ``cached_tokens``,
+* ``/lorapub/state`` as added by lorapub's SGLang patch (incarnation, adapters, refs),
+* ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` for the legacy path,
+* injectable faults: definite errors, 500/503, dropped replies, slow unload, restart.
+
+Outputs are a deterministic function of (adapter content, tokens), so tests
+can tell which version produced a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from aiohttp import web
+
+from tests import sglang_real
+
+RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
+MANAGED_PREFIX = "relax_policy_lora@"
+
+try:
+    _REG = sglang_real.lora_registry_module()
+    LoRARegistry, LoRARef = _REG.LoRARegistry, _REG.LoRARef
+    USING_REAL_SGLANG_REGISTRY = True
+except ImportError:  # pragma: no cover - sglang is a test dependency
+    raise
+
+
+def content_signature(path: str) -> str:
+    h = hashlib.sha256()
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        with open(os.path.join(path, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def token_logprob(signature: str, prefix: list[int], token: int) -> float:
+    """Deterministic stand-in for log p(token | prefix) under one adapter."""
+    h = hashlib.sha256(f"{signature}|{len(prefix)}|{prefix[-8:]}|{token}".encode()).digest()
+    return -(int.from_bytes(h[:4], "big") % 100000) / 10000.0
+
+
+def next_token(signature: str, prefix: list[int]) -> int:
+    h = hashlib.sha256(f"{signature}|next|{prefix[-8:]}|{len(prefix)}".encode()).digest()
+    return int.from_bytes(h[:2], "big") % 1000
+
+
+class Fault:
+    def __init__(self, mode: str, count: int, delay: float, status: int) -> None:
+        self.mode, self.count, self.delay, self.status = mode, count, delay, status
+
+
+class EngineDouble:
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_loaded_loras: int = 3,
+        context_len: int = 4096,
+        managed_patch: bool = True,
+        decode_delay: float = 0.002,
+    ) -> None:
+        self.name = name
+        self.max_loaded_loras = max_loaded_loras
+        self.context_len = context_len
+        self.managed_patch = managed_patch
+        self.decode_delay = decode_delay
+        self.faults: dict[str, Fault] = {}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self.events: list[tuple[str, str]] = []
+        self.generations = 0
+        self._boot()
+
+    # -- process life --------------------------------------------------------
+    def _boot(self) -> None:
+        self.incarnation = f"{self.name}-{uuid.uuid4().hex[:8]}"
+        self.registry = LoRARegistry()
+        self.ref_cache: dict[str, Any] = {}
+        self.pending_unloads: dict[str, str] = {}
+        self.update_lock = asyncio.Lock()
+        self.loaded: dict[str, str] = {}  # lora_id -> content signature (the "GPU pool")
+        self.prefix_cache: dict[str, list[tuple[int, ...]]] = {}
+        self.paused = asyncio.Event()
+        self.paused.set()
+        self.physical_unloads: list[str] = []
+
+    def restart(self) -> None:
+        """A crash and restart: every adapter, counter and cache is gone; new incarnation."""
+        self._boot()
+        self.events.append(("restart", self.incarnation))
+
+    async def start(self) -> "EngineDouble":
+        app = web.Application()
+        r = app.router
+        r.add_post("/load_lora_adapter", self.h_load)
+        r.add_post("/unload_lora_adapter", self.h_unload)
+        r.add_post("/generate", self.h_generate)
+        r.add_get("/lorapub/state", self.h_state)
+        r.add_get("/health", self.h_health)
+        r.add_get("/server_info", self.h_server_info)
+        r.add_post("/pause_generation", self.h_pause)
+        r.add_post("/continue_generation", self.h_continue)
+        r.add_post("/flush_cache", self.h_flush)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- faults ----------------------------------------------------------------
+    def inject(self, op: str, mode: str = "error", count: int = 1, delay: float = 0.0, status: int = 500) -> None:
+        """mode: error (definite failure), drop (do it, never answer), hang (never answer), slow."""
+        self.faults[op] = Fault(mode, count, delay, status)
+
+    def _fault(self, op: str) -> Fault | None:
+        f = self.faults.get(op)
+        if f is None or f.count == 0:
+            return None
+        f.count -= 1
+        return f
+
+    async def _apply_fault(self, op: str, before: bool) -> web.Response | None:
+        f = self._fault(op) if before else None
+        if f is None:
+            return None
+        if f.mode == "error":
+            return web.json_response({"error": {"message": f"injected {op} failure"}}, status=f.status)
+        if f.mode == "hang":
+            await asyncio.sleep(3600)
+        if f.mode == "slow":
+            await asyncio.sleep(f.delay)
+        if f.mode == "drop":
+            self.faults[f"__drop_{op}"] = f
+        return None
+
+    async def _maybe_drop_reply(self, op: str) -> None:
+        if self.faults.pop(f"__drop_{op}", None) is not None:
+            await asyncio.sleep(3600)  # the work happened; the reply never comes
+
+    # -- admin -----------------------------------------------------------------
+    async def h_state(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("state", True)
+        if refused is not None:
+            return refused
+        adapters = {
+            name: {
+                "lora_id": ref.lora_id,
+                "lora_path": ref.lora_path,
+                "pinned": bool(ref.pinned),
+                "refs": self.registry._counters[ref.lora_id].value(),
+            }
+            for name, ref in self.registry.get_all_adapters().items()
+        }
+        return web.json_response(
+            {
+                "incarnation": self.incarnation,
+                "max_loaded_loras": self.max_loaded_loras,
+                "managed_patch": self.managed_patch,
+                "adapters": adapters,
+                "pending_unloads": dict(self.pending_unloads),
+            }
+        )
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def h_server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"max_loaded_loras": self.max_loaded_loras, "enable_lora": True, "version": "0.5.23"})
+
+    async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
+        if lora_name in self.pending_unloads:
+            raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
+        signature = content_signature(lora_path)  # raises on a bad path, like the real loader
+        ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        await self.registry.register(ref)  # "already exists" -> ValueError
+        self.loaded[ref.lora_id] = signature
+        self.ref_cache[lora_name] = ref
+        self.events.append(("load", lora_name))
+        while self.registry.num_registered_loras > self.max_loaded_loras:
+            lru = await self.registry.lru_lora_name(exclude_pinned=True)
+            if lru is None:
+                raise ValueError("Didn't find any LoRA adapters when trying to evict LRU LoRA adapter.")
+            await self._unload_locked(lru)
+        return {n: r.lora_path for n, r in self.registry.get_all_adapters().items()}
+
+    async def h_load(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        refused = await self._apply_fault("load", True)
+        if refused is not None:
+            return refused
+        try:
+            async with self.update_lock:
+                loaded = await self._load(body["lora_name"], body["lora_path"], bool(body.get("pinned", False)))
+        except (ValueError, OSError) as e:
+            return web.json_response({"success": False, "error_message": str(e)}, status=400)
+        await self._maybe_drop_reply("load")
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    async def _unload_locked(self, lora_name: str) -> None:
+        lora_id = self.pending_unloads.get(lora_name)
+        if lora_id is None:
+            lora_id = await self.registry.unregister(lora_name)
+            self.pending_unloads[lora_name] = lora_id
+        await self.registry.wait_for_unload(lora_id)
+        f = self.faults.get("unload_slow")
+        if f is not None:
+            await asyncio.sleep(f.delay)
+        self.loaded.pop(lora_id, None)
+        self.prefix_cache.pop(lora_id, None)
+        self.physical_unloads.append(lora_name)
+        self.events.append(("unload", lora_name))
+        self.pending_unloads.pop(lora_name)
+
+    async def h_unload(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body["lora_name"]
+        refused = await self._apply_fault("unload", True)
+        if refused is not None:
+            return refused
+        ref = self.registry.get_all_adapters().get(name)
+        if (
+            self.managed_patch
+            and name.startswith(MANAGED_PREFIX)
+            and name not in self.pending_unloads
+            and ref is not None
+            and not request.headers.get(RECLAIM_HEADER)
+        ):
+            return web.json_response(
+                {"success": False, "error_message": f"LoRA adapter '{name}' is managed by lorapub; unload refused"},
+                status=400,
+            )
+        try:
+            async with self.update_lock:
+                await self._unload_locked(name)
+        except ValueError as e:
+            return web.json_response({"success": False, "error_message": str(e)}, status=400)
+        await self._maybe_drop_reply("unload")
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": {}})
+
+    async def h_pause(self, request: web.Request) -> web.Response:
+        self.paused.clear()
+        self.events.append(("pause", ""))
+        return web.json_response({"success": True})
+
+    async def h_continue(self, request: web.Request) -> web.Response:
+        self.paused.set()
+        self.events.append(("continue", ""))
+        return web.json_response({"success": True})
+
+    async def h_flush(self, request: web.Request) -> web.Response:
+        self.prefix_cache.clear()
+        self.events.append(("flush", ""))
+        return web.json_response({"success": True})
+
+    # -- generation --------------------------------------------------------------
+    async def _resolve(self, name: str) -> str:
+        if name not in self.registry.get_all_adapters():
+            if name not in self.ref_cache:
+                raise ValueError(f"Got LoRA adapter that has never been loaded: {name}")
+            if self.managed_patch and name.startswith(MANAGED_PREFIX):
+                raise ValueError(f"LoRA adapter {name} is managed and not loaded; implicit reload refused")
+            ref = self.ref_cache[name]
+            async with self.update_lock:  # the unpatched hazard: a fresh lora_id behind lorapub's back
+                await self._load(ref.lora_name, ref.lora_path, bool(ref.pinned))
+            self.events.append(("implicit_reload", name))
+        return await self.registry.acquire(name)
+
+    def _cached_tokens(self, lora_id: str | None, ids: list[int]) -> int:
+        best = 0
+        for seq in self.prefix_cache.get(lora_id or "<base>", []):
+            n = 0
+            for a, b in zip(seq, ids):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
+    async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        ids = list(body.get("input_ids") or [ord(c) % 1000 for c in body.get("text", "")])
+        sampling = body.get("sampling_params") or {}
+        max_new = int(sampling.get("max_new_tokens", 8))
+        name = body.get("lora_path")
+        lora_id = None
+        released = False
+
+        async def release_once() -> None:
+            nonlocal released
+            if lora_id is not None and not released:
+                released = True
+                await self.registry.release(lora_id)
+
+        try:
+            if name:
+                try:
+                    lora_id = await self._resolve(name)
+                except ValueError as e:
+                    return web.json_response({"error": {"message": str(e)}}, status=400)
+            if len(ids) + max_new > self.context_len:  # pre-dispatch validation
+                await release_once()
+                return web.json_response(
+                    {"error": {"message": f"Requested token count exceeds the model's context length {self.context_len}"}},
+                    status=400,
+                )
+            f = self._fault("generate")
+            if f is not None:
+                if f.mode == "error":
+                    await release_once()
+                    return web.json_response({"error": {"message": "injected"}}, status=f.status)
+                if f.mode == "slow":
+                    await asyncio.sleep(f.delay)
+            signature = self.loaded.get(lora_id, "<base>") if lora_id else "<base>"
+            cached = self._cached_tokens(lora_id, ids)
+            seq = list(ids)
+            logprobs = []
+            for _ in range(max_new):
+                await self.paused.wait()
+                await asyncio.sleep(self.decode_delay)
+                if lora_id is not None and lora_id not in self.loaded:
+                    raise RuntimeError("adapter unloaded under a running request")  # must never happen
+                tok = next_token(signature, seq)
+                logprobs.append(token_logprob(signature, seq, tok))
+                seq.append(tok)
+            prompt_scores = [token_logprob(signature, ids[:i], ids[i]) for i in range(1, len(ids))]
+            self.prefix_cache.setdefault(lora_id or "<base>", []).append(tuple(seq))
+            self.generations += 1
+            out = {
+                "text": " ".join(map(str, seq[len(ids):])),
+                "output_ids": seq[len(ids):],
+                "meta_info": {
+                    "id": body.get("rid") or uuid.uuid4().hex,
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": max_new,
+                    "cached_tokens": cached,
+                    "lora_id": lora_id,
+                    "output_token_logprobs": logprobs,
+                    "input_token_logprobs": prompt_scores,
+                    "finish_reason": {"type": "length", "length": max_new},
+                },
+            }
+            await release_once()
+            return web.json_response(out)
+        finally:
+            # client disconnect / abort / crash: exactly once, whatever the path
+            await asyncio.shield(release_once())
+
+    # -- introspection for tests ----------------------------------------------------
+    def refs(self, name: str) -> int | None:
+        ref = self.registry.get_all_adapters().get(name)
+        if ref is None:
+            return None
+        return self.registry._counters[ref.lora_id].value()
+
+    def registered(self) -> list[str]:
+        return list(self.registry.get_all_adapters())
