@@ -99,7 +99,7 @@ class EffectRunner:
                     runlog.ignored.append(fx.reason)
                     log.debug("ignored: %s", fx.reason)
                 else:
-                    pending.add(asyncio.ensure_future(self._execute(fx, runlog)))
+                    pending.add(asyncio.ensure_future(self._timed(fx, runlog)))
 
         schedule(effects)
         while pending:
@@ -118,10 +118,19 @@ class EffectRunner:
         except TimeoutError:
             raise OutcomeUnknown(f"no answer within {seconds:g}s") from None
 
+    _PHASES = {SendBegin: "begin", TransferBucket: "transfer", SendEnd: "end", SendCleanup: "cleanup", SendReclaim: "reclaim"}
+
+    async def _timed(self, fx, runlog: RunLog):
+        phase = self._PHASES.get(type(fx), "other")
+        runlog.mark(phase)
+        try:
+            return await self._execute(fx, runlog)
+        finally:
+            runlog.mark(phase)
+
     async def _execute(self, fx, runlog: RunLog):
         reg, d = self.registry, self.deadlines
         if isinstance(fx, SendBegin):
-            runlog.mark("begin")
             engine = self.engines[fx.engine]
             return await self._guarded(
                 fx.token, fx.engine, "begin", runlog,
@@ -129,11 +138,9 @@ class EffectRunner:
                 lambda inc: reg.record_prepared(fx.token, fx.engine, inc),
             )
         if isinstance(fx, TransferBucket):
-            runlog.mark("transfer")
             runlog.collectives += 1
             return await self._transfer(fx, runlog)
         if isinstance(fx, SendEnd):
-            runlog.mark("end")
             engine = self.engines[fx.engine]
             return await self._guarded(
                 fx.token, fx.engine, "end", runlog,
@@ -141,7 +148,6 @@ class EffectRunner:
                 lambda receipt: reg.record_ready(receipt),
             )
         if isinstance(fx, SendCleanup):
-            runlog.mark("cleanup")
             engine = self.engines[fx.engine]
             try:
                 inc = await self._call(d.cleanup, engine.cleanup(fx.token, fx.lora_name))
@@ -151,7 +157,6 @@ class EffectRunner:
                 return (await reg.record_unknown(fx.token, fx.engine, "cleanup")).effects
             return (await reg.record_cleaned(fx.token, fx.engine, inc)).effects
         if isinstance(fx, SendReclaim):
-            runlog.mark("reclaim")
             engine = self.engines[fx.engine]
             try:
                 await self._call(d.reclaim, engine.reclaim(fx.lora_name, fx.reclaim_id))

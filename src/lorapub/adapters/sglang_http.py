@@ -112,7 +112,16 @@ class SGLangEngine:
             raise EngineError(f"{self.name}: attempt {token} was never begun here")
         return found
 
+    def _lock(self, token: AttemptToken) -> asyncio.Lock:
+        # One operation per attempt at a time: a cleanup waits for an in-flight end
+        # instead of racing it (else the load could land after the cleanup).
+        return self._locks.setdefault(token, asyncio.Lock())
+
     async def begin(self, request: SendBegin) -> str:
+        async with self._lock(request.token):
+            return await self._begin(request)
+
+    async def _begin(self, request: SendBegin) -> str:
         if request.token in self._tombstones:
             raise EngineError(f"{self.name}: attempt {request.token} was cleaned up; late begin refused")
         state = await self.state()
@@ -134,6 +143,10 @@ class SGLangEngine:
         return state["incarnation"]
 
     async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
+        async with self._lock(token):
+            return self._store_bucket(token, index, payload)
+
+    def _store_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
         request, inc = self._live(token)
         path = os.path.join(self._stash(token), f"bucket-{index:05d}.safetensors")
         if not os.path.exists(path):  # a duplicate receive stores nothing twice
@@ -166,6 +179,10 @@ class SGLangEngine:
         return snapshot.save_peft_dir(os.path.join(stash, "adapter"))
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
+        async with self._lock(token):
+            return await self._end(token)
+
+    async def _end(self, token: AttemptToken) -> ReadyLocal:
         request, inc = self._live(token)
         stash = self._stash(token)
         adapter_dir = await asyncio.to_thread(self._assemble, request, stash)
@@ -209,10 +226,11 @@ class SGLangEngine:
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         self._tombstones.add(token)  # from now on begin/receive/end of it are refused
-        self._plans.pop(token, None)
-        await self._unload(lora_name, f"cleanup-{token}")
-        shutil.rmtree(self._stash(token), ignore_errors=True)
-        return await self.incarnation()
+        async with self._lock(token):
+            self._plans.pop(token, None)
+            await self._unload(lora_name, f"cleanup-{token}")
+            shutil.rmtree(self._stash(token), ignore_errors=True)
+            return await self.incarnation()
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)

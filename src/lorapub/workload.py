@@ -1,0 +1,175 @@
+"""An agentic rollout workload (sessions with tool turns) and the figures it yields.
+
+Used by ``lorapub demo`` and the benchmark. Seeded: the same seed gives the
+same arrivals, prompt lengths and turn counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any, Awaitable, Callable
+
+import attrs
+
+from lorapub.errors import LorapubError
+
+
+@attrs.define
+class RequestRecord:
+    session: str
+    turn: int
+    started: float
+    ended: float
+    ok: bool
+    engine: str | None = None
+    lora_id: str | None = None
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+@attrs.define
+class WorkloadSpec:
+    sessions: int = 24
+    arrival_interval: float = 0.02
+    turns: tuple[int, int] = (3, 5)
+    prompt_len: tuple[int, int] = (16, 48)
+    tool_output_len: tuple[int, int] = (4, 12)
+    max_new_tokens: int = 6
+    tool_latency: float = 0.01
+    seed: int = 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    i = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[i]
+
+
+@attrs.define
+class WorkloadResult:
+    records: list[RequestRecord]
+    started: float
+    ended: float
+
+    @property
+    def ok(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.ok]
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for r in self.records if not r.ok)
+
+    def latency(self, q: float) -> float:
+        return percentile([r.ended - r.started for r in self.ok], q)
+
+    def longest_gap(self, window: tuple[float, float] | None = None) -> dict[str, float]:
+        """Per engine: the longest stretch with no request completing while work was pending."""
+        gaps: dict[str, float] = {}
+        by_engine: dict[str, list[RequestRecord]] = {}
+        for r in self.ok:
+            by_engine.setdefault(r.engine or "?", []).append(r)
+        for engine, recs in by_engine.items():
+            ends = sorted(r.ended for r in recs)
+            starts = [r.started for r in recs]
+            longest = 0.0
+            for a, b in zip(ends, ends[1:]):
+                if window and (b < window[0] or a > window[1]):
+                    continue
+                # only a gap while something was in flight counts as no progress
+                if any(s <= a for s in starts if s < b):
+                    longest = max(longest, b - a)
+            gaps[engine] = longest
+        return gaps
+
+    def mixed_version_sessions(self) -> int:
+        seen: dict[str, set] = {}
+        for r in self.ok:
+            seen.setdefault(r.session, set()).add((r.engine, r.lora_id))
+        return sum(1 for versions in seen.values() if len(versions) > 1)
+
+    def cached_ratio(self, after: float) -> float:
+        recs = [r for r in self.ok if r.started >= after and r.turn > 0]
+        total = sum(r.prompt_tokens for r in recs)
+        return sum(r.cached_tokens for r in recs) / total if total else float("nan")
+
+
+SessionFactory = Callable[[str], Any]
+
+
+async def run_workload(
+    spec: WorkloadSpec,
+    session_factory: SessionFactory,
+    *,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> WorkloadResult:
+    rng = random.Random(spec.seed)
+    plans = [
+        (
+            f"s{i:04d}",
+            [rng.randrange(1, 1000) for _ in range(rng.randint(*spec.prompt_len))],
+            [[rng.randrange(1, 1000) for _ in range(rng.randint(*spec.tool_output_len))] for _ in range(rng.randint(*spec.turns))],
+        )
+        for i in range(spec.sessions)
+    ]
+    records: list[RequestRecord] = []
+    started = time.monotonic()
+
+    async def one_session(name: str, prompt: list[int], tools: list[list[int]]) -> None:
+        session = session_factory(name)
+        context = list(prompt)
+        try:
+            for turn, tool_output in enumerate(tools):
+                if stop is not None and stop.is_set():
+                    break
+                t0 = time.monotonic()
+                rec = RequestRecord(name, turn, t0, t0, False, prompt_tokens=len(context))
+                try:
+                    out = await session.generate(
+                        {"input_ids": list(context), "sampling_params": {"max_new_tokens": spec.max_new_tokens, "temperature": 0}}
+                    )
+                    meta = out.get("meta_info", {})
+                    rec.ok = True
+                    rec.lora_id = meta.get("lora_id")
+                    rec.cached_tokens = int(meta.get("cached_tokens", 0))
+                    context += list(out.get("output_ids", [])) + tool_output  # the tool turn appends its output
+                except LorapubError as e:
+                    rec.error = e.code
+                engine = getattr(getattr(session, "engine", None), "name", None)
+                rec.engine = engine
+                rec.ended = time.monotonic()
+                records.append(rec)
+                if on_record:
+                    on_record(rec)
+                if not rec.ok:
+                    break
+                await asyncio.sleep(spec.tool_latency)
+        finally:
+            await session.close()
+
+    tasks = []
+    for name, prompt, tools in plans:
+        if stop is not None and stop.is_set():
+            break
+        tasks.append(asyncio.create_task(one_session(name, prompt, tools)))
+        await asyncio.sleep(spec.arrival_interval)
+    await asyncio.gather(*tasks)
+    return WorkloadResult(records, started, time.monotonic())
+
+
+async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, poll: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(poll)
