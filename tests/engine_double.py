@@ -120,7 +120,7 @@ class EngineDouble:
         r.add_post("/pause_generation", self.h_pause)
         r.add_post("/continue_generation", self.h_continue)
         r.add_post("/flush_cache", self.h_flush)
-        self._runner = web.AppRunner(app, handle_signals=False)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
