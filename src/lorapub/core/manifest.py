@@ -84,9 +84,13 @@ class Manifest:
 @attrs.frozen
 class Bucket:
     index: int
-    tensor_names: tuple[str, ...] = attrs.field(converter=tuple)
+    entries: tuple[TensorEntry, ...] = attrs.field(converter=tuple)
     nbytes: int
     sha256: str  # over the member entries' digests, in order
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
 
 
 @attrs.frozen
@@ -117,7 +121,7 @@ class BucketPlan:
         buckets = tuple(
             Bucket(
                 index=i,
-                tensor_names=tuple(e.name for e in group),
+                entries=tuple(group),
                 nbytes=sum(e.nbytes for e in group),
                 sha256=hashlib.sha256("".join(e.sha256 for e in group).encode()).hexdigest(),
             )

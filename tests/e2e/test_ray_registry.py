@@ -1,0 +1,52 @@
+"""The Ray actor registry, for real on the CPU: shared by callers, survives a caller restart."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lorapub.adapters.ray_registry import RayRegistry  # noqa: E402
+from lorapub.core.identity import SessionKey  # noqa: E402
+from lorapub.core.version import VersionState  # noqa: E402
+from lorapub.deployment import Deployment  # noqa: E402
+from lorapub.errors import CapacityError, NoPublishedVersion  # noqa: E402
+from lorapub.fixtures import lora_snapshot  # noqa: E402
+from tests.e2e.conftest import FAST  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+async def test_ray_registry_shared_and_replayable(ray_cluster, engines, tmp_path):
+    incarnations = {n: await e.incarnation() for n, e in engines.items()}
+    registry = RayRegistry.create("reg-test", epoch=1, engines=incarnations)
+    try:
+        with pytest.raises(NoPublishedVersion):  # typed errors cross the actor boundary
+            await registry.bind_first(SessionKey(1, "s", "n"))
+        dep = await Deployment(engines, epoch=1, enabled=True, registry=registry, deadlines=FAST, stash_dir=str(tmp_path)).start()
+        a = await dep.publish(lora_snapshot(1), "A")
+        s = dep.session("s1", nonce="n1")
+        await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        # the caller "restarts": a fresh handle found by name, replaying its last calls
+        again = RayRegistry.lookup("reg-test")
+        bound = await again.bind_first(SessionKey(1, "s1", "n1"))
+        assert bound.reply.version == a.version
+        replay = await again.commit(a.version, a.receipt.token, 0)
+        assert replay.reply == a.receipt
+        state = await again.snapshot()
+        assert state.versions[a.version].session_refs == 1 and state.default_revision == 1
+        await dep.publish(lora_snapshot(2), "B")
+        with pytest.raises(CapacityError):
+            await dep.publish(lora_snapshot(3), "C")
+        await s.close()
+        await dep.settle()
+        assert (await again.snapshot()).versions[a.version].state is VersionState.RECLAIMED
+    finally:
+        ray.kill(registry.handle)
