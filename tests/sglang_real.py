@@ -11,6 +11,7 @@ Functions of TokenizerManager are extracted verbatim the same way.
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -73,9 +74,11 @@ def lora_registry_module() -> types.ModuleType:
         raise ImportError("sglang is not installed")
     utils = types.ModuleType("sglang.srt.utils")
     exec(compile("import asyncio\n" + extract("srt/utils/common.py", "ConcurrentCounter"), "common.py", "exec"), utils.__dict__)
-    for pkg in ("sglang", "sglang.srt", "sglang.srt.lora"):
+    for pkg, where in (("sglang", root), ("sglang.srt", os.path.join(root, "srt")), ("sglang.srt.lora", os.path.join(root, "srt", "lora"))):
         mod = types.ModuleType(pkg)
-        mod.__path__ = []  # namespace placeholder: only the files below are real
+        mod.__path__ = []  # placeholder package: only the files loaded below are real
+        mod.__spec__ = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+        mod.__spec__.submodule_search_locations = [where]  # so find_spec still locates the wheel
         sys.modules[pkg] = mod
     sys.modules["sglang.srt.utils"] = utils
     utils.__path__ = []

@@ -247,6 +247,10 @@ async def test_managed_adapters_survive_ordinary_unload_and_lru(deployment, doub
 
 async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first(engines, doubles, tmp_path):
     doubles["e0"].managed_patch = doubles["e1"].managed_patch = False
+    with pytest.raises(EngineError, match="managed-adapter patch"):
+        await Deployment(engines, epoch=1, enabled=True, stash_dir=str(tmp_path)).start()
+    for e in engines.values():
+        e.require_patch = False  # knowingly run unpatched to show the hazard
     dep = await Deployment(engines, epoch=1, enabled=True, deadlines=FAST, stash_dir=str(tmp_path)).start()
     a = await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")

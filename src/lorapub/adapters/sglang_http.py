@@ -95,6 +95,8 @@ class SGLangEngine:
             raise EngineError(f"{self.name} lacks lorapub's SGLang patch (/lorapub/state is missing)")
         if status != 200:
             raise EngineError(f"{self.name} /lorapub/state answered {status}: {_message(body, '')}")
+        if self.require_patch and not body.get("managed_patch"):
+            raise EngineError(f"{self.name} runs without lorapub's managed-adapter patch (implicit reload possible)")
         return body
 
     async def incarnation(self) -> str:
