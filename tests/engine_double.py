@@ -77,12 +77,16 @@ class EngineDouble:
         context_len: int = 4096,
         managed_patch: bool = True,
         decode_delay: float = 0.002,
+        load_delay: float = 0.0,
+        prefill_per_token: float = 0.0,
     ) -> None:
         self.name = name
         self.max_loaded_loras = max_loaded_loras
         self.context_len = context_len
         self.managed_patch = managed_patch
         self.decode_delay = decode_delay
+        self.load_delay = load_delay  # simulated adapter load + GPU preparation time
+        self.prefill_per_token = prefill_per_token  # uncached prompt tokens cost prefill time
         self.faults: dict[str, Fault] = {}
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -101,6 +105,7 @@ class EngineDouble:
         self.prefix_cache: dict[str, list[tuple[int, ...]]] = {}
         self.paused = asyncio.Event()
         self.paused.set()
+        self.abort_gen = 0  # bumped by pause_generation(mode="abort"): running requests end aborted
         self.physical_unloads: list[str] = []
 
     def restart(self) -> None:
@@ -195,7 +200,9 @@ class EngineDouble:
     async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
-        signature = content_signature(lora_path)  # raises on a bad path, like the real loader
+        signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
+        if self.load_delay:
+            await asyncio.sleep(self.load_delay)
         ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
         await self.registry.register(ref)  # "already exists" -> ValueError
         self.loaded[ref.lora_id] = signature
@@ -263,6 +270,9 @@ class EngineDouble:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": {}})
 
     async def h_pause(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        if (body or {}).get("mode", "abort") == "abort":
+            self.abort_gen += 1
         self.paused.clear()
         self.events.append(("pause", ""))
         return web.json_response({"success": True})
@@ -316,6 +326,8 @@ class EngineDouble:
                 released = True
                 await self.registry.release(lora_id)
 
+        await self.paused.wait()  # like SGLang: new requests wait out a pause before resolving LoRA
+        gen = self.abort_gen
         try:
             if name:
                 try:
@@ -337,9 +349,14 @@ class EngineDouble:
                     await asyncio.sleep(f.delay)
             signature = self.loaded.get(lora_id, "<base>") if lora_id else "<base>"
             cached = self._cached_tokens(lora_id, ids)
+            if self.prefill_per_token:
+                await asyncio.sleep(self.prefill_per_token * (len(ids) - cached))
             seq = list(ids)
             logprobs = []
             for _ in range(max_new):
+                if gen != self.abort_gen:
+                    await release_once()
+                    return web.json_response({"error": {"message": "Request aborted by pause_generation"}}, status=503)
                 await self.paused.wait()
                 await asyncio.sleep(self.decode_delay)
                 if lora_id is not None and lora_id not in self.loaded:

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any, Mapping
 
+from lorapub.errors import EngineError
 from lorapub.snapshot import Snapshot
 
 FIXED_LORA_NAME = "relax_policy_lora"
@@ -41,11 +42,23 @@ class OverwritePublisher:
 class LegacySession:
     """Old behaviour: every request names the one fixed adapter, whatever it holds now."""
 
+    max_resumes = 20
+
     def __init__(self, engine: Any, lora_name: str = FIXED_LORA_NAME) -> None:
         self.engine = engine
         self.lora_name = lora_name
+        self.resumed = 0
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        # The old agentic layer resumes requests that a publication's pause aborted.
+        for _ in range(self.max_resumes):
+            try:
+                return await self.engine.generate({**payload, "lora_path": self.lora_name})
+            except EngineError as e:
+                if "aborted" not in e.message:
+                    raise
+                self.resumed += 1
+                await asyncio.sleep(0.005)
         return await self.engine.generate({**payload, "lora_path": self.lora_name})
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ can keep stepping while the snapshot is published.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -131,7 +132,8 @@ class InlineBucketSource:
         self._cache: dict[int, bytes] = {}
 
     async def send(self, token, index: int, engines) -> None:
-        self.payload(token, index)
+        if index not in self._cache:  # serialize off the event loop: rollouts share it
+            self._cache[index] = await asyncio.to_thread(self.snapshot.bucket_bytes, self.plan, index)
 
     def payload(self, token, index: int) -> bytes:
         if index not in self._cache:

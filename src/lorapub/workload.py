@@ -92,8 +92,9 @@ class WorkloadResult:
             seen.setdefault(r.session, set()).add((r.engine, r.lora_id))
         return sum(1 for versions in seen.values() if len(versions) > 1)
 
-    def cached_ratio(self, after: float) -> float:
-        recs = [r for r in self.ok if r.started >= after and r.turn > 0]
+    def cached_ratio(self, start: float, end: float) -> float:
+        """Cached share of the prompt over ongoing sessions' turns that completed in [start, end]."""
+        recs = [r for r in self.ok if r.turn > 0 and start <= r.ended <= end]
         total = sum(r.prompt_tokens for r in recs)
         return sum(r.cached_tokens for r in recs) / total if total else float("nan")
 

@@ -40,14 +40,19 @@ from lorapub.errors import (
 DEFAULT_CAPACITY = 2
 
 
+def _frozen_map(value) -> PMap:
+    # attrs.evolve re-runs converters: an existing PMap must pass through, not be copied.
+    return value if isinstance(value, PMap) else pmap(value)
+
+
 @attrs.frozen
 class RegistryState:
     epoch: int
-    engines: PMap = attrs.field(converter=pmap)  # engine -> current incarnation
+    engines: PMap = attrs.field(converter=_frozen_map)  # engine -> current incarnation
     capacity: int = DEFAULT_CAPACITY
-    versions: PMap = attrs.field(factory=pmap, converter=pmap)  # VersionKey -> Version
-    attempts: PMap = attrs.field(factory=pmap, converter=pmap)  # AttemptToken -> Attempt
-    sessions: PMap = attrs.field(factory=pmap, converter=pmap)  # SessionKey -> SessionRecord
+    versions: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # VersionKey -> Version
+    attempts: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # AttemptToken -> Attempt
+    sessions: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # SessionKey -> SessionRecord
     default: VersionKey | None = None
     default_revision: int = 0
     attempt_seq: int = 0
