@@ -1,15 +1,19 @@
 import os
 
-from hypothesis import HealthCheck, settings
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the accelerator machine runs only tests/gpu and may lack hypothesis
+    settings = None
 
-# CI explores a few hundred stateful examples per machine per run; locally the
-# "dev" profile keeps the loop short. LORAPUB_HYPOTHESIS_PROFILE picks one.
-settings.register_profile(
-    "ci",
-    max_examples=400,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-settings.register_profile("dev", max_examples=60, stateful_step_count=40, deadline=None)
-settings.load_profile(os.environ.get("LORAPUB_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+if settings is not None:
+    # CI explores a few hundred stateful examples per run; locally the "dev" profile keeps
+    # the loop short. LORAPUB_HYPOTHESIS_PROFILE picks one.
+    settings.register_profile(
+        "ci",
+        max_examples=400,
+        stateful_step_count=60,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    settings.register_profile("dev", max_examples=60, stateful_step_count=40, deadline=None)
+    settings.load_profile(os.environ.get("LORAPUB_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
