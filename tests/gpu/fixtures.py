@@ -59,6 +59,9 @@ def adapter_snapshot(adapter_dir: str):
         config = json.load(f)
     if isinstance(config.get("target_modules"), list):  # PEFT writes a set: fix its order
         config["target_modules"] = sorted(config["target_modules"])
+    # What the digest must not depend on: where the base was saved, which peft wrote it.
+    config["base_model_name_or_path"] = "lorapub-tiny-qwen3"
+    config.pop("peft_version", None)
     return Snapshot(tensors, config)
 
 
