@@ -102,13 +102,19 @@ class EffectRunner:
                     pending.add(asyncio.ensure_future(self._timed(fx, runlog)))
 
         schedule(effects)
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                pending.discard(task)
-                result = task.result()
-                if result:
-                    schedule(result)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    pending.discard(task)
+                    result = task.result()  # a registry that cannot be reached raises here
+                    if result:
+                        schedule(result)
+        finally:
+            # Never leave engine calls running unobserved; what they did stays unknown to the
+            # registry, which keeps the attempt unresolved (recover() cleans it).
+            for task in pending:
+                task.cancel()
         return runlog
 
     async def _call(self, seconds: float, awaitable):

@@ -98,7 +98,8 @@ class Session:
     # -- close --------------------------------------------------------------
     async def close(self) -> None:
         """Idempotent; concurrent callers share one close."""
-        if self._close_task is None:
+        failed = self._close_task is not None and self._close_task.done() and self._close_task.exception() is not None
+        if self._close_task is None or failed:  # a close that failed (registry unreachable) may be retried
             self._close_task = asyncio.get_running_loop().create_task(self._close_once())
         await asyncio.shield(self._close_task)
 

@@ -302,3 +302,29 @@ async def test_reserve_replay_with_same_content_is_idempotent(deployment, double
 
     with pytest.raises(VersionConflict):
         await deployment.publish(lora_snapshot(9), "A")
+
+
+async def test_close_that_failed_can_be_retried_and_releases_once(deployment, doubles):
+    await deployment.publish(lora_snapshot(1), "A")
+    s = deployment.session("flaky-close")
+    await s.generate(GEN)
+    registry = deployment.sessions.registry
+    real = registry.close_and_release
+    calls = {"n": 0}
+
+    async def unreachable_once(key):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OutcomeUnknown("registry unreachable")
+        return await real(key)
+
+    registry.close_and_release = unreachable_once
+    with pytest.raises(OutcomeUnknown):
+        await s.close()
+    with pytest.raises(SessionClosed):  # still FINALIZING: no new dispatch
+        await s.generate(GEN)
+    await s.close()
+    await s.close()
+    st = await state(deployment)
+    assert all(v.session_refs == 0 for v in st.versions.values())
+    assert st.sessions[s.key].state.value == "CLOSED"
