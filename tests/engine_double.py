@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import uuid
-from collections import OrderedDict
 from typing import Any
 
 from aiohttp import web

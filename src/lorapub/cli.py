@@ -36,7 +36,6 @@ def _row(*cells, widths):
 
 async def demo(args) -> int:
     from lorapub.adapters.sglang_http import SGLangEngine
-    from lorapub.core.version import VersionState
     from lorapub.deployment import Deployment
     from lorapub.effects_runner import Deadlines
     from lorapub.errors import CapacityError, LorapubError, NoPublishedVersion
@@ -118,7 +117,7 @@ async def demo(args) -> int:
                 say(f"C failed on e1 -> {e.code}; C is {c.state.value}, default still {state.default.version_id}")
         d = await dep.publish(lora_snapshot(404), "D")
         pubs.append(("D", "PUBLISHED", d.seconds, dict(d.phases)))
-        say(f"capacity freed by A's reclaim and C's cleanup: D published; B retired and reclaimed when unused")
+        say("capacity freed by A's reclaim and C's cleanup: D published; B retired and reclaimed when unused")
         await dep.settle()
     finally:
         sampler.cancel()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Mapping
 
 import attrs
 
@@ -73,13 +73,11 @@ class EffectRunner:
         engines: Mapping[str, EngineAdmin],
         source: BucketSource | None = None,
         deadlines: Deadlines | None = None,
-        on_eligible: Callable[[Any], Awaitable[None] | None] | None = None,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
         self.source = source
         self.deadlines = deadlines or Deadlines()
-        self.on_eligible = on_eligible
 
     async def run(self, effects, runlog: RunLog | None = None) -> RunLog:
         runlog = runlog or RunLog()
@@ -91,10 +89,6 @@ class EffectRunner:
                     runlog.ready.append(fx)
                 elif isinstance(fx, ReclaimEligible):
                     runlog.eligible.append(fx.version)
-                    if self.on_eligible is not None:
-                        maybe = self.on_eligible(fx.version)
-                        if asyncio.iscoroutine(maybe):
-                            pending.add(asyncio.ensure_future(maybe))
                 elif isinstance(fx, Ignored):
                     runlog.ignored.append(fx.reason)
                     log.debug("ignored: %s", fx.reason)

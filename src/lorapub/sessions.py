@@ -16,6 +16,7 @@ import logging
 import uuid
 from typing import Any, Awaitable, Callable, Mapping
 
+from lorapub.core.effects import ReclaimEligible
 from lorapub.core.identity import SessionKey
 from lorapub.core.session import Binding
 from lorapub.errors import LorapubError, SessionClosed
@@ -119,8 +120,9 @@ class Session:
         result = await registry.close_and_release(self.key)
         self.state = LocalState.CLOSED
         self.service._forget(self)
-        for version in [getattr(fx, "version", None) for fx in result.effects if type(fx).__name__ == "ReclaimEligible"]:
-            await self.service._eligible(version)
+        for fx in result.effects:
+            if isinstance(fx, ReclaimEligible):
+                await self.service._eligible(fx.version)
 
 
 class SessionService:

@@ -41,7 +41,6 @@ async def test_partial_ready_keeps_default_and_old_sessions_keep_a(deployment, d
     first = await s_old.generate(GEN)
     doubles["e1"].inject("load", "slow", delay=0.3)
     publishing = asyncio.create_task(deployment.publish(lora_snapshot(2), "B"))
-    b_name = None
     await until(lambda: any(n.startswith("relax_policy_lora@1-B") for n in doubles["e0"].registered()))
     s_mid = deployment.session("mid")
     await s_mid.generate(GEN)

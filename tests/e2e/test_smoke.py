@@ -8,7 +8,7 @@ async def test_publish_bind_reclaim_lifecycle(deployment, doubles):
     s_old = deployment.session("old")
     r1 = await s_old.generate({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4}})
     b = await deployment.publish(lora_snapshot(2), "B")
-    r2 = await s_old.generate({"input_ids": [1, 2, 3, 4] + r1["output_ids"], "sampling_params": {"max_new_tokens": 4}})
+    await s_old.generate({"input_ids": [1, 2, 3, 4] + r1["output_ids"], "sampling_params": {"max_new_tokens": 4}})
     s_new = deployment.session("new")
     await s_new.generate({"input_ids": [9, 9], "sampling_params": {"max_new_tokens": 2}})
     assert s_old.binding.lora_name == a.lora_name and s_new.binding.lora_name == b.lora_name

@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from lorapub.core.version import VersionState
 from lorapub.deployment import Deployment
 from lorapub.effects_runner import Deadlines
 from lorapub.errors import CapacityError, LorapubError

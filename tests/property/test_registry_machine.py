@@ -192,7 +192,6 @@ class RegistryMachine(RuleBasedStateMachine):
             self.deliver_ok(msg)
             self.deliver_ok(msg)
         elif mode == "bad_digest" and isinstance(msg, SendEnd):
-            a = self.state.attempts[msg.token]
             receipt = ReadyLocal(msg.engine, msg.token, "f" * 64, self.incarnations[msg.engine])
             self.try_apply(R.record_ready, receipt)
         elif isinstance(msg, SendReclaim):
