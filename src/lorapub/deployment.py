@@ -68,9 +68,22 @@ class Deployment:
         while self._reclaims:
             await asyncio.gather(*list(self._reclaims), return_exceptions=True)
 
+    async def refresh_engines(self) -> dict[str, str]:
+        """Tell the registry about engines that restarted (their READYs and stashes are void)."""
+        from lorapub.effects_runner import EffectRunner
+
+        found = {}
+        for name, engine in self.engines.items():
+            found[name] = await engine.incarnation()
+            result = await self.registry.register_engine(name, found[name])
+            if result.effects:
+                await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        return found
+
     async def publish(self, snapshot, version_id: str):
         if not self.enabled:
             return await self.legacy.publish(snapshot, version_id)
+        await self.refresh_engines()
         report = await self.publisher.publish(snapshot, version_id)
         if self.auto_reclaim and report.receipt is not None and report.receipt.retired is not None:
             if report.receipt.retired in await self.registry.reclaimable():

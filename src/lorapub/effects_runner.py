@@ -155,6 +155,9 @@ class EffectRunner:
                 # A cleanup that was refused or unanswered is not a confirmed cleanup.
                 runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e}")
                 return (await reg.record_unknown(fx.token, fx.engine, "cleanup")).effects
+            if inc != fx.incarnation:
+                # The engine restarted: tell the registry, which asks the new life for cleanup.
+                return (await reg.register_engine(fx.engine, inc)).effects
             return (await reg.record_cleaned(fx.token, fx.engine, inc)).effects
         if isinstance(fx, SendReclaim):
             engine = self.engines[fx.engine]

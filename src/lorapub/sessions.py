@@ -84,17 +84,29 @@ class Session:
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
             raise SessionClosed(f"session {self.key} is {self.state.value}; dispatch refused")
         binding = await self.bind()
-        if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
-            raise SessionClosed(f"session {self.key} is {self.state.value}; dispatch refused")
         await self.service.registry.authorize_dispatch(self.key)  # refuses RECLAIMING versions
         engine = self.service.router.pick(self)
         body = dict(payload)
         body["lora_path"] = binding.lora_name
-        task = asyncio.get_running_loop().create_task(engine.generate(body))
+
+        async def dispatch() -> dict[str, Any]:
+            # Checked where the request starts, with no suspension point before it: a close
+            # that began while we awaited (or before this task ran) sees no new request.
+            if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
+                raise SessionClosed(f"session {self.key} is {self.state.value}; dispatch refused")
+            return await engine.generate(body)
+
+        task = asyncio.get_running_loop().create_task(dispatch())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         self.requests += 1
-        return await task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # our caller was cancelled: let that propagate
+            raise SessionClosed(f"session {self.key} closed; its in-flight request was aborted") from None
 
     # -- close --------------------------------------------------------------
     async def close(self) -> None:

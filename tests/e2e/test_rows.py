@@ -327,3 +327,27 @@ async def test_close_that_failed_can_be_retried_and_releases_once(deployment, do
     st = await state(deployment)
     assert all(v.session_refs == 0 for v in st.versions.values())
     assert st.sessions[s.key].state.value == "CLOSED"
+
+
+async def test_engine_restart_between_and_during_publications(deployment, doubles):
+    a = await deployment.publish(lora_snapshot(1), "A")
+    doubles["e1"].restart()  # between publications: the registry learns the new life first
+    doubles["e1"].ref_cache.clear()
+    b = await deployment.publish(lora_snapshot(2), "B")
+    assert (await state(deployment)).engines["e1"] == doubles["e1"].incarnation
+    assert b.lora_name in doubles["e1"].registered()
+    # during a publication: E1 dies after begin; its old-life READY can never commit C
+    await deployment.publish(lora_snapshot(3), "C")
+    await deployment.settle()  # unbound B is reclaimed: a slot is free for D
+    doubles["e0"].inject("load", "slow", delay=0.3)
+    d_pub = asyncio.create_task(deployment.publish(lora_snapshot(4), "D"))
+    await asyncio.sleep(0.05)
+    doubles["e0"].restart()
+    with pytest.raises(Exception) as err:
+        await d_pub
+    assert err.value.code in {"PUBLICATION_FAILED", "PUBLICATION_BLOCKED"}
+    await deployment.refresh_engines()
+    st = await state(deployment)
+    d = next(v for v in st.versions.values() if v.key.version_id == "D")
+    assert d.state is VersionState.FAILED_CLEAN and st.default.version_id == "C"
+    assert not [n for n in doubles["e0"].registered() if "-D-" in n]
