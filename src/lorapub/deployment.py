@@ -11,6 +11,7 @@ import itertools
 from typing import Any, Mapping
 
 from lorapub.effects_runner import Deadlines
+from lorapub.errors import InvalidInput
 from lorapub.legacy import LegacySession, OverwritePublisher
 from lorapub.publisher import Publisher, Reclaimer
 from lorapub.registry_service import LocalRegistry, RegistryService
@@ -80,7 +81,12 @@ class Deployment:
                 await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
         return found
 
+    def _require_started(self) -> None:
+        if not hasattr(self, "legacy") and not hasattr(self, "sessions"):
+            raise InvalidInput("call `await deployment.start()` first")
+
     async def publish(self, snapshot, version_id: str):
+        self._require_started()
         if not self.enabled:
             return await self.legacy.publish(snapshot, version_id)
         await self.refresh_engines()
@@ -91,6 +97,7 @@ class Deployment:
         return report
 
     def session(self, session_id: str, nonce: str | None = None):
+        self._require_started()
         if not self.enabled:
             engines = list(self.engines.values())
             return LegacySession(engines[next(self._legacy_rr) % len(engines)])

@@ -26,7 +26,7 @@ from lorapub.core.effects import (
     SendReclaim,
     TransferBucket,
 )
-from lorapub.errors import EngineError, LorapubError, OutcomeUnknown
+from lorapub.errors import EngineError, LorapubError, OutcomeUnknown, UnknownEngine
 from lorapub.ports import BucketSource, EngineAdmin
 
 log = logging.getLogger("lorapub")
@@ -128,10 +128,16 @@ class EffectRunner:
         finally:
             runlog.mark(phase)
 
+    def _engine(self, name: str) -> EngineAdmin:
+        try:
+            return self.engines[name]
+        except KeyError:
+            raise UnknownEngine(f"the registry targets {name!r}, which this process has no adapter for") from None
+
     async def _execute(self, fx, runlog: RunLog):
         reg, d = self.registry, self.deadlines
         if isinstance(fx, SendBegin):
-            engine = self.engines[fx.engine]
+            engine = self._engine(fx.engine)
             return await self._guarded(
                 fx.token, fx.engine, "begin", runlog,
                 lambda: self._call(d.begin, engine.begin(fx)),
@@ -141,18 +147,18 @@ class EffectRunner:
             runlog.collectives += 1
             return await self._transfer(fx, runlog)
         if isinstance(fx, SendEnd):
-            engine = self.engines[fx.engine]
+            engine = self._engine(fx.engine)
             return await self._guarded(
                 fx.token, fx.engine, "end", runlog,
                 lambda: self._call(d.end, engine.end(fx.token)),
                 lambda receipt: reg.record_ready(receipt),
             )
         if isinstance(fx, SendCleanup):
-            engine = self.engines[fx.engine]
+            engine = self._engine(fx.engine)
             try:
                 inc = await self._call(d.cleanup, engine.cleanup(fx.token, fx.lora_name))
-            except LorapubError as e:
-                # A cleanup that was refused or unanswered is not a confirmed cleanup.
+            except Exception as e:
+                # A cleanup that was refused, unanswered or crashed is not a confirmed cleanup.
                 runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e}")
                 return (await reg.record_unknown(fx.token, fx.engine, "cleanup")).effects
             if inc != fx.incarnation:
@@ -160,10 +166,10 @@ class EffectRunner:
                 return (await reg.register_engine(fx.engine, inc)).effects
             return (await reg.record_cleaned(fx.token, fx.engine, inc)).effects
         if isinstance(fx, SendReclaim):
-            engine = self.engines[fx.engine]
+            engine = self._engine(fx.engine)
             try:
                 await self._call(d.reclaim, engine.reclaim(fx.lora_name, fx.reclaim_id))
-            except LorapubError as e:
+            except Exception as e:
                 runlog.unknown.append(f"{fx.engine} reclaim {fx.version}: {e}")
                 return ()  # stays RECLAIMING with its slot; retry_reclaim later
             return (await reg.confirm_reclaim(fx.version, fx.reclaim_id, fx.engine)).effects
@@ -177,6 +183,10 @@ class EffectRunner:
             return (await self.registry.record_failure(token, engine, f"{op}: {e.message}")).effects
         except OutcomeUnknown as e:
             runlog.unknown.append(f"{engine} {op}: {e.message}")
+            return (await self.registry.record_unknown(token, engine, op)).effects
+        except Exception as e:  # an adapter bug or an untyped client error: we cannot know what happened
+            log.exception("%s %s raised an untyped error; treating the outcome as unknown", engine, op)
+            runlog.unknown.append(f"{engine} {op}: {type(e).__name__}: {e}")
             return (await self.registry.record_unknown(token, engine, op)).effects
         return (await feed(value)).effects
 
@@ -194,7 +204,7 @@ class EffectRunner:
             )
 
         async def engine_half(name: str):
-            engine = self.engines[name]
+            engine = self._engine(name)
             payload = self.source.payload(fx.token, fx.index) if payload_needed else b""
             return await self._guarded(
                 fx.token, name, f"receive bucket {fx.index}", runlog,

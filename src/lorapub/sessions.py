@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from lorapub.core.effects import ReclaimEligible
 from lorapub.core.identity import SessionKey
 from lorapub.core.session import Binding
-from lorapub.errors import LorapubError, SessionClosed
+from lorapub.errors import InvalidInput, LorapubError, SessionClosed
 from lorapub.ports import EngineAdmin
 
 log = logging.getLogger("lorapub")
@@ -36,6 +36,8 @@ class StickyRouter:
     """Spreads sessions over engines; any engine serves any published version."""
 
     def __init__(self, engines: Mapping[str, EngineAdmin]) -> None:
+        if not engines:
+            raise InvalidInput("a router needs at least one engine")
         self._engines = list(engines.values())
         self._next = itertools.count()
 

@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping
 
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
+from lorapub.errors import InvalidInput
 
 DEFAULT_BUCKET_CAP = 64 << 20
 
@@ -48,8 +49,10 @@ class Snapshot:
     """Immutable once built. ``manifest.digest`` is the version's content digest."""
 
     def __init__(self, state_dict: Mapping[str, Any], serving_config: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping) or not isinstance(serving_config, Mapping):
+            raise InvalidInput("Snapshot(state_dict, serving_config) takes two mappings")
         if not state_dict:
-            raise ValueError("an adapter snapshot needs at least one tensor")
+            raise InvalidInput("an adapter snapshot needs at least one tensor")
         self._tensors = {name: _freeze(t) for name, t in sorted(state_dict.items())}
         self.serving_config = json.loads(json.dumps(dict(serving_config), sort_keys=True))
         entries = [
@@ -126,7 +129,7 @@ class InlineBucketSource:
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan) -> None:
         if plan.digest != snapshot.digest:
-            raise ValueError("plan and snapshot disagree on the digest")
+            raise InvalidInput(f"plan is for digest {plan.digest[:12]}…, snapshot is {snapshot.digest[:12]}…")
         self.snapshot = snapshot
         self.plan = plan
         self._cache: dict[int, bytes] = {}

@@ -50,3 +50,46 @@ async def test_ray_registry_shared_and_replayable(ray_cluster, engines, tmp_path
         assert (await again.snapshot()).versions[a.version].state is VersionState.RECLAIMED
     finally:
         ray.kill(registry.handle)
+
+
+async def test_durable_ray_registry_survives_an_actor_restart(ray_cluster, tmp_path):
+    import asyncio
+
+    from lorapub.errors import OutcomeUnknown
+
+    registry = RayRegistry.create("reg-durable", epoch=3, engines={"e0": "e0-a", "e1": "e1-a"},
+                                  store_path=str(tmp_path / "registry.pickle"))
+    try:
+        # one publication driven through the actor, so each transition is stored there
+        from lorapub.core.attempt import ReadyLocal
+        from lorapub.core.effects import SOURCE
+        from lorapub.core.identity import VersionKey
+        from tests.helpers import fake_plan
+
+        digest, plan = fake_plan("A")
+        key = VersionKey(3, "A")
+        tok = (await registry.reserve(key, digest, plan)).reply.token
+        for e, inc in (("e0", "e0-a"), ("e1", "e1-a")):
+            await registry.record_prepared(tok, e, inc)
+        for i in range(len(plan)):
+            for p, inc in ((SOURCE, None), ("e0", "e0-a"), ("e1", "e1-a")):
+                await registry.record_bucket_done(tok, p, i, inc)
+        for e, inc in (("e0", "e0-a"), ("e1", "e1-a")):
+            await registry.record_ready(ReadyLocal(e, tok, digest, inc))
+        receipt = (await registry.commit(key, tok, 0)).reply
+        bound = (await registry.bind_first(SessionKey(3, "s", "n"))).reply
+        ray.kill(registry.handle, no_restart=False)  # the actor process dies; Ray restarts it
+
+        async def replay(method, *args):  # what a caller does with OUTCOME_UNKNOWN: replay the same call
+            for _ in range(200):
+                try:
+                    return await getattr(registry, method)(*args)
+                except OutcomeUnknown:
+                    await asyncio.sleep(0.05)
+            raise AssertionError(f"{method} never answered")
+
+        assert (await replay("commit", key, tok, 0)).reply == receipt
+        assert (await replay("bind_first", SessionKey(3, "s", "n"))).reply == bound
+        assert (await replay("snapshot")).versions[key].session_refs == 1
+    finally:
+        ray.kill(registry.handle, no_restart=True)

@@ -17,6 +17,7 @@ import ray
 
 from lorapub import errors
 from lorapub.registry_service import _SYNC_METHODS, RegistryService
+from lorapub.stores import FileStore
 
 _ERRORS = {
     cls.code: cls
@@ -26,8 +27,9 @@ _ERRORS = {
 
 
 class _RegistryActor:
-    def __init__(self, epoch: int, engines: Mapping[str, str], capacity: int) -> None:
-        self.service = RegistryService(epoch, engines, capacity)
+    def __init__(self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None) -> None:
+        store = FileStore(store_path) if store_path else None  # durable: a restarted actor resumes
+        self.service = RegistryService(epoch, engines, capacity, store=store)
 
     def call(self, method: str, *args: Any) -> tuple[str, Any]:
         if method not in _SYNC_METHODS:
@@ -38,7 +40,7 @@ class _RegistryActor:
             return ("error", (e.code, e.message))
 
 
-RegistryActor = ray.remote(num_cpus=0, max_restarts=0)(_RegistryActor)
+RegistryActor = ray.remote(num_cpus=0)(_RegistryActor)
 
 
 class RayRegistry:
@@ -50,11 +52,14 @@ class RayRegistry:
 
     @classmethod
     def create(
-        cls, name: str, epoch: int, engines: Mapping[str, str], capacity: int = 2, namespace: str = "lorapub"
+        cls, name: str, epoch: int, engines: Mapping[str, str], capacity: int = 2, namespace: str = "lorapub",
+        store_path: str | None = None,
     ) -> "RayRegistry":
-        handle = RegistryActor.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote(
-            epoch, dict(engines), capacity
-        )
+        """``store_path`` makes state durable and lets Ray restart the actor without losing it."""
+        handle = RegistryActor.options(
+            name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+            max_restarts=-1 if store_path else 0, max_task_retries=0,
+        ).remote(epoch, dict(engines), capacity, store_path)
         return cls(handle)
 
     @classmethod

@@ -86,7 +86,7 @@ class SGLangEngine:
                 except ValueError:
                     body = text
                 return r.status, body
-        except (asyncio.TimeoutError, aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError) as e:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
             raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
 
     async def state(self) -> dict[str, Any]:
