@@ -12,7 +12,6 @@ import asyncio
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lorapub.core import registry as R
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SOURCE
 from lorapub.core.identity import VersionKey
