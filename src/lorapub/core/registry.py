@@ -194,8 +194,7 @@ def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan
 
 
 def _put_attempt(state: RegistryState, new: Attempt) -> RegistryState:
-    """Store an attempt and carry its phase over to its version."""
-    old = state.attempts[new.token]
+    """Store an attempt and carry an abort or a confirmed cleanup over to its version."""
     state = attrs.evolve(state, attempts=state.attempts.set(new.token, new))
     version = state.versions[new.token.version]
     if version.attempt != new.token:
@@ -204,7 +203,7 @@ def _put_attempt(state: RegistryState, new: Attempt) -> RegistryState:
         version = advance(version, VersionState.ABORTED)
     elif new.phase is Phase.CLEAN and version.state is VersionState.ABORTED:
         version = advance(version, VersionState.FAILED_CLEAN)
-    elif old.phase is new.phase:
+    else:
         return state
     return attrs.evolve(state, versions=state.versions.set(version.key, version))
 
