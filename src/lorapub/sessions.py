@@ -25,6 +25,10 @@ from lorapub.ports import EngineAdmin
 log = logging.getLogger("lorapub")
 
 
+def _failed(task: asyncio.Task) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
+
+
 class LocalState(enum.Enum):
     OPEN = "OPEN"
     BOUND = "BOUND"
@@ -73,7 +77,7 @@ class Session:
             return self.binding
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
             raise SessionClosed(f"session {self.key} is {self.state.value}; bind refused")
-        if self._bind_task is None or (self._bind_task.done() and self._bind_task.exception() is not None):
+        if self._bind_task is None or _failed(self._bind_task):  # a failed bind may be retried: same answer
             self._bind_task = asyncio.get_running_loop().create_task(self._bind_once())
         return await asyncio.shield(self._bind_task)
 
@@ -113,8 +117,7 @@ class Session:
     # -- close --------------------------------------------------------------
     async def close(self) -> None:
         """Idempotent; concurrent callers share one close."""
-        failed = self._close_task is not None and self._close_task.done() and self._close_task.exception() is not None
-        if self._close_task is None or failed:  # a close that failed (registry unreachable) may be retried
+        if self._close_task is None or _failed(self._close_task):  # e.g. the registry was unreachable
             self._close_task = asyncio.get_running_loop().create_task(self._close_once())
         await asyncio.shield(self._close_task)
 
