@@ -196,11 +196,18 @@ class EffectRunner:
         d = self.deadlines
         payload_needed = getattr(self.source, "carries_bytes", True)
 
+        sent = False
+
+        async def source_done(_):
+            nonlocal sent
+            sent = True
+            return await self.registry.record_bucket_done(fx.token, SOURCE, fx.index, None)
+
         async def source_half():
             return await self._guarded(
                 fx.token, SOURCE, f"send bucket {fx.index}", runlog,
                 lambda: self._call(d.bucket, self.source.send(fx.token, fx.index, fx.engines)),
-                lambda _: self.registry.record_bucket_done(fx.token, SOURCE, fx.index, None),
+                source_done,
             )
 
         async def engine_half(name: str):
@@ -212,5 +219,13 @@ class EffectRunner:
                 lambda inc: self.registry.record_bucket_done(fx.token, name, fx.index, inc),
             )
 
-        results = await asyncio.gather(source_half(), *(engine_half(e) for e in fx.engines))
+        if payload_needed:
+            # A byte transport has the bytes only once the source half ran; then every engine stores them.
+            first = await source_half()
+            if not sent:
+                return first  # the source failed and the attempt aborted: nothing to send
+            results = [first, *await asyncio.gather(*(engine_half(e) for e in fx.engines))]
+        else:
+            # A collective: the source and every engine must be in it at once.
+            results = await asyncio.gather(source_half(), *(engine_half(e) for e in fx.engines))
         return [effect for batch in results for effect in batch]
