@@ -350,3 +350,43 @@ async def test_engine_restart_between_and_during_publications(deployment, double
     d = next(v for v in st.versions.values() if v.key.version_id == "D")
     assert d.state is VersionState.FAILED_CLEAN and st.default.version_id == "C"
     assert not [n for n in doubles["e0"].registered() if "-D-" in n]
+
+
+async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, tmp_path):
+    from lorapub.snapshot import InlineBucketSource
+
+    class FlakySource(InlineBucketSource):
+        async def send(self, token, index, engines_):
+            if index == 1:
+                raise EngineError("trainer rank lost during bucket 1")
+            await super().send(token, index, engines_)
+
+    dep = await Deployment(engines, epoch=1, enabled=True, deadlines=FAST, bucket_cap_bytes=4 << 10,
+                           stash_dir=str(tmp_path)).start()
+    dep.publisher.source_factory = FlakySource
+    with pytest.raises(PublicationFailed, match="bucket 1"):
+        await dep.publish(lora_snapshot(1), "A")
+    st = await dep.registry.snapshot()
+    assert st.slots_held == 0 and st.default is None
+    for e in engines.values():
+        assert not os.listdir(e.stash_root)
+
+
+async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, engines):
+    snapshot = lora_snapshot(5)
+    plan = snapshot.plan(4 << 10)
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+
+    key = VersionKey(1, "dup")
+    token = AttemptToken(key, 99)
+    e0 = engines["e0"]
+    inc = await e0.begin(SendBegin("e0", await e0.incarnation(), token, lora_name_for(key, snapshot.digest), snapshot.digest, plan))
+    payload = snapshot.bucket_bytes(plan, 0)
+    assert await e0.receive_bucket(token, 0, payload) == inc
+    path = os.path.join(e0._stash(token), "bucket-00000.safetensors")
+    stamp = os.stat(path).st_mtime_ns
+    assert await e0.receive_bucket(token, 0, b"garbage that must not overwrite") == inc
+    assert os.stat(path).st_mtime_ns == stamp
+    with open(path, "rb") as f:
+        assert f.read() == payload
