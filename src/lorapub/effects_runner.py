@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Mapping
 
 import attrs
@@ -27,7 +26,8 @@ from lorapub.core.effects import (
     TransferBucket,
 )
 from lorapub.errors import EngineError, LorapubError, OutcomeUnknown, UnknownEngine
-from lorapub.ports import BucketSource, EngineAdmin
+from lorapub.clock import SystemClock
+from lorapub.ports import BucketSource, Clock, EngineAdmin
 
 log = logging.getLogger("lorapub")
 
@@ -48,6 +48,8 @@ class Deadlines:
 class RunLog:
     """What happened while running effects, for reports and tests."""
 
+    clock: Clock = attrs.field(factory=SystemClock)
+
     ready: list[ReadyToCommit] = attrs.field(factory=list)
     eligible: list[Any] = attrs.field(factory=list)
     ignored: list[str] = attrs.field(factory=list)
@@ -58,7 +60,7 @@ class RunLog:
     phase_ended: dict[str, float] = attrs.field(factory=dict)
 
     def mark(self, phase: str) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self.phase_started.setdefault(phase, now)
         self.phase_ended[phase] = now
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -14,7 +13,8 @@ from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.version import CommitReceipt, VersionState
 from lorapub.effects_runner import Deadlines, EffectRunner, RunLog
 from lorapub.errors import LorapubError, OutcomeUnknown, PublicationBlocked
-from lorapub.ports import BucketSource, EngineAdmin
+from lorapub.clock import SystemClock
+from lorapub.ports import BucketSource, Clock, EngineAdmin
 from lorapub.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 
 log = logging.getLogger("lorapub")
@@ -51,7 +51,9 @@ class Publisher:
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
         source_factory: Callable[[Snapshot, Any], BucketSource] = InlineBucketSource,
         commit_retries: int = 5,
+        clock: Clock | None = None,
     ) -> None:
+        self.clock = clock or SystemClock()
         self.registry = registry
         self.engines = dict(engines)
         self.epoch = epoch
@@ -61,7 +63,7 @@ class Publisher:
         self.commit_retries = commit_retries
 
     async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
-        started = time.monotonic()
+        started = self.clock.monotonic()
         key = VersionKey(self.epoch, version_id)
         plan = snapshot.plan(self.bucket_cap_bytes)
         reserved = await self.registry.reserve(key, snapshot.digest, plan)  # CAPACITY_ERROR before any begin
@@ -69,12 +71,12 @@ class Publisher:
         if not reply.created:
             return await self._existing(key, reply, started)
         runner = EffectRunner(self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines)
-        runlog = await runner.run(reserved.effects, RunLog())
+        runlog = await runner.run(reserved.effects, RunLog(self.clock))
         status = await self.registry.query_attempt(reply.token)
         if status.phase is Phase.READY and runlog.ready:
             receipt = await self._commit(key, reply.token, runlog.ready[-1].expected_default_revision, runlog)
             return PublicationReport(
-                key, reply.lora_name, receipt, VersionState.PUBLISHED, time.monotonic() - started,
+                key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
                 runlog.phase_seconds(), runlog.collectives,
             )
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
@@ -90,13 +92,13 @@ class Publisher:
         status = await self.registry.query_attempt(reply.token)
         if status.phase is Phase.COMMITTED:
             return PublicationReport(
-                key, reply.lora_name, status.commit, status.version_state, time.monotonic() - started, {}, 0, True
+                key, reply.lora_name, status.commit, status.version_state, self.clock.monotonic() - started, {}, 0, True
             )
         if status.phase is Phase.READY:
             # A publisher that lost the commit reply (or died after READY) finishes the same commit.
-            receipt = await self._commit(key, reply.token, reply.expected_default_revision, RunLog())
+            receipt = await self._commit(key, reply.token, reply.expected_default_revision, RunLog(self.clock))
             return PublicationReport(
-                key, reply.lora_name, receipt, VersionState.PUBLISHED, time.monotonic() - started, {}, 0, True
+                key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started, {}, 0, True
             )
         raise PublicationBlocked(
             f"{key} is already {status.phase.value} from an earlier attempt; call recover() to abort and clean it",
@@ -116,7 +118,7 @@ class Publisher:
             except (OutcomeUnknown, TimeoutError, ConnectionError) as e:
                 last = e
                 log.warning("commit %s: reply lost (%s); replaying the same commit", token, e)
-                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+                await self.clock.sleep(min(0.05 * 2**attempt, 1.0))
         raise OutcomeUnknown(f"commit of {token} unanswered after {self.commit_retries} tries: {last}", token=token)
 
     async def recover(self) -> list[str]:
