@@ -1,0 +1,3 @@
+from lorapub.cli import main
+
+raise SystemExit(main())
