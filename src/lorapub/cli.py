@@ -124,13 +124,14 @@ async def demo(args) -> int:
 
     state = await dep.registry.snapshot()
     print("\nversions")
-    w = (10, 14, 12, 14, 40)
-    print(_row("version", "state", "sess refs", "digest", "lora_name", widths=w))
+    bindings: dict = {}
+    for record in state.sessions.values():  # CLOSED tombstones keep the version they bound
+        if record.version is not None:
+            bindings[record.version] = bindings.get(record.version, 0) + 1
+    w = (10, 14, 16, 12, 14, 40)
+    print(_row("version", "state", "sessions bound", "refs now", "digest", "lora_name", widths=w))
     for v in sorted(state.versions.values(), key=lambda v: v.key):
-        print(_row(v.key.version_id, v.state.value, v.session_refs, v.digest[:12], v.lora_name, widths=w))
-    by_version: dict[str, int] = {}
-    for s in result.records:
-        by_version[s.lora_id or "?"] = by_version.get(s.lora_id or "?", 0) + 1
+        print(_row(v.key.version_id, v.state.value, bindings.get(v.key, 0), v.session_refs, v.digest[:12], v.lora_name, widths=w))
     print("\npublications")
     for name, outcome, secs, phases in pubs:
         ph = ", ".join(f"{k} {v * 1000:.1f}ms" for k, v in phases.items())
