@@ -155,12 +155,12 @@ class Reclaimer:
     async def reclaim(self, key: VersionKey) -> VersionState:
         result = await self.registry.claim_reclaim(key)
         await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
-        return (await self.registry.snapshot()).versions[key].state
+        return (await self.registry.version(key)).state
 
     async def retry(self, key: VersionKey) -> VersionState:
         result = await self.registry.retry_reclaim(key)
         await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
-        return (await self.registry.snapshot()).versions[key].state
+        return (await self.registry.version(key)).state
 
     async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
         return {key: await self.reclaim(key) for key in await self.registry.reclaimable()}

@@ -125,6 +125,10 @@ class RegistryService:
     def retry_reclaim(self, key: VersionKey) -> Result:
         return self._apply(R.retry_reclaim, key)
 
+    def version(self, key: VersionKey):
+        """One version's record (cheap over an actor boundary, unlike snapshot())."""
+        return self._state.version(key)
+
     def reclaimable(self) -> list[VersionKey]:
         return self._state.reclaimable()
 
