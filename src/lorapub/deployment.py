@@ -30,7 +30,11 @@ class Deployment:
         deadlines: Deadlines | None = None,
         bucket_cap_bytes: int = 64 << 20,
         stash_dir: str | None = None,
+        reclaim_retries: int = 5,
+        reclaim_backoff: float = 1.0,
     ) -> None:
+        self.reclaim_retries = reclaim_retries
+        self.reclaim_backoff = reclaim_backoff
         self.engines = dict(engines)
         self.epoch = epoch
         self.enabled = enabled
@@ -59,8 +63,19 @@ class Deployment:
         )
         return self
 
+    async def _reclaim(self, version) -> None:
+        """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent)."""
+        from lorapub.core.version import VersionState
+
+        state = await self.reclaimer.reclaim(version)
+        for attempt in range(self.reclaim_retries):
+            if state is not VersionState.RECLAIMING:
+                return
+            await asyncio.sleep(self.reclaim_backoff * 2**attempt)
+            state = await self.reclaimer.retry(version)
+
     def _on_eligible(self, version) -> None:
-        task = asyncio.get_running_loop().create_task(self.reclaimer.reclaim(version))
+        task = asyncio.get_running_loop().create_task(self._reclaim(version))
         self._reclaims.add(task)
         task.add_done_callback(self._reclaims.discard)
 

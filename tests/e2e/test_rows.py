@@ -22,6 +22,7 @@ from lorapub.fixtures import lora_snapshot
 from lorapub.legacy import FIXED_LORA_NAME
 from lorapub.publisher import PublicationFailed
 from lorapub.workload import until
+from lorapub.effects_runner import Deadlines
 from tests.e2e.conftest import FAST
 
 GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
@@ -390,3 +391,17 @@ async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, en
     assert os.stat(path).st_mtime_ns == stamp
     with open(path, "rb") as f:
         assert f.read() == payload
+
+
+async def test_unanswered_unload_is_retried_until_both_engines_confirm(engines, doubles, tmp_path):
+    quick = Deadlines(begin=2, bucket=2, end=2, cleanup=2, commit=1, reclaim=0.3)
+    dep = await Deployment(engines, epoch=1, enabled=True, deadlines=quick, stash_dir=str(tmp_path),
+                           reclaim_backoff=0.05).start()
+    a = await dep.publish(lora_snapshot(1), "A")
+    doubles["e0"].inject("unload", "hang")  # the first unload of A on E0 never answers
+    await dep.publish(lora_snapshot(2), "B")  # A retires with no session: reclaim starts at once
+    await dep.settle()
+    st = await dep.registry.snapshot()
+    assert st.versions[a.version].state is VersionState.RECLAIMED
+    assert doubles["e0"].physical_unloads.count(a.lora_name) == 1
+    assert doubles["e1"].physical_unloads.count(a.lora_name) == 1
