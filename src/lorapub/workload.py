@@ -68,21 +68,24 @@ class WorkloadResult:
         return percentile([r.ended - r.started for r in self.ok], q)
 
     def longest_gap(self, window: tuple[float, float] | None = None) -> dict[str, float]:
-        """Per engine: the longest stretch with no request completing while work was pending."""
+        """Per engine: the longest stretch with no request completing while one was pending.
+
+        Between two consecutive completions at ``a`` and ``b``, the stretch counts from
+        ``max(a, start of the request that completed at b)``: idle time with nothing in
+        flight is not a stall. ``window`` keeps the stretches that overlap it.
+        """
         gaps: dict[str, float] = {}
         by_engine: dict[str, list[RequestRecord]] = {}
         for r in self.ok:
             by_engine.setdefault(r.engine or "?", []).append(r)
         for engine, recs in by_engine.items():
-            ends = sorted(r.ended for r in recs)
-            starts = [r.started for r in recs]
+            recs.sort(key=lambda r: r.ended)
             longest = 0.0
-            for a, b in zip(ends, ends[1:]):
+            for prev, cur in zip(recs, recs[1:]):
+                a, b = max(prev.ended, cur.started), cur.ended
                 if window and (b < window[0] or a > window[1]):
                     continue
-                # only a gap while something was in flight counts as no progress
-                if any(s <= a for s in starts if s < b):
-                    longest = max(longest, b - a)
+                longest = max(longest, b - a)
             gaps[engine] = longest
         return gaps
 
