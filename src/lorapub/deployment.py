@@ -86,14 +86,12 @@ class Deployment:
 
     async def refresh_engines(self) -> dict[str, str]:
         """Tell the registry about engines that restarted (their READYs and stashes are void)."""
-        from lorapub.effects_runner import EffectRunner
-
         found = {}
         for name, engine in self.engines.items():
             found[name] = await engine.incarnation()
             result = await self.registry.register_engine(name, found[name])
             if result.effects:
-                await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+                await self.publisher.control.run(result.effects)
         return found
 
     def _require_started(self) -> None:

@@ -62,6 +62,11 @@ class Publisher:
         self.source_factory = source_factory
         self.commit_retries = commit_retries
 
+    @property
+    def control(self) -> EffectRunner:
+        """Runs control-only effects (cleanup), which need no bucket source."""
+        return EffectRunner(self.registry, self.engines, None, self.deadlines)
+
     async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
         started = self.clock.monotonic()
         key = VersionKey(self.epoch, version_id)
@@ -129,18 +134,18 @@ class Publisher:
             a = state.attempts[version.attempt]
             if a.resolved:
                 continue
-            runner = EffectRunner(self.registry, self.engines, None, self.deadlines)
             if a.phase is Phase.ABORTED:
-                result = await self.registry.retry_cleanup(a.token)
+                phase = await self.retry_cleanup(a.token)
             else:
                 result = await self.registry.record_failure(a.token, "publisher", "recovered after restart")
-            await runner.run(result.effects)
-            notes.append(f"{a.token}: {(await self.registry.query_attempt(a.token)).phase.value}")
+                await self.control.run(result.effects)
+                phase = (await self.registry.query_attempt(a.token)).phase
+            notes.append(f"{a.token}: {phase.value}")
         return notes
 
     async def retry_cleanup(self, token: AttemptToken) -> Phase:
         result = await self.registry.retry_cleanup(token)
-        await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        await self.control.run(result.effects)
         return (await self.registry.query_attempt(token)).phase
 
 
@@ -152,14 +157,16 @@ class Reclaimer:
         self.engines = dict(engines)
         self.deadlines = deadlines or Deadlines()
 
+    control = Publisher.control
+
     async def reclaim(self, key: VersionKey) -> VersionState:
         result = await self.registry.claim_reclaim(key)
-        await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        await self.control.run(result.effects)
         return (await self.registry.version(key)).state
 
     async def retry(self, key: VersionKey) -> VersionState:
         result = await self.registry.retry_reclaim(key)
-        await EffectRunner(self.registry, self.engines, None, self.deadlines).run(result.effects)
+        await self.control.run(result.effects)
         return (await self.registry.version(key)).state
 
     async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
