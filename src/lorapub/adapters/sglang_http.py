@@ -26,8 +26,8 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
+from lorapub.sglang_patch.targets import RECLAIM_HEADER, STATE_ROUTE
 
-RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
 
 
@@ -90,7 +90,7 @@ class SGLangEngine:
             raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
 
     async def state(self) -> dict[str, Any]:
-        status, body = await self._request("GET", "/lorapub/state", timeout=self.probe_timeout)
+        status, body = await self._request("GET", STATE_ROUTE, timeout=self.probe_timeout)
         if status == 404 and self.require_patch:
             raise EngineError(f"{self.name} lacks lorapub's SGLang patch (/lorapub/state is missing)")
         if status != 200:

@@ -2,8 +2,13 @@
 
 import runpy
 
-from lorapub import sglang_patch
 
-if __name__ == "__main__":
+def main() -> None:
+    from lorapub import sglang_patch
+
     sglang_patch.apply()
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
