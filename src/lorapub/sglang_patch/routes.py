@@ -23,8 +23,9 @@ def _max_loaded_loras(tm: Any) -> Any:
 
 def _pending_unloads(tm: Any) -> dict:
     pending = getattr(tm, "pending_lora_unloads", None)
-    if pending is None:  # 0.5.17: lorapub's backport
-        pending = tm._lorapub_pending_unloads()
+    if pending is None:  # 0.5.17: lorapub's backport (absent on an observed, unpatched server)
+        backport = getattr(tm, "_lorapub_pending_unloads", None)
+        pending = backport() if backport is not None else {}
     return dict(pending)
 
 
@@ -34,7 +35,7 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
         "incarnation": INCARNATION,
         "sglang": release,
         "patch": form,
-        "managed_patch": True,
+        "managed_patch": form != "observe",
         "max_loaded_loras": _max_loaded_loras(tm),
         "adapters": {
             name: {
@@ -49,7 +50,7 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
     }
 
 
-def add_state_route(app: Any, release: str) -> None:
+def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
     if app is None:
         try:
             from sglang.srt.entrypoints import http_server
@@ -66,7 +67,7 @@ def add_state_route(app: Any, release: str) -> None:
         return
 
     async def lorapub_state():
-        return state_of(tokenizer_manager(), release, "runtime")
+        return state_of(tokenizer_manager(), release, form)
 
     try:
         from sglang.srt.utils.auth import AuthLevel
