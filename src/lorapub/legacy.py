@@ -27,7 +27,7 @@ class OverwritePublisher:
         started = time.monotonic()
         await asyncio.gather(*(e.admin("/pause_generation", {"mode": "abort"}) for e in self.engines.values()))
         try:
-            await asyncio.gather(*(e.admin("/flush_cache") for e in self.engines.values()))
+            await asyncio.gather(*(self._flush(e) for e in self.engines.values()))
             for engine in self.engines.values():
                 state = await engine.state()
                 if self.lora_name in state.get("adapters", {}):
@@ -37,6 +37,17 @@ class OverwritePublisher:
             await asyncio.gather(*(e.admin("/continue_generation") for e in self.engines.values()))
         self.updates += 1
         return time.monotonic() - started
+
+
+    @staticmethod
+    async def _flush(engine: Any, attempts: int = 100) -> None:
+        # SGLang refuses to flush while aborted requests are still draining: ask again.
+        for _ in range(attempts - 1):
+            try:
+                return await engine.admin("/flush_cache")
+            except EngineError:
+                await asyncio.sleep(0.05)
+        await engine.admin("/flush_cache")
 
 
 class LegacySession:

@@ -100,11 +100,20 @@ def vec(out: dict) -> list[float]:
     meta = out["meta_info"]
     values: list[float] = []
     for position in meta.get("output_token_ids_logprobs") or []:
-        values += [float(entry[0]) for entry in position]
-    values += [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        values += [_logprob(entry) for entry in position or []]
+    values += [_logprob(entry) for entry in meta.get("output_token_logprobs") or []]
     if not values:
         raise ValueError(f"no logprobs in the response: {sorted(meta)}")
     return values
+
+
+def _logprob(entry: Any) -> float:
+    """SGLang returns (logprob, token_id, text) triples; accept a bare number or a dict too."""
+    if isinstance(entry, dict):
+        return float(entry.get("logprob"))
+    if isinstance(entry, (list, tuple)):
+        return float(entry[0])
+    return float(entry)
 
 
 def max_diff(a: list[float], b: list[float]) -> float:
@@ -173,8 +182,8 @@ class Instrumented:
 
 # -- the run -----------------------------------------------------------------------------------
 class Run:
-    def __init__(self, root: str, out_dir: str, paths: dict[str, str]) -> None:
-        self.root, self.out_dir, self.paths = root, out_dir, paths
+    def __init__(self, root: str, out_dir: str, paths: dict[str, str], report_path: str | None = None) -> None:
+        self.root, self.out_dir, self.paths, self.report_path = root, out_dir, paths, report_path
         self.report: dict[str, Any] = {"sections": {}, "errors": {}}
         self.snaps = {k: adapter_snapshot(paths[k]) for k in "ABC"}
         self.rng = random.Random(SEED)
@@ -189,6 +198,13 @@ class Run:
             self.report["errors"][name] = "".join(traceback.format_exception(e))[-4000:]
             print(self.report["errors"][name], flush=True)
         self.report.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 2)
+        self.save()
+
+    def save(self) -> None:
+        """Written after every section: a run cut short still leaves what it measured."""
+        if self.report_path:
+            with open(self.report_path, "w") as f:
+                json.dump(self.report, f, indent=1, default=str)
 
     # -- baselines on U ----------------------------------------------------------------------
     async def baseline(self, version: str, ids: list[int]) -> list[float]:
@@ -230,6 +246,7 @@ class Run:
             await http.flush(e.url)
             status, out = await http.generate(e.url, prompt, self.names["A"])
             assert status == 200, out
+            self.report["sample_meta_info"] = {k: str(v)[:300] for k, v in out["meta_info"].items()}
             cross = max(cross, max_diff(vec(out), runs[0]))
         # Fixed rule, decided before the scenario runs: bf16 noise of SGLang itself, with margin.
         eps = max(10 * instability, 3 * cache_delta, 3 * batch_delta, 3 * cross, 1e-3)
@@ -717,7 +734,7 @@ def main() -> int:
     root = args.root or tempfile.mkdtemp(prefix="lorapub-live-")
     paths = {"base": os.path.join(args.fixtures, "base"),
              **{k: os.path.join(args.fixtures, f"lora_{k}") for k in "ABC"}}
-    run = Run(root, os.path.dirname(os.path.abspath(args.out)), paths)
+    run = Run(root, os.path.dirname(os.path.abspath(args.out)), paths, args.out)
     t0 = time.monotonic()
     report = asyncio.run(run.main())
     report["seconds"] = round(time.monotonic() - t0, 1)

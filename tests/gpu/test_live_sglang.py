@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 def report():
     out = os.environ.get("LORAPUB_GPU_REPORT") or os.path.join(tempfile.mkdtemp(), "report.json")
     paths = {"base": os.path.join(FIXTURES, "base"), **{k: os.path.join(FIXTURES, f"lora_{k}") for k in "ABC"}}
-    run = live.Run(tempfile.mkdtemp(prefix="lorapub-live-"), os.path.dirname(os.path.abspath(out)), paths)
+    run = live.Run(tempfile.mkdtemp(prefix="lorapub-live-"), os.path.dirname(os.path.abspath(out)), paths, out)
     r = asyncio.run(run.main())
     r["env"] = live.env_report()
     r["verdicts"] = live.verdicts(r)
