@@ -36,8 +36,11 @@ from tests.gpu.fixtures import adapter_snapshot
 
 SEED = 1234
 VOCAB = 1024
-SCORE_IDS = list(range(7, VOCAB, 64))  # 16 fixed token ids scored at every output position
-MAX_NEW = 4
+MAX_NEW = 12  # greedy tokens scored per request
+# SGLang 0.5.17's scheduler crashes when a decode batch mixes a request with token_ids_logprob and one
+# without ("'list' object has no attribute 'tolist'", seen on the live server), so the numerics use the
+# chosen tokens' logprobs only, and their ids: a different token is never "within eps".
+ID_WEIGHT = 1000.0
 PROMPT_LEN = 96
 TOOL_LEN = 12
 RUN_TIMEOUT_S = 20  # SGLANG_REQ_RUNNING_TIMEOUT: a request running longer ends with 503 (the 5xx path)
@@ -84,7 +87,7 @@ class Http:
     async def generate(self, url: str, ids: list[int], lora: str | None, max_new: int = MAX_NEW, *,
                        sp: dict | None = None, timeout: float = 120, **extra) -> tuple[int, Any]:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, **(sp or {})},
-                "return_logprob": True, "token_ids_logprob": SCORE_IDS, **extra}
+                "return_logprob": True, **extra}
         if lora:
             body["lora_path"] = lora
         return await self.post(url, "/generate", body, timeout=timeout)
@@ -92,16 +95,14 @@ class Http:
 
 def request_body(ids: list[int], max_new: int = MAX_NEW) -> dict:
     return {"input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new, "temperature": 0},
-            "return_logprob": True, "token_ids_logprob": SCORE_IDS}
+            "return_logprob": True}
 
 
 def vec(out: dict) -> list[float]:
-    """Scores of the fixed ids at every output position, then the chosen tokens' logprobs."""
+    """The greedy tokens' logprobs, then their ids (weighted: another token is never within eps)."""
     meta = out["meta_info"]
-    values: list[float] = []
-    for position in meta.get("output_token_ids_logprobs") or []:
-        values += [_logprob(entry) for entry in position or []]
-    values += [_logprob(entry) for entry in meta.get("output_token_logprobs") or []]
+    values = [_logprob(entry) for entry in meta.get("output_token_logprobs") or []]
+    values += [ID_WEIGHT * int(t) for t in out.get("output_ids") or []]
     if not values:
         raise ValueError(f"no logprobs in the response: {sorted(meta)}")
     return values
