@@ -436,12 +436,28 @@ class Run:
         return 512 / (time.monotonic() - t0)
 
     async def prevalidation(self, server, rate: float) -> dict:
-        """RFC pre-validation on one server: refs on every terminal path, unload held by a running request."""
-        http, url, row = self.http, server.url, {}
+        """RFC pre-validation on one server: refs on every terminal path, unload held by a running request.
+
+        The two adapters are loaded unpinned: SGLang refuses to pin every slot of the batch."""
+        row: dict = {}
+        try:
+            await self._prevalidation(server, rate, row)
+        except BaseException as e:  # keep what was measured before the failure (an unpatched server may die)
+            row["error"] = "".join(traceback.format_exception(e))[-800:]
+            row["server_alive"] = server.alive()
+        finally:
+            if server.patched and server.alive():
+                for name in list((await self.http.state(server.url))["adapters"]):
+                    if "@9" in name:  # free the slots for the online run
+                        await self.http.unload(server.url, name, reclaim_id="teardown-prevalidation")
+        return row
+
+    async def _prevalidation(self, server, rate: float, row: dict) -> None:
+        http, url = self.http, server.url
         mx = f"relax_policy_lora@96-paths-{'%012d' % server.port}"
         m1 = f"relax_policy_lora@95-prevalidate-{'%06d' % server.port}"
         reclaim = "reclaim-prevalidation" if server.patched else None
-        assert (await http.load(url, mx, self.paths["A"]))[0] == 200
+        assert (await http.load(url, mx, self.paths["A"], pinned=False))[0] == 200
         ids = self.prompt[:16]
         trace = [("loaded", await http.refs(url, mx))]
         status, _ = await http.generate(url, list(range(1, 40)) * 430, mx, max_new=4)  # 16770 tokens > context
@@ -466,9 +482,10 @@ class Run:
         finish = (body.get("meta_info", {}).get("finish_reason") or {}).get("type") if isinstance(body, dict) else None
         trace.append((f"aborted by /abort_request (status {status}, finish {finish})", await http.refs(url, mx)))
         row["mx_refs_trace"] = trace
+        row["log_state_deleted_outputs"] = server.log().count("but the state was deleted in TokenizerManager")
         # r_503 dies at the running timeout (a 503 through the batch-output path); r_long, started 2 s
         # later, runs 2 s past it and ends the same way; r_short ends normally in between.
-        assert (await http.load(url, m1, self.paths["A"]))[0] == 200
+        assert (await http.load(url, m1, self.paths["A"], pinned=False))[0] == 200
         t0 = time.monotonic()
         endless = {"ignore_eos": True}
         r_503 = asyncio.create_task(http.generate(url, ids, m1, max_new=CONTEXT - 64, sp=endless))
@@ -477,6 +494,7 @@ class Run:
         r_long = asyncio.create_task(http.generate(url, ids, m1, max_new=long_tokens, sp=endless))
         await asyncio.sleep(0.5)
         refs = [("r_503 + r_long running", await http.refs(url, m1))]
+        row["m1_refs_trace"] = refs
         status, _ = await http.generate(url, ids, m1, max_new=8)
         refs.append((f"r_short ended ({status})", await http.refs(url, m1)))
         status_503, body_503 = await r_503
@@ -486,9 +504,12 @@ class Run:
         t_unload = time.monotonic() - t0
         unloading = asyncio.create_task(http.unload(url, m1, reclaim_id=reclaim))
         await asyncio.sleep(0.3)
+        row["unload_started_s"] = round(t_unload, 2)
+        row["r_503_status"] = status_503
         st = await http.state(url)
         held = {"unload_done": unloading.done(), "still_registered": m1 in st["adapters"],
                 "pending": m1 in st.get("pending_unloads", {}), "r_long_running": not r_long.done()}
+        row["while_r_long_runs"] = held
         long_status, long_body = await r_long
         t_long = time.monotonic() - t0
         unload_status, unload_body = await unloading
@@ -509,7 +530,6 @@ class Run:
         except asyncio.TimeoutError:
             row["unload_mx"] = "blocked (wait_for_unload never returned within 8 s)"
         row["server_alive"] = server.alive()
-        return row
 
     # -- online: lorapub, switch off (pause/flush/overwrite) and a control, one workload ------------------
     async def online(self) -> dict:

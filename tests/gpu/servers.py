@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,8 +41,8 @@ class Server:
 
     def unload_events(self, lora_name: str) -> int:
         """Physical unloads the scheduler logged for ``lora_name``."""
-        return sum(1 for line in self.log().splitlines()
-                   if "LoRA adapter unloading starts" in line and f"lora_name='{lora_name}'" in line)
+        named = re.compile(rf"lora_name='?{re.escape(lora_name)}'?[,)]")
+        return sum(1 for line in self.log().splitlines() if "LoRA adapter unloading starts" in line and named.search(line))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
