@@ -29,12 +29,12 @@ from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.attempt import ReadyLocal  # noqa: E402
 from lorapub.core.effects import SOURCE  # noqa: E402
 from lorapub.core.identity import SessionKey, VersionKey  # noqa: E402
-from lorapub.deployment import Deployment  # noqa: E402
-from lorapub.effects_runner import Deadlines  # noqa: E402
+from lorapub.runtime.deployment import Deployment  # noqa: E402
+from lorapub.runtime.runner import Deadlines  # noqa: E402
 from lorapub.errors import CapacityError, PublicationBlocked  # noqa: E402
-from lorapub.fixtures import lora_snapshot  # noqa: E402
-from lorapub.registry_service import RegistryService  # noqa: E402
-from lorapub.workload import WorkloadSpec, percentile, run_workload  # noqa: E402
+from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
+from lorapub.runtime.registry import RegistryService  # noqa: E402
+from lorapub.demo.workload import WorkloadSpec, percentile, run_workload  # noqa: E402
 
 
 # -- part 1: online publication ----------------------------------------------------------
@@ -45,9 +45,9 @@ async def one_strategy(enabled: bool, args, spec: WorkloadSpec, publications: in
     if args.engine_url:
         urls = args.engine_url
     else:
-        from tests.engine_double import EngineDouble
+        from lorapub.testing import SGLangDouble
 
-        doubles = [await EngineDouble(
+        doubles = [await SGLangDouble(
                 f"e{i}", decode_delay=args.decode_delay, load_delay=args.load_delay, prefill_per_token=args.prefill_per_token
             ).start() for i in range(2)]
         urls = [d.url for d in doubles]
@@ -151,7 +151,7 @@ async def part1(args) -> dict:
 # -- part 2: control plane -------------------------------------------------------------
 def publish_decisions(state, version: str, n_buckets: int):
     """All registry decisions of one publication over every engine; returns (state, count)."""
-    from tests.helpers import fake_plan
+    from lorapub.testing.fixtures import fake_plan
 
     digest, plan = fake_plan(version, tensors=n_buckets, cap=64)
     key = VersionKey(state.epoch, version)

@@ -9,9 +9,9 @@ ray = pytest.importorskip("ray")
 from lorapub.adapters.ray_registry import RayRegistry  # noqa: E402
 from lorapub.core.identity import SessionKey  # noqa: E402
 from lorapub.core.version import VersionState  # noqa: E402
-from lorapub.deployment import Deployment  # noqa: E402
+from lorapub.runtime.deployment import Deployment  # noqa: E402
 from lorapub.errors import CapacityError, NoPublishedVersion  # noqa: E402
-from lorapub.fixtures import lora_snapshot  # noqa: E402
+from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from tests.e2e.conftest import FAST  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -64,7 +64,7 @@ async def test_durable_ray_registry_survives_an_actor_restart(ray_cluster, tmp_p
         from lorapub.core.attempt import ReadyLocal
         from lorapub.core.effects import SOURCE
         from lorapub.core.identity import VersionKey
-        from tests.helpers import fake_plan
+        from lorapub.testing.fixtures import fake_plan
 
         digest, plan = fake_plan("A")
         key = VersionKey(3, "A")

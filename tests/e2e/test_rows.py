@@ -9,7 +9,7 @@ import pytest
 
 from lorapub.core.attempt import Phase
 from lorapub.core.version import VersionState
-from lorapub.deployment import Deployment
+from lorapub.runtime.deployment import Deployment
 from lorapub.errors import (
     CapacityError,
     EngineError,
@@ -18,11 +18,11 @@ from lorapub.errors import (
     SessionClosed,
     VersionMissing,
 )
-from lorapub.fixtures import lora_snapshot
-from lorapub.legacy import FIXED_LORA_NAME
-from lorapub.publisher import PublicationFailed
-from lorapub.workload import until
-from lorapub.effects_runner import Deadlines
+from lorapub.testing.fixtures import lora_snapshot
+from lorapub.runtime.overwrite import FIXED_LORA_NAME
+from lorapub.runtime.publisher import PublicationFailed
+from lorapub.demo.workload import until
+from lorapub.runtime.runner import Deadlines
 from tests.e2e.conftest import FAST
 
 GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
@@ -33,7 +33,7 @@ async def state(dep):
 
 
 def lora_id_on(double, name):
-    return double.registry.get_all_adapters()[name].lora_id
+    return double.lora_registry.get_all_adapters()[name].lora_id
 
 
 async def test_partial_ready_keeps_default_and_old_sessions_keep_a(deployment, doubles):
@@ -354,7 +354,7 @@ async def test_engine_restart_between_and_during_publications(deployment, double
 
 
 async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, tmp_path):
-    from lorapub.snapshot import InlineBucketSource
+    from lorapub.runtime.snapshot import InlineBucketSource
 
     class FlakySource(InlineBucketSource):
         async def send(self, token, index, engines_):

@@ -1,5 +1,5 @@
 from lorapub.core.version import VersionState
-from lorapub.fixtures import lora_snapshot
+from lorapub.testing.fixtures import lora_snapshot
 
 
 async def test_publish_bind_reclaim_lifecycle(deployment, doubles):

@@ -28,7 +28,7 @@ from lorapub.core.identity import SessionKey, VersionKey
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError, NotReclaimable, SessionClosed
-from tests.helpers import fake_plan
+from lorapub.testing.fixtures import fake_plan
 
 ENGINES = ("e0", "e1")
 EPOCH = 7

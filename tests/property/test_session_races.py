@@ -18,10 +18,10 @@ from lorapub.core.identity import VersionKey
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
-from lorapub.publisher import Reclaimer
-from lorapub.registry_service import LocalRegistry, RegistryService
-from lorapub.sessions import LocalState, SessionService
-from tests.helpers import fake_plan
+from lorapub.runtime.publisher import Reclaimer
+from lorapub.runtime.registry import LocalRegistry, RegistryService
+from lorapub.runtime.sessions import LocalState, SessionService
+from lorapub.testing.fixtures import fake_plan
 
 EPOCH = 2
 

@@ -22,7 +22,7 @@ from lorapub.errors import (
     VersionConflict,
     VersionReclaiming,
 )
-from tests.helpers import fake_plan
+from lorapub.testing.fixtures import fake_plan
 
 E = {"e0": "e0-a", "e1": "e1-a"}
 EP = 3

@@ -1,6 +1,6 @@
 from lorapub.core.identity import SessionKey, VersionKey
-from lorapub.registry_service import RegistryService
-from lorapub.stores import FileStore
+from lorapub.runtime.registry import RegistryService
+from lorapub.runtime.stores import FileStore
 from tests.unit.test_core_rows import E, EP, publish
 
 

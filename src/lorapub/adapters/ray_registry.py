@@ -1,6 +1,6 @@
 """The registry as a named Ray actor, so every rollout process shares one single writer.
 
-The actor runs :class:`~lorapub.registry_service.RegistryService` with Ray's default
+The actor runs :class:`~lorapub.runtime.registry.RegistryService` with Ray's default
 one-call-at-a-time concurrency: each transition is applied whole before the
 next call starts. Typed errors cross the process boundary as (code, message)
 and are raised again as the same lorapub class; a call whose reply is lost
@@ -16,8 +16,8 @@ from typing import Any, Mapping
 import ray
 
 from lorapub import errors
-from lorapub.registry_service import _SYNC_METHODS, RegistryService
-from lorapub.stores import FileStore
+from lorapub.runtime.registry import _SYNC_METHODS, RegistryService
+from lorapub.runtime.stores import FileStore
 
 _ERRORS = {
     cls.code: cls

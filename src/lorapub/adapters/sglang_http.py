@@ -23,11 +23,10 @@ import aiohttp
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import AttemptToken
+from lorapub.core.identity import RECLAIM_HEADER, AttemptToken
 from lorapub.core.manifest import BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 
-RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
 
 
@@ -160,7 +159,7 @@ class SGLangEngine:
 
     def _assemble(self, request: SendBegin, stash: str) -> str:
         """Verify every bucket and the whole manifest, then write the PEFT dir SGLang loads."""
-        from lorapub.snapshot import Snapshot, load_safetensors
+        from lorapub.runtime.snapshot import Snapshot, load_safetensors
 
         plan: BucketPlan = request.plan
         tensors: dict[str, Any] = {}

@@ -1,8 +1,11 @@
-"""Locally built LoRA fixtures (no downloads): PEFT-named A/B tensors, seeded, non-zero."""
+"""Fixture builders (no downloads): seeded PEFT LoRA tensors, snapshots, manifests and bucket plans."""
 
 from __future__ import annotations
 
-from lorapub.snapshot import Snapshot
+import hashlib
+
+from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
+from lorapub.runtime.snapshot import Snapshot
 
 
 def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: int = 8, modules=("q_proj", "v_proj")):
@@ -35,3 +38,24 @@ def peft_config(rank: int = 8, modules=("q_proj", "v_proj")) -> dict:
 def lora_snapshot(seed: int, **shape) -> Snapshot:
     rank = shape.get("rank", 8)
     return Snapshot(peft_lora_state_dict(seed, **shape), peft_config(rank))
+
+
+def fake_manifest(seed: str, tensors: int = 3, nbytes: int = 64) -> Manifest:
+    """A manifest with made-up tensor hashes (for the registry alone: no bytes exist)."""
+    entries = [
+        TensorEntry(
+            name=f"layers.{i}.lora_A.weight",
+            dtype="float32",
+            shape=(nbytes // 4,),
+            nbytes=nbytes,
+            sha256=hashlib.sha256(f"{seed}/{i}".encode()).hexdigest(),
+        )
+        for i in range(tensors)
+    ]
+    return Manifest.build(entries, {"r": 4, "lora_alpha": 8, "seed": seed})
+
+
+def fake_plan(seed: str, tensors: int = 3, cap: int = 128) -> tuple[str, BucketPlan]:
+    """``(digest, plan)`` of :func:`fake_manifest`, split into buckets of at most ``cap`` bytes."""
+    m = fake_manifest(seed, tensors)
+    return m.digest, BucketPlan.for_manifest(m, cap)

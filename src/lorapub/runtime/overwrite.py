@@ -9,7 +9,7 @@ import time
 from typing import Any, Mapping
 
 from lorapub.errors import EngineError
-from lorapub.snapshot import Snapshot
+from lorapub.runtime.snapshot import Snapshot
 
 FIXED_LORA_NAME = "relax_policy_lora"
 

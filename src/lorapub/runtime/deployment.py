@@ -10,12 +10,12 @@ import asyncio
 import itertools
 from typing import Any, Mapping
 
-from lorapub.effects_runner import Deadlines
+from lorapub.runtime.runner import Deadlines
 from lorapub.errors import InvalidInput
-from lorapub.legacy import LegacySession, OverwritePublisher
-from lorapub.publisher import Publisher, Reclaimer
-from lorapub.registry_service import LocalRegistry, RegistryService
-from lorapub.sessions import SessionService
+from lorapub.runtime.overwrite import LegacySession, OverwritePublisher
+from lorapub.runtime.publisher import Publisher, Reclaimer
+from lorapub.runtime.registry import LocalRegistry, RegistryService
+from lorapub.runtime.sessions import SessionService
 
 
 class Deployment:

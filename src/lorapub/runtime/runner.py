@@ -26,7 +26,7 @@ from lorapub.core.effects import (
     TransferBucket,
 )
 from lorapub.errors import EngineError, LorapubError, OutcomeUnknown, UnknownEngine
-from lorapub.clock import SystemClock
+from lorapub.runtime.clock import SystemClock
 from lorapub.ports import BucketSource, Clock, EngineAdmin
 
 log = logging.getLogger("lorapub")

@@ -11,11 +11,11 @@ import attrs
 from lorapub.core.attempt import Phase
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.version import CommitReceipt, VersionState
-from lorapub.effects_runner import Deadlines, EffectRunner, RunLog
+from lorapub.runtime.runner import Deadlines, EffectRunner, RunLog
 from lorapub.errors import LorapubError, OutcomeUnknown, PublicationBlocked
-from lorapub.clock import SystemClock
+from lorapub.runtime.clock import SystemClock
 from lorapub.ports import BucketSource, Clock, EngineAdmin
-from lorapub.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 
 log = logging.getLogger("lorapub")
 
