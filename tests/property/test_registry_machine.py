@@ -125,7 +125,7 @@ class RegistryMachine(RuleBasedStateMachine):
             reply = ("unloaded", msg.version, msg.reclaim_id, msg.engine)
             if s.versions[msg.version].reclaim_id == msg.reclaim_id:
                 self.unloaded.add((msg.version, msg.engine))
-            self.try_apply(R.confirm_reclaim, msg.version, msg.reclaim_id, msg.engine)
+            self.try_apply(R.record_unloaded, msg.version, msg.reclaim_id, msg.engine)
         else:
             raise AssertionError(msg)
         self.history.append(reply)
@@ -141,7 +141,7 @@ class RegistryMachine(RuleBasedStateMachine):
         elif kind == "cleaned":
             self.try_apply(R.record_cleaned, *reply[1:])
         elif kind == "unloaded":
-            self.try_apply(R.confirm_reclaim, *reply[1:])
+            self.try_apply(R.record_unloaded, *reply[1:])
 
     # -- publication rules -----------------------------------------------------
     @rule(tensors=st.integers(1, 4))

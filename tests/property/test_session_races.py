@@ -19,7 +19,8 @@ from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
 from lorapub.runtime.publisher import Reclaimer
-from lorapub.runtime.registry import LocalRegistry, RegistryService
+from lorapub.core.registry import Commit, RecordBucketDone, RecordPrepared, RecordReady, Reserve
+from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.sessions import LocalState, SessionService
 from lorapub.testing.fixtures import fake_plan
 
@@ -58,24 +59,18 @@ class FakeEngine:
 class RemoteLikeRegistry(LocalRegistry):
     """Every call suspends once before and once after the decision, like a registry actor."""
 
-    def __getattr__(self, name):
-        call = super().__getattr__(name)
-
-        async def remote(*args):
-            await asyncio.sleep(0)
-            reply = await call(*args)
-            await asyncio.sleep(0)
-            return reply
-
-        return remote
+    async def handle(self, command):
+        await asyncio.sleep(0)
+        reply = self.apply(command)
+        await asyncio.sleep(0)
+        return reply
 
 
 class SessionRaces(RuleBasedStateMachine):
     @initialize()
     def setup(self):
         self.loop = asyncio.new_event_loop()
-        self.service = RegistryService(EPOCH, {"e0": "life", "e1": "life"})
-        self.registry = RemoteLikeRegistry(self.service)
+        self.service = self.registry = RemoteLikeRegistry(EPOCH, {"e0": "life", "e1": "life"})
         self.engines = {n: FakeEngine(n, self) for n in ("e0", "e1")}
         self.sessions = SessionService(self.registry, self.engines, epoch=EPOCH)
         self.reclaimer = Reclaimer(self.registry, self.engines)
@@ -115,15 +110,15 @@ class SessionRaces(RuleBasedStateMachine):
             return
         key = VersionKey(EPOCH, f"v{self.versions}")
         digest, plan = fake_plan(key.version_id, 1)
-        out = self.service.reserve(key, digest, plan)
+        out = self.service.apply(Reserve(key, digest, plan))
         token = out.reply.token
         for e in ("e0", "e1"):
-            self.service.record_prepared(token, e, "life")
+            self.service.apply(RecordPrepared(token, e, "life"))
         for p in (SOURCE, "e0", "e1"):
-            self.service.record_bucket_done(token, p, 0, None if p == SOURCE else "life")
+            self.service.apply(RecordBucketDone(token, p, 0, None if p == SOURCE else "life"))
         for e in ("e0", "e1"):
-            self.service.record_ready(ReadyLocal(e, token, digest, "life"))
-        self.service.commit(key, token, self.service.state.default_revision)
+            self.service.apply(RecordReady(ReadyLocal(e, token, digest, "life")))
+        self.service.apply(Commit(key, token, self.service.state.default_revision))
         self.versions += 1
 
     @rule(i=st.integers(0, 3), nonce=st.integers(0, 1))

@@ -40,7 +40,7 @@ async def demo(args) -> int:
         urls = [d.url for d in doubles]
     engines = {f"e{i}": SGLangEngine(f"e{i}", url, stash) for i, url in enumerate(urls)}
     deadlines = Deadlines(begin=10, bucket=10, end=30, cleanup=30, commit=5, reclaim=60)
-    dep = await Deployment(engines, epoch=args.epoch, enabled=True, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
+    dep = await Deployment(engines, epoch=args.epoch, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
     t0 = time.monotonic()
     say = lambda msg: print(f"[{time.monotonic() - t0:7.3f}s] {msg}", flush=True)  # noqa: E731
     occupancy: list[int] = []
@@ -48,7 +48,7 @@ async def demo(args) -> int:
 
     async def sample_slots():
         while True:
-            occupancy.append((await dep.registry.snapshot()).slots_held)
+            occupancy.append((await dep.state()).slots_held)
             await asyncio.sleep(0.01)
 
     sampler = asyncio.create_task(sample_slots())
@@ -90,7 +90,7 @@ async def demo(args) -> int:
 
         result = await workload
         await dep.settle()
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         say(f"all sessions closed; A is {state.versions[a.version].state.value} on both engines")
 
         if doubles:
@@ -99,7 +99,7 @@ async def demo(args) -> int:
             try:
                 await dep.publish(lora_snapshot(303), "C")
             except LorapubError as e:
-                state = await dep.registry.snapshot()
+                state = await dep.state()
                 c = [v for v in state.versions.values() if v.key.version_id == "C"][0]
                 pubs.append(("C", c.state.value, 0.0, {}))
                 say(f"C failed on e1 -> {e.code}; C is {c.state.value}, default still {state.default.version_id}")
@@ -110,7 +110,7 @@ async def demo(args) -> int:
     finally:
         sampler.cancel()
 
-    state = await dep.registry.snapshot()
+    state = await dep.state()
     print("\nversions")
     bindings: dict = {}
     for record in state.sessions.values():  # CLOSED tombstones keep the version they bound

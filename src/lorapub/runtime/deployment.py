@@ -1,117 +1,119 @@
 """One object that wires registry, publisher, reclaimer and sessions for a fleet.
 
-``Deployment(engines, epoch=..., enabled=False)`` keeps the old overwrite path
-untouched; ``enabled=True`` (the explicit switch) turns on versioned publication.
+:class:`Deployment` is versioned publication. :func:`deploy` is the one switch
+(``enable_versioned_lora_publication``): ``enabled=True`` gives a started
+:class:`Deployment`, ``enabled=False`` the old overwrite path, its own type
+(:class:`~lorapub.runtime.overwrite.OverwriteDeployment`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 from typing import Any, Mapping
 
-from lorapub.runtime.runner import Deadlines
+from lorapub.core.identity import VersionKey
+from lorapub.core.registry import ReadState, RegisterEngine, RegistryState
 from lorapub.errors import InvalidInput
-from lorapub.runtime.overwrite import LegacySession, OverwritePublisher
-from lorapub.runtime.publisher import Publisher, Reclaimer
-from lorapub.runtime.registry import LocalRegistry, RegistryService
-from lorapub.runtime.sessions import SessionService
+from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry
+from lorapub.runtime.overwrite import OverwriteDeployment
+from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
+from lorapub.runtime.registry import LocalRegistry
+from lorapub.runtime.runner import Deadlines
+from lorapub.runtime.sessions import Session, SessionService
+from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
 
 class Deployment:
+    """Versioned publication: ``publish`` returns a :class:`PublicationReport`, ``session`` a :class:`Session`."""
+
     def __init__(
         self,
-        engines: Mapping[str, Any],
+        engines: Mapping[str, EngineAdmin],
         *,
         epoch: int,
-        enabled: bool = False,
-        registry: Any | None = None,
+        registry: Registry | None = None,
         auto_reclaim: bool = True,
         deadlines: Deadlines | None = None,
-        bucket_cap_bytes: int = 64 << 20,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
         stash_dir: str | None = None,
         reclaim_retries: int = 5,
         reclaim_backoff: float = 1.0,
     ) -> None:
-        self.reclaim_retries = reclaim_retries
-        self.reclaim_backoff = reclaim_backoff
         self.engines = dict(engines)
         self.epoch = epoch
-        self.enabled = enabled
         self.registry = registry
         self.auto_reclaim = auto_reclaim
         self.deadlines = deadlines or Deadlines()
         self.bucket_cap_bytes = bucket_cap_bytes
         self.stash_dir = stash_dir
-        self._reclaims: set[asyncio.Task] = set()
-        self._legacy_rr = itertools.count()
+        self.reclaim_retries = reclaim_retries
+        self.reclaim_backoff = reclaim_backoff
+        self._started = False
 
     async def start(self) -> "Deployment":
-        if not self.enabled:
-            self.legacy = OverwritePublisher(self.engines, self.stash_dir or "/tmp/lorapub-legacy")
-            return self
         if self.registry is None:
             incarnations = {name: await e.incarnation() for name, e in self.engines.items()}
-            self.registry = LocalRegistry(RegistryService(self.epoch, incarnations))
+            self.registry = LocalRegistry(self.epoch, incarnations)
+        self.reclaimer = Reclaimer(
+            self.registry, self.engines, self.deadlines,
+            auto=self.auto_reclaim, retries=self.reclaim_retries, backoff=self.reclaim_backoff,
+        )
         self.publisher = Publisher(
-            self.registry, self.engines, epoch=self.epoch, deadlines=self.deadlines, bucket_cap_bytes=self.bucket_cap_bytes
+            self.registry, self.engines, epoch=self.epoch, deadlines=self.deadlines,
+            bucket_cap_bytes=self.bucket_cap_bytes, on_eligible=self.reclaimer.on_eligible,
         )
-        self.reclaimer = Reclaimer(self.registry, self.engines, self.deadlines)
         self.sessions = SessionService(
-            self.registry, self.engines, epoch=self.epoch,
-            on_reclaim_eligible=self._on_eligible if self.auto_reclaim else None,
+            self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
         )
+        self._started = True
         return self
 
-    async def _reclaim(self, version) -> None:
-        """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent)."""
-        from lorapub.core.version import VersionState
+    def _require_started(self) -> None:
+        if not self._started:
+            raise InvalidInput("call `await deployment.start()` first")
 
-        state = await self.reclaimer.reclaim(version)
-        for attempt in range(self.reclaim_retries):
-            if state is not VersionState.RECLAIMING:
-                return
-            await asyncio.sleep(self.reclaim_backoff * 2**attempt)
-            state = await self.reclaimer.retry(version)
-
-    def _on_eligible(self, version) -> None:
-        task = asyncio.get_running_loop().create_task(self._reclaim(version))
-        self._reclaims.add(task)
-        task.add_done_callback(self._reclaims.discard)
+    async def state(self) -> RegistryState:
+        """The registry's whole state (for reports and tests; sessions never need it)."""
+        self._require_started()
+        return (await self.registry.handle(ReadState())).reply
 
     async def settle(self) -> None:
-        """Wait for background reclaims started by session closes."""
-        while self._reclaims:
-            await asyncio.gather(*list(self._reclaims), return_exceptions=True)
+        """Wait for background reclaims started by session closes and commits."""
+        self._require_started()
+        await self.reclaimer.settle()
 
     async def refresh_engines(self) -> dict[str, str]:
         """Tell the registry about engines that restarted (their READYs and stashes are void)."""
         found = {}
         for name, engine in self.engines.items():
             found[name] = await engine.incarnation()
-            result = await self.registry.register_engine(name, found[name])
+            result = await self.registry.handle(RegisterEngine(name, found[name]))
             if result.effects:
                 await self.publisher.control.run(result.effects)
         return found
 
-    def _require_started(self) -> None:
-        if not hasattr(self, "legacy") and not hasattr(self, "sessions"):
-            raise InvalidInput("call `await deployment.start()` first")
-
-    async def publish(self, snapshot, version_id: str):
+    async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
         self._require_started()
-        if not self.enabled:
-            return await self.legacy.publish(snapshot, version_id)
         await self.refresh_engines()
-        report = await self.publisher.publish(snapshot, version_id)
-        if self.auto_reclaim and report.receipt is not None and report.receipt.retired is not None:
-            if report.receipt.retired in await self.registry.reclaimable():
-                self._on_eligible(report.receipt.retired)
-        return report
+        return await self.publisher.publish(snapshot, version_id)
 
-    def session(self, session_id: str, nonce: str | None = None):
+    async def reclaim(self, version: VersionKey):
+        """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background)."""
         self._require_started()
-        if not self.enabled:
-            engines = list(self.engines.values())
-            return LegacySession(engines[next(self._legacy_rr) % len(engines)])
+        return await self.reclaimer.reclaim(version)
+
+    def session(self, session_id: str, nonce: str | None = None) -> Session:
+        self._require_started()
         return self.sessions.session(session_id, nonce)
+
+
+async def deploy(
+    engines: Mapping[str, Any], *, epoch: int, enabled: bool, stash_dir: str | None = None, **options: Any
+) -> Deployment | OverwriteDeployment:
+    """The one switch. ``enabled=True``: a started :class:`Deployment` over
+    :class:`~lorapub.ports.EngineAdmin` engines. ``enabled=False``: the old overwrite path
+    over :class:`~lorapub.ports.OverwriteAdmin` engines (``options`` concern versioned
+    publication only and are not used there)."""
+    if enabled:
+        return await Deployment(engines, epoch=epoch, stash_dir=stash_dir, **options).start()
+    overwrite_engines: Mapping[str, OverwriteAdmin] = engines
+    return await OverwriteDeployment(overwrite_engines, stash_dir=stash_dir).start()

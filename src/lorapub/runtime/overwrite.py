@@ -1,21 +1,29 @@
-"""The pre-lorapub path, kept bit-for-bit for ``enable_versioned_lora_publication=False``:
-pause generation, flush the KV cache, overwrite one fixed adapter name, resume."""
+"""The pre-lorapub path, kept behaviour-for-behaviour for ``enabled=False``:
+pause generation, flush the KV cache, overwrite one fixed adapter name, resume.
+
+Its own type (:class:`OverwriteDeployment`), with its own port
+(:class:`~lorapub.ports.OverwriteAdmin`); :func:`lorapub.runtime.deployment.deploy`
+is the one switch between it and :class:`~lorapub.runtime.deployment.Deployment`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from typing import Any, Mapping
 
-from lorapub.errors import EngineError
+from lorapub.core.identity import LORA_NAME_PREFIX
+from lorapub.errors import EngineError, InvalidInput
+from lorapub.ports import OverwriteAdmin
 from lorapub.runtime.snapshot import Snapshot
 
-FIXED_LORA_NAME = "relax_policy_lora"
+FIXED_LORA_NAME = LORA_NAME_PREFIX
 
 
 class OverwritePublisher:
-    def __init__(self, engines: Mapping[str, Any], stash_dir: str, lora_name: str = FIXED_LORA_NAME) -> None:
+    def __init__(self, engines: Mapping[str, OverwriteAdmin], stash_dir: str, lora_name: str = FIXED_LORA_NAME) -> None:
         self.engines = dict(engines)
         self.stash_dir = stash_dir
         self.lora_name = lora_name
@@ -25,26 +33,25 @@ class OverwritePublisher:
         """Returns the seconds generation stood paused."""
         path = snapshot.save_peft_dir(os.path.join(self.stash_dir, "legacy", f"{self.updates:06d}-{version_id}"))
         started = time.monotonic()
-        await asyncio.gather(*(e.admin("/pause_generation", {"mode": "abort"}) for e in self.engines.values()))
+        await asyncio.gather(*(e.pause_generation() for e in self.engines.values()))
         try:
-            await asyncio.gather(*(e.admin("/flush_cache") for e in self.engines.values()))
+            await asyncio.gather(*(e.flush_cache() for e in self.engines.values()))
             for engine in self.engines.values():
-                state = await engine.state()
-                if self.lora_name in state.get("adapters", {}):
-                    await engine.admin("/unload_lora_adapter", {"lora_name": self.lora_name})
-                await engine.admin("/load_lora_adapter", {"lora_name": self.lora_name, "lora_path": path, "pinned": False})
+                if self.lora_name in await engine.loaded_adapters():
+                    await engine.unload_adapter(self.lora_name)
+                await engine.load_adapter(self.lora_name, path)
         finally:
-            await asyncio.gather(*(e.admin("/continue_generation") for e in self.engines.values()))
+            await asyncio.gather(*(e.continue_generation() for e in self.engines.values()))
         self.updates += 1
         return time.monotonic() - started
 
 
-class LegacySession:
+class OverwriteSession:
     """Old behaviour: every request names the one fixed adapter, whatever it holds now."""
 
     max_resumes = 20
 
-    def __init__(self, engine: Any, lora_name: str = FIXED_LORA_NAME) -> None:
+    def __init__(self, engine: OverwriteAdmin, lora_name: str = FIXED_LORA_NAME) -> None:
         self.engine = engine
         self.lora_name = lora_name
         self.resumed = 0
@@ -62,4 +69,28 @@ class LegacySession:
         return await self.engine.generate({**payload, "lora_path": self.lora_name})
 
     async def close(self) -> None:
+        return None
+
+
+class OverwriteDeployment:
+    """The switch-off product: ``publish`` returns the seconds paused, ``session`` an :class:`OverwriteSession`."""
+
+    def __init__(self, engines: Mapping[str, OverwriteAdmin], *, stash_dir: str | None = None) -> None:
+        if not engines:
+            raise InvalidInput("a deployment needs at least one engine")
+        self.engines = dict(engines)
+        self.publisher = OverwritePublisher(self.engines, stash_dir or "/tmp/lorapub-legacy")
+        self._round_robin = itertools.count()
+
+    async def start(self) -> "OverwriteDeployment":
+        return self
+
+    async def publish(self, snapshot: Snapshot, version_id: str) -> float:
+        return await self.publisher.publish(snapshot, version_id)
+
+    def session(self, session_id: str, nonce: str | None = None) -> OverwriteSession:
+        engines = list(self.engines.values())
+        return OverwriteSession(engines[next(self._round_robin) % len(engines)])
+
+    async def settle(self) -> None:
         return None
