@@ -12,10 +12,11 @@ SGLang raises :class:`SGLangMissing`.
 """
 
 from lorapub.testing._sglang_registry import SGLangMissing
+from lorapub.testing.conformance import ConformanceFailure, EngineUnderTest, check_engine_admin
 from lorapub.testing.fixtures import fake_manifest, fake_plan, lora_snapshot, peft_config, peft_lora_state_dict
-from lorapub.testing.sglang_double import SGLangDouble
+from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest
 
 __all__ = [
-    "SGLangDouble", "SGLangMissing", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
-    "peft_lora_state_dict",
+    "ConformanceFailure", "EngineUnderTest", "SGLangDouble", "SGLangMissing", "SGLangUnderTest",
+    "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config", "peft_lora_state_dict",
 ]

@@ -81,7 +81,8 @@ class SGLangDouble:
         self.url = ""
         self._runner: web.AppRunner | None = None
         self.events: list[tuple[str, str]] = []
-        self.generations = 0
+        self.generations = 0  # generations that ran to the end
+        self.generate_requests = 0  # /generate requests that reached the engine, whatever became of them
         registry = lora_registry_module()  # SGLangMissing here, not at import, when SGLang is absent
         self._LoRARegistry, self._LoRARef = registry.LoRARegistry, registry.LoRARef
         self._boot()
@@ -304,6 +305,7 @@ class SGLangDouble:
         return best
 
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        self.generate_requests += 1
         body = await request.json()
         ids = list(body.get("input_ids") or [ord(c) % 1000 for c in body.get("text", "")])
         sampling = body.get("sampling_params") or {}
@@ -388,3 +390,49 @@ class SGLangDouble:
 
     def registered(self) -> list[str]:
         return list(self.lora_registry.get_all_adapters())
+
+
+class SGLangUnderTest:
+    """lorapub's SGLang HTTP adapter against a fresh :class:`SGLangDouble`, as the
+    conformance suite sees it (:class:`~lorapub.testing.conformance.EngineUnderTest`)."""
+
+    def __init__(self, double: SGLangDouble, admin: Any) -> None:
+        self.double = double
+        self.admin = admin
+
+    @classmethod
+    async def start(cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0) -> "SGLangUnderTest":
+        from lorapub.adapters.sglang_http import SGLangEngine
+
+        double = await SGLangDouble(name, decode_delay=0.005).start()
+        admin = SGLangEngine(name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout)
+        return cls(double, admin)
+
+    async def served(self) -> set[str]:
+        return set(self.double.registered())
+
+    def physical_unloads(self, lora_name: str) -> int:
+        return self.double.physical_unloads.count(lora_name)
+
+    def native_refs(self, lora_name: str) -> int:
+        return self.double.refs(lora_name) or 0
+
+    def generate_requests(self) -> int:
+        return self.double.generate_requests
+
+    def generation(self, lora_name: str, *, long: bool = False) -> dict[str, Any]:
+        return {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 60 if long else 2}, "lora_path": lora_name}
+
+    def fail_next(self, op: str) -> None:
+        self.double.inject(op, "error", status=500)
+
+    def drop_next_reply(self, op: str) -> None:
+        timeout = self.admin.client.request_timeout if op == "generate" else self.admin.client.probe_timeout
+        if op == "generate":  # the request runs on; its reply comes after the client gave up
+            self.double.inject(op, "slow", delay=2 * timeout)
+        else:  # the work is done, the reply never comes
+            self.double.inject(op, "drop")
+
+    async def close(self) -> None:
+        await self.admin.close()
+        await self.double.stop()
