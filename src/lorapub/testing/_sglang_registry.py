@@ -26,7 +26,10 @@ class SGLangMissing(LorapubError):
 
 
 def sglang_root() -> str | None:
-    spec = importlib.util.find_spec("sglang")
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     return list(spec.submodule_search_locations)[0]

@@ -9,6 +9,7 @@ from lorapub.runtime.snapshot import Snapshot
 
 
 def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: int = 8, modules=("q_proj", "v_proj")):
+    """Seeded PEFT-named ``lora_A``/``lora_B`` float32 tensors (numpy), both non-zero."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -23,6 +24,7 @@ def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: 
 
 
 def peft_config(rank: int = 8, modules=("q_proj", "v_proj")) -> dict:
+    """The ``adapter_config.json`` that goes with :func:`peft_lora_state_dict`."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -36,6 +38,7 @@ def peft_config(rank: int = 8, modules=("q_proj", "v_proj")) -> dict:
 
 
 def lora_snapshot(seed: int, **shape) -> Snapshot:
+    """A :class:`~lorapub.Snapshot` of :func:`peft_lora_state_dict` (same seed, same digest)."""
     rank = shape.get("rank", 8)
     return Snapshot(peft_lora_state_dict(seed, **shape), peft_config(rank))
 

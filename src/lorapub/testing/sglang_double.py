@@ -59,6 +59,15 @@ class Fault:
 
 
 class SGLangDouble:
+    """One in-process SGLang server (``await SGLangDouble("e0").start()``, then ``.url``).
+
+    Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state`` and mode ``error``
+    (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
+    ``generate`` takes ``error`` or ``slow``; ``unload_slow`` delays the physical unload. ``restart()`` is a crash: a new incarnation
+    with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
+    ``registered()`` show what happened.
+    """
+
     def __init__(
         self,
         name: str,
