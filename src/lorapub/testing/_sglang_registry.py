@@ -37,8 +37,8 @@ def sglang_root() -> str | None:
 
 def _missing() -> SGLangMissing:
     return SGLangMissing(
-        "the SGLang contract double runs SGLang's own LoRARegistry; install it with "
-        "`pip install 'lorapub[demo]'` (or `pip install --no-deps sglang==0.5.23`)"
+        "the SGLang contract double runs SGLang's own LoRARegistry: "
+        "`pip install 'lorapub[demo]' && pip install --no-deps sglang==0.5.23` (no GPU stack needed)"
     )
 
 
