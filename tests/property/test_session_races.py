@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SOURCE
@@ -67,6 +67,8 @@ class RemoteLikeRegistry(LocalRegistry):
 
 
 class SessionRaces(RuleBasedStateMachine):
+    sessions_ = Bundle("sessions")  # local Session handles, so a shrunk failure names which one
+
     @initialize()
     def setup(self):
         self.loop = asyncio.new_event_loop()
@@ -121,14 +123,14 @@ class SessionRaces(RuleBasedStateMachine):
         self.service.apply(Commit(key, token, self.service.state.default_revision))
         self.versions += 1
 
-    @rule(i=st.integers(0, 3), nonce=st.integers(0, 1))
+    @rule(target=sessions_, i=st.integers(0, 3), nonce=st.integers(0, 1))
     def open_session(self, i, nonce):
-        self.handles.append(self.sessions.session(f"s{i}", nonce=f"n{nonce}"))
+        h = self.sessions.session(f"s{i}", nonce=f"n{nonce}")
+        self.handles.append(h)
+        return h
 
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data(), waiters=st.integers(1, 3))
-    def bind(self, data, waiters):
-        h = data.draw(st.sampled_from(self.handles))
+    @rule(h=sessions_, waiters=st.integers(1, 3))
+    def bind(self, h, waiters):
         for _ in range(waiters):
             self.spawn(self._swallow(h.bind))
 
@@ -137,16 +139,12 @@ class SessionRaces(RuleBasedStateMachine):
     def cancel_a_waiter(self, data):
         data.draw(st.sampled_from(self.tasks)).cancel()
 
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data(), steps=st.integers(0, 4))
-    def generate(self, data, steps):
-        h = data.draw(st.sampled_from(self.handles))
+    @rule(h=sessions_, steps=st.integers(0, 4))
+    def generate(self, h, steps):
         self.spawn(self._swallow(h.generate, {"rid": str(h.key), "steps": steps}))
 
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data())
-    def close(self, data):
-        h = data.draw(st.sampled_from(self.handles))
+    @rule(h=sessions_)
+    def close(self, h):
         self.spawn(self._swallow(h.close))
 
     @rule(n=st.integers(1, 6))
