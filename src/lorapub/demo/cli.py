@@ -19,12 +19,10 @@ def _row(*cells, widths):
 
 
 async def demo(args) -> int:
+    from lorapub import CapacityError, Deadlines, Deployment, LorapubError, NoPublishedVersion
     from lorapub.adapters.sglang_http import SGLangEngine
-    from lorapub.runtime.deployment import Deployment
-    from lorapub.runtime.runner import Deadlines
-    from lorapub.errors import CapacityError, LorapubError, NoPublishedVersion
-    from lorapub.testing.fixtures import lora_snapshot
     from lorapub.demo.workload import WorkloadSpec, run_workload, until
+    from lorapub.testing import lora_snapshot
 
     stash = args.stash_dir or tempfile.mkdtemp(prefix="lorapub-demo-")
     doubles = []
