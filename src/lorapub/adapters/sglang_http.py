@@ -5,9 +5,9 @@
 (an attempt-private stash directory the engine can read, local disk or a shared
 mount); ``end`` fresh-loads the verified adapter **pinned** through
 ``/load_lora_adapter`` and probes the exact name. :class:`SGLangOverwriteAdmin` is
-the :class:`~lorapub.ports.OverwriteAdmin` of the old overwrite path (switch off). Requires lorapub's SGLang patch (``/lorapub/state``
-gives the incarnation; managed adapters are neither implicitly reloaded nor
-unloadable without a reclaim id).
+the :class:`~lorapub.ports.OverwriteAdmin` of the old overwrite path (switch off).
+Requires lorapub's SGLang patch (its state route gives the incarnation; managed
+adapters are neither implicitly reloaded nor unloadable without a reclaim id).
 
 Transport rules: a generation is sent once. A timeout or dropped connection
 is :class:`OutcomeUnknown` and is never resent here.
@@ -25,7 +25,7 @@ import aiohttp
 from lorapub.adapters.staging import Staging
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, AttemptToken
+from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
@@ -86,12 +86,12 @@ class SGLangHTTP:
             raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
 
     async def state(self) -> dict[str, Any]:
-        """``/lorapub/state`` of lorapub's SGLang patch: incarnation, adapters, refs, pending unloads."""
-        status, body = await self.request("GET", "/lorapub/state", timeout=self.probe_timeout)
+        """The state route of lorapub's SGLang patch: incarnation, adapters, refs, pending unloads."""
+        status, body = await self.request("GET", STATE_ROUTE, timeout=self.probe_timeout)
         if status == 404 and self.require_patch:
-            raise EngineError(f"{self.name} lacks lorapub's SGLang patch (/lorapub/state is missing)")
+            raise EngineError(f"{self.name} lacks lorapub's SGLang patch ({STATE_ROUTE} is missing)")
         if status != 200:
-            raise EngineError(f"{self.name} /lorapub/state answered {status}: {_message(body, '')}")
+            raise EngineError(f"{self.name} {STATE_ROUTE} answered {status}: {_message(body, '')}")
         if self.require_patch and not body.get("managed_patch"):
             raise EngineError(f"{self.name} runs without lorapub's managed-adapter patch (implicit reload possible)")
         return body

@@ -13,6 +13,8 @@ LORA_NAME_PREFIX = "relax_policy_lora"
 MANAGED_PREFIX = LORA_NAME_PREFIX + "@"
 #: The header that authorises the unload of a managed adapter (reclaim or cleanup).
 RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
+#: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads.
+STATE_ROUTE = "/lorapub/state"
 DIGEST_PREFIX_LEN = 12
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")

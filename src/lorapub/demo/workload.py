@@ -111,7 +111,10 @@ async def run_workload(
     *,
     on_record: Callable[[RequestRecord], None] | None = None,
     stop: asyncio.Event | None = None,
+    version_of: Callable[[Any], Any] | None = None,
 ) -> WorkloadResult:
+    """``version_of(session)`` names the version that served a turn when the engine's reply
+    does not (live SGLang reports no ``lora_id``)."""
     rng = random.Random(spec.seed)
     plans = [
         (
@@ -139,7 +142,7 @@ async def run_workload(
                     )
                     meta = out.get("meta_info", {})
                     rec.ok = True
-                    rec.lora_id = meta.get("lora_id")
+                    rec.lora_id = meta.get("lora_id") or (version_of(session) if version_of else None)
                     rec.cached_tokens = int(meta.get("cached_tokens", 0))
                     context += list(out.get("output_ids", [])) + tool_output  # the tool turn appends its output
                 except LorapubError as e:

@@ -60,12 +60,17 @@ class OverwriteSession:
         # The old agentic layer resumes requests that a publication's pause aborted.
         for _ in range(self.max_resumes):
             try:
-                return await self.engine.generate({**payload, "lora_path": self.lora_name})
+                out = await self.engine.generate({**payload, "lora_path": self.lora_name})
             except EngineError as e:
                 if "aborted" not in e.message:
                     raise
-                self.resumed += 1
-                await asyncio.sleep(0.005)
+            else:
+                # SGLang answers a request that pause_generation(mode="abort") cut short with 200 and
+                # finish_reason "abort"; the old agentic layer resumes it.
+                if ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type") != "abort":
+                    return out
+            self.resumed += 1
+            await asyncio.sleep(0.005)
         return await self.engine.generate({**payload, "lora_path": self.lora_name})
 
     async def close(self) -> None:

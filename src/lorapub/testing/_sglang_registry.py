@@ -3,13 +3,13 @@
 ``import sglang`` pulls the whole GPU runtime (PIL, triton, CUDA kernels…). The LoRA
 registry is pure asyncio, so its exact source file is loaded from the installed wheel,
 with its two utility imports taken from the same wheel: ``ConcurrentCounter``
-(extracted verbatim from ``sglang/srt/utils/common.py``) and ``RWLock``.
+(extracted verbatim from ``sglang/srt/utils/common.py``) and ``RWLock``. Nothing of
+SGLang is imported, so the GPU runtime never needs to be present.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -54,39 +54,36 @@ def _extract(root: str, rel: str, name: str) -> str:
     return "\n".join(src.splitlines()[start : node.end_lineno]) + "\n"
 
 
+def _load_file(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @lru_cache(maxsize=1)
 def lora_registry_module() -> types.ModuleType:
-    """The real ``sglang.srt.lora.lora_registry`` module; :class:`SGLangMissing` without SGLang."""
-    try:  # a full install (GPU machine) imports normally
-        import sglang.srt.lora.lora_registry as real
-
-        return real
-    except Exception:
-        pass
+    """SGLang's own ``srt/lora/lora_registry.py``, loaded from the installed wheel under a
+    private module name (the ``sglang`` namespace is left as it was); :class:`SGLangMissing`
+    without SGLang."""
     root = sglang_root()
-    if root is None:
+    if root is None or not os.path.exists(os.path.join(root, "srt", "lora", "lora_registry.py")):
         raise _missing()
-    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
-        del sys.modules[name]
-    utils = types.ModuleType("sglang.srt.utils")
+    utils = types.ModuleType("lorapub_sglang.utils")
     source = "import asyncio\n" + _extract(root, "srt/utils/common.py", "ConcurrentCounter")
     exec(compile(source, "common.py", "exec"), utils.__dict__)
-    for pkg, where in (
-        ("sglang", root), ("sglang.srt", os.path.join(root, "srt")), ("sglang.srt.lora", os.path.join(root, "srt", "lora")),
-    ):
-        mod = types.ModuleType(pkg)
-        mod.__path__ = []  # placeholder package: only the files loaded below are real
-        mod.__spec__ = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
-        mod.__spec__.submodule_search_locations = [where]  # so find_spec still locates the wheel
-        sys.modules[pkg] = mod
-    sys.modules["sglang.srt.utils"] = utils
-    utils.__path__ = []
-    for name, rel in (
-        ("sglang.srt.utils.aio_rwlock", "srt/utils/aio_rwlock.py"),
-        ("sglang.srt.lora.lora_registry", "srt/lora/lora_registry.py"),
-    ):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, rel))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["sglang.srt.lora.lora_registry"]
+    rwlock = _load_file("lorapub_sglang.aio_rwlock", os.path.join(root, "srt", "utils", "aio_rwlock.py"))
+    utils.aio_rwlock = rwlock
+    # lora_registry imports `sglang.srt.utils` and `sglang.srt.utils.aio_rwlock`: resolve them to
+    # the wheel's copies while it loads, then put back whatever was there.
+    names = ("sglang.srt.utils", "sglang.srt.utils.aio_rwlock")
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update({"sglang.srt.utils": utils, "sglang.srt.utils.aio_rwlock": rwlock})
+    try:
+        return _load_file("lorapub_sglang.lora_registry", os.path.join(root, "srt", "lora", "lora_registry.py"))
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module

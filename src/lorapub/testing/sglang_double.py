@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER
+from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
 from lorapub.testing._sglang_registry import lora_registry_module
 
 
@@ -121,7 +121,7 @@ class SGLangDouble:
         r.add_post("/load_lora_adapter", self.h_load)
         r.add_post("/unload_lora_adapter", self.h_unload)
         r.add_post("/generate", self.h_generate)
-        r.add_get("/lorapub/state", self.h_state)
+        r.add_get(STATE_ROUTE, self.h_state)
         r.add_get("/health", self.h_health)
         r.add_get("/server_info", self.h_server_info)
         r.add_post("/pause_generation", self.h_pause)
