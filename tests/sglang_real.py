@@ -1,56 +1,65 @@
-"""Load the real SGLang 0.5.23 LoRA code on a CPU machine.
+"""Load a real SGLang release's LoRA code on a CPU machine.
 
-``import sglang`` pulls the whole GPU runtime (PIL, triton, CUDA kernels…).
-The LoRA registry and the tokenizer-manager LoRA paths are pure asyncio, so
-we load those exact source files from the installed wheel and provide only
-their two utility imports, taken from the same wheel: ``ConcurrentCounter``
-(extracted verbatim from ``sglang/srt/utils/common.py``) and ``RWLock``.
-Functions of TokenizerManager are extracted verbatim the same way.
+``import sglang`` pulls the whole GPU runtime (PIL, triton, CUDA kernels…). The LoRA
+registry and the tokenizer-manager LoRA paths are pure asyncio, so we load those exact
+source files from an SGLang tree and provide only their two utility imports, taken from
+the same tree: ``ConcurrentCounter`` (extracted verbatim from ``srt/utils/common.py``) and
+``RWLock``.
+
+Two trees are used: the installed wheel (0.5.23) and an unpacked 0.5.17 wheel that
+``.ci/install`` puts under ``.cache/sglang/0.5.17/sglang`` (or ``$LORAPUB_SGLANG_0517``).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 import types
 from functools import lru_cache
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def sglang_root() -> str | None:
+    """The installed sglang package folder."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         return None
     return list(spec.submodule_search_locations)[0]
 
 
-def sglang_version() -> str | None:
-    try:
-        from importlib.metadata import version
+def release_root(release: str) -> str | None:
+    """The sglang package folder of ``release`` on this machine, if there is one."""
+    if release == "0.5.17":
+        root = os.environ.get("LORAPUB_SGLANG_0517") or os.path.join(REPO, ".cache", "sglang", "0.5.17", "sglang")
+    else:
+        root = sglang_root()
+    if root and os.path.exists(os.path.join(root, "srt", "lora", "lora_registry.py")):
+        if release_of(root) == release:
+            return root
+    return None
 
-        return version("sglang")
-    except Exception:
+
+def release_of(root: str) -> str | None:
+    """The version an sglang tree says it is (``_version.py``), without importing it."""
+    try:
+        with open(os.path.join(root, "_version.py")) as f:
+            found = re.search(r"""^__version__ = version = ['"]([^'"]+)['"]""", f.read(), re.M)
+        return found.group(1) if found else None
+    except OSError:
         return None
 
 
-def _source(rel: str) -> str:
-    root = sglang_root()
-    if root is None:
-        raise ImportError("sglang is not installed")
-    with open(os.path.join(root, rel)) as f:
-        return f.read()
-
-
-def extract(rel: str, name: str, class_name: str | None = None) -> str:
+def extract(root: str, rel: str, name: str, class_name: str | None = None) -> str:
     """Verbatim source of a top-level class/function, or of a method of ``class_name``."""
-    src = _source(rel)
-    tree = ast.parse(src)
-    nodes = tree.body
+    with open(os.path.join(root, rel)) as f:
+        src = f.read()
+    nodes = ast.parse(src).body
     if class_name is not None:
-        cls = next(n for n in nodes if isinstance(n, ast.ClassDef) and n.name == class_name)
-        nodes = cls.body
+        nodes = next(n for n in nodes if isinstance(n, ast.ClassDef) and n.name == class_name).body
     node = next(n for n in nodes if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     lines = src.splitlines()[start : node.end_lineno]
@@ -58,44 +67,46 @@ def extract(rel: str, name: str, class_name: str | None = None) -> str:
     return "\n".join(line[indent:] for line in lines) + "\n"
 
 
-@lru_cache(maxsize=1)
-def lora_registry_module() -> types.ModuleType:
-    """The real ``sglang.srt.lora.lora_registry`` module."""
-    try:  # a full install (GPU machine) imports normally
-        import sglang.srt.lora.lora_registry as real  # noqa: F401
+def _load_file(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-        return real
-    except Exception:
-        pass
-    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
-        del sys.modules[name]
-    root = sglang_root()
+
+@lru_cache(maxsize=4)
+def lora_registry_module(root: str | None = None) -> types.ModuleType:
+    """The real ``srt/lora/lora_registry.py`` of the tree at ``root`` (default: installed)."""
+    root = root or sglang_root()
     if root is None:
         raise ImportError("sglang is not installed")
-    utils = types.ModuleType("sglang.srt.utils")
-    exec(compile("import asyncio\n" + extract("srt/utils/common.py", "ConcurrentCounter"), "common.py", "exec"), utils.__dict__)
-    for pkg, where in (("sglang", root), ("sglang.srt", os.path.join(root, "srt")), ("sglang.srt.lora", os.path.join(root, "srt", "lora"))):
-        mod = types.ModuleType(pkg)
-        mod.__path__ = []  # placeholder package: only the files loaded below are real
-        mod.__spec__ = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
-        mod.__spec__.submodule_search_locations = [where]  # so find_spec still locates the wheel
-        sys.modules[pkg] = mod
-    sys.modules["sglang.srt.utils"] = utils
-    utils.__path__ = []
-    for name, rel in (
-        ("sglang.srt.utils.aio_rwlock", "srt/utils/aio_rwlock.py"),
-        ("sglang.srt.lora.lora_registry", "srt/lora/lora_registry.py"),
-    ):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, rel))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["sglang.srt.lora.lora_registry"]
-
-
-def available() -> bool:
+    tag = re.sub(r"\W", "_", release_of(root) or "x")
+    utils = types.ModuleType(f"lorapub_sglang_{tag}.utils")
+    exec(compile("import asyncio\n" + extract(root, "srt/utils/common.py", "ConcurrentCounter"), "common.py", "exec"),
+         utils.__dict__)
+    rwlock = _load_file(f"lorapub_sglang_{tag}.aio_rwlock", os.path.join(root, "srt/utils/aio_rwlock.py"))
+    # lora_registry imports `sglang.srt.utils` and `sglang.srt.utils.aio_rwlock`: resolve them to this
+    # tree's copies while it loads, then put back whatever was there.
+    names = ("sglang.srt.utils", "sglang.srt.utils.aio_rwlock")
+    saved = {n: sys.modules.get(n) for n in names}
+    utils.aio_rwlock = rwlock
+    sys.modules.update({"sglang.srt.utils": utils, "sglang.srt.utils.aio_rwlock": rwlock})
     try:
-        lora_registry_module()
+        return _load_file(f"lorapub_sglang_{tag}.lora_registry", os.path.join(root, "srt/lora/lora_registry.py"))
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
+
+
+def available(release: str = "0.5.23") -> bool:
+    root = release_root(release)
+    if root is None:
+        return False
+    try:
+        lora_registry_module(root)
         return True
     except Exception:
         return False

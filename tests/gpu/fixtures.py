@@ -9,8 +9,8 @@ import os
 import torch
 
 TINY_QWEN3 = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=16384,
     tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
 )
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)

@@ -1,9 +1,23 @@
-"""``python -m lorapub.sglang_patch.launch <sglang.launch_server args>``: SGLang with lorapub's patch."""
+"""``python -m lorapub.sglang_patch launch <sglang.launch_server args>``: SGLang with lorapub's patch.
 
+``LORAPUB_SGLANG_PATCH=observe`` adds only the read-only ``/lorapub/state`` route to an
+otherwise unpatched server (to measure what SGLang does without the patch).
+"""
+
+import os
 import runpy
 
-from lorapub import sglang_patch
+
+def main() -> None:
+    from lorapub import sglang_patch
+    from lorapub.sglang_patch.routes import add_state_route
+
+    if os.environ.get("LORAPUB_SGLANG_PATCH", "apply") == "observe":
+        add_state_route(None, sglang_patch.verify(), form="observe")
+    else:
+        sglang_patch.apply()
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
 
 if __name__ == "__main__":
-    sglang_patch.apply()
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    main()

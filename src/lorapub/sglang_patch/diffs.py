@@ -1,0 +1,92 @@
+"""The diff form: unified diffs per release, shipped as package data under ``diffs/<release>/``.
+
+``apply_diffs`` recognises the release by its fingerprints, applies the whole series to a
+scratch copy first, and touches the installation only when every diff applies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+from lorapub.sglang_patch.targets import RELEASES, SUPPORTED, PatchMismatch, detect, sglang_root
+
+
+def diff_files(version: str) -> list[str]:
+    folder = resources.files("lorapub.sglang_patch") / "diffs" / version
+    return sorted(str(p) for p in folder.iterdir() if p.name.endswith(".diff"))
+
+
+def already_applied(root: str) -> bool:
+    """Whether lorapub's diffs were applied at ``root`` (their marker is in the code)."""
+    for release in RELEASES.values():
+        rel, marker = release.applied_marker
+        path = os.path.join(root, rel)
+        if os.path.exists(path):
+            with open(path) as f:
+                if marker in f.read():
+                    return True
+    return False
+
+
+def _patch(root: str, diff: str, dry: bool = False) -> subprocess.CompletedProcess:
+    if shutil.which("patch") is None:
+        raise PatchMismatch("GNU patch is needed to apply the diffs (apt-get install patch)")
+    # the diffs name a/sglang/<file>: strip two levels and patch inside the package folder
+    args = ["patch", "-p2", "--forward", "--batch", "-d", root] + (["--dry-run"] if dry else [])
+    with open(diff) as f:
+        return subprocess.run(args, stdin=f, capture_output=True, text=True)
+
+
+def apply_diffs(root: str | None = None, *, check_only: bool = False) -> str:
+    """Apply (or only check) the diffs of the release found at ``root``. Returns a one-line report."""
+    root = os.path.abspath(root or sglang_root())
+    if already_applied(root):
+        return f"{root}: lorapub's patches are already applied"
+    release = detect(root)
+    diffs = diff_files(release.version)
+    with tempfile.TemporaryDirectory() as scratch:
+        for rel in release.touched_files:
+            os.makedirs(os.path.join(scratch, os.path.dirname(rel)), exist_ok=True)
+            shutil.copy(os.path.join(root, rel), os.path.join(scratch, rel))
+        for diff in diffs:
+            result = _patch(scratch, diff)
+            if result.returncode != 0:
+                raise PatchMismatch(f"{os.path.basename(diff)} does not apply:\n{result.stdout}{result.stderr}")
+    if check_only:
+        return f"{root}: SGLang {release.version} verified; {len(diffs)} patches apply"
+    for diff in diffs:
+        result = _patch(root, diff)
+        if result.returncode != 0:  # the scratch run passed, so this is a write or permission problem
+            raise PatchMismatch(f"{os.path.basename(diff)} failed on {root}:\n{result.stdout}{result.stderr}")
+    return f"{root}: applied {len(diffs)} patches for SGLang {release.version}"
+
+
+def render_0517(root: str) -> dict[str, str]:
+    """Unified diffs of the 0.5.17 edits against the pristine tree at ``root`` (file name -> text)."""
+    from lorapub.sglang_patch import release_0517
+
+    if detect(root).version != "0.5.17":
+        raise PatchMismatch(f"{root} is not a pristine SGLang 0.5.17 tree")
+    out = {}
+    for n, (rel, text) in enumerate(sorted(release_0517.patched_files(root).items()), start=1):
+        with tempfile.TemporaryDirectory() as tmp:
+            for side, body in (("a", open(os.path.join(root, rel)).read()), ("b", text)):
+                path = os.path.join(tmp, side, "sglang", rel)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(body)
+            diff = subprocess.run(
+                ["diff", "-u", "--label", f"a/sglang/{rel}", "--label", f"b/sglang/{rel}", f"a/sglang/{rel}",
+                 f"b/sglang/{rel}"],
+                cwd=tmp, capture_output=True, text=True,
+            ).stdout
+        stem = os.path.splitext(os.path.basename(rel))[0].replace("_", "-")
+        out[f"{n:04d}-{stem}.diff"] = diff
+    return out
+
+
+__all__ = ["SUPPORTED", "already_applied", "apply_diffs", "diff_files", "render_0517"]

@@ -1,0 +1,248 @@
+"""lorapub's patch for SGLang 0.5.17, as source edits.
+
+0.5.17 predates upstream's exactly-once LoRA release (``ReqState.lora_released`` and
+``_release_lora_once`` arrived later), so this release needs more than 0.5.23:
+
+1. **Exactly-once release.** 0.5.17 releases inline at two sites and misses others:
+   a 500/503 abort that finished through the batch-output path is released twice
+   (the count drops under a request that still runs, or below zero), a request
+   rejected after ``acquire`` but before scheduling (400 over context length) and a
+   client disconnect (its state is discarded before the scheduler's echo arrives) are
+   never released, and an abort echoed from the waiting queue is never released.
+   Every release now goes through ``_lorapub_release_lora_once``; a discarded request
+   that reached the scheduler is released by the scheduler's terminal echo.
+2. **No implicit reload of managed adapters.** A managed name leaves ``lora_ref_cache``
+   when its unload starts, so a late request gets "never been loaded" (400).
+3. **Managed pinned adapters leave only through lorapub** (a reclaim id header);
+   an unload interrupted mid-wait is remembered as pending (backport of 0.5.23's
+   ``pending_lora_unloads``) so a retry waits for the same ``lora_id``.
+
+The same edits build both forms: the runtime form recompiles each edited function from
+the fingerprinted source; the diff form (``diffs/0.5.17``) is these edits applied to the
+files, and a test keeps the two identical.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from lorapub.sglang_patch.targets import MIXIN, MIXIN_FILE, TM, TM_FILE
+
+
+@attrs.frozen
+class Edit:
+    old: str
+    new: str
+
+
+@attrs.frozen
+class FunctionEdit:
+    rel: str
+    cls: str
+    name: str
+    edits: tuple[Edit, ...]
+
+
+RELEASE_ONCE = "self._lorapub_release_lora_once(state)"
+
+FUNCTION_EDITS = (
+    FunctionEdit(TM_FILE, TM, "_handle_batch_output", (
+        Edit(
+            "                    asyncio.create_task(self.lora_registry.release(state.obj.lora_id))",
+            f"                    {RELEASE_ONCE}",
+        ),
+        Edit(
+            "            state = self.rid_to_state.get(rid, None)\n            if state is None:\n",
+            "            state = self.rid_to_state.get(rid, None)\n            if state is None:\n"
+            "                if recv_obj.finished_reasons[i] is not None:\n"
+            "                    # lorapub: the terminal echo of a discarded, dispatched request\n"
+            "                    self._lorapub_release_orphan(rid)\n",
+        ),
+    )),
+    FunctionEdit(TM_FILE, TM, "_handle_abort_finish_reason", (
+        Edit(
+            "                await self.lora_registry.release(state.obj.lora_id)",
+            f"                {RELEASE_ONCE}",
+        ),
+    )),
+    FunctionEdit(TM_FILE, TM, "_handle_abort_req", (
+        Edit(
+            "        state = self.rid_to_state.get(recv_obj.rid)\n        if state is None:\n",
+            "        state = self.rid_to_state.get(recv_obj.rid)\n        if state is None:\n"
+            "            self._lorapub_release_orphan(recv_obj.rid)  # lorapub\n",
+        ),
+        Edit(
+            "        self._remove_req_state(recv_obj.rid)\n\n        state.out_list.append(out)",
+            "        self._remove_req_state(recv_obj.rid)\n"
+            "        # lorapub: an abort echoed by the scheduler is this request's terminal\n"
+            "        if self.enable_lora and state.obj.lora_path:\n"
+            f"            {RELEASE_ONCE}\n\n        state.out_list.append(out)",
+        ),
+    )),
+    FunctionEdit(TM_FILE, TM, "_discard_pending_req_states", (
+        Edit(
+            "                self._remove_req_state(child_rid, lifecycle_id)\n"
+            "            self._remove_req_state(logical_rid, lifecycle_id)",
+            "                self._lorapub_discard_req_state(child_rid, lifecycle_id)\n"
+            "            self._lorapub_discard_req_state(logical_rid, lifecycle_id)",
+        ),
+    )),
+    FunctionEdit(MIXIN_FILE, MIXIN, "_unload_lora_adapter_locked", (
+        Edit(
+            "        # Unregister the LoRA adapter from the registry to stop new requests for this adapter\n"
+            "        # from being started.\n"
+            "        lora_id = await self.lora_registry.unregister(obj.lora_name)\n"
+            "        obj.lora_id = lora_id\n",
+            "        if _is_managed_lora(obj.lora_name):\n"
+            "            # lorapub: a managed adapter that starts unloading is gone for good; a late\n"
+            "            # request must fail with \"never been loaded\", not reload it under a new lora_id.\n"
+            "            self.lora_ref_cache.pop(obj.lora_name, None)\n"
+            "        pending = self._lorapub_pending_unloads()\n"
+            "        lora_id = pending.get(obj.lora_name)\n"
+            "        if lora_id is None:\n"
+            "            # Unregister the LoRA adapter from the registry to stop new requests for this adapter\n"
+            "            # from being started.\n"
+            "            lora_id = await self.lora_registry.unregister(obj.lora_name)\n"
+            "            pending[obj.lora_name] = lora_id\n"
+            "        obj.lora_id = lora_id\n",
+        ),
+        Edit(
+            "            await self.update_lora_adapter_communicator(obj)\n        )\n\n        return result",
+            "            await self.update_lora_adapter_communicator(obj)\n        )\n"
+            "        if result.success:\n            pending.pop(obj.lora_name, None)\n        return result",
+        ),
+    )),
+    FunctionEdit(MIXIN_FILE, MIXIN, "unload_lora_adapter", (
+        Edit(
+            "            async with self.lora_update_lock:\n"
+            "                return await self._unload_lora_adapter_locked(obj)",
+            "            self._lorapub_refuse_ordinary_unload(obj, _)\n"
+            "            async with self.lora_update_lock:\n"
+            "                return await self._unload_lora_adapter_locked(obj)",
+        ),
+    )),
+)
+
+# Methods added to TokenizerManager (tokenizer_manager.py), class-body indentation.
+TM_METHODS = '''
+    # -- lorapub: exactly-once LoRA release ------------------------------------------
+    def _lorapub_release_lora_once(self, state):
+        """Release the LoRA ref a request acquired, at most once, whatever its terminal path."""
+        if state.__dict__.get("lorapub_lora_released"):
+            return None
+        state.__dict__["lorapub_lora_released"] = True
+        if not (self.enable_lora and state.obj.lora_path) or getattr(state.obj, "lora_id", None) is None:
+            return None  # rejected before acquire: nothing to release
+        return asyncio.create_task(self.lora_registry.release(state.obj.lora_id))
+
+    def _lorapub_orphans(self):
+        orphans = self.__dict__.get("lorapub_lora_orphans")
+        if orphans is None:
+            orphans = self.__dict__["lorapub_lora_orphans"] = {}
+        return orphans
+
+    def _lorapub_release_orphan(self, rid):
+        state = self._lorapub_orphans().pop(rid, None)
+        if state is not None:
+            self._lorapub_release_lora_once(state)
+
+    def _lorapub_discard_req_state(self, rid, lifecycle_id):
+        """Drop a failed request's state; release its LoRA ref now, or at the scheduler's echo."""
+        state = self._remove_req_state(rid, lifecycle_id)
+        if state is not None and self.enable_lora and state.obj.lora_path:
+            if state.dispatched:
+                self._lorapub_orphans()[rid] = state  # still in the scheduler until it echoes
+            else:
+                self._lorapub_release_lora_once(state)
+        return state
+'''
+
+# Methods added to TokenizerControlMixin (tokenizer_control_mixin.py).
+MIXIN_METHODS = '''
+    # -- lorapub: managed adapters -----------------------------------------------------
+    def _lorapub_pending_unloads(self):
+        """Unloads started but not finished (name -> lora_id), so a retry resumes the same one."""
+        pending = self.__dict__.get("lorapub_pending_unloads")
+        if pending is None:
+            pending = self.__dict__["lorapub_pending_unloads"] = {}
+        return pending
+
+    def _lorapub_refuse_ordinary_unload(self, obj, request):
+        """A managed pinned adapter leaves only through lorapub's reclaim or cleanup."""
+        ref = self.lora_registry.get_all_adapters().get(obj.lora_name)
+        if (
+            _is_managed_lora(obj.lora_name)
+            and ref is not None
+            and ref.pinned
+            and obj.lora_name not in self._lorapub_pending_unloads()
+            and not (request is not None and request.headers.get(LORAPUB_RECLAIM_HEADER))
+        ):
+            raise ValueError(
+                f"LoRA adapter '{obj.lora_name}' is managed by lorapub; "
+                f"unload refused without {LORAPUB_RECLAIM_HEADER}"
+            )
+'''
+
+# Module-level names the mixin methods use (the runtime form puts them in the module's globals).
+MIXIN_GLOBALS = '''
+# lorapub: adapters under this name prefix are managed (versioned, pinned, reclaimed by lorapub).
+LORAPUB_MANAGED_PREFIX = os.environ.get("SGLANG_LORAPUB_MANAGED_PREFIX", "relax_policy_lora@")
+LORAPUB_RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
+
+
+def _is_managed_lora(lora_name) -> bool:
+    return bool(LORAPUB_MANAGED_PREFIX) and isinstance(lora_name, str) and lora_name.startswith(LORAPUB_MANAGED_PREFIX)
+'''
+
+# The state route, added to http_server.py by the diff form (the runtime form adds routes.py's).
+HTTP_ROUTE = '''_LORAPUB_INCARNATION = uuid.uuid4().hex
+
+
+@app.get("/lorapub/state")
+@auth_level(AuthLevel.ADMIN_OPTIONAL)
+async def lorapub_state():
+    """lorapub: this server's incarnation and its LoRA registry (ids, pins, native refs)."""
+    tm = _global_state.tokenizer_manager
+    registry = tm.lora_registry
+    return {
+        "incarnation": _LORAPUB_INCARNATION,
+        "sglang": "0.5.17",
+        "patch": "diff",
+        "managed_patch": True,
+        "max_loaded_loras": tm.server_args.max_loaded_loras,
+        "adapters": {
+            name: {
+                "lora_id": ref.lora_id,
+                "lora_path": ref.lora_path,
+                "pinned": bool(ref.pinned),
+                "refs": registry._counters[ref.lora_id].value() if ref.lora_id in registry._counters else 0,
+            }
+            for name, ref in registry.get_all_adapters().items()
+        },
+        "pending_unloads": dict(tm._lorapub_pending_unloads()),
+    }
+
+
+'''
+
+
+def patched_files(root: str) -> dict[str, str]:
+    """The three files of an SGLang 0.5.17 tree at ``root`` with lorapub's edits (for the diffs)."""
+    from lorapub.sglang_patch.edits import edited_source, insert_before, read
+    from lorapub.sglang_patch.targets import HTTP_FILE
+
+    texts = {rel: read(root, rel) for rel in (TM_FILE, MIXIN_FILE, HTTP_FILE)}
+    for fe in FUNCTION_EDITS:
+        original, edited = edited_source(fe, root)
+        assert texts[fe.rel].count(original) == 1, fe.name
+        texts[fe.rel] = texts[fe.rel].replace(original, edited)
+    texts[TM_FILE] = insert_before(texts[TM_FILE], "    def _discard_pending_req_states(\n", TM_METHODS.lstrip("\n") + "\n", TM_FILE)
+    mixin = texts[MIXIN_FILE]
+    mixin = insert_before(mixin, "import time\n", "import os\n", MIXIN_FILE)
+    mixin = insert_before(mixin, "def _merge_lora_update_results(", MIXIN_GLOBALS.lstrip("\n") + "\n\n", MIXIN_FILE)
+    mixin = insert_before(mixin, "    async def _unload_lora_adapter_locked(\n", MIXIN_METHODS.lstrip("\n") + "\n", MIXIN_FILE)
+    texts[MIXIN_FILE] = mixin
+    texts[HTTP_FILE] = insert_before(
+        texts[HTTP_FILE], '@app.api_route("/load_lora_adapter", methods=["POST"])\n', HTTP_ROUTE, HTTP_FILE
+    )
+    return texts

@@ -1,0 +1,155 @@
+"""The one table of what lorapub's SGLang patch touches, per supported SGLang release.
+
+Both forms of the patch read it: the runtime form checks every fingerprint before it
+replaces a function, the diff form checks them before it touches a file. A release is
+recognised by its code, not by its version string: every fingerprint must match.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import os
+
+import attrs
+
+from lorapub.core.identity import LORA_NAME_PREFIX
+
+# Defined once for the whole project: engines, the HTTP adapter and both patch forms use these.
+MANAGED_PREFIX = f"{LORA_NAME_PREFIX}@"
+RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
+STATE_ROUTE = "/lorapub/state"
+
+TM_FILE = "srt/managers/tokenizer_manager.py"
+MIXIN_FILE = "srt/managers/tokenizer_control_mixin.py"
+HTTP_FILE = "srt/entrypoints/http_server.py"
+TM = "TokenizerManager"
+MIXIN = "TokenizerControlMixin"
+
+
+class PatchMismatch(RuntimeError):
+    """The SGLang code found is not a release this patch was written for."""
+
+
+@attrs.frozen
+class Release:
+    version: str
+    # (file, class, function) -> sha256 of the function's source text in that release
+    fingerprints: dict[tuple[str, str, str], str]
+    touched_files: tuple[str, ...] = (TM_FILE, MIXIN_FILE, HTTP_FILE)
+    # the text a diff-patched file carries, so an applied patch is recognised
+    applied_marker: tuple[str, str] = (MIXIN_FILE, "LORAPUB_MANAGED_PREFIX")
+
+
+RELEASES: dict[str, Release] = {
+    "0.5.17": Release(
+        "0.5.17",
+        {
+            # patched: exactly-once release at every terminal, orphans of discarded requests
+            (TM_FILE, TM, "_handle_batch_output"):
+                "4adfb1cf333c597230e8ae239b3d435261bffb856d1837d747c329179a625830",
+            (TM_FILE, TM, "_handle_abort_finish_reason"):
+                "b53564ab76bbb12d3b5ee06a6f8866c277be1a0a2ab827c989f12ae75fc736c0",
+            (TM_FILE, TM, "_handle_abort_req"):
+                "8e49bca9d1d26f2c66640eda918afc67b04481ad5b0b51e8996ad3f47de7486b",
+            (TM_FILE, TM, "_discard_pending_req_states"):
+                "4ef7ec4c64bc33b9f16750be961284654e2fb941000df95782b8e6446d9a627d",
+            # relied on unchanged: the implicit reload that patch 2 starves of its cache entry
+            (TM_FILE, TM, "_resolve_lora_path"):
+                "d5be9dde312f9d1679d170d6da389c1027463f35a2c190f7a3fa39cc060b9157",
+            (MIXIN_FILE, MIXIN, "_unload_lora_adapter_locked"):
+                "4d921cecf004faf986b5ff7936e5c289f7b3e755cf205bcc47abd3222a93271e",
+            (MIXIN_FILE, MIXIN, "unload_lora_adapter"):
+                "40a0c6ea0f6463c098e79f05c4f48a24081aa53794266f821b4ba477ff993e5e",
+            (MIXIN_FILE, MIXIN, "load_lora_adapter"):
+                "056532175533ab931e681a3acf826e1c624bb42a69af6d24785ee37343f44a70",
+        },
+    ),
+    "0.5.23": Release(
+        "0.5.23",
+        {
+            (TM_FILE, TM, "_release_lora_once"):
+                "43c0ffb0b9b40bd47aded7006d1bf1435cb4c27f49c5e637bd62862c0783d44e",
+            (TM_FILE, TM, "_resolve_lora_path"):
+                "a0718ec3647eaae1c5bd42d2e5adec3422bea3aba80263700bcc4810fb14e8c1",
+            (MIXIN_FILE, MIXIN, "_unload_lora_adapter_locked"):
+                "d774b493d258aeff0cf2c09e9c6e966bcc5c68f21555002768c6064d75adc4b1",
+            (MIXIN_FILE, MIXIN, "unload_lora_adapter"):
+                "1b96d090c7dfc432b1497083e4a5c48756142059d1f0583f99afbef859bd6bac",
+            (MIXIN_FILE, MIXIN, "load_lora_adapter"):
+                "e96d92b277cf95f38cb8b4eda91672608d8e33561b44616dfc25ff96d39cb928",
+        },
+    ),
+}
+SUPPORTED = tuple(RELEASES)
+
+
+def sglang_root() -> str:
+    """The installed ``sglang`` package folder (found without importing sglang)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise PatchMismatch(f"sglang is not installed; lorapub's patch supports SGLang {', '.join(SUPPORTED)}")
+    return list(spec.submodule_search_locations)[0]
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed(path: str, mtime: float) -> tuple[str, ast.Module]:
+    with open(path) as f:
+        src = f.read()
+    return src, ast.parse(src)
+
+
+def parsed(path: str) -> tuple[str, ast.Module]:
+    return _parsed(path, os.path.getmtime(path))
+
+
+def function_source(rel: str, class_name: str, name: str, root: str | None = None) -> str:
+    src, tree = parsed(os.path.join(root or sglang_root(), rel))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == name:
+                    return ast.get_source_segment(src, item) or ""
+    raise PatchMismatch(f"{rel}: {class_name}.{name} not found")
+
+
+def fingerprint(rel: str, class_name: str, name: str, root: str | None = None) -> str:
+    return hashlib.sha256(function_source(rel, class_name, name, root).encode()).hexdigest()
+
+
+def _differences(release: Release, root: str) -> list[str]:
+    bad = []
+    for (rel, cls, name), expected in release.fingerprints.items():
+        try:
+            got = fingerprint(rel, cls, name, root)
+        except (OSError, PatchMismatch) as e:
+            bad.append(f"{cls}.{name}: {e}")
+            continue
+        if got != expected:
+            bad.append(f"{cls}.{name}: fingerprint {got[:12]} != {expected[:12]}")
+    return bad
+
+
+def detect(root: str | None = None) -> Release:
+    """The supported release whose every fingerprint matches the code at ``root``.
+
+    Raises :class:`PatchMismatch` naming the supported releases and, for each, what differs.
+    """
+    root = root or sglang_root()
+    report = []
+    for release in RELEASES.values():
+        bad = _differences(release, root)
+        if not bad:
+            return release
+        report.append(f"SGLang {release.version}:\n    " + "\n    ".join(bad))
+    raise PatchMismatch(
+        f"lorapub's SGLang patch supports SGLang {', '.join(SUPPORTED)} only; the code at {root} "
+        "matches none of them, so nothing was patched:\n  " + "\n  ".join(report)
+    )
+
+
+def is_managed(name: object, prefix: str = MANAGED_PREFIX) -> bool:
+    return isinstance(name, str) and bool(prefix) and name.startswith(prefix)
