@@ -408,3 +408,18 @@ async def test_unanswered_unload_is_retried_until_both_engines_confirm(engines, 
     assert st.versions[a.version].state is VersionState.RECLAIMED
     assert doubles["e0"].physical_unloads.count(a.lora_name) == 1
     assert doubles["e1"].physical_unloads.count(a.lora_name) == 1
+
+
+async def test_one_switch_each_side_one_type(engines, doubles, tmp_path):
+    from lorapub import OverwriteDeployment, PublicationReport
+
+    on = await deploy(engines, epoch=1, enabled=True, deadlines=FAST, stash_dir=str(tmp_path))
+    assert type(on) is Deployment
+    assert isinstance(await on.publish(lora_snapshot(1), "A"), PublicationReport)
+    overwrite = {name: SGLangOverwriteAdmin(name, d.url) for name, d in doubles.items()}
+    off = await deploy(overwrite, epoch=1, enabled=False, stash_dir=str(tmp_path))
+    assert type(off) is OverwriteDeployment
+    assert isinstance(await off.publish(lora_snapshot(2), "B"), float)  # seconds paused
+    await on.settle()
+    for e in overwrite.values():
+        await e.close()
