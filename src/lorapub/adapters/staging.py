@@ -8,7 +8,7 @@ tombstones the attempt (begin/receive/end of it are refused from then on) and
 removes the stash. One operation per attempt runs at a time, so a cleanup
 waits for an in-flight ``end`` instead of racing it.
 
-Adapters (the SGLang HTTP one, the PEFT engine of the GPU tests…) add only what
+Adapters (the SGLang HTTP one, or any engine that loads from a directory) add only what
 their engine does with the verified directory: load it, probe it, unload it.
 """
 
