@@ -13,7 +13,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
-from lorapub.core.registry import Command, RegistryState, Result
+from lorapub.core.commands import Command
+from lorapub.core.registry import RegistryState, Result
 
 
 @runtime_checkable

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 import ray
 
 from lorapub import errors
-from lorapub.core.registry import COMMANDS, Command, Result
+from lorapub.core.commands import Command
+from lorapub.core.registry import COMMANDS, Result
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import FileStore
 

@@ -6,11 +6,8 @@ events): ``handle(state, command) -> Outcome`` gives the new state, the reply
 for the caller and the effects the I/O layer must perform. Rejections raise a
 typed :mod:`lorapub.errors` error and leave the state as it was.
 
-One verb scheme: a request is an imperative verb (``Reserve``, ``Commit``,
-``BindFirst``, ``ClaimReclaim``…), a report of what happened elsewhere is
-``Record<Fact>`` (``RecordPrepared``, ``RecordReady``, ``RecordUnloaded``…), and a
-query reads without changing anything (``QueryAttempt``, ``ReadVersion``…).
-Each command has one transition function of the same name in snake case.
+The command values live in :mod:`lorapub.core.commands` (and are importable from
+here); each has one transition function below of the same name in snake case.
 """
 
 from __future__ import annotations
@@ -24,6 +21,33 @@ from lorapub.core import attempt as att
 from lorapub.core import reclaim as rec
 from lorapub.core import session as ses
 from lorapub.core.attempt import Attempt, Phase, ReadyLocal
+from lorapub.core.commands import (  # noqa: F401 - the command values are part of this module's face
+    AuthorizeDispatch,
+    BeginClose,
+    BindFirst,
+    ClaimReclaim,
+    CloseAndRelease,
+    Command,
+    Commit,
+    ForgetSessions,
+    ListReclaimable,
+    OpenSession,
+    QUERIES,
+    QueryAttempt,
+    ReadState,
+    ReadVersion,
+    RecordBucketDone,
+    RecordCleaned,
+    RecordFailure,
+    RecordPrepared,
+    RecordReady,
+    RecordUnknown,
+    RecordUnloaded,
+    RegisterEngine,
+    Reserve,
+    RetryCleanup,
+    RetryReclaim,
+)
 from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, lora_name_for
 from lorapub.core.manifest import BucketPlan
@@ -414,152 +438,7 @@ def retry_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
     return Outcome(state, version.state, rec.sends(version))
 
 
-# -- commands as values ----------------------------------------------------------
-@attrs.frozen
-class RegisterEngine:
-    engine: str
-    incarnation: str
-
-
-@attrs.frozen
-class Reserve:
-    key: VersionKey
-    digest: str
-    plan: BucketPlan
-
-
-@attrs.frozen
-class RecordPrepared:
-    token: AttemptToken
-    engine: str
-    incarnation: str
-
-
-@attrs.frozen
-class RecordBucketDone:
-    token: AttemptToken
-    party: str
-    index: int
-    incarnation: str | None = None
-
-
-@attrs.frozen
-class RecordReady:
-    receipt: ReadyLocal
-
-
-@attrs.frozen
-class RecordFailure:
-    token: AttemptToken
-    engine: str
-    reason: str
-
-
-@attrs.frozen
-class RecordUnknown:
-    token: AttemptToken
-    engine: str
-    operation: str
-
-
-@attrs.frozen
-class RecordCleaned:
-    token: AttemptToken
-    engine: str
-    incarnation: str
-
-
-@attrs.frozen
-class RetryCleanup:
-    token: AttemptToken
-
-
-@attrs.frozen
-class Commit:
-    key: VersionKey
-    token: AttemptToken
-    expected_default_revision: int
-
-
-@attrs.frozen
-class OpenSession:
-    key: SessionKey
-
-
-@attrs.frozen
-class BindFirst:
-    key: SessionKey
-
-
-@attrs.frozen
-class BeginClose:
-    key: SessionKey
-
-
-@attrs.frozen
-class CloseAndRelease:
-    key: SessionKey
-
-
-@attrs.frozen
-class ForgetSessions:
-    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
-
-
-@attrs.frozen
-class ClaimReclaim:
-    key: VersionKey
-
-
-@attrs.frozen
-class RecordUnloaded:
-    key: VersionKey
-    reclaim_id: str
-    engine: str
-
-
-@attrs.frozen
-class RetryReclaim:
-    key: VersionKey
-
-
-# queries: the reply only, the state never changes
-@attrs.frozen
-class AuthorizeDispatch:
-    """The binding a new backend request must carry (refused once closing or reclaiming)."""
-
-    key: SessionKey
-
-
-@attrs.frozen
-class QueryAttempt:
-    token: AttemptToken
-
-
-@attrs.frozen
-class ReadVersion:
-    """One version's record (cheap over an actor boundary, unlike ``ReadState``)."""
-
-    key: VersionKey
-
-
-@attrs.frozen
-class ListReclaimable:
-    pass
-
-
-@attrs.frozen
-class ReadState:
-    pass
-
-
-Command = (
-    RegisterEngine | Reserve | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure | RecordUnknown
-    | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | BeginClose | CloseAndRelease
-    | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim
-    | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState
-)
-
+# -- the one door ----------------------------------------------------------------
 _TRANSITIONS = {
     RegisterEngine: register_engine, Reserve: reserve, RecordPrepared: record_prepared,
     RecordBucketDone: record_bucket_done, RecordReady: record_ready, RecordFailure: record_failure,
@@ -578,7 +457,6 @@ _QUERIES = {
 }
 
 COMMANDS: tuple[type, ...] = (*_TRANSITIONS, *_QUERIES)
-QUERIES: tuple[type, ...] = tuple(_QUERIES)
 
 
 def handle(state: RegistryState, command: Command) -> Outcome:

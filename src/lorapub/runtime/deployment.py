@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lorapub.core.identity import VersionKey
-from lorapub.core.registry import ReadState, RegisterEngine, RegistryState
+from lorapub.core.commands import ReadState, RegisterEngine
+from lorapub.core.registry import RegistryState
 from lorapub.errors import InvalidInput
 from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry
 from lorapub.runtime.overwrite import OverwriteDeployment

@@ -15,7 +15,7 @@ import attrs
 from lorapub.core.attempt import Phase
 from lorapub.core.effects import ReadyToCommit
 from lorapub.core.identity import AttemptToken, VersionKey
-from lorapub.core.registry import (
+from lorapub.core.commands import (
     ClaimReclaim,
     Commit,
     ListReclaimable,

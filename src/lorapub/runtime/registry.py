@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from lorapub.core import registry as R
-from lorapub.core.registry import Command, RegistryState, Result
+from lorapub.core.commands import Command
+from lorapub.core.registry import RegistryState, Result
 from lorapub.ports import RegistryStore
 
 

@@ -28,7 +28,7 @@ from lorapub.core.effects import (
     TransferBucket,
 )
 from lorapub.core.identity import VersionKey
-from lorapub.core.registry import (
+from lorapub.core.commands import (
     RecordBucketDone,
     RecordCleaned,
     RecordFailure,

@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Mapping
 
 from lorapub.core.identity import SessionKey
-from lorapub.core.registry import AuthorizeDispatch, BeginClose, BindFirst, CloseAndRelease
+from lorapub.core.commands import AuthorizeDispatch, BeginClose, BindFirst, CloseAndRelease
 from lorapub.core.session import Binding
 from lorapub.errors import InvalidInput, LorapubError, SessionClosed
 from lorapub.ports import EngineAdmin, Registry
