@@ -40,7 +40,7 @@ SCORE_IDS = list(range(7, VOCAB, 64))  # 16 fixed token ids scored at every outp
 MAX_NEW = 4
 PROMPT_LEN = 96
 TOOL_LEN = 12
-RUN_TIMEOUT_S = 10  # SGLANG_REQ_RUNNING_TIMEOUT: a request running longer ends with 503 (the 5xx path)
+RUN_TIMEOUT_S = 20  # SGLANG_REQ_RUNNING_TIMEOUT: a request running longer ends with 503 (the 5xx path)
 CONTEXT = 16384
 DEADLINES = Deadlines(begin=30, bucket=60, end=60, cleanup=60, commit=10, reclaim=120)
 
@@ -572,13 +572,15 @@ class Run:
     async def main(self) -> dict:
         out_dir = self.out_dir
         env = {"SGLANG_REQ_RUNNING_TIMEOUT": str(RUN_TIMEOUT_S)}
-        self.E0 = srv.start("e0", self.paths["base"], 30100, out_dir, patched=True, env=env)
-        self.E1 = srv.start("e1", self.paths["base"], 30200, out_dir, patched=True, env=env)
-        self.U = srv.start("u", self.paths["base"], 30300, out_dir, patched=False, env=env)
+        self.E0 = srv.start("e0", self.paths["base"], 30100, out_dir, patched=True, env=env, context_length=CONTEXT)
+        self.E1 = srv.start("e1", self.paths["base"], 30200, out_dir, patched=True, env=env, context_length=CONTEXT)
+        self.U = srv.start("u", self.paths["base"], 30300, out_dir, patched=False, env=env, context_length=CONTEXT)
         all_servers = [self.E0, self.E1, self.U]
         try:
             await srv.wait_healthy(all_servers)
             self.report["boot_s"] = {s.name: round(s.boot_s, 1) for s in all_servers}
+            self.report["warm_up_s"] = await srv.warm_up(all_servers, self.paths["C"])
+            print("servers up:", self.report["boot_s"], "warm:", self.report["warm_up_s"], flush=True)
             async with aiohttp.ClientSession() as session:
                 self.http = Http(session)
                 self.report["server_state"] = {s.name: await self.http.state(s.url) for s in all_servers}

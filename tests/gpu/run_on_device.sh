@@ -16,6 +16,15 @@ export LORAPUB_GPU_FIXTURES=/tmp/fx LORAPUB_GPU_REPORT="$OUT/report.json"
 echo "setup $(( $(date +%s) - S )) s"
 timeout "${LORAPUB_GPU_BUDGET_S:-500}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rA 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
+python3 - "$OUT/report.json" <<'PY' 2>&1 | tail -60
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(json.dumps({k: r.get(k) for k in ("boot_s", "warm_up_s", "section_seconds")}, default=str))
+for name, err in (r.get("errors") or {}).items():
+    print("ERROR in", name, err[-1500:])
+for k, v in r.get("verdicts", {}).items():
+    print("pass" if v else "FAIL", k)
+PY
 for f in "$OUT"/server-*.log; do [ -f "$f" ] && gzip -f "$f"; done
 echo "total $(( $(date +%s) - S )) s, pytest rc $rc"
 exit "$rc"

@@ -55,6 +55,9 @@ def server_args(model: str, port: int, *, max_lora_rank: int, context_length: in
         "--grammar-backend", "none", "--dtype", "bfloat16", "--context-length", str(context_length),
         "--max-total-tokens", "131072", "--mem-fraction-static", str(mem_fraction), "--random-seed", "0",
         "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+        # lorapub's warm_up() below replaces SGLang's own warm-up request, which a short
+        # SGLANG_REQ_RUNNING_TIMEOUT would kill while Triton compiles its first kernels.
+        "--skip-server-warmup",
         "--host", "127.0.0.1", "--port", str(port),
     ]
 
@@ -82,7 +85,7 @@ async def wait_healthy(servers: list[Server], timeout: float = 420.0) -> None:
                 if not s.alive():
                     raise RuntimeError(f"server {s.name} exited with {s.proc.returncode}:\n{s.log()[-3000:]}")
                 try:
-                    async with http.get(s.url + "/health_generate", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    async with http.get(s.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                         if r.status == 200:
                             s.boot_s = time.monotonic() - started
                             pending.remove(s)
@@ -91,6 +94,47 @@ async def wait_healthy(servers: list[Server], timeout: float = 420.0) -> None:
             if time.monotonic() - started > timeout:
                 raise TimeoutError(f"servers not healthy after {timeout:.0f}s: {[s.name for s in pending]}")
             await asyncio.sleep(1.0)
+
+
+async def warm_up(servers: list[Server], adapter_dir: str, timeout: float = 300.0) -> dict[str, float]:
+    """Compile the kernels before anything is measured: base requests until one succeeds, then a
+    batch of LoRA requests of mixed lengths (a request that hits the running timeout is retried)."""
+    started = time.monotonic()
+
+    async def one(http: aiohttp.ClientSession, s: Server) -> float:
+        async def generate(ids: list[int], lora: str | None, max_new: int) -> int:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
+            if lora:
+                body["lora_path"] = lora
+            try:
+                async with http.post(s.url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+                    await r.read()
+                    return r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return 0
+
+        t0 = time.monotonic()
+        while await generate(list(range(1, 17)), None, 8) != 200:
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"{s.name}: no successful warm-up request in {timeout:.0f}s")
+        async with http.post(s.url + "/load_lora_adapter",
+                             json={"lora_name": "lorapub-warmup", "lora_path": adapter_dir, "pinned": False}) as r:
+            assert r.status == 200, await r.text()
+        shapes = [(list(range(1, n + 1)), 16) for n in (8, 32, 96, 200, 300, 500, 1000, 2000)] * 2
+        while True:
+            statuses = await asyncio.gather(*(generate(ids, "lorapub-warmup" if i % 2 else None, m)
+                                              for i, (ids, m) in enumerate(shapes)))
+            if all(x == 200 for x in statuses):
+                break
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"{s.name}: warm-up batch kept failing: {statuses}")
+        async with http.post(s.url + "/unload_lora_adapter", json={"lora_name": "lorapub-warmup"}) as r:
+            assert r.status == 200, await r.text()
+        return time.monotonic() - t0
+
+    async with aiohttp.ClientSession() as http:
+        took = await asyncio.gather(*(one(http, s) for s in servers))
+    return {s.name: round(t, 1) for s, t in zip(servers, took)}
 
 
 def stop(servers: list[Server]) -> None:
