@@ -24,17 +24,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
-from lorapub.adapters.sglang_http import SGLangEngine  # noqa: E402
+from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin  # noqa: E402
 from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.attempt import ReadyLocal  # noqa: E402
 from lorapub.core.effects import SOURCE  # noqa: E402
 from lorapub.core.identity import SessionKey, VersionKey  # noqa: E402
-from lorapub.deployment import Deployment  # noqa: E402
-from lorapub.effects_runner import Deadlines  # noqa: E402
+from lorapub.runtime.deployment import deploy  # noqa: E402
+from lorapub.runtime.runner import Deadlines  # noqa: E402
 from lorapub.errors import CapacityError, PublicationBlocked  # noqa: E402
-from lorapub.fixtures import lora_snapshot  # noqa: E402
-from lorapub.registry_service import RegistryService  # noqa: E402
-from lorapub.workload import WorkloadSpec, percentile, run_workload  # noqa: E402
+from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
+from lorapub.runtime.registry import LocalRegistry  # noqa: E402
+from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
+from lorapub.demo.workload import WorkloadSpec, percentile, run_workload  # noqa: E402
 
 
 # -- part 1: online publication ----------------------------------------------------------
@@ -45,14 +46,17 @@ async def one_strategy(enabled: bool, args, spec: WorkloadSpec, publications: in
     if args.engine_url:
         urls = args.engine_url
     else:
-        from tests.engine_double import EngineDouble
+        from lorapub.testing import SGLangDouble
 
-        doubles = [await EngineDouble(
+        doubles = [await SGLangDouble(
                 f"e{i}", decode_delay=args.decode_delay, load_delay=args.load_delay, prefill_per_token=args.prefill_per_token
             ).start() for i in range(2)]
         urls = [d.url for d in doubles]
-    engines = {f"e{i}": SGLangEngine(f"e{i}", u, args.stash_dir or stash) for i, u in enumerate(urls)}
-    dep = await Deployment(engines, epoch=1, enabled=enabled, deadlines=Deadlines(), bucket_cap_bytes=64 << 10, stash_dir=stash).start()
+    if enabled:
+        engines = {f"e{i}": SGLangEngine(f"e{i}", u, args.stash_dir or stash) for i, u in enumerate(urls)}
+    else:
+        engines = {f"e{i}": SGLangOverwriteAdmin(f"e{i}", u) for i, u in enumerate(urls)}
+    dep = await deploy(engines, epoch=1, enabled=enabled, deadlines=Deadlines(), bucket_cap_bytes=64 << 10, stash_dir=stash)
     await dep.publish(lora_snapshot(1000), "v0")  # bootstrap: before any session exists
     windows, publications, deferred = [], [], 0
     # the trainer builds snapshots in its own process; here they are ready before the run
@@ -151,7 +155,7 @@ async def part1(args) -> dict:
 # -- part 2: control plane -------------------------------------------------------------
 def publish_decisions(state, version: str, n_buckets: int):
     """All registry decisions of one publication over every engine; returns (state, count)."""
-    from tests.helpers import fake_plan
+    from lorapub.testing.fixtures import fake_plan
 
     digest, plan = fake_plan(version, tensors=n_buckets, cap=64)
     key = VersionKey(state.epoch, version)
@@ -189,7 +193,7 @@ def part2() -> dict:
     print(f"\n{'sessions':>9}{'bind_first p50':>16}{'p99':>12}{'close p99':>12}{'transitions/s':>16}")
     results = {}
     for n in (10, 100, 1000, 10000):
-        svc = RegistryService(1, {"e0": "i0", "e1": "i1"})
+        svc = LocalRegistry(1, {"e0": "i0", "e1": "i1"})
         state, _ = publish_decisions(svc.state, "A", 2)
         svc._state = state
         binds, closes = [], []
@@ -197,15 +201,15 @@ def part2() -> dict:
         t_all = time.perf_counter()
         for k in keys:  # n sessions bound at once: the n-th decision sees n-1 live ones
             t = time.perf_counter()
-            svc.bind_first(k)
+            svc.apply(BindFirst(k))
             binds.append(time.perf_counter() - t)
         for k in keys[: min(n, 1000)]:
             t = time.perf_counter()
-            svc.bind_first(k)  # replays (lost replies) cost the same lookup
+            svc.apply(BindFirst(k))  # replays (lost replies) cost the same lookup
             binds.append(time.perf_counter() - t)
         for k in keys:
             t = time.perf_counter()
-            svc.close_and_release(k)
+            svc.apply(CloseAndRelease(k))
             closes.append(time.perf_counter() - t)
         total = time.perf_counter() - t_all
         rate = svc.transitions / total

@@ -1,3 +1,3 @@
-from lorapub.cli import main
+from lorapub.demo.cli import main
 
 raise SystemExit(main())

@@ -13,6 +13,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
+from lorapub.core.commands import Command
+from lorapub.core.registry import RegistryState, Result
 
 
 @runtime_checkable
@@ -45,6 +47,27 @@ class EngineAdmin(Protocol):
         """One backend generation, sent once: never resent by the transport."""
 
 
+@runtime_checkable
+class OverwriteAdmin(Protocol):
+    """One engine as the old overwrite path (switch off) drives it: pause, flush, overwrite."""
+
+    name: str
+
+    async def pause_generation(self) -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> None: ...
+
+    async def loaded_adapters(self) -> list[str]: ...
+
+    async def load_adapter(self, lora_name: str, lora_path: str) -> None: ...
+
+    async def unload_adapter(self, lora_name: str) -> None: ...
+
+    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]: ...
+
+
 class BucketSource(Protocol):
     """The sending side of the ordered bucket transfer."""
 
@@ -55,12 +78,27 @@ class BucketSource(Protocol):
         """Bytes an engine stores for bucket ``index`` (for transports that carry bytes)."""
 
 
+@runtime_checkable
+class Registry(Protocol):
+    """The single writer of versions, attempts, sessions and reclaims, through one door.
+
+    Every command is a value from :mod:`lorapub.core.registry` and every answer a
+    :class:`~lorapub.core.registry.Result`; a rejection raises its typed error.
+    :class:`~lorapub.runtime.registry.LocalRegistry` (in process) and
+    :class:`~lorapub.adapters.ray_registry.RayRegistry` (a Ray actor) implement it.
+    A call whose reply is lost raises :class:`~lorapub.errors.OutcomeUnknown`; every
+    command is safe to replay.
+    """
+
+    async def handle(self, command: Command) -> Result: ...
+
+
 class RegistryStore(Protocol):
     """Where a registry keeps its state between calls (memory, or a durable store)."""
 
-    def load(self) -> Any | None: ...
+    def load(self) -> RegistryState | None: ...
 
-    def save(self, state: Any) -> None: ...
+    def save(self, state: RegistryState) -> None: ...
 
 
 class Clock(Protocol):

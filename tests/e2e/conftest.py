@@ -1,14 +1,14 @@
 import pytest
 
 from lorapub.adapters.sglang_http import SGLangEngine
-from lorapub.deployment import Deployment
-from lorapub.effects_runner import Deadlines
-from tests.engine_double import EngineDouble
+from lorapub.runtime.deployment import Deployment
+from lorapub.runtime.runner import Deadlines
+from lorapub.testing import SGLangDouble
 
 
 @pytest.fixture
 async def doubles():
-    pair = [await EngineDouble("e0").start(), await EngineDouble("e1").start()]
+    pair = [await SGLangDouble("e0").start(), await SGLangDouble("e1").start()]
     yield {d.name: d for d in pair}
     for d in pair:
         await d.stop()
@@ -27,6 +27,6 @@ FAST = Deadlines(begin=2, bucket=2, end=2, cleanup=2, commit=1, reclaim=5)
 
 @pytest.fixture
 async def deployment(engines, tmp_path):
-    d = await Deployment(engines, epoch=1, enabled=True, deadlines=FAST, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path)).start()
+    d = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path)).start()
     yield d
     await d.settle()

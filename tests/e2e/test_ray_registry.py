@@ -8,10 +8,13 @@ ray = pytest.importorskip("ray")
 
 from lorapub.adapters.ray_registry import RayRegistry  # noqa: E402
 from lorapub.core.identity import SessionKey  # noqa: E402
+from lorapub.core.registry import (  # noqa: E402
+    BindFirst, Commit, ReadState, RecordBucketDone, RecordPrepared, RecordReady, Reserve,
+)
 from lorapub.core.version import VersionState  # noqa: E402
-from lorapub.deployment import Deployment  # noqa: E402
+from lorapub.runtime.deployment import Deployment  # noqa: E402
 from lorapub.errors import CapacityError, NoPublishedVersion  # noqa: E402
-from lorapub.fixtures import lora_snapshot  # noqa: E402
+from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from tests.e2e.conftest import FAST  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -29,27 +32,27 @@ async def test_ray_registry_shared_and_replayable(ray_cluster, engines, tmp_path
     registry = RayRegistry.create("reg-test", epoch=1, engines=incarnations)
     try:
         with pytest.raises(NoPublishedVersion):  # typed errors cross the actor boundary
-            await registry.bind_first(SessionKey(1, "s", "n"))
-        dep = await Deployment(engines, epoch=1, enabled=True, registry=registry, deadlines=FAST, stash_dir=str(tmp_path)).start()
+            await registry.handle(BindFirst(SessionKey(1, "s", "n")))
+        dep = await Deployment(engines, epoch=1, registry=registry, deadlines=FAST, stash_dir=str(tmp_path)).start()
         a = await dep.publish(lora_snapshot(1), "A")
         s = dep.session("s1", nonce="n1")
         await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
         # the caller "restarts": a fresh handle found by name, replaying its last calls
         again = RayRegistry.lookup("reg-test")
-        bound = await again.bind_first(SessionKey(1, "s1", "n1"))
+        bound = await again.handle(BindFirst(SessionKey(1, "s1", "n1")))
         assert bound.reply.version == a.version
-        replay = await again.commit(a.version, a.receipt.token, 0)
+        replay = await again.handle(Commit(a.version, a.receipt.token, 0))
         assert replay.reply == a.receipt
-        state = await again.snapshot()
+        state = (await again.handle(ReadState())).reply
         assert state.versions[a.version].session_refs == 1 and state.default_revision == 1
         await dep.publish(lora_snapshot(2), "B")
         with pytest.raises(CapacityError):
             await dep.publish(lora_snapshot(3), "C")
         await s.close()
         await dep.settle()
-        assert (await again.snapshot()).versions[a.version].state is VersionState.RECLAIMED
+        assert (await again.handle(ReadState())).reply.versions[a.version].state is VersionState.RECLAIMED
     finally:
-        ray.kill(registry.handle)
+        ray.kill(registry.actor)
 
 
 async def test_durable_ray_registry_survives_an_actor_restart(ray_cluster, tmp_path):
@@ -64,32 +67,32 @@ async def test_durable_ray_registry_survives_an_actor_restart(ray_cluster, tmp_p
         from lorapub.core.attempt import ReadyLocal
         from lorapub.core.effects import SOURCE
         from lorapub.core.identity import VersionKey
-        from tests.helpers import fake_plan
+        from lorapub.testing.fixtures import fake_plan
 
         digest, plan = fake_plan("A")
         key = VersionKey(3, "A")
-        tok = (await registry.reserve(key, digest, plan)).reply.token
+        tok = (await registry.handle(Reserve(key, digest, plan))).reply.token
         for e, inc in (("e0", "e0-a"), ("e1", "e1-a")):
-            await registry.record_prepared(tok, e, inc)
+            await registry.handle(RecordPrepared(tok, e, inc))
         for i in range(len(plan)):
             for p, inc in ((SOURCE, None), ("e0", "e0-a"), ("e1", "e1-a")):
-                await registry.record_bucket_done(tok, p, i, inc)
+                await registry.handle(RecordBucketDone(tok, p, i, inc))
         for e, inc in (("e0", "e0-a"), ("e1", "e1-a")):
-            await registry.record_ready(ReadyLocal(e, tok, digest, inc))
-        receipt = (await registry.commit(key, tok, 0)).reply
-        bound = (await registry.bind_first(SessionKey(3, "s", "n"))).reply
-        ray.kill(registry.handle, no_restart=False)  # the actor process dies; Ray restarts it
+            await registry.handle(RecordReady(ReadyLocal(e, tok, digest, inc)))
+        receipt = (await registry.handle(Commit(key, tok, 0))).reply
+        bound = (await registry.handle(BindFirst(SessionKey(3, "s", "n")))).reply
+        ray.kill(registry.actor, no_restart=False)  # the actor process dies; Ray restarts it
 
-        async def replay(method, *args):  # what a caller does with OUTCOME_UNKNOWN: replay the same call
+        async def replay(command):  # what a caller does with OUTCOME_UNKNOWN: replay the same command
             for _ in range(200):
                 try:
-                    return await getattr(registry, method)(*args)
+                    return await registry.handle(command)
                 except OutcomeUnknown:
                     await asyncio.sleep(0.05)
-            raise AssertionError(f"{method} never answered")
+            raise AssertionError(f"{command} never answered")
 
-        assert (await replay("commit", key, tok, 0)).reply == receipt
-        assert (await replay("bind_first", SessionKey(3, "s", "n"))).reply == bound
-        assert (await replay("snapshot")).versions[key].session_refs == 1
+        assert (await replay(Commit(key, tok, 0))).reply == receipt
+        assert (await replay(BindFirst(SessionKey(3, "s", "n")))).reply == bound
+        assert (await replay(ReadState())).reply.versions[key].session_refs == 1
     finally:
-        ray.kill(registry.handle, no_restart=True)
+        ray.kill(registry.actor, no_restart=True)

@@ -7,9 +7,11 @@ import os
 
 import pytest
 
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
 from lorapub.core.attempt import Phase
 from lorapub.core.version import VersionState
-from lorapub.deployment import Deployment
+from lorapub.core.registry import CloseAndRelease, Commit
+from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.errors import (
     CapacityError,
     EngineError,
@@ -18,22 +20,22 @@ from lorapub.errors import (
     SessionClosed,
     VersionMissing,
 )
-from lorapub.fixtures import lora_snapshot
-from lorapub.legacy import FIXED_LORA_NAME
-from lorapub.publisher import PublicationFailed
-from lorapub.workload import until
-from lorapub.effects_runner import Deadlines
+from lorapub.testing.fixtures import lora_snapshot
+from lorapub.runtime.overwrite import FIXED_LORA_NAME
+from lorapub.runtime.publisher import PublicationFailed
+from lorapub.demo.workload import until
+from lorapub.runtime.runner import Deadlines
 from tests.e2e.conftest import FAST
 
 GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
 
 
 async def state(dep):
-    return await dep.registry.snapshot()
+    return await dep.state()
 
 
 def lora_id_on(double, name):
-    return double.registry.get_all_adapters()[name].lora_id
+    return double.lora_registry.get_all_adapters()[name].lora_id
 
 
 async def test_partial_ready_keeps_default_and_old_sessions_keep_a(deployment, doubles):
@@ -60,21 +62,18 @@ async def test_partial_ready_keeps_default_and_old_sessions_keep_a(deployment, d
 async def test_lost_commit_reply_replays_the_same_commit(deployment, doubles):
     await deployment.publish(lora_snapshot(1), "A")
     registry = deployment.registry
-    real_commit = registry.commit
     calls = []
 
-    async def lossy_commit(*args):
-        result = await real_commit(*args)  # applied in the registry...
-        calls.append(result.reply)
-        if len(calls) == 1:
-            raise OutcomeUnknown("commit reply lost")  # ...but the reply never arrives
-        return result
+    class LossyCommit:
+        async def handle(self, command):
+            result = await registry.handle(command)  # applied in the registry...
+            if isinstance(command, Commit):
+                calls.append(result.reply)
+                if len(calls) == 1:
+                    raise OutcomeUnknown("commit reply lost")  # ...but the reply never arrives
+            return result
 
-    deployment.publisher.registry = type("R", (), {})()
-    for name in ("reserve", "query_attempt", "record_prepared", "record_bucket_done", "record_ready",
-                 "record_failure", "record_unknown", "record_cleaned", "snapshot"):
-        setattr(deployment.publisher.registry, name, getattr(registry, name))
-    deployment.publisher.registry.commit = lossy_commit
+    deployment.publisher.registry = LossyCommit()
     b = await deployment.publish(lora_snapshot(2), "B")
     assert len(calls) == 2 and calls[0] == calls[1] == b.receipt
     s = await state(deployment)
@@ -137,7 +136,7 @@ async def test_late_control_messages_after_cleanup_recreate_nothing(deployment, 
         with pytest.raises(EngineError):
             await call
     assert doubles["e0"].registered() == before
-    assert not os.path.exists(engines["e0"]._stash(attempt.token))
+    assert not os.path.exists(engines["e0"].staging.stash(attempt.token))
 
 
 async def test_bind_close_cancel_races(deployment, doubles):
@@ -211,7 +210,7 @@ async def test_capacity_rejects_c_before_any_begin(deployment, doubles, engines)
     with pytest.raises(CapacityError):
         await deployment.publish(lora_snapshot(3), "C")
     assert {n: d.events for n, d in doubles.items()} == events
-    assert not any("-C-" in p for p in os.listdir(engines["e0"].stash_root))
+    assert not any("-C-" in p for p in os.listdir(engines["e0"].staging.stash_root))
     await s.close()
     await deployment.settle()
     assert (await state(deployment)).versions[a.version].state is VersionState.RECLAIMED
@@ -237,28 +236,28 @@ async def test_managed_adapters_survive_ordinary_unload_and_lru(deployment, doub
     a = await deployment.publish(lora_snapshot(1), "A")
     e0 = engines["e0"]
     with pytest.raises(EngineError):
-        await e0.admin("/unload_lora_adapter", {"lora_name": a.lora_name})
+        await e0.client.admin("/unload_lora_adapter", {"lora_name": a.lora_name})
     # fill the free slot with third-party adapters: LRU evicts only the unpinned one
     for i in range(3):
         path = lora_snapshot(50 + i).save_peft_dir(str(tmp_path / f"third{i}"))
-        await e0.admin("/load_lora_adapter", {"lora_name": f"third{i}", "lora_path": path})
+        await e0.client.admin("/load_lora_adapter", {"lora_name": f"third{i}", "lora_path": path})
     assert a.lora_name in doubles["e0"].registered()
 
 
 async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first(engines, doubles, tmp_path):
     doubles["e0"].managed_patch = doubles["e1"].managed_patch = False
     with pytest.raises(EngineError, match="managed-adapter patch"):
-        await Deployment(engines, epoch=1, enabled=True, stash_dir=str(tmp_path)).start()
+        await Deployment(engines, epoch=1, stash_dir=str(tmp_path)).start()
     for e in engines.values():
         e.require_patch = False  # knowingly run unpatched to show the hazard
-    dep = await Deployment(engines, epoch=1, enabled=True, deadlines=FAST, stash_dir=str(tmp_path)).start()
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, stash_dir=str(tmp_path)).start()
     a = await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     await s.generate(GEN)
     await dep.publish(lora_snapshot(2), "B")
     await s.close()
     await dep.settle()
-    assert (await dep.registry.snapshot()).versions[a.version].state is VersionState.RECLAIMED
+    assert (await dep.state()).versions[a.version].state is VersionState.RECLAIMED
     with pytest.raises(SessionClosed):  # lorapub refuses before anything reaches the engine
         await s.generate(GEN)
     # the hazard lorapub guards against: a raw late request makes unpatched SGLang reload A
@@ -267,7 +266,8 @@ async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first
 
 
 async def test_switch_off_keeps_the_old_overwrite_path(engines, doubles, tmp_path):
-    dep = await Deployment(engines, epoch=1, enabled=False, stash_dir=str(tmp_path)).start()
+    overwrite = {name: SGLangOverwriteAdmin(name, d.url) for name, d in doubles.items()}
+    dep = await deploy(overwrite, epoch=1, enabled=False, stash_dir=str(tmp_path))
     await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     out1 = await s.generate(GEN)
@@ -278,6 +278,8 @@ async def test_switch_off_keeps_the_old_overwrite_path(engines, doubles, tmp_pat
         assert kinds.count("pause") == 2 and kinds.count("flush") == 2
         assert d.registered() == [FIXED_LORA_NAME]
     assert out1["meta_info"]["lora_id"] != out2["meta_info"]["lora_id"]  # one name, two policies
+    for e in overwrite.values():
+        await e.close()
 
 
 async def test_lorapub_publication_never_pauses_or_flushes(deployment, doubles):
@@ -309,16 +311,17 @@ async def test_close_that_failed_can_be_retried_and_releases_once(deployment, do
     s = deployment.session("flaky-close")
     await s.generate(GEN)
     registry = deployment.sessions.registry
-    real = registry.close_and_release
+    real = registry.handle
     calls = {"n": 0}
 
-    async def unreachable_once(key):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OutcomeUnknown("registry unreachable")
-        return await real(key)
+    async def unreachable_once(command):
+        if isinstance(command, CloseAndRelease):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OutcomeUnknown("registry unreachable")
+        return await real(command)
 
-    registry.close_and_release = unreachable_once
+    registry.handle = unreachable_once
     with pytest.raises(OutcomeUnknown):
         await s.close()
     with pytest.raises(SessionClosed):  # still FINALIZING: no new dispatch
@@ -354,7 +357,7 @@ async def test_engine_restart_between_and_during_publications(deployment, double
 
 
 async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, tmp_path):
-    from lorapub.snapshot import InlineBucketSource
+    from lorapub.runtime.snapshot import InlineBucketSource
 
     class FlakySource(InlineBucketSource):
         async def send(self, token, index, engines_):
@@ -362,15 +365,15 @@ async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, t
                 raise EngineError("trainer rank lost during bucket 1")
             await super().send(token, index, engines_)
 
-    dep = await Deployment(engines, epoch=1, enabled=True, deadlines=FAST, bucket_cap_bytes=4 << 10,
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=4 << 10,
                            stash_dir=str(tmp_path)).start()
     dep.publisher.source_factory = FlakySource
     with pytest.raises(PublicationFailed, match="bucket 1"):
         await dep.publish(lora_snapshot(1), "A")
-    st = await dep.registry.snapshot()
+    st = await dep.state()
     assert st.slots_held == 0 and st.default is None
     for e in engines.values():
-        assert not os.listdir(e.stash_root)
+        assert not os.listdir(e.staging.stash_root)
 
 
 async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, engines):
@@ -385,7 +388,7 @@ async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, en
     inc = await e0.begin(SendBegin("e0", await e0.incarnation(), token, lora_name_for(key, snapshot.digest), snapshot.digest, plan))
     payload = snapshot.bucket_bytes(plan, 0)
     assert await e0.receive_bucket(token, 0, payload) == inc
-    path = os.path.join(e0._stash(token), "bucket-00000.safetensors")
+    path = os.path.join(e0.staging.stash(token), "bucket-00000.safetensors")
     stamp = os.stat(path).st_mtime_ns
     assert await e0.receive_bucket(token, 0, b"garbage that must not overwrite") == inc
     assert os.stat(path).st_mtime_ns == stamp
@@ -395,13 +398,28 @@ async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, en
 
 async def test_unanswered_unload_is_retried_until_both_engines_confirm(engines, doubles, tmp_path):
     quick = Deadlines(begin=2, bucket=2, end=2, cleanup=2, commit=1, reclaim=0.3)
-    dep = await Deployment(engines, epoch=1, enabled=True, deadlines=quick, stash_dir=str(tmp_path),
+    dep = await Deployment(engines, epoch=1, deadlines=quick, stash_dir=str(tmp_path),
                            reclaim_backoff=0.05).start()
     a = await dep.publish(lora_snapshot(1), "A")
     doubles["e0"].inject("unload", "hang")  # the first unload of A on E0 never answers
     await dep.publish(lora_snapshot(2), "B")  # A retires with no session: reclaim starts at once
     await dep.settle()
-    st = await dep.registry.snapshot()
+    st = await dep.state()
     assert st.versions[a.version].state is VersionState.RECLAIMED
     assert doubles["e0"].physical_unloads.count(a.lora_name) == 1
     assert doubles["e1"].physical_unloads.count(a.lora_name) == 1
+
+
+async def test_one_switch_each_side_one_type(engines, doubles, tmp_path):
+    from lorapub import OverwriteDeployment, PublicationReport
+
+    on = await deploy(engines, epoch=1, enabled=True, deadlines=FAST, stash_dir=str(tmp_path))
+    assert type(on) is Deployment
+    assert isinstance(await on.publish(lora_snapshot(1), "A"), PublicationReport)
+    overwrite = {name: SGLangOverwriteAdmin(name, d.url) for name, d in doubles.items()}
+    off = await deploy(overwrite, epoch=1, enabled=False, stash_dir=str(tmp_path))
+    assert type(off) is OverwriteDeployment
+    assert isinstance(await off.publish(lora_snapshot(2), "B"), float)  # seconds paused
+    await on.settle()
+    for e in overwrite.values():
+        await e.close()

@@ -1,5 +1,5 @@
 from lorapub.core.version import VersionState
-from lorapub.fixtures import lora_snapshot
+from lorapub.testing.fixtures import lora_snapshot
 
 
 async def test_publish_bind_reclaim_lifecycle(deployment, doubles):
@@ -14,7 +14,7 @@ async def test_publish_bind_reclaim_lifecycle(deployment, doubles):
     assert s_old.binding.lora_name == a.lora_name and s_new.binding.lora_name == b.lora_name
     await s_old.close()
     await deployment.settle()
-    state = await deployment.registry.snapshot()
+    state = await deployment.state()
     assert state.versions[a.version].state is VersionState.RECLAIMED
     for d in doubles.values():
         assert a.lora_name not in d.registered() and d.physical_unloads.count(a.lora_name) == 1

@@ -52,7 +52,7 @@ def adapter_snapshot(adapter_dir: str):
     """The adapter as lorapub publishes it: frozen tensors + serving config, with its digest."""
     from safetensors.torch import load_file
 
-    from lorapub.snapshot import Snapshot
+    from lorapub import Snapshot
 
     tensors = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:

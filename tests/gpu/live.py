@@ -25,12 +25,10 @@ from typing import Any
 
 import aiohttp
 
-from lorapub.adapters.sglang_http import SGLangEngine
-from lorapub.deployment import Deployment
-from lorapub.effects_runner import Deadlines
-from lorapub.errors import CapacityError, EngineError, LorapubError
-from lorapub.sglang_patch.targets import RECLAIM_HEADER
-from lorapub.workload import WorkloadSpec, percentile, run_workload
+from lorapub import CapacityError, Deadlines, Deployment, EngineError, LorapubError, deploy
+from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin
+from lorapub.core.identity import RECLAIM_HEADER
+from lorapub.demo.workload import WorkloadSpec, run_workload
 from tests.gpu import servers as srv
 from tests.gpu.fixtures import adapter_snapshot
 
@@ -176,10 +174,6 @@ class Instrumented:
     async def state(self):
         return await self.inner.state()
 
-    async def admin(self, path, body=None):
-        self.calls[f"admin{path}"] += 1
-        return await self.inner.admin(path, body)
-
 
 # -- the run -----------------------------------------------------------------------------------
 class Run:
@@ -295,7 +289,7 @@ class Run:
         t_pub = time.monotonic()
         publishing = asyncio.create_task(dep.publish(self.snaps["B"], "B"))
         await asyncio.wait_for(engines["e0"].ready.wait(), 60)
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         default_while_e0_ready = state.default.version_id
         await checked_turn("S_mid", "e1", "first (E0 READY only)")
         await checked_turn("S_mid", "e0", "second (E0 READY only)")
@@ -367,7 +361,7 @@ class Run:
         for name in ("S_old", "S_mid"):
             await self.sessions[name].close()
         await dep.settle()
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         name_a = self.names["A"]
         out["A_after_sessions_closed"] = state.versions[self.pubs["A"].version].state.value
         out["A_loaded_after"] = {e.name: name_a in (await http.state(e.url))["adapters"] for e in (self.E0, self.E1)}
@@ -382,7 +376,7 @@ class Run:
             out["C_with_e1_failure"] = "published"
         except LorapubError as e:
             out["C_with_e1_failure"] = e.code
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         c = next(v for v in state.versions.values() if v.key.version_id == "C")
         out["C_state"] = c.state.value
         out["default_after_failure"] = state.default.version_id
@@ -395,7 +389,7 @@ class Run:
         self.pubs["C2"] = await dep.publish(self.snaps["C"], "C2")
         await s_new.close()
         await dep.settle()
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         out["B_after_S_new_closed"] = state.versions[self.pubs["B"].version].state.value
         out["publications"] = {k: report_of(r) for k, r in self.pubs.items()}
         return out
@@ -539,7 +533,7 @@ class Run:
         # a fresh epoch: epoch 1's last version leaves the engines first (a test teardown, with its reclaim id)
         for e in (self.E0, self.E1):
             await self.http.unload(e.url, self.pubs["C2"].lora_name, reclaim_id="teardown-epoch-1")
-        dep = await Deployment(engines, epoch=2, enabled=True, stash_dir=os.path.join(self.root, "stash2"),
+        dep = await Deployment(engines, epoch=2, stash_dir=os.path.join(self.root, "stash2"),
                                deadlines=DEADLINES, bucket_cap_bytes=64 << 10).start()
         await dep.publish(self.snaps["A"], "A")
         runs = {}
@@ -548,13 +542,14 @@ class Run:
         runs["lorapub"] = await self.one_run(spec, dep.session, engines, publish=lambda: dep.publish(self.snaps["B"], "B"),
                                              dep=dep, version_of=bound)
         await dep.settle()
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         runs["lorapub"]["A_after_run"] = next(v.state.value for v in state.versions.values() if v.key.version_id == "A")
-        legacy = await Deployment(engines, epoch=3, enabled=False, stash_dir=os.path.join(self.root, "legacy")).start()
+        legacy = await deploy({n: SGLangOverwriteAdmin(n, s.url) for n, s in (("e0", self.E0), ("e1", self.E1))},
+                              epoch=3, enabled=False, stash_dir=os.path.join(self.root, "legacy"))
         await legacy.publish(self.snaps["A"], "A")
         # the fixed name serves whatever was loaded last: its version is the publisher's update count
         runs["switch_off"] = await self.one_run(spec, legacy.session, engines, publish=lambda: legacy.publish(self.snaps["B"], "B"),
-                                                dep=None, version_of=lambda s: legacy.legacy.updates)
+                                                dep=None, version_of=lambda s: legacy.publisher.updates)
         return {"spec": {k: getattr(spec, k) for k in ("sessions", "arrival_interval", "turns", "prompt_len",
                                                         "tool_output_len", "max_new_tokens", "tool_latency")},
                 "runs": runs, "compare": compare(runs)}
@@ -571,7 +566,7 @@ class Run:
         async def sample():
             while not stop.is_set():
                 if dep is not None:
-                    occupancy.append((await dep.registry.snapshot()).slots_held)
+                    occupancy.append((await dep.state()).slots_held)
                 await asyncio.sleep(0.05)
 
         sampler = asyncio.create_task(sample())
@@ -623,7 +618,7 @@ class Run:
                 self.http = Http(session)
                 self.report["server_state"] = {s.name: await self.http.state(s.url) for s in all_servers}
                 self.engines = self.fresh_engines("scenario")
-                self.dep = await Deployment(self.engines, epoch=1, enabled=True, stash_dir=os.path.join(self.root, "stash"),
+                self.dep = await Deployment(self.engines, epoch=1, stash_dir=os.path.join(self.root, "stash"),
                                             deadlines=DEADLINES, bucket_cap_bytes=64 << 10).start()
                 self.pubs = {"A": await self.dep.publish(self.snaps["A"], "A")}
                 self.names = {"A": self.pubs["A"].lora_name}

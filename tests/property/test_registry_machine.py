@@ -1,6 +1,7 @@
 """Model-based exploration of the whole core under races.
 
-A simulated network holds every effect the core emitted; rules deliver them
+Commands go through the one door, ``handle(state, command)``. A simulated network holds
+every effect the core emitted; rules deliver them
 in any order, fail them, lose their replies, duplicate them, or replay old
 replies late. Engines restart. Sessions open, bind and close in any order.
 Invariants are checked after every step.
@@ -10,7 +11,15 @@ from __future__ import annotations
 
 import attrs
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
 
 from lorapub.core import registry as R
 from lorapub.core.attempt import Phase, ReadyLocal
@@ -28,7 +37,7 @@ from lorapub.core.identity import SessionKey, VersionKey
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError, NotReclaimable, SessionClosed
-from tests.helpers import fake_plan
+from lorapub.testing.fixtures import fake_plan
 
 ENGINES = ("e0", "e1")
 EPOCH = 7
@@ -44,6 +53,10 @@ class BucketAck:
 
 
 class RegistryMachine(RuleBasedStateMachine):
+    # Bundles: a shrunk failure reads as a program (v0 = reserve_new(...); claim_reclaim(key=v0)).
+    versions = Bundle("versions")
+    sessions = Bundle("sessions")
+
     @initialize()
     def setup(self):
         self.incarnations = {e: f"{e}-life0" for e in ENGINES}
@@ -91,9 +104,9 @@ class RegistryMachine(RuleBasedStateMachine):
                 assert v.state is VersionState.RETIRED and v.session_refs == 0
         return outcome.reply
 
-    def try_apply(self, fn, *args):
+    def try_apply(self, command):
         try:
-            return self.apply(fn(self.state, *args))
+            return self.apply(R.handle(self.state, command))
         except LorapubError as e:
             return e
 
@@ -101,31 +114,31 @@ class RegistryMachine(RuleBasedStateMachine):
         s = self.state
         if isinstance(msg, SendBegin):
             if msg.incarnation != self.incarnations[msg.engine]:
-                self.try_apply(R.record_failure, msg.token, msg.engine, "unknown incarnation")
+                self.try_apply(R.RecordFailure(msg.token, msg.engine, "unknown incarnation"))
                 return
             reply = ("prepared", msg.token, msg.engine, msg.incarnation)
-            self.try_apply(R.record_prepared, msg.token, msg.engine, msg.incarnation)
+            self.try_apply(R.RecordPrepared(msg.token, msg.engine, msg.incarnation))
         elif isinstance(msg, BucketAck):
             inc = None if msg.party == SOURCE else self.incarnations[msg.party]
             reply = ("bucket", msg.token, msg.party, msg.index, inc)
-            self.try_apply(R.record_bucket_done, msg.token, msg.party, msg.index, inc)
+            self.try_apply(R.RecordBucketDone(msg.token, msg.party, msg.index, inc))
         elif isinstance(msg, SendEnd):
             a = s.attempts[msg.token]
             receipt = ReadyLocal(msg.engine, msg.token, a.digest, self.incarnations[msg.engine], "lid")
             reply = ("ready", receipt)
-            self.try_apply(R.record_ready, receipt)
+            self.try_apply(R.RecordReady(receipt))
         elif isinstance(msg, SendCleanup):
             inc = self.incarnations[msg.engine]
             reply = ("cleaned", msg.token, msg.engine, inc)
             t = s.attempts[msg.token].target(msg.engine)
             if t is not None and t.incarnation == inc:
                 self.cleaned.add((msg.token, msg.engine, inc))
-            self.try_apply(R.record_cleaned, msg.token, msg.engine, inc)
+            self.try_apply(R.RecordCleaned(msg.token, msg.engine, inc))
         elif isinstance(msg, SendReclaim):
             reply = ("unloaded", msg.version, msg.reclaim_id, msg.engine)
             if s.versions[msg.version].reclaim_id == msg.reclaim_id:
                 self.unloaded.add((msg.version, msg.engine))
-            self.try_apply(R.confirm_reclaim, msg.version, msg.reclaim_id, msg.engine)
+            self.try_apply(R.RecordUnloaded(msg.version, msg.reclaim_id, msg.engine))
         else:
             raise AssertionError(msg)
         self.history.append(reply)
@@ -133,24 +146,24 @@ class RegistryMachine(RuleBasedStateMachine):
     def replay(self, reply):
         kind = reply[0]
         if kind == "prepared":
-            self.try_apply(R.record_prepared, *reply[1:])
+            self.try_apply(R.RecordPrepared(*reply[1:]))
         elif kind == "bucket":
-            self.try_apply(R.record_bucket_done, *reply[1:])
+            self.try_apply(R.RecordBucketDone(*reply[1:]))
         elif kind == "ready":
-            self.try_apply(R.record_ready, reply[1])
+            self.try_apply(R.RecordReady(reply[1]))
         elif kind == "cleaned":
-            self.try_apply(R.record_cleaned, *reply[1:])
+            self.try_apply(R.RecordCleaned(*reply[1:]))
         elif kind == "unloaded":
-            self.try_apply(R.confirm_reclaim, *reply[1:])
+            self.try_apply(R.RecordUnloaded(*reply[1:]))
 
     # -- publication rules -----------------------------------------------------
-    @rule(tensors=st.integers(1, 4))
+    @rule(target=versions, tensors=st.integers(1, 4))
     def reserve_new(self, tensors):
         key = VersionKey(EPOCH, f"v{self.next_version}")
         digest, plan = fake_plan(key.version_id, tensors, cap=128)
         before_slots = self.state.slots_held
         blocked = self.state.unresolved_attempt() is not None
-        result = self.try_apply(R.reserve, key, digest, plan)
+        result = self.try_apply(R.Reserve(key, digest, plan))
         if isinstance(result, LorapubError):
             # Rejected before any begin: nothing entered the network.
             assert result.code in {"CAPACITY_ERROR", "PUBLICATION_BLOCKED"}, result
@@ -158,25 +171,24 @@ class RegistryMachine(RuleBasedStateMachine):
             if result.code == "CAPACITY_ERROR":
                 assert before_slots >= self.state.capacity
             assert key not in self.state.versions
-        else:
-            assert not blocked and before_slots < self.state.capacity
-            self.digests[key] = digest
-            self.next_version += 1
+            return multiple()
+        assert not blocked and before_slots < self.state.capacity
+        self.digests[key] = digest
+        self.next_version += 1
+        return key
 
-    @precondition(lambda self: self.digests)
-    @rule(data=st.data(), same=st.booleans())
-    def reserve_again(self, data, same):
-        key = data.draw(st.sampled_from(sorted(self.digests)))
+    @rule(key=versions, same=st.booleans())
+    def reserve_again(self, key, same):
         n_effects = len(self.network)
         if same:
             digest, plan = fake_plan(key.version_id, 1)
             digest = self.digests[key]
-            result = self.try_apply(R.reserve, key, digest, plan)
+            result = self.try_apply(R.Reserve(key, digest, plan))
             assert not isinstance(result, LorapubError), result
             assert not result.created and result.token == self.state.versions[key].attempt
         else:
             digest, plan = fake_plan(key.version_id + "-other", 2)
-            result = self.try_apply(R.reserve, key, digest, plan)
+            result = self.try_apply(R.Reserve(key, digest, plan))
             assert getattr(result, "code", None) == "VERSION_CONFLICT"
         assert len(self.network) == n_effects
 
@@ -193,16 +205,16 @@ class RegistryMachine(RuleBasedStateMachine):
             self.deliver_ok(msg)
         elif mode == "bad_digest" and isinstance(msg, SendEnd):
             receipt = ReadyLocal(msg.engine, msg.token, "f" * 64, self.incarnations[msg.engine])
-            self.try_apply(R.record_ready, receipt)
+            self.try_apply(R.RecordReady(receipt))
         elif isinstance(msg, SendReclaim):
             if mode == "unknown":
                 return  # the receipt never arrives; reclaim stays RECLAIMING
             self.deliver_ok(msg)
         elif mode == "fail":
-            self.try_apply(R.record_failure, msg.token, engine, "engine said no")
+            self.try_apply(R.RecordFailure(msg.token, engine, "engine said no"))
         else:
             op = type(msg).__name__
-            self.try_apply(R.record_unknown, msg.token, engine, op)
+            self.try_apply(R.RecordUnknown(msg.token, engine, op))
 
     @precondition(lambda self: self.network)
     @rule(data=st.data())
@@ -214,14 +226,15 @@ class RegistryMachine(RuleBasedStateMachine):
             i = data.draw(st.integers(0, len(self.network) - 1))
             self.deliver_ok(self.network.pop(i))
 
-    @rule(data=st.data())
+    @rule(target=versions, data=st.data())
     def publish_cleanly(self, data):
         """reserve -> drain -> commit in one step: the happy path racing everything else."""
-        self.reserve_new(tensors=data.draw(st.integers(1, 3)))
+        reserved = self.reserve_new(tensors=data.draw(st.integers(1, 3)))
         self.deliver_all_ok(data)
         for fx in list(self.ready_to_commit):
             if fx.token not in self.receipts:
                 self.commit_token(fx, lost_reply=False, stale_revision=False)
+        return reserved
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
@@ -232,7 +245,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def restart_engine(self, engine):
         self.lives[engine] += 1
         self.incarnations[engine] = f"{engine}-life{self.lives[engine]}"
-        self.try_apply(R.register_engine, engine, self.incarnations[engine])
+        self.try_apply(R.RegisterEngine(engine, self.incarnations[engine]))
 
     @precondition(lambda self: self.ready_to_commit)
     @rule(data=st.data(), lost_reply=st.booleans(), stale_revision=st.booleans())
@@ -242,7 +255,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def commit_token(self, fx, lost_reply, stale_revision):
         rev = fx.expected_default_revision + (1 if stale_revision else 0)
         before = self.state
-        result = self.try_apply(R.commit, fx.token.version, fx.token, rev)
+        result = self.try_apply(R.Commit(fx.token.version, fx.token, rev))
         if isinstance(result, LorapubError):
             assert self.state is before
             return
@@ -253,7 +266,7 @@ class RegistryMachine(RuleBasedStateMachine):
             self.receipts[fx.token] = result
             self.default_history.append(fx.token.version)
         if lost_reply:
-            again = self.try_apply(R.commit, fx.token.version, fx.token, rev)
+            again = self.try_apply(R.Commit(fx.token.version, fx.token, rev))
             assert again == result
 
     @precondition(lambda self: any(a.phase is Phase.ABORTED for a in self.state.attempts.values()))
@@ -261,18 +274,23 @@ class RegistryMachine(RuleBasedStateMachine):
     def retry_cleanup(self):
         for token, a in self.state.attempts.items():
             if a.phase is Phase.ABORTED:
-                self.try_apply(R.retry_cleanup, token)
+                self.try_apply(R.RetryCleanup(token))
 
     # -- sessions --------------------------------------------------------------
-    @rule(key=st.sampled_from(SESSION_POOL))
+    @rule(target=sessions, i=st.integers(0, len(SESSION_POOL) - 1))
+    def session_key(self, i):
+        """Name one of the pool's session keys (no registry call): later rules act on it."""
+        return SESSION_POOL[i]
+
+    @rule(key=sessions)
     def open_session(self, key):
-        result = self.try_apply(R.open_session, key)
+        result = self.try_apply(R.OpenSession(key))
         assert isinstance(result, SessionClosed) == (key in self.closed or self.state.sessions[key].state is SessionState.CLOSING)
 
-    @rule(key=st.sampled_from(SESSION_POOL), lost_reply=st.booleans())
+    @rule(key=sessions, lost_reply=st.booleans())
     def bind_first(self, key, lost_reply):
         default = self.state.default
-        result = self.try_apply(R.bind_first, key)
+        result = self.try_apply(R.BindFirst(key))
         if isinstance(result, LorapubError):
             record = self.state.sessions.get(key)
             if result.code == "NO_PUBLISHED_VERSION":
@@ -286,23 +304,23 @@ class RegistryMachine(RuleBasedStateMachine):
             assert result.version == default
             self.bound[key] = result.version
         if lost_reply:
-            assert self.try_apply(R.bind_first, key) == result
+            assert self.try_apply(R.BindFirst(key)) == result
 
-    @rule(key=st.sampled_from(SESSION_POOL))
+    @rule(key=sessions)
     def begin_close(self, key):
-        self.try_apply(R.begin_close, key)
+        self.try_apply(R.BeginClose(key))
 
-    @rule(key=st.sampled_from(SESSION_POOL), repeat=st.booleans())
+    @rule(key=sessions, repeat=st.booleans())
     def close_and_release(self, key, repeat):
-        self.try_apply(R.close_and_release, key)
+        self.try_apply(R.CloseAndRelease(key))
         self.closed.add(key)
         if repeat:
-            self.try_apply(R.close_and_release, key)
+            self.try_apply(R.CloseAndRelease(key))
 
-    @rule(key=st.sampled_from(SESSION_POOL))
+    @rule(key=sessions)
     def dispatch(self, key):
         try:
-            result = R.authorize_dispatch(self.state, key)
+            result = R.handle(self.state, R.AuthorizeDispatch(key)).reply
         except LorapubError as e:
             record = self.state.sessions.get(key)
             assert record is None or record.state is not SessionState.BOUND, e
@@ -313,12 +331,10 @@ class RegistryMachine(RuleBasedStateMachine):
             assert result.version == self.bound[key]
 
     # -- reclaim ---------------------------------------------------------------
-    @precondition(lambda self: self.state.versions)
-    @rule(data=st.data())
-    def claim_reclaim(self, data):
-        key = data.draw(st.sampled_from(sorted(self.state.versions)))
+    @rule(key=versions)
+    def claim_reclaim(self, key):
         v = self.state.versions[key]
-        result = self.try_apply(R.claim_reclaim, key)
+        result = self.try_apply(R.ClaimReclaim(key))
         if isinstance(result, NotReclaimable):
             assert v.state not in (VersionState.RECLAIMING, VersionState.RECLAIMED)
             assert v.state is not VersionState.RETIRED or v.session_refs > 0
@@ -330,7 +346,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def retry_reclaim(self):
         for key, v in self.state.versions.items():
             if v.state is VersionState.RECLAIMING:
-                self.try_apply(R.retry_reclaim, key)
+                self.try_apply(R.RetryReclaim(key))
 
     # -- invariants ------------------------------------------------------------
     @invariant()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SOURCE
@@ -18,10 +18,11 @@ from lorapub.core.identity import VersionKey
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
-from lorapub.publisher import Reclaimer
-from lorapub.registry_service import LocalRegistry, RegistryService
-from lorapub.sessions import LocalState, SessionService
-from tests.helpers import fake_plan
+from lorapub.runtime.publisher import Reclaimer
+from lorapub.core.registry import Commit, RecordBucketDone, RecordPrepared, RecordReady, Reserve
+from lorapub.runtime.registry import LocalRegistry
+from lorapub.runtime.sessions import LocalState, SessionService
+from lorapub.testing.fixtures import fake_plan
 
 EPOCH = 2
 
@@ -58,24 +59,20 @@ class FakeEngine:
 class RemoteLikeRegistry(LocalRegistry):
     """Every call suspends once before and once after the decision, like a registry actor."""
 
-    def __getattr__(self, name):
-        call = super().__getattr__(name)
-
-        async def remote(*args):
-            await asyncio.sleep(0)
-            reply = await call(*args)
-            await asyncio.sleep(0)
-            return reply
-
-        return remote
+    async def handle(self, command):
+        await asyncio.sleep(0)
+        reply = self.apply(command)
+        await asyncio.sleep(0)
+        return reply
 
 
 class SessionRaces(RuleBasedStateMachine):
+    sessions_ = Bundle("sessions")  # local Session handles, so a shrunk failure names which one
+
     @initialize()
     def setup(self):
         self.loop = asyncio.new_event_loop()
-        self.service = RegistryService(EPOCH, {"e0": "life", "e1": "life"})
-        self.registry = RemoteLikeRegistry(self.service)
+        self.service = self.registry = RemoteLikeRegistry(EPOCH, {"e0": "life", "e1": "life"})
         self.engines = {n: FakeEngine(n, self) for n in ("e0", "e1")}
         self.sessions = SessionService(self.registry, self.engines, epoch=EPOCH)
         self.reclaimer = Reclaimer(self.registry, self.engines)
@@ -115,25 +112,25 @@ class SessionRaces(RuleBasedStateMachine):
             return
         key = VersionKey(EPOCH, f"v{self.versions}")
         digest, plan = fake_plan(key.version_id, 1)
-        out = self.service.reserve(key, digest, plan)
+        out = self.service.apply(Reserve(key, digest, plan))
         token = out.reply.token
         for e in ("e0", "e1"):
-            self.service.record_prepared(token, e, "life")
+            self.service.apply(RecordPrepared(token, e, "life"))
         for p in (SOURCE, "e0", "e1"):
-            self.service.record_bucket_done(token, p, 0, None if p == SOURCE else "life")
+            self.service.apply(RecordBucketDone(token, p, 0, None if p == SOURCE else "life"))
         for e in ("e0", "e1"):
-            self.service.record_ready(ReadyLocal(e, token, digest, "life"))
-        self.service.commit(key, token, self.service.state.default_revision)
+            self.service.apply(RecordReady(ReadyLocal(e, token, digest, "life")))
+        self.service.apply(Commit(key, token, self.service.state.default_revision))
         self.versions += 1
 
-    @rule(i=st.integers(0, 3), nonce=st.integers(0, 1))
+    @rule(target=sessions_, i=st.integers(0, 3), nonce=st.integers(0, 1))
     def open_session(self, i, nonce):
-        self.handles.append(self.sessions.session(f"s{i}", nonce=f"n{nonce}"))
+        h = self.sessions.session(f"s{i}", nonce=f"n{nonce}")
+        self.handles.append(h)
+        return h
 
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data(), waiters=st.integers(1, 3))
-    def bind(self, data, waiters):
-        h = data.draw(st.sampled_from(self.handles))
+    @rule(h=sessions_, waiters=st.integers(1, 3))
+    def bind(self, h, waiters):
         for _ in range(waiters):
             self.spawn(self._swallow(h.bind))
 
@@ -142,16 +139,12 @@ class SessionRaces(RuleBasedStateMachine):
     def cancel_a_waiter(self, data):
         data.draw(st.sampled_from(self.tasks)).cancel()
 
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data(), steps=st.integers(0, 4))
-    def generate(self, data, steps):
-        h = data.draw(st.sampled_from(self.handles))
+    @rule(h=sessions_, steps=st.integers(0, 4))
+    def generate(self, h, steps):
         self.spawn(self._swallow(h.generate, {"rid": str(h.key), "steps": steps}))
 
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data())
-    def close(self, data):
-        h = data.draw(st.sampled_from(self.handles))
+    @rule(h=sessions_)
+    def close(self, h):
         self.spawn(self._swallow(h.close))
 
     @rule(n=st.integers(1, 6))

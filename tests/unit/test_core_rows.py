@@ -22,7 +22,7 @@ from lorapub.errors import (
     VersionConflict,
     VersionReclaiming,
 )
-from tests.helpers import fake_plan
+from lorapub.testing.fixtures import fake_plan
 
 E = {"e0": "e0-a", "e1": "e1-a"}
 EP = 3
@@ -108,7 +108,7 @@ def test_duplicate_publication_is_idempotent_and_conflict_is_rejected(fresh):
     state, _ = publish(state, "B")
     state = R.claim_reclaim(state, key("A")).state
     for e in E:
-        state = R.confirm_reclaim(state, key("A"), state.versions[key("A")].reclaim_id, e).state
+        state = R.record_unloaded(state, key("A"), state.versions[key("A")].reclaim_id, e).state
     with pytest.raises(VersionConflict):
         R.reserve(state, key("A"), other, other_plan)
 
@@ -210,11 +210,11 @@ def test_capacity_two_rejects_c_before_begin_and_reclaim_frees(fresh):
     assert sorted(fx.engine for fx in out.effects if isinstance(fx, SendReclaim)) == ["e0", "e1"]
     again = R.claim_reclaim(out.state, key("A"))
     assert again.reply == rid and not [fx for fx in again.effects if isinstance(fx, SendReclaim)]
-    state = R.confirm_reclaim(out.state, key("A"), rid, "e0").state
+    state = R.record_unloaded(out.state, key("A"), rid, "e0").state
     with pytest.raises(CapacityError):  # E1 has not confirmed: slot still held
         R.reserve(state, key("C"), digest, plan)
-    state = R.confirm_reclaim(state, key("A"), rid, "e0").state  # duplicate receipt
-    state = R.confirm_reclaim(state, key("A"), rid, "e1").state
+    state = R.record_unloaded(state, key("A"), rid, "e0").state  # duplicate receipt
+    state = R.record_unloaded(state, key("A"), rid, "e1").state
     assert state.versions[key("A")].state is VersionState.RECLAIMED
     out = R.reserve(state, key("C"), digest, plan)
     assert {type(fx) for fx in out.effects} == {SendBegin}

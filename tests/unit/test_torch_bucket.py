@@ -13,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from lorapub.core.identity import AttemptToken, VersionKey  # noqa: E402
-from lorapub.fixtures import lora_snapshot  # noqa: E402
+from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 
 
 def _free_port() -> int:
@@ -26,7 +26,7 @@ def _worker(rank: int, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
     from lorapub.adapters.torch_bucket import TorchDistributedBucketReceiver, TorchDistributedBucketSource
-    from lorapub.snapshot import Snapshot
+    from lorapub.runtime.snapshot import Snapshot
 
     snapshot = lora_snapshot(7, layers=3, hidden=32, rank=4)
     plan = snapshot.plan(1024)

@@ -1,1 +1,2 @@
-"""Thin bindings of the ports to Ray, SGLang's HTTP admin API and torch.distributed."""
+"""Thin bindings of the ports to the outside world: SGLang's HTTP API, the engine-side
+staging protocol any engine adapter reuses, the Ray registry actor and torch.distributed."""

@@ -1,11 +1,11 @@
 """The registry as a named Ray actor, so every rollout process shares one single writer.
 
-The actor runs :class:`~lorapub.registry_service.RegistryService` with Ray's default
-one-call-at-a-time concurrency: each transition is applied whole before the
-next call starts. Typed errors cross the process boundary as (code, message)
-and are raised again as the same lorapub class; a call whose reply is lost
-(actor unreachable, timeout) is :class:`~lorapub.errors.OutcomeUnknown`, and
-every registry command is safe to replay.
+The actor runs a :class:`~lorapub.runtime.registry.LocalRegistry` with Ray's default
+one-call-at-a-time concurrency: each command is applied whole before the next
+call starts. Typed errors cross the process boundary as (code, message) and are
+raised again as the same lorapub class; a call whose reply is lost (actor
+unreachable, timeout) is :class:`~lorapub.errors.OutcomeUnknown`, and every
+registry command is safe to replay.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any, Mapping
 import ray
 
 from lorapub import errors
-from lorapub.registry_service import _SYNC_METHODS, RegistryService
-from lorapub.stores import FileStore
+from lorapub.core.commands import Command
+from lorapub.core.registry import COMMANDS, Result
+from lorapub.runtime.registry import LocalRegistry
+from lorapub.runtime.stores import FileStore
 
 _ERRORS = {
     cls.code: cls
@@ -29,13 +31,13 @@ _ERRORS = {
 class _RegistryActor:
     def __init__(self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None) -> None:
         store = FileStore(store_path) if store_path else None  # durable: a restarted actor resumes
-        self.service = RegistryService(epoch, engines, capacity, store=store)
+        self.registry = LocalRegistry(epoch, engines, capacity, store=store)
 
-    def call(self, method: str, *args: Any) -> tuple[str, Any]:
-        if method not in _SYNC_METHODS:
-            return ("error", ("INVALID_INPUT", f"no registry method {method!r}"))
+    def handle(self, command: Command) -> tuple[str, Any]:
+        if not isinstance(command, COMMANDS):
+            return ("error", ("INVALID_INPUT", f"{command!r} is not a registry command"))
         try:
-            return ("ok", getattr(self.service, method)(*args))
+            return ("ok", self.registry.apply(command))
         except errors.LorapubError as e:
             return ("error", (e.code, e.message))
 
@@ -44,10 +46,10 @@ RegistryActor = ray.remote(num_cpus=0)(_RegistryActor)
 
 
 class RayRegistry:
-    """Async registry face over a named actor (create once, look up from any process)."""
+    """A :class:`~lorapub.ports.Registry` over a named actor (create once, look up from any process)."""
 
     def __init__(self, handle: Any, call_timeout: float = 30.0) -> None:
-        self.handle = handle
+        self.actor = handle
         self.call_timeout = call_timeout
 
     @classmethod
@@ -66,20 +68,13 @@ class RayRegistry:
     def lookup(cls, name: str, namespace: str = "lorapub") -> "RayRegistry":
         return cls(ray.get_actor(name, namespace=namespace))
 
-    def __getattr__(self, method: str):
-        if method not in _SYNC_METHODS:
-            raise AttributeError(method)
-
-        async def call(*args: Any) -> Any:
-            try:
-                status, value = await asyncio.wait_for(self.handle.call.remote(method, *args), self.call_timeout)
-            except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                raise errors.OutcomeUnknown(f"registry {method}: no reply ({type(e).__name__})") from None
-            if status == "error":
-                code, message = value
-                error = _ERRORS.get(code, errors.LorapubError)(message)
-                raise error
-            return value
-
-        call.__name__ = method
-        return call
+    async def handle(self, command: Command) -> Result:
+        what = type(command).__name__
+        try:
+            status, value = await asyncio.wait_for(self.actor.handle.remote(command), self.call_timeout)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
+        if status == "error":
+            code, message = value
+            raise _ERRORS.get(code, errors.LorapubError)(message)
+        return value

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.errors import EngineError
-from lorapub.snapshot import Snapshot
+from lorapub.runtime.snapshot import Snapshot
 
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

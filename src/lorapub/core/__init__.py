@@ -18,14 +18,14 @@ from lorapub.core.effects import (
 )
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, is_managed_name, lora_name_for
 from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
-from lorapub.core.registry import Outcome, RegistryState, new_registry
+from lorapub.core.registry import Outcome, RegistryState, Result, handle, new_registry
 from lorapub.core.session import Binding, SessionState
 from lorapub.core.version import CommitReceipt, VersionState
 
 __all__ = [
     "SOURCE", "AttemptToken", "Binding", "Bucket", "BucketPlan", "CommitReceipt", "Ignored", "Manifest",
-    "Outcome", "Phase", "ReadyLocal", "ReadyToCommit", "ReclaimEligible", "RegistryState", "SendBegin",
+    "Outcome", "Phase", "ReadyLocal", "Result", "ReadyToCommit", "ReclaimEligible", "RegistryState", "SendBegin",
     "SendCleanup", "SendEnd", "SendReclaim", "SessionKey", "SessionState", "TargetState", "TensorEntry",
-    "TransferBucket", "VersionKey", "VersionState", "is_managed_name", "lora_name_for", "new_registry",
+    "TransferBucket", "VersionKey", "VersionState", "handle", "is_managed_name", "lora_name_for", "new_registry",
     "registry",
 ]

@@ -9,6 +9,12 @@ import attrs
 from lorapub.errors import InvalidInput
 
 LORA_NAME_PREFIX = "relax_policy_lora"
+#: Every managed adapter name starts with this; the SGLang patch protects exactly these names.
+MANAGED_PREFIX = LORA_NAME_PREFIX + "@"
+#: The header that authorises the unload of a managed adapter (reclaim or cleanup).
+RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
+#: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads.
+STATE_ROUTE = "/lorapub/state"
 DIGEST_PREFIX_LEN = 12
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -50,11 +56,11 @@ class VersionKey:
 def lora_name_for(key: VersionKey, digest: str) -> str:
     """The immutable engine-side name; the digest prefix is for humans, the full digest is compared."""
     check_digest(digest)
-    return f"{LORA_NAME_PREFIX}@{key.deployment_epoch}-{key.version_id}-{digest[:DIGEST_PREFIX_LEN]}"
+    return f"{MANAGED_PREFIX}{key.deployment_epoch}-{key.version_id}-{digest[:DIGEST_PREFIX_LEN]}"
 
 
 def is_managed_name(name: str) -> bool:
-    return name.startswith(LORA_NAME_PREFIX + "@")
+    return name.startswith(MANAGED_PREFIX)
 
 
 @attrs.frozen(order=True)

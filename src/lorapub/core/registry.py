@@ -1,9 +1,13 @@
 """The registry's decisions: versions, attempts, sessions and reclaim in one state.
 
-Every command is a pure function ``(RegistryState, args) -> Outcome``: the new
-state, the reply for the caller, and the effects the I/O layer must perform.
-Rejections raise a typed :mod:`lorapub.errors` error and leave the state as it
-was. The registry is the only writer of default, capacity and refs.
+"The registry" is this one thing: the single writer of default, capacity, refs
+and tombstones. Callers talk to it with command values (as h11 and h2 take
+events): ``handle(state, command) -> Outcome`` gives the new state, the reply
+for the caller and the effects the I/O layer must perform. Rejections raise a
+typed :mod:`lorapub.errors` error and leave the state as it was.
+
+The command values live in :mod:`lorapub.core.commands` (and are importable from
+here); each has one transition function below of the same name in snake case.
 """
 
 from __future__ import annotations
@@ -17,6 +21,33 @@ from lorapub.core import attempt as att
 from lorapub.core import reclaim as rec
 from lorapub.core import session as ses
 from lorapub.core.attempt import Attempt, Phase, ReadyLocal
+from lorapub.core.commands import (  # noqa: F401 - the command values are part of this module's face
+    AuthorizeDispatch,
+    BeginClose,
+    BindFirst,
+    ClaimReclaim,
+    CloseAndRelease,
+    Command,
+    Commit,
+    ForgetSessions,
+    ListReclaimable,
+    OpenSession,
+    QUERIES,
+    QueryAttempt,
+    ReadState,
+    ReadVersion,
+    RecordBucketDone,
+    RecordCleaned,
+    RecordFailure,
+    RecordPrepared,
+    RecordReady,
+    RecordUnknown,
+    RecordUnloaded,
+    RegisterEngine,
+    Reserve,
+    RetryCleanup,
+    RetryReclaim,
+)
 from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, lora_name_for
 from lorapub.core.manifest import BucketPlan
@@ -261,8 +292,8 @@ def commit(state: RegistryState, key: VersionKey, token: AttemptToken, expected_
     a = state.attempt(token)
     if token.version != key:
         raise StaleAttempt(f"attempt {token} does not belong to version {key}")
-    if a.phase is Phase.COMMITTED:
-        return Outcome(state, version.commit)
+    if a.phase is Phase.COMMITTED:  # a replay says again what the commit said
+        return Outcome(state, version.commit, _reclaim_eligible(state, version.commit.retired))
     if version.attempt != token or version.state is not VersionState.LOADING:
         raise StaleAttempt(f"attempt {token} is not the live attempt of {key} ({version.state.value})")
     if not att.all_ready_current(a, state.engines):
@@ -273,14 +304,10 @@ def commit(state: RegistryState, key: VersionKey, token: AttemptToken, expected_
             f"default revision is {state.default_revision}, commit expected {expected_default_revision}",
             version=key,
         )
-    effects: list[Effect] = []
     versions = state.versions
     retired = state.default
     if retired is not None:
-        old = advance(versions[retired], VersionState.RETIRED)
-        versions = versions.set(retired, old)
-        if old.session_refs == 0:
-            effects.append(ReclaimEligible(retired))
+        versions = versions.set(retired, advance(versions[retired], VersionState.RETIRED))
     receipt = CommitReceipt(key, token, state.default_revision + 1, retired)
     versions = versions.set(key, advance(version, VersionState.PUBLISHED, engines=a.engines, commit=receipt))
     state = attrs.evolve(
@@ -290,7 +317,17 @@ def commit(state: RegistryState, key: VersionKey, token: AttemptToken, expected_
         default=key,
         default_revision=receipt.default_revision,
     )
-    return Outcome(state, receipt, effects)
+    return Outcome(state, receipt, _reclaim_eligible(state, retired))
+
+
+def _reclaim_eligible(state: RegistryState, key: VersionKey | None) -> list[Effect]:
+    """The one place ``ReclaimEligible`` is decided: RETIRED with zero session refs."""
+    if key is None:
+        return []
+    version = state.versions[key]
+    if version.state is VersionState.RETIRED and version.session_refs == 0:
+        return [ReclaimEligible(key)]
+    return []
 
 
 def query_attempt(state: RegistryState, token: AttemptToken) -> AttemptStatus:
@@ -347,13 +384,10 @@ def close_and_release(state: RegistryState, key: SessionKey) -> Outcome:
     """Release the session ref exactly once and keep a CLOSED tombstone."""
     record, release = ses.closed(_session(state, key), key)
     state = attrs.evolve(state, sessions=state.sessions.set(key, record))
-    effects: list[Effect] = []
-    if release is not None:
-        version = drop_session_ref(state.versions[release])
-        state = attrs.evolve(state, versions=state.versions.set(release, version))
-        if version.state is VersionState.RETIRED and version.session_refs == 0:
-            effects.append(ReclaimEligible(release))
-    return Outcome(state, record.state, effects)
+    if release is None:
+        return Outcome(state, record.state)
+    state = attrs.evolve(state, versions=state.versions.set(release, drop_session_ref(state.versions[release])))
+    return Outcome(state, record.state, _reclaim_eligible(state, release))
 
 
 def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome:
@@ -388,7 +422,8 @@ def claim_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
     return Outcome(state, new.reclaim_id, effects)
 
 
-def confirm_reclaim(state: RegistryState, key: VersionKey, reclaim_id: str, engine: str) -> Outcome:
+def record_unloaded(state: RegistryState, key: VersionKey, reclaim_id: str, engine: str) -> Outcome:
+    """One engine's UNLOADED receipt for ``reclaim_id``."""
     if engine not in state.engines:
         raise UnknownEngine(f"engine {engine} is not registered")
     version = state.version(key)
@@ -401,3 +436,44 @@ def retry_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
     if version.state is not VersionState.RECLAIMING:
         return Outcome(state, version.state, [Ignored(f"{key} is {version.state.value}; nothing to retry")])
     return Outcome(state, version.state, rec.sends(version))
+
+
+# -- the one door ----------------------------------------------------------------
+_TRANSITIONS = {
+    RegisterEngine: register_engine, Reserve: reserve, RecordPrepared: record_prepared,
+    RecordBucketDone: record_bucket_done, RecordReady: record_ready, RecordFailure: record_failure,
+    RecordUnknown: record_unknown, RecordCleaned: record_cleaned, RetryCleanup: retry_cleanup, Commit: commit,
+    OpenSession: open_session, BindFirst: bind_first, BeginClose: begin_close, CloseAndRelease: close_and_release,
+    ForgetSessions: forget_sessions, ClaimReclaim: claim_reclaim, RecordUnloaded: record_unloaded,
+    RetryReclaim: retry_reclaim,
+}
+
+_QUERIES = {
+    AuthorizeDispatch: lambda state, c: authorize_dispatch(state, c.key),
+    QueryAttempt: lambda state, c: query_attempt(state, c.token),
+    ReadVersion: lambda state, c: state.version(c.key),
+    ListReclaimable: lambda state, c: state.reclaimable(),
+    ReadState: lambda state, c: state,
+}
+
+COMMANDS: tuple[type, ...] = (*_TRANSITIONS, *_QUERIES)
+
+
+def handle(state: RegistryState, command: Command) -> Outcome:
+    """The one door: apply ``command`` to ``state``. A query returns the state unchanged."""
+    query = _QUERIES.get(type(command))
+    if query is not None:
+        return Outcome(state, query(state, command))
+    transition = _TRANSITIONS.get(type(command))
+    if transition is None:
+        raise InvalidInput(f"{command!r} is not a registry command")
+    return transition(state, *(getattr(command, f.name) for f in attrs.fields(type(command))))
+
+
+@attrs.frozen
+class Result:
+    """What a registry answers, in process or across an actor boundary: the reply and the
+    effects the caller must run, never the state."""
+
+    reply: Any = None
+    effects: tuple[Effect, ...] = attrs.field(default=(), converter=tuple)

@@ -56,6 +56,7 @@ def _apply_0517(cls: Any, root: str | None, managed_prefix: str) -> None:
     names: dict[str, Any] = {"os": os}
     exec(release_0517.MIXIN_GLOBALS, names)
     names["LORAPUB_MANAGED_PREFIX"] = managed_prefix  # _is_managed_lora reads it from `names`
+    names["LORAPUB_RECLAIM_HEADER"] = RECLAIM_HEADER
     for key in ("LORAPUB_MANAGED_PREFIX", "LORAPUB_RECLAIM_HEADER", "_is_managed_lora"):
         mixin_globals[key] = names[key]
     install_methods(cls, release_0517.TM_METHODS, cls._handle_batch_output.__globals__)

@@ -14,12 +14,8 @@ import os
 
 import attrs
 
-from lorapub.core.identity import LORA_NAME_PREFIX
-
-# Defined once for the whole project: engines, the HTTP adapter and both patch forms use these.
-MANAGED_PREFIX = f"{LORA_NAME_PREFIX}@"
-RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
-STATE_ROUTE = "/lorapub/state"
+# Defined once, in the core; the runtime form and the HTTP adapter share them.
+from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
 
 TM_FILE = "srt/managers/tokenizer_manager.py"
 MIXIN_FILE = "srt/managers/tokenizer_control_mixin.py"

@@ -1,4 +1,8 @@
-"""Publisher and Reclaimer: drive the core's effects on the target engines."""
+"""Publisher and Reclaimer: drive the core's effects on the target engines.
+
+The publisher owns ``ReadyToCommit`` (it commits), the reclaimer owns
+``ReclaimEligible`` (it reclaims); the effect runner hands each notice to its owner.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,28 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from lorapub.core.attempt import Phase
+from lorapub.core.effects import ReadyToCommit
 from lorapub.core.identity import AttemptToken, VersionKey
+from lorapub.core.commands import (
+    ClaimReclaim,
+    Commit,
+    ListReclaimable,
+    QueryAttempt,
+    ReadState,
+    ReadVersion,
+    RecordFailure,
+    Reserve,
+    RetryCleanup,
+    RetryReclaim,
+)
 from lorapub.core.version import CommitReceipt, VersionState
-from lorapub.effects_runner import Deadlines, EffectRunner, RunLog
 from lorapub.errors import LorapubError, OutcomeUnknown, PublicationBlocked
-from lorapub.clock import SystemClock
-from lorapub.ports import BucketSource, Clock, EngineAdmin
-from lorapub.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
+from lorapub.runtime.clock import SystemClock
+from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
+from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 
-log = logging.getLogger("lorapub")
+log = logging.getLogger(__name__)
 
 
 class PublicationFailed(LorapubError):
@@ -28,6 +45,8 @@ class PublicationFailed(LorapubError):
 
 @attrs.frozen
 class PublicationReport:
+    """What one ``publish`` did: the version, its engine-side name and the commit receipt."""
+
     version: VersionKey
     lora_name: str
     receipt: CommitReceipt | None
@@ -43,7 +62,7 @@ class Publisher:
 
     def __init__(
         self,
-        registry: Any,
+        registry: Registry,
         engines: Mapping[str, EngineAdmin],
         *,
         epoch: int,
@@ -52,6 +71,7 @@ class Publisher:
         source_factory: Callable[[Snapshot, Any], BucketSource] = InlineBucketSource,
         commit_retries: int = 5,
         clock: Clock | None = None,
+        on_eligible: OnEligible | None = None,
     ) -> None:
         self.clock = clock or SystemClock()
         self.registry = registry
@@ -61,25 +81,30 @@ class Publisher:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.source_factory = source_factory
         self.commit_retries = commit_retries
+        self.on_eligible = on_eligible
 
     @property
     def control(self) -> EffectRunner:
         """Runs control-only effects (cleanup), which need no bucket source."""
-        return EffectRunner(self.registry, self.engines, None, self.deadlines)
+        return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible)
 
     async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
         started = self.clock.monotonic()
         key = VersionKey(self.epoch, version_id)
         plan = snapshot.plan(self.bucket_cap_bytes)
-        reserved = await self.registry.reserve(key, snapshot.digest, plan)  # CAPACITY_ERROR before any begin
+        reserved = await self.registry.handle(Reserve(key, snapshot.digest, plan))  # CAPACITY_ERROR before any begin
         reply = reserved.reply
         if not reply.created:
             return await self._existing(key, reply, started)
-        runner = EffectRunner(self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines)
+        ready: list[ReadyToCommit] = []
+        runner = EffectRunner(
+            self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
+            on_ready=ready.append, on_eligible=self.on_eligible,
+        )
         runlog = await runner.run(reserved.effects, RunLog(self.clock))
-        status = await self.registry.query_attempt(reply.token)
-        if status.phase is Phase.READY and runlog.ready:
-            receipt = await self._commit(key, reply.token, runlog.ready[-1].expected_default_revision, runlog)
+        status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+        if status.phase is Phase.READY and ready:
+            receipt = await self._commit(key, reply.token, ready[-1].expected_default_revision, runlog)
             return PublicationReport(
                 key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
                 runlog.phase_seconds(), runlog.collectives,
@@ -94,7 +119,7 @@ class Publisher:
         )
 
     async def _existing(self, key: VersionKey, reply, started: float) -> PublicationReport:
-        status = await self.registry.query_attempt(reply.token)
+        status = (await self.registry.handle(QueryAttempt(reply.token))).reply
         if status.phase is Phase.COMMITTED:
             return PublicationReport(
                 key, reply.lora_name, status.commit, status.version_state, self.clock.monotonic() - started, {}, 0, True
@@ -117,18 +142,20 @@ class Publisher:
         for attempt in range(self.commit_retries):
             try:
                 async with asyncio.timeout(self.deadlines.commit):
-                    result = await self.registry.commit(key, token, revision)
-                runlog.mark("commit")
-                return result.reply
+                    result = await self.registry.handle(Commit(key, token, revision))
             except (OutcomeUnknown, TimeoutError, ConnectionError) as e:
                 last = e
                 log.warning("commit %s: reply lost (%s); replaying the same commit", token, e)
                 await self.clock.sleep(min(0.05 * 2**attempt, 1.0))
+                continue
+            runlog.mark("commit")
+            await self.control.run(result.effects)  # the retired version may be reclaimable now
+            return result.reply
         raise OutcomeUnknown(f"commit of {token} unanswered after {self.commit_retries} tries: {last}", token=token)
 
     async def recover(self) -> list[str]:
         """Abort a dangling attempt left by a dead publisher and drive its cleanup."""
-        state = await self.registry.snapshot()
+        state = (await self.registry.handle(ReadState())).reply
         notes = []
         for version in state.versions.values():
             a = state.attempts[version.attempt]
@@ -137,37 +164,77 @@ class Publisher:
             if a.phase is Phase.ABORTED:
                 phase = await self.retry_cleanup(a.token)
             else:
-                result = await self.registry.record_failure(a.token, "publisher", "recovered after restart")
+                result = await self.registry.handle(RecordFailure(a.token, "publisher", "recovered after restart"))
                 await self.control.run(result.effects)
-                phase = (await self.registry.query_attempt(a.token)).phase
+                phase = (await self.registry.handle(QueryAttempt(a.token))).reply.phase
             notes.append(f"{a.token}: {phase.value}")
         return notes
 
     async def retry_cleanup(self, token: AttemptToken) -> Phase:
-        result = await self.registry.retry_cleanup(token)
+        result = await self.registry.handle(RetryCleanup(token))
         await self.control.run(result.effects)
-        return (await self.registry.query_attempt(token)).phase
+        return (await self.registry.handle(QueryAttempt(token))).reply.phase
 
 
 class Reclaimer:
-    """unregister -> native wait_for_unload -> unload once -> confirm, on every engine."""
+    """unregister -> native wait_for_unload -> unload once -> confirm, on every engine.
 
-    def __init__(self, registry: Any, engines: Mapping[str, EngineAdmin], deadlines: Deadlines | None = None) -> None:
+    The one owner of ``ReclaimEligible``: :meth:`on_eligible` starts a background
+    reclaim (when ``auto``) that retries engines whose UNLOADED receipt did not come.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        engines: Mapping[str, EngineAdmin],
+        deadlines: Deadlines | None = None,
+        *,
+        auto: bool = False,
+        retries: int = 5,
+        backoff: float = 1.0,
+    ) -> None:
         self.registry = registry
         self.engines = dict(engines)
         self.deadlines = deadlines or Deadlines()
+        self.auto = auto
+        self.retries = retries
+        self.backoff = backoff
+        self._background: set[asyncio.Task] = set()
 
-    control = Publisher.control
+    @property
+    def control(self) -> EffectRunner:
+        return EffectRunner(self.registry, self.engines, None, self.deadlines)
 
     async def reclaim(self, key: VersionKey) -> VersionState:
-        result = await self.registry.claim_reclaim(key)
+        result = await self.registry.handle(ClaimReclaim(key))
         await self.control.run(result.effects)
-        return (await self.registry.version(key)).state
+        return (await self.registry.handle(ReadVersion(key))).reply.state
 
     async def retry(self, key: VersionKey) -> VersionState:
-        result = await self.registry.retry_reclaim(key)
+        result = await self.registry.handle(RetryReclaim(key))
         await self.control.run(result.effects)
-        return (await self.registry.version(key)).state
+        return (await self.registry.handle(ReadVersion(key))).reply.state
 
     async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
-        return {key: await self.reclaim(key) for key in await self.registry.reclaimable()}
+        return {key: await self.reclaim(key) for key in (await self.registry.handle(ListReclaimable())).reply}
+
+    def on_eligible(self, version: VersionKey) -> None:
+        if not self.auto:
+            return
+        task = asyncio.get_running_loop().create_task(self._reclaim_until_done(version))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reclaim_until_done(self, version: VersionKey) -> None:
+        """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent)."""
+        state = await self.reclaim(version)
+        for attempt in range(self.retries):
+            if state is not VersionState.RECLAIMING:
+                return
+            await asyncio.sleep(self.backoff * 2**attempt)
+            state = await self.retry(version)
+
+    async def settle(self) -> None:
+        """Wait for the background reclaims started by :meth:`on_eligible`."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

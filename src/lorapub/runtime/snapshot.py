@@ -117,11 +117,6 @@ def load_safetensors(path: str) -> dict[str, Any]:
     return load_file(path)
 
 
-def manifest_of_files(tensors: Mapping[str, Any], serving_config: Mapping[str, Any]) -> Manifest:
-    """Recompute a manifest from received tensors (what an engine verifies at ``end``)."""
-    return Snapshot(tensors, serving_config).manifest
-
-
 class InlineBucketSource:
     """Byte transport: the source half is ready at once; engines store the bytes they get."""
 

@@ -1,16 +1,18 @@
 """Executes the core's effects against engines and feeds every outcome back.
 
 The runner decides nothing: a reply becomes the matching registry command,
-an engine's "no" becomes ``record_failure``, a timeout or lost connection
-becomes ``record_unknown``. New effects from those commands run in turn until
-none is left.
+an engine's "no" becomes ``RecordFailure``, a timeout or lost connection
+becomes ``RecordUnknown``. New effects from those commands run in turn until
+none is left. The two notices are handed to their one owner each:
+``ReadyToCommit`` to ``on_ready`` (the publisher), ``ReclaimEligible`` to
+``on_eligible`` (the reclaimer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping
+from typing import Awaitable, Callable, Iterable, Mapping
 
 import attrs
 
@@ -25,11 +27,25 @@ from lorapub.core.effects import (
     SendReclaim,
     TransferBucket,
 )
+from lorapub.core.identity import VersionKey
+from lorapub.core.commands import (
+    RecordBucketDone,
+    RecordCleaned,
+    RecordFailure,
+    RecordPrepared,
+    RecordReady,
+    RecordUnknown,
+    RecordUnloaded,
+    RegisterEngine,
+)
 from lorapub.errors import EngineError, LorapubError, OutcomeUnknown, UnknownEngine
-from lorapub.clock import SystemClock
-from lorapub.ports import BucketSource, Clock, EngineAdmin
+from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
+from lorapub.runtime.clock import SystemClock
 
-log = logging.getLogger("lorapub")
+log = logging.getLogger(__name__)
+
+OnReady = Callable[[ReadyToCommit], None]
+OnEligible = Callable[[VersionKey], Awaitable[None] | None]
 
 
 @attrs.define
@@ -46,12 +62,10 @@ class Deadlines:
 
 @attrs.define
 class RunLog:
-    """What happened while running effects, for reports and tests."""
+    """What happened while running effects, for reports and tests (never read to decide)."""
 
     clock: Clock = attrs.field(factory=SystemClock)
 
-    ready: list[ReadyToCommit] = attrs.field(factory=list)
-    eligible: list[Any] = attrs.field(factory=list)
     ignored: list[str] = attrs.field(factory=list)
     failures: list[str] = attrs.field(factory=list)
     unknown: list[str] = attrs.field(factory=list)
@@ -71,26 +85,33 @@ class RunLog:
 class EffectRunner:
     def __init__(
         self,
-        registry: Any,
+        registry: Registry,
         engines: Mapping[str, EngineAdmin],
         source: BucketSource | None = None,
         deadlines: Deadlines | None = None,
+        *,
+        on_ready: OnReady | None = None,
+        on_eligible: OnEligible | None = None,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
         self.source = source
         self.deadlines = deadlines or Deadlines()
+        self.on_ready = on_ready
+        self.on_eligible = on_eligible
 
-    async def run(self, effects, runlog: RunLog | None = None) -> RunLog:
+    async def run(self, effects: Iterable, runlog: RunLog | None = None) -> RunLog:
         runlog = runlog or RunLog()
         pending: set[asyncio.Task] = set()
+        eligible: list[VersionKey] = []
 
         def schedule(batch) -> None:
             for fx in batch:
                 if isinstance(fx, ReadyToCommit):
-                    runlog.ready.append(fx)
+                    if self.on_ready is not None:
+                        self.on_ready(fx)
                 elif isinstance(fx, ReclaimEligible):
-                    runlog.eligible.append(fx.version)
+                    eligible.append(fx.version)
                 elif isinstance(fx, Ignored):
                     runlog.ignored.append(fx.reason)
                     log.debug("ignored: %s", fx.reason)
@@ -111,6 +132,13 @@ class EffectRunner:
             # registry, which keeps the attempt unresolved (recover() cleans it).
             for task in pending:
                 task.cancel()
+        for version in eligible:
+            if self.on_eligible is None:
+                log.debug("%s is reclaimable; no reclaimer is attached", version)
+                continue
+            maybe = self.on_eligible(version)
+            if asyncio.iscoroutine(maybe):
+                await maybe
         return runlog
 
     async def _call(self, seconds: float, awaitable):
@@ -143,7 +171,7 @@ class EffectRunner:
             return await self._guarded(
                 fx.token, fx.engine, "begin", runlog,
                 lambda: self._call(d.begin, engine.begin(fx)),
-                lambda inc: reg.record_prepared(fx.token, fx.engine, inc),
+                lambda inc: reg.handle(RecordPrepared(fx.token, fx.engine, inc)),
             )
         if isinstance(fx, TransferBucket):
             runlog.collectives += 1
@@ -153,7 +181,7 @@ class EffectRunner:
             return await self._guarded(
                 fx.token, fx.engine, "end", runlog,
                 lambda: self._call(d.end, engine.end(fx.token)),
-                lambda receipt: reg.record_ready(receipt),
+                lambda receipt: reg.handle(RecordReady(receipt)),
             )
         if isinstance(fx, SendCleanup):
             engine = self._engine(fx.engine)
@@ -162,19 +190,19 @@ class EffectRunner:
             except Exception as e:
                 # A cleanup that was refused, unanswered or crashed is not a confirmed cleanup.
                 runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e}")
-                return (await reg.record_unknown(fx.token, fx.engine, "cleanup")).effects
+                return (await reg.handle(RecordUnknown(fx.token, fx.engine, "cleanup"))).effects
             if inc != fx.incarnation:
                 # The engine restarted: tell the registry, which asks the new life for cleanup.
-                return (await reg.register_engine(fx.engine, inc)).effects
-            return (await reg.record_cleaned(fx.token, fx.engine, inc)).effects
+                return (await reg.handle(RegisterEngine(fx.engine, inc))).effects
+            return (await reg.handle(RecordCleaned(fx.token, fx.engine, inc))).effects
         if isinstance(fx, SendReclaim):
             engine = self._engine(fx.engine)
             try:
                 await self._call(d.reclaim, engine.reclaim(fx.lora_name, fx.reclaim_id))
             except Exception as e:
                 runlog.unknown.append(f"{fx.engine} reclaim {fx.version}: {e}")
-                return ()  # stays RECLAIMING with its slot; retry_reclaim later
-            return (await reg.confirm_reclaim(fx.version, fx.reclaim_id, fx.engine)).effects
+                return ()  # stays RECLAIMING with its slot; RetryReclaim later
+            return (await reg.handle(RecordUnloaded(fx.version, fx.reclaim_id, fx.engine))).effects
         raise TypeError(f"no executor for {fx!r}")
 
     async def _guarded(self, token, engine: str, op: str, runlog: RunLog, call, feed):
@@ -182,14 +210,14 @@ class EffectRunner:
             value = await call()
         except EngineError as e:
             runlog.failures.append(f"{engine} {op}: {e.message}")
-            return (await self.registry.record_failure(token, engine, f"{op}: {e.message}")).effects
+            return (await self.registry.handle(RecordFailure(token, engine, f"{op}: {e.message}"))).effects
         except OutcomeUnknown as e:
             runlog.unknown.append(f"{engine} {op}: {e.message}")
-            return (await self.registry.record_unknown(token, engine, op)).effects
+            return (await self.registry.handle(RecordUnknown(token, engine, op))).effects
         except Exception as e:  # an adapter bug or an untyped client error: we cannot know what happened
             log.exception("%s %s raised an untyped error; treating the outcome as unknown", engine, op)
             runlog.unknown.append(f"{engine} {op}: {type(e).__name__}: {e}")
-            return (await self.registry.record_unknown(token, engine, op)).effects
+            return (await self.registry.handle(RecordUnknown(token, engine, op))).effects
         return (await feed(value)).effects
 
     async def _transfer(self, fx: TransferBucket, runlog: RunLog):
@@ -203,7 +231,7 @@ class EffectRunner:
         async def source_done(_):
             nonlocal sent
             sent = True
-            return await self.registry.record_bucket_done(fx.token, SOURCE, fx.index, None)
+            return await self.registry.handle(RecordBucketDone(fx.token, SOURCE, fx.index, None))
 
         async def source_half():
             return await self._guarded(
@@ -218,7 +246,7 @@ class EffectRunner:
             return await self._guarded(
                 fx.token, name, f"receive bucket {fx.index}", runlog,
                 lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload)),
-                lambda inc: self.registry.record_bucket_done(fx.token, name, fx.index, inc),
+                lambda inc: self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc)),
             )
 
         if payload_needed:

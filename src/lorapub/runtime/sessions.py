@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import logging
 import uuid
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Mapping
 
-from lorapub.core.effects import ReclaimEligible
 from lorapub.core.identity import SessionKey
+from lorapub.core.commands import AuthorizeDispatch, BeginClose, BindFirst, CloseAndRelease
 from lorapub.core.session import Binding
 from lorapub.errors import InvalidInput, LorapubError, SessionClosed
-from lorapub.ports import EngineAdmin
-
-log = logging.getLogger("lorapub")
+from lorapub.ports import EngineAdmin, Registry
+from lorapub.runtime.runner import EffectRunner, OnEligible
 
 
 def _failed(task: asyncio.Task) -> bool:
@@ -65,7 +63,7 @@ class Session:
 
     # -- binding ------------------------------------------------------------
     async def _bind_once(self) -> Binding:
-        result = await self.service.registry.bind_first(self.key)
+        result = await self.service.registry.handle(BindFirst(self.key))
         self.binding = result.reply
         if self.state is LocalState.OPEN:
             self.state = LocalState.BOUND
@@ -90,7 +88,7 @@ class Session:
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
             raise SessionClosed(f"session {self.key} is {self.state.value}; dispatch refused")
         binding = await self.bind()
-        await self.service.registry.authorize_dispatch(self.key)  # refuses RECLAIMING versions
+        await self.service.registry.handle(AuthorizeDispatch(self.key))  # refuses RECLAIMING versions
         engine = self.service.router.pick(self)
         body = dict(payload)
         body["lora_path"] = binding.lora_name
@@ -124,7 +122,7 @@ class Session:
     async def _close_once(self) -> None:
         self.state = LocalState.FINALIZING
         registry = self.service.registry
-        await registry.begin_close(self.key)
+        await registry.handle(BeginClose(self.key))
         if self._bind_task is not None:
             try:
                 await asyncio.shield(self._bind_task)
@@ -134,29 +132,27 @@ class Session:
             task.cancel()  # the engine adapter aborts the request on cancel (client disconnect)
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
-        result = await registry.close_and_release(self.key)
+        result = await registry.handle(CloseAndRelease(self.key))
         self.state = LocalState.CLOSED
         self.service._forget(self)
-        for fx in result.effects:
-            if isinstance(fx, ReclaimEligible):
-                await self.service._eligible(fx.version)
+        await self.service.control.run(result.effects)  # the released version may be reclaimable now
 
 
 class SessionService:
     def __init__(
         self,
-        registry: Any,
+        registry: Registry,
         engines: Mapping[str, EngineAdmin],
         *,
         epoch: int,
         router: StickyRouter | None = None,
-        on_reclaim_eligible: Callable[[Any], Awaitable[None] | None] | None = None,
+        on_eligible: OnEligible | None = None,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
         self.epoch = epoch
         self.router = router or StickyRouter(self.engines)
-        self.on_reclaim_eligible = on_reclaim_eligible
+        self.control = EffectRunner(registry, self.engines, on_eligible=on_eligible)
         self.sessions: dict[SessionKey, Session] = {}
 
     def session(self, session_id: str, nonce: str | None = None) -> Session:
@@ -169,10 +165,3 @@ class SessionService:
 
     def _forget(self, session: Session) -> None:
         self.sessions.pop(session.key, None)
-
-    async def _eligible(self, version) -> None:
-        if self.on_reclaim_eligible is None:
-            return
-        maybe = self.on_reclaim_eligible(version)
-        if asyncio.iscoroutine(maybe):
-            await maybe

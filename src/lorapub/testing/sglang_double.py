@@ -1,8 +1,9 @@
-"""Engine contract double: an aiohttp server speaking SGLang 0.5.23's LoRA HTTP contract.
+"""SGLang contract double: an aiohttp server speaking SGLang 0.5.23's LoRA HTTP contract.
 
 It is a test double, not an engine: no model runs. What it keeps faithful is
-the lifecycle lorapub depends on, using SGLang's real ``LoRARegistry`` where
-the package is installed:
+the lifecycle lorapub depends on, running SGLang's own ``LoRARegistry`` (loaded
+from the installed SGLang wheel; building a double without SGLang raises
+:class:`~lorapub.testing.SGLangMissing`):
 
 * ``/load_lora_adapter`` (fresh engine-local ``lora_id`` per load, ``pinned``,
   "already exists" on a name clash, LRU eviction that skips pinned adapters),
@@ -29,17 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
-from tests import sglang_real
-
-RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
-MANAGED_PREFIX = "relax_policy_lora@"
-
-try:
-    _REG = sglang_real.lora_registry_module()
-    LoRARegistry, LoRARef = _REG.LoRARegistry, _REG.LoRARef
-    USING_REAL_SGLANG_REGISTRY = True
-except ImportError:  # pragma: no cover - sglang is a test dependency
-    raise
+from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
+from lorapub.testing._sglang_registry import lora_registry_module
 
 
 def content_signature(path: str) -> str:
@@ -66,7 +58,16 @@ class Fault:
         self.mode, self.count, self.delay, self.status = mode, count, delay, status
 
 
-class EngineDouble:
+class SGLangDouble:
+    """One in-process SGLang server (``await SGLangDouble("e0").start()``, then ``.url``).
+
+    Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state`` and mode ``error``
+    (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
+    ``generate`` takes ``error`` or ``slow``; ``unload_slow`` delays the physical unload. ``restart()`` is a crash: a new incarnation
+    with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
+    ``registered()`` show what happened.
+    """
+
     def __init__(
         self,
         name: str,
@@ -89,13 +90,16 @@ class EngineDouble:
         self.url = ""
         self._runner: web.AppRunner | None = None
         self.events: list[tuple[str, str]] = []
-        self.generations = 0
+        self.generations = 0  # generations that ran to the end
+        self.generate_requests = 0  # /generate requests that reached the engine, whatever became of them
+        registry = lora_registry_module()  # SGLangMissing here, not at import, when SGLang is absent
+        self._LoRARegistry, self._LoRARef = registry.LoRARegistry, registry.LoRARef
         self._boot()
 
     # -- process life --------------------------------------------------------
     def _boot(self) -> None:
         self.incarnation = f"{self.name}-{uuid.uuid4().hex[:8]}"
-        self.registry = LoRARegistry()
+        self.lora_registry = self._LoRARegistry()
         self.ref_cache: dict[str, Any] = {}
         self.pending_unloads: dict[str, str] = {}
         self.update_lock = asyncio.Lock()
@@ -111,13 +115,13 @@ class EngineDouble:
         self._boot()
         self.events.append(("restart", self.incarnation))
 
-    async def start(self) -> "EngineDouble":
+    async def start(self) -> "SGLangDouble":
         app = web.Application()
         r = app.router
         r.add_post("/load_lora_adapter", self.h_load)
         r.add_post("/unload_lora_adapter", self.h_unload)
         r.add_post("/generate", self.h_generate)
-        r.add_get("/lorapub/state", self.h_state)
+        r.add_get(STATE_ROUTE, self.h_state)
         r.add_get("/health", self.h_health)
         r.add_get("/server_info", self.h_server_info)
         r.add_post("/pause_generation", self.h_pause)
@@ -175,9 +179,9 @@ class EngineDouble:
                 "lora_id": ref.lora_id,
                 "lora_path": ref.lora_path,
                 "pinned": bool(ref.pinned),
-                "refs": self.registry._counters[ref.lora_id].value(),
+                "refs": self.lora_registry._counters[ref.lora_id].value(),
             }
-            for name, ref in self.registry.get_all_adapters().items()
+            for name, ref in self.lora_registry.get_all_adapters().items()
         }
         return web.json_response(
             {
@@ -201,17 +205,17 @@ class EngineDouble:
         signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
         if self.load_delay:
             await asyncio.sleep(self.load_delay)
-        ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
-        await self.registry.register(ref)  # "already exists" -> ValueError
+        ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        await self.lora_registry.register(ref)  # "already exists" -> ValueError
         self.loaded[ref.lora_id] = signature
         self.ref_cache[lora_name] = ref
         self.events.append(("load", lora_name))
-        while self.registry.num_registered_loras > self.max_loaded_loras:
-            lru = await self.registry.lru_lora_name(exclude_pinned=True)
+        while self.lora_registry.num_registered_loras > self.max_loaded_loras:
+            lru = await self.lora_registry.lru_lora_name(exclude_pinned=True)
             if lru is None:
                 raise ValueError("Didn't find any LoRA adapters when trying to evict LRU LoRA adapter.")
             await self._unload_locked(lru)
-        return {n: r.lora_path for n, r in self.registry.get_all_adapters().items()}
+        return {n: r.lora_path for n, r in self.lora_registry.get_all_adapters().items()}
 
     async def h_load(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -229,9 +233,9 @@ class EngineDouble:
     async def _unload_locked(self, lora_name: str) -> None:
         lora_id = self.pending_unloads.get(lora_name)
         if lora_id is None:
-            lora_id = await self.registry.unregister(lora_name)
+            lora_id = await self.lora_registry.unregister(lora_name)
             self.pending_unloads[lora_name] = lora_id
-        await self.registry.wait_for_unload(lora_id)
+        await self.lora_registry.wait_for_unload(lora_id)
         f = self.faults.get("unload_slow")
         if f is not None:
             await asyncio.sleep(f.delay)
@@ -247,7 +251,7 @@ class EngineDouble:
         refused = await self._apply_fault("unload", True)
         if refused is not None:
             return refused
-        ref = self.registry.get_all_adapters().get(name)
+        ref = self.lora_registry.get_all_adapters().get(name)
         if (
             self.managed_patch
             and name.startswith(MANAGED_PREFIX)
@@ -287,7 +291,7 @@ class EngineDouble:
 
     # -- generation --------------------------------------------------------------
     async def _resolve(self, name: str) -> str:
-        if name not in self.registry.get_all_adapters():
+        if name not in self.lora_registry.get_all_adapters():
             if name not in self.ref_cache:
                 raise ValueError(f"Got LoRA adapter that has never been loaded: {name}")
             if self.managed_patch and name.startswith(MANAGED_PREFIX):
@@ -296,7 +300,7 @@ class EngineDouble:
             async with self.update_lock:  # the unpatched hazard: a fresh lora_id behind lorapub's back
                 await self._load(ref.lora_name, ref.lora_path, bool(ref.pinned))
             self.events.append(("implicit_reload", name))
-        return await self.registry.acquire(name)
+        return await self.lora_registry.acquire(name)
 
     def _cached_tokens(self, lora_id: str | None, ids: list[int]) -> int:
         best = 0
@@ -310,6 +314,7 @@ class EngineDouble:
         return best
 
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        self.generate_requests += 1
         body = await request.json()
         ids = list(body.get("input_ids") or [ord(c) % 1000 for c in body.get("text", "")])
         sampling = body.get("sampling_params") or {}
@@ -322,7 +327,7 @@ class EngineDouble:
             nonlocal released
             if lora_id is not None and not released:
                 released = True
-                await self.registry.release(lora_id)
+                await self.lora_registry.release(lora_id)
 
         await self.paused.wait()  # like SGLang: new requests wait out a pause before resolving LoRA
         gen = self.abort_gen
@@ -387,10 +392,56 @@ class EngineDouble:
 
     # -- introspection for tests ----------------------------------------------------
     def refs(self, name: str) -> int | None:
-        ref = self.registry.get_all_adapters().get(name)
+        ref = self.lora_registry.get_all_adapters().get(name)
         if ref is None:
             return None
-        return self.registry._counters[ref.lora_id].value()
+        return self.lora_registry._counters[ref.lora_id].value()
 
     def registered(self) -> list[str]:
-        return list(self.registry.get_all_adapters())
+        return list(self.lora_registry.get_all_adapters())
+
+
+class SGLangUnderTest:
+    """lorapub's SGLang HTTP adapter against a fresh :class:`SGLangDouble`, as the
+    conformance suite sees it (:class:`~lorapub.testing.conformance.EngineUnderTest`)."""
+
+    def __init__(self, double: SGLangDouble, admin: Any) -> None:
+        self.double = double
+        self.admin = admin
+
+    @classmethod
+    async def start(cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0) -> "SGLangUnderTest":
+        from lorapub.adapters.sglang_http import SGLangEngine
+
+        double = await SGLangDouble(name, decode_delay=0.005).start()
+        admin = SGLangEngine(name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout)
+        return cls(double, admin)
+
+    async def served(self) -> set[str]:
+        return set(self.double.registered())
+
+    def physical_unloads(self, lora_name: str) -> int:
+        return self.double.physical_unloads.count(lora_name)
+
+    def native_refs(self, lora_name: str) -> int:
+        return self.double.refs(lora_name) or 0
+
+    def generate_requests(self) -> int:
+        return self.double.generate_requests
+
+    def generation(self, lora_name: str, *, long: bool = False) -> dict[str, Any]:
+        return {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 60 if long else 2}, "lora_path": lora_name}
+
+    def fail_next(self, op: str) -> None:
+        self.double.inject(op, "error", status=500)
+
+    def drop_next_reply(self, op: str) -> None:
+        timeout = self.admin.client.request_timeout if op == "generate" else self.admin.client.probe_timeout
+        if op == "generate":  # the request runs on; its reply comes after the client gave up
+            self.double.inject(op, "slow", delay=2 * timeout)
+        else:  # the work is done, the reply never comes
+            self.double.inject(op, "drop")
+
+    async def close(self) -> None:
+        await self.admin.close()
+        await self.double.stop()

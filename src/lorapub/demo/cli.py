@@ -1,8 +1,8 @@
 """``lorapub demo``: the whole publish -> bind -> reclaim lifecycle, live, on a CPU.
 
 By default it starts two in-process engines that speak SGLang's LoRA admin
-contract (the contract double from this repository's ``tests/``); pass
-``--engine-url`` twice to drive real, patched SGLang servers instead.
+contract (:class:`lorapub.testing.SGLangDouble`, which needs ``lorapub[demo]``);
+pass ``--engine-url`` twice to drive real, patched SGLang servers instead.
 """
 
 from __future__ import annotations
@@ -10,24 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-
-def _load_contract_double():
-    root = Path(__file__).resolve().parents[2]  # repository root of a source checkout
-    if (root / "tests" / "engine_double.py").exists() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    try:
-        from tests.engine_double import EngineDouble
-    except ImportError as e:
-        raise SystemExit(
-            "the embedded engines live in the lorapub source checkout (tests/engine_double.py) and need "
-            f"`pip install --no-deps sglang==0.5.23`; or pass --engine-url for real SGLang servers ({e})"
-        )
-    return EngineDouble
 
 
 def _row(*cells, widths):
@@ -35,24 +19,26 @@ def _row(*cells, widths):
 
 
 async def demo(args) -> int:
+    from lorapub import CapacityError, Deadlines, Deployment, LorapubError, NoPublishedVersion
     from lorapub.adapters.sglang_http import SGLangEngine
-    from lorapub.deployment import Deployment
-    from lorapub.effects_runner import Deadlines
-    from lorapub.errors import CapacityError, LorapubError, NoPublishedVersion
-    from lorapub.fixtures import lora_snapshot
-    from lorapub.workload import WorkloadSpec, run_workload, until
+    from lorapub.demo.workload import WorkloadSpec, run_workload, until
+    from lorapub.testing import lora_snapshot
 
     stash = args.stash_dir or tempfile.mkdtemp(prefix="lorapub-demo-")
     doubles = []
     if args.engine_url:
         urls = args.engine_url
     else:
-        EngineDouble = _load_contract_double()
-        doubles = [await EngineDouble(f"e{i}", decode_delay=0.003).start() for i in range(2)]
+        from lorapub.testing import SGLangDouble, SGLangMissing
+
+        try:
+            doubles = [await SGLangDouble(f"e{i}", decode_delay=0.003).start() for i in range(2)]
+        except SGLangMissing as e:
+            raise SystemExit(f"{e.message}; or pass --engine-url twice for real, patched SGLang servers") from None
         urls = [d.url for d in doubles]
     engines = {f"e{i}": SGLangEngine(f"e{i}", url, stash) for i, url in enumerate(urls)}
     deadlines = Deadlines(begin=10, bucket=10, end=30, cleanup=30, commit=5, reclaim=60)
-    dep = await Deployment(engines, epoch=args.epoch, enabled=True, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
+    dep = await Deployment(engines, epoch=args.epoch, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
     t0 = time.monotonic()
     say = lambda msg: print(f"[{time.monotonic() - t0:7.3f}s] {msg}", flush=True)  # noqa: E731
     occupancy: list[int] = []
@@ -60,7 +46,7 @@ async def demo(args) -> int:
 
     async def sample_slots():
         while True:
-            occupancy.append((await dep.registry.snapshot()).slots_held)
+            occupancy.append((await dep.state()).slots_held)
             await asyncio.sleep(0.01)
 
     sampler = asyncio.create_task(sample_slots())
@@ -102,7 +88,7 @@ async def demo(args) -> int:
 
         result = await workload
         await dep.settle()
-        state = await dep.registry.snapshot()
+        state = await dep.state()
         say(f"all sessions closed; A is {state.versions[a.version].state.value} on both engines")
 
         if doubles:
@@ -111,7 +97,7 @@ async def demo(args) -> int:
             try:
                 await dep.publish(lora_snapshot(303), "C")
             except LorapubError as e:
-                state = await dep.registry.snapshot()
+                state = await dep.state()
                 c = [v for v in state.versions.values() if v.key.version_id == "C"][0]
                 pubs.append(("C", c.state.value, 0.0, {}))
                 say(f"C failed on e1 -> {e.code}; C is {c.state.value}, default still {state.default.version_id}")
@@ -122,7 +108,7 @@ async def demo(args) -> int:
     finally:
         sampler.cancel()
 
-    state = await dep.registry.snapshot()
+    state = await dep.state()
     print("\nversions")
     bindings: dict = {}
     for record in state.sessions.values():  # CLOSED tombstones keep the version they bound

@@ -1,0 +1,168 @@
+"""The registry's commands as values (as h11 and h2 take events).
+
+One verb scheme: a request is an imperative verb (``Reserve``, ``Commit``,
+``BindFirst``, ``ClaimReclaim``…), a report of what happened elsewhere is
+``Record<Fact>`` (``RecordPrepared``, ``RecordReady``, ``RecordUnloaded``…), and a
+query only reads (``QueryAttempt``, ``ReadVersion``…). Each command has one
+transition function of the same name in snake case in :mod:`lorapub.core.registry`,
+whose :func:`~lorapub.core.registry.handle` is the one door.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from lorapub.core.attempt import ReadyLocal
+from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
+from lorapub.core.manifest import BucketPlan
+
+
+# requests and reports: they may change the state
+@attrs.frozen
+class RegisterEngine:
+    engine: str
+    incarnation: str
+
+
+@attrs.frozen
+class Reserve:
+    key: VersionKey
+    digest: str
+    plan: BucketPlan
+
+
+@attrs.frozen
+class RecordPrepared:
+    token: AttemptToken
+    engine: str
+    incarnation: str
+
+
+@attrs.frozen
+class RecordBucketDone:
+    token: AttemptToken
+    party: str
+    index: int
+    incarnation: str | None = None
+
+
+@attrs.frozen
+class RecordReady:
+    receipt: ReadyLocal
+
+
+@attrs.frozen
+class RecordFailure:
+    token: AttemptToken
+    engine: str
+    reason: str
+
+
+@attrs.frozen
+class RecordUnknown:
+    token: AttemptToken
+    engine: str
+    operation: str
+
+
+@attrs.frozen
+class RecordCleaned:
+    token: AttemptToken
+    engine: str
+    incarnation: str
+
+
+@attrs.frozen
+class RetryCleanup:
+    token: AttemptToken
+
+
+@attrs.frozen
+class Commit:
+    key: VersionKey
+    token: AttemptToken
+    expected_default_revision: int
+
+
+@attrs.frozen
+class OpenSession:
+    key: SessionKey
+
+
+@attrs.frozen
+class BindFirst:
+    key: SessionKey
+
+
+@attrs.frozen
+class BeginClose:
+    key: SessionKey
+
+
+@attrs.frozen
+class CloseAndRelease:
+    key: SessionKey
+
+
+@attrs.frozen
+class ForgetSessions:
+    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen
+class ClaimReclaim:
+    key: VersionKey
+
+
+@attrs.frozen
+class RecordUnloaded:
+    key: VersionKey
+    reclaim_id: str
+    engine: str
+
+
+@attrs.frozen
+class RetryReclaim:
+    key: VersionKey
+
+
+
+# queries: the reply only, the state never changes
+@attrs.frozen
+class AuthorizeDispatch:
+    """The binding a new backend request must carry (refused once closing or reclaiming)."""
+
+    key: SessionKey
+
+
+@attrs.frozen
+class QueryAttempt:
+    token: AttemptToken
+
+
+@attrs.frozen
+class ReadVersion:
+    """One version's record (cheap over an actor boundary, unlike ``ReadState``)."""
+
+    key: VersionKey
+
+
+@attrs.frozen
+class ListReclaimable:
+    pass
+
+
+@attrs.frozen
+class ReadState:
+    pass
+
+
+Command = (
+    RegisterEngine | Reserve | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure | RecordUnknown
+    | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | BeginClose | CloseAndRelease
+    | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim
+    | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState
+)
+
+#: The commands that only read.
+QUERIES: tuple[type, ...] = (AuthorizeDispatch, QueryAttempt, ReadVersion, ListReclaimable, ReadState)

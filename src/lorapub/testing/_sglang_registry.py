@@ -1,0 +1,89 @@
+"""Load SGLang's real ``LoRARegistry`` on a CPU machine, without importing all of SGLang.
+
+``import sglang`` pulls the whole GPU runtime (PIL, triton, CUDA kernels…). The LoRA
+registry is pure asyncio, so its exact source file is loaded from the installed wheel,
+with its two utility imports taken from the same wheel: ``ConcurrentCounter``
+(extracted verbatim from ``sglang/srt/utils/common.py``) and ``RWLock``. Nothing of
+SGLang is imported, so the GPU runtime never needs to be present.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+import types
+from functools import lru_cache
+
+from lorapub.errors import LorapubError
+
+
+class SGLangMissing(LorapubError):
+    """The SGLang contract double needs SGLang's ``LoRARegistry`` and SGLang is not installed."""
+
+    code = "SGLANG_MISSING"
+
+
+def sglang_root() -> str | None:
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _missing() -> SGLangMissing:
+    return SGLangMissing(
+        "the SGLang contract double runs SGLang's own LoRARegistry: "
+        "`pip install 'lorapub[demo]' && pip install --no-deps sglang==0.5.23` (no GPU stack needed)"
+    )
+
+
+def _extract(root: str, rel: str, name: str) -> str:
+    """Verbatim source of one top-level class or function of the wheel's file ``rel``."""
+    with open(os.path.join(root, rel)) as f:
+        src = f.read()
+    node = next(
+        n for n in ast.parse(src).body
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+    )
+    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+    return "\n".join(src.splitlines()[start : node.end_lineno]) + "\n"
+
+
+def _load_file(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@lru_cache(maxsize=1)
+def lora_registry_module() -> types.ModuleType:
+    """SGLang's own ``srt/lora/lora_registry.py``, loaded from the installed wheel under a
+    private module name (the ``sglang`` namespace is left as it was); :class:`SGLangMissing`
+    without SGLang."""
+    root = sglang_root()
+    if root is None or not os.path.exists(os.path.join(root, "srt", "lora", "lora_registry.py")):
+        raise _missing()
+    utils = types.ModuleType("lorapub_sglang.utils")
+    source = "import asyncio\n" + _extract(root, "srt/utils/common.py", "ConcurrentCounter")
+    exec(compile(source, "common.py", "exec"), utils.__dict__)
+    rwlock = _load_file("lorapub_sglang.aio_rwlock", os.path.join(root, "srt", "utils", "aio_rwlock.py"))
+    utils.aio_rwlock = rwlock
+    # lora_registry imports `sglang.srt.utils` and `sglang.srt.utils.aio_rwlock`: resolve them to
+    # the wheel's copies while it loads, then put back whatever was there.
+    names = ("sglang.srt.utils", "sglang.srt.utils.aio_rwlock")
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update({"sglang.srt.utils": utils, "sglang.srt.utils.aio_rwlock": rwlock})
+    try:
+        return _load_file("lorapub_sglang.lora_registry", os.path.join(root, "srt", "lora", "lora_registry.py"))
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module

@@ -1,0 +1,114 @@
+"""The layout is the architecture: who may import whom, checked on the source.
+
+core (pure) <- ports <- runtime <- adapters, demo, testing. errors is beneath all.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import lorapub
+
+SRC = pathlib.Path(lorapub.__file__).parent
+
+# layer -> the lorapub packages it may import (besides itself)
+ALLOWED = {
+    "errors": set(),
+    "core": {"errors"},
+    "ports": {"core", "errors"},
+    "runtime": {"core", "errors", "ports"},
+}
+NEVER_FROM_RUNTIME = {"adapters", "demo", "testing", "sglang_patch"}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if node.module == "lorapub"}
+    return {m for m in found if m == "lorapub" or m.startswith("lorapub.")}
+
+
+def _modules():
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        yield name, path
+
+
+def test_every_layer_imports_only_beneath_it():
+    broken = []
+    for name, path in _modules():
+        layer = _layer(name)
+        if layer not in ALLOWED:
+            continue
+        for imported in _imports(path):
+            target = _layer(imported)
+            if imported == "lorapub" or (target != layer and target not in ALLOWED[layer]):
+                broken.append(f"{name} imports {imported}")
+    assert not broken, broken
+
+
+def test_runtime_never_imports_adapters_demo_or_testing():
+    broken = [
+        f"{name} imports {imported}"
+        for name, path in _modules()
+        if _layer(name) == "runtime"
+        for imported in _imports(path)
+        if _layer(imported) in NEVER_FROM_RUNTIME
+    ]
+    assert not broken, broken
+
+
+def test_the_layering_test_sees_the_layers():
+    layers = {_layer(name) for name, _ in _modules()}
+    assert {"core", "runtime", "adapters", "demo", "testing", "ports", "errors"} <= layers
+
+
+def _blocked(code: str, blocked: set[str]) -> subprocess.CompletedProcess:
+    prelude = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {sorted(blocked)!r}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True)
+
+
+def test_public_face_and_runtime_import_without_torch_ray_aiohttp_or_sglang():
+    out = _blocked(
+        "import lorapub, lorapub.runtime.deployment, lorapub.runtime.registry\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in {'torch','ray','aiohttp','sglang'}]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n",
+        {"torch", "ray", "aiohttp", "sglang", "safetensors"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_lorapub_testing_imports_without_sglang_and_the_double_says_why():
+    out = _blocked(
+        "import asyncio, lorapub.testing as t\n"
+        "try:\n"
+        "    t.SGLangDouble('e0')\n"
+        "except t.SGLangMissing as e:\n"
+        "    print(e.code)\n",
+        {"sglang"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "SGLANG_MISSING"
