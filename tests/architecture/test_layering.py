@@ -101,14 +101,35 @@ def test_public_face_and_runtime_import_without_torch_ray_aiohttp_or_sglang():
     assert out.stdout.strip() == "ok"
 
 
-def test_lorapub_testing_imports_without_sglang_and_the_double_says_why():
+def test_the_double_runs_sglangs_registry_copy_without_sglang():
     out = _blocked(
-        "import asyncio, lorapub.testing as t\n"
-        "try:\n"
-        "    t.SGLangDouble('e0')\n"
-        "except t.SGLangMissing as e:\n"
-        "    print(e.code)\n",
+        "import lorapub.testing as t\n"
+        "from lorapub.testing._sglang_registry import VENDORED_ROOT, registry_root\n"
+        "d = t.SGLangDouble('e0')\n"
+        "print(registry_root() == VENDORED_ROOT, type(d.lora_registry).__name__)\n",
         {"sglang"},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "SGLANG_MISSING"
+    assert out.stdout.strip() == "True LoRARegistry"
+
+
+def test_the_vendored_registry_is_sglang_0523_verbatim():
+    import ast
+    import os
+
+    from lorapub.testing._sglang_registry import VENDORED_ROOT, sglang_root
+    from tests import sglang_real
+
+    root = sglang_real.release_root("0.5.23")
+    assert root is not None and root == sglang_root(), ".ci/install installs SGLang 0.5.23"
+    for rel in ("srt/lora/lora_registry.py", "srt/utils/aio_rwlock.py"):
+        with open(os.path.join(root, rel)) as a, open(os.path.join(VENDORED_ROOT, rel)) as b:
+            assert a.read() == b.read(), rel
+
+    def counter(path):
+        src = open(path).read()
+        node = next(n for n in ast.parse(src).body if getattr(n, "name", "") == "ConcurrentCounter")
+        return ast.get_source_segment(src, node)
+
+    common = "srt/utils/common.py"
+    assert counter(os.path.join(root, common)) == counter(os.path.join(VENDORED_ROOT, common))

@@ -1,7 +1,7 @@
 """``lorapub demo``: the whole publish -> bind -> reclaim lifecycle, live, on a CPU.
 
 By default it starts two in-process engines that speak SGLang's LoRA admin
-contract (:class:`lorapub.testing.SGLangDouble`, which needs ``lorapub[demo]``);
+contract (:class:`lorapub.testing.SGLangDouble`);
 pass ``--engine-url`` twice to drive real, patched SGLang servers instead.
 """
 
@@ -29,12 +29,9 @@ async def demo(args) -> int:
     if args.engine_url:
         urls = args.engine_url
     else:
-        from lorapub.testing import SGLangDouble, SGLangMissing
+        from lorapub.testing import SGLangDouble
 
-        try:
-            doubles = [await SGLangDouble(f"e{i}", decode_delay=0.003).start() for i in range(2)]
-        except SGLangMissing as e:
-            raise SystemExit(f"{e.message}; or pass --engine-url twice for real, patched SGLang servers") from None
+        doubles = [await SGLangDouble(f"e{i}", decode_delay=0.003).start() for i in range(2)]
         urls = [d.url for d in doubles]
     engines = {f"e{i}": SGLangEngine(f"e{i}", url, stash) for i, url in enumerate(urls)}
     deadlines = Deadlines(begin=10, bucket=10, end=30, cleanup=30, commit=5, reclaim=60)

@@ -1,22 +1,21 @@
 """Test aids for code that embeds lorapub, public and documented (as ``trio.testing`` is).
 
 * :class:`SGLangDouble` — an in-process HTTP server that speaks SGLang 0.5.23's LoRA
-  admin contract, running SGLang's own ``LoRARegistry`` (needs ``lorapub[demo]``).
+  admin contract, running SGLang's own ``LoRARegistry`` (the installed SGLang's, or
+  lorapub's verbatim copy of 0.5.23's).
 * fixture builders — :func:`lora_snapshot`, :func:`peft_lora_state_dict`,
   :func:`peft_config`, :func:`fake_manifest`, :func:`fake_plan`.
 * :func:`check_engine_admin` — the conformance suite every
   :class:`~lorapub.ports.EngineAdmin` must pass.
 
-Importing this package needs neither SGLang nor a GPU; building a double without
-SGLang raises :class:`SGLangMissing`.
+Neither importing this package nor building a double needs SGLang or a GPU.
 """
 
-from lorapub.testing._sglang_registry import SGLangMissing
 from lorapub.testing.conformance import ConformanceFailure, EngineUnderTest, check_engine_admin
 from lorapub.testing.fixtures import fake_manifest, fake_plan, lora_snapshot, peft_config, peft_lora_state_dict
 from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest
 
 __all__ = [
-    "ConformanceFailure", "EngineUnderTest", "SGLangDouble", "SGLangMissing", "SGLangUnderTest",
+    "ConformanceFailure", "EngineUnderTest", "SGLangDouble", "SGLangUnderTest",
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config", "peft_lora_state_dict",
 ]

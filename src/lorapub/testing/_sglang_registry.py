@@ -1,10 +1,11 @@
 """Load SGLang's real ``LoRARegistry`` on a CPU machine, without importing all of SGLang.
 
 ``import sglang`` pulls the whole GPU runtime (PIL, triton, CUDA kernels…). The LoRA
-registry is pure asyncio, so its exact source file is loaded from the installed wheel,
-with its two utility imports taken from the same wheel: ``ConcurrentCounter``
-(extracted verbatim from ``sglang/srt/utils/common.py``) and ``RWLock``. Nothing of
-SGLang is imported, so the GPU runtime never needs to be present.
+registry is pure asyncio, so its exact source file is loaded from the installed SGLang,
+with its two utility imports taken from the same tree: ``ConcurrentCounter`` (extracted
+verbatim from ``srt/utils/common.py``) and ``RWLock``. Where SGLang is not installed, the
+same files come from ``_sglang_vendor/`` (verbatim copies of SGLang 0.5.23's, Apache-2.0;
+a test keeps them equal to the wheel's), so ``python -m lorapub demo`` needs no SGLang.
 """
 
 from __future__ import annotations
@@ -16,13 +17,10 @@ import sys
 import types
 from functools import lru_cache
 
-from lorapub.errors import LorapubError
 
 
-class SGLangMissing(LorapubError):
-    """The SGLang contract double needs SGLang's ``LoRARegistry`` and SGLang is not installed."""
-
-    code = "SGLANG_MISSING"
+# Verbatim copies of SGLang 0.5.23's registry files (Apache-2.0), used where SGLang is not installed.
+VENDORED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sglang_vendor")
 
 
 def sglang_root() -> str | None:
@@ -35,11 +33,12 @@ def sglang_root() -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
-def _missing() -> SGLangMissing:
-    return SGLangMissing(
-        "the SGLang contract double runs SGLang's own LoRARegistry: "
-        "`pip install 'lorapub[demo]' && pip install --no-deps sglang==0.5.23` (no GPU stack needed)"
-    )
+def registry_root() -> str:
+    """The installed SGLang's tree when it has the registry, else lorapub's verbatim copy of 0.5.23's."""
+    root = sglang_root()
+    if root is not None and os.path.exists(os.path.join(root, "srt", "lora", "lora_registry.py")):
+        return root
+    return VENDORED_ROOT
 
 
 def _extract(root: str, rel: str, name: str) -> str:
@@ -63,12 +62,9 @@ def _load_file(name: str, path: str) -> types.ModuleType:
 
 @lru_cache(maxsize=1)
 def lora_registry_module() -> types.ModuleType:
-    """SGLang's own ``srt/lora/lora_registry.py``, loaded from the installed wheel under a
-    private module name (the ``sglang`` namespace is left as it was); :class:`SGLangMissing`
-    without SGLang."""
-    root = sglang_root()
-    if root is None or not os.path.exists(os.path.join(root, "srt", "lora", "lora_registry.py")):
-        raise _missing()
+    """SGLang's own ``srt/lora/lora_registry.py`` (see :func:`registry_root`), loaded under a
+    private module name; the ``sglang`` namespace is left as it was."""
+    root = registry_root()
     utils = types.ModuleType("lorapub_sglang.utils")
     source = "import asyncio\n" + _extract(root, "srt/utils/common.py", "ConcurrentCounter")
     exec(compile(source, "common.py", "exec"), utils.__dict__)

@@ -1,9 +1,8 @@
 """SGLang contract double: an aiohttp server speaking SGLang 0.5.23's LoRA HTTP contract.
 
 It is a test double, not an engine: no model runs. What it keeps faithful is
-the lifecycle lorapub depends on, running SGLang's own ``LoRARegistry`` (loaded
-from the installed SGLang wheel; building a double without SGLang raises
-:class:`~lorapub.testing.SGLangMissing`):
+the lifecycle lorapub depends on, running SGLang's own ``LoRARegistry`` (the
+installed SGLang's, or lorapub's verbatim copy of 0.5.23's where SGLang is absent):
 
 * ``/load_lora_adapter`` (fresh engine-local ``lora_id`` per load, ``pinned``,
   "already exists" on a name clash, LRU eviction that skips pinned adapters),
@@ -92,7 +91,7 @@ class SGLangDouble:
         self.events: list[tuple[str, str]] = []
         self.generations = 0  # generations that ran to the end
         self.generate_requests = 0  # /generate requests that reached the engine, whatever became of them
-        registry = lora_registry_module()  # SGLangMissing here, not at import, when SGLang is absent
+        registry = lora_registry_module()
         self._LoRARegistry, self._LoRARef = registry.LoRARegistry, registry.LoRARef
         self._boot()
 
