@@ -116,3 +116,33 @@ class InvalidTransition(LorapubError):
     """A state machine was asked for a move its table does not allow (a lorapub bug)."""
 
     code = "INVALID_TRANSITION"
+
+
+class SessionExpired(LorapubError):
+    """The session's lease ran out (its worker stopped renewing it); its ref was released."""
+
+    code = "SESSION_EXPIRED"
+
+
+class EngineUnavailable(LorapubError):
+    """No healthy engine holds the version this request needs (restarting or re-provisioning)."""
+
+    code = "ENGINE_UNAVAILABLE"
+
+
+class StoreError(LorapubError):
+    """The registry's durable store cannot be read or written; the file is named."""
+
+    code = "STORE_ERROR"
+
+
+class StoreCorrupted(StoreError):
+    """The durable store's contents fail their integrity check; nothing was resumed from it."""
+
+    code = "STORE_CORRUPTED"
+
+
+class AlreadyStarted(LorapubError):
+    """``start()`` on an object that is already running (live sessions would be dropped)."""
+
+    code = "ALREADY_STARTED"
