@@ -9,6 +9,7 @@ import pytest
 
 from lorapub.testing import ConformanceFailure, SGLangUnderTest, check_engine_admin
 from lorapub.testing.conformance import CHECKS
+from lorapub.testing.memory_engine import MemoryUnderTest
 
 
 async def test_sglang_http_adapter_against_the_double(tmp_path):
@@ -16,6 +17,10 @@ async def test_sglang_http_adapter_against_the_double(tmp_path):
         return await SGLangUnderTest.start(str(tmp_path / "stash"))
 
     assert await check_engine_admin(factory) == [c.__name__ for c in CHECKS]
+
+
+async def test_memory_engine_used_by_the_fault_machine():
+    assert await check_engine_admin(MemoryUnderTest.start) == [c.__name__ for c in CHECKS]
 
 
 async def test_the_suite_catches_an_admin_that_resends_generations(tmp_path):

@@ -7,15 +7,20 @@
   :func:`peft_config`, :func:`fake_manifest`, :func:`fake_plan`.
 * :func:`check_engine_admin` — the conformance suite every
   :class:`~lorapub.ports.EngineAdmin` must pass.
+* :class:`MemoryEngine` — an in-process engine with injectable faults (lost requests
+  and replies, refusals, stalls, restarts) for fast model-based tests, and
+  :class:`FaultyRegistry`, a registry wrapper that loses requests and replies.
 
 Neither importing this package nor building a double needs SGLang or a GPU.
 """
 
 from lorapub.testing.conformance import ConformanceFailure, EngineUnderTest, check_engine_admin
 from lorapub.testing.fixtures import fake_manifest, fake_plan, lora_snapshot, peft_config, peft_lora_state_dict
+from lorapub.testing.faults import FaultyRegistry
+from lorapub.testing.memory_engine import MemoryEngine
 from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest
 
 __all__ = [
-    "ConformanceFailure", "EngineUnderTest", "SGLangDouble", "SGLangUnderTest",
+    "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config", "peft_lora_state_dict",
 ]

@@ -1,0 +1,68 @@
+"""Fault injection for embedders' tests: a registry that loses requests and replies.
+
+:class:`FaultyRegistry` wraps any :class:`~lorapub.ports.Registry`. A planned fault
+hits the next matching command:
+
+* ``"request"`` — the call never reaches the registry (nothing is applied) and the
+  caller gets :class:`~lorapub.errors.OutcomeUnknown`;
+* ``"reply"`` — the command is applied, then its reply is lost (OutcomeUnknown).
+
+``FaultyRegistry(inner, rate=0.1, seed=…)`` also injects faults at random into every
+non-query command, which is what the fault machine in lorapub's own tests uses.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from lorapub.core.commands import QUERIES, Command
+from lorapub.core.registry import Result
+from lorapub.errors import OutcomeUnknown
+from lorapub.ports import Registry
+
+MODES = ("request", "reply")
+
+
+class FaultyRegistry:
+    def __init__(self, inner: Registry, *, rate: float = 0.0, seed: int | None = None, queries: bool = False) -> None:
+        self.inner = inner
+        self.rate = rate
+        self.queries = queries
+        self._rng = random.Random(seed)
+        self._planned: list[tuple[type | None, str]] = []
+        self.injected: list[tuple[str, str]] = []  # (command type, mode), in order
+        self.enabled = True
+
+    def fail_next(self, command: type | None = None, mode: str = "reply", count: int = 1) -> None:
+        """Fail the next ``count`` commands of type ``command`` (any type when None)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self._planned.extend([(command, mode)] * count)
+
+    def _fault_for(self, command: Command) -> str | None:
+        if not self.enabled:
+            return None
+        for i, (kind, mode) in enumerate(self._planned):
+            if kind is None or isinstance(command, kind):
+                del self._planned[i]
+                return mode
+        if self.rate and (self.queries or not isinstance(command, QUERIES)) and self._rng.random() < self.rate:
+            return self._rng.choice(MODES)
+        return None
+
+    async def handle(self, command: Command) -> Result:
+        mode = self._fault_for(command)
+        if mode is not None:
+            self.injected.append((type(command).__name__, mode))
+        if mode == "request":
+            raise OutcomeUnknown(f"injected: {type(command).__name__} was lost on the way")
+        result = await self.inner.handle(command)
+        if mode == "reply":
+            raise OutcomeUnknown(f"injected: the reply to {type(command).__name__} was lost")
+        return result
+
+    @property
+    def state(self) -> Any:
+        """The wrapped registry's state (for assertions)."""
+        return self.inner.state

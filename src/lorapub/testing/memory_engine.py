@@ -1,0 +1,250 @@
+"""An in-process :class:`~lorapub.ports.EngineAdmin` with faults, for fast model-based tests.
+
+It keeps what live SGLang was seen to do, without HTTP: adapters are loaded pinned
+under their exact name; a request naming an adapter that is not loaded is refused
+before it runs (:class:`~lorapub.errors.VersionMissing`); a running request holds a
+native ref; reclaim unregisters the name at once, waits for the refs to reach 0,
+then unloads exactly once; a restart loses every adapter, stash and running request
+and changes the incarnation. Tombstoned attempts are refused forever.
+
+Faults (:meth:`MemoryEngine.fail_next`, or at random with ``rate``) hit one call:
+``"request"`` (lost on the way: nothing happens, :class:`~lorapub.errors.OutcomeUnknown`),
+``"reply"`` (it happens, the answer is lost), ``"error"`` (a definite refusal,
+:class:`~lorapub.errors.EngineError`), ``"stall"`` (no answer until the caller's
+deadline), ``"restart"`` (the engine restarts before the call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from typing import Any, Mapping
+
+from lorapub.core.attempt import ReadyLocal
+from lorapub.core.effects import SendBegin
+from lorapub.core.identity import AttemptToken
+from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
+
+FAULTS = ("request", "reply", "error", "stall", "restart")
+OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
+
+
+class MemoryEngine:
+    def __init__(
+        self, name: str, *, max_loaded: int = 3, rate: float = 0.0, seed: int | None = None,
+        generate_seconds: float = 0.0,
+    ) -> None:
+        self.name = name
+        self.max_loaded = max_loaded
+        self.rate = rate
+        self.generate_seconds = generate_seconds
+        self._rng = random.Random(seed)
+        self._planned: list[tuple[str | None, str]] = []
+        self.life = 0
+        self.unloads: dict[str, int] = {}  # lora_name -> physical unloads (all lives)
+        self.generations: list[tuple[str, str]] = []  # (incarnation, lora_name) that ran
+        self.injected: list[tuple[str, str]] = []
+        self.requests = 0  # generation requests that reached the engine
+        self._boot()
+
+    # -- lifecycle -------------------------------------------------------------------
+    def _boot(self) -> None:
+        self.incarnation_id = f"{self.name}-life{self.life}"
+        self.loaded: dict[str, str] = {}  # lora_name -> digest (pinned)
+        self.unregistered: set[str] = set()  # reclaim began: new requests refused
+        self.refs: dict[str, int] = {}
+        self.stashes: dict[AttemptToken, tuple[SendBegin, dict[int, bytes]]] = {}
+        self.refused: set[AttemptToken] = set()
+        self._dead: asyncio.Event | None = None  # set when this life ends (created lazily, in a loop)
+
+    def restart(self) -> None:
+        """A crash and restart: every adapter, stash and running request is gone."""
+        self.life += 1
+        if self._dead is not None:
+            self._dead.set()  # running requests of the old life end with no answer
+        self._boot()
+
+    def fail_next(self, op: str | None = None, fault: str = "reply", count: int = 1) -> None:
+        if fault not in FAULTS or (op is not None and op not in OPS):
+            raise ValueError(f"fault in {FAULTS}, op in {OPS}")
+        self._planned.extend([(op, fault)] * count)
+
+    def serves(self, lora_name: str) -> bool:
+        return lora_name in self.loaded and lora_name not in self.unregistered
+
+    # -- faults ------------------------------------------------------------------------
+    def _fault(self, op: str) -> str | None:
+        for i, (kind, fault) in enumerate(self._planned):
+            if kind is None or kind == op:
+                del self._planned[i]
+                return fault
+        if self.rate and op != "generate" and self._rng.random() < self.rate:
+            return self._rng.choice(FAULTS)
+        return None
+
+    async def _call(self, op: str, fn, *args):
+        fault = self._fault(op)
+        if fault is not None:
+            self.injected.append((op, fault))
+        if fault == "restart":
+            self.restart()
+        elif fault == "request":
+            raise OutcomeUnknown(f"{self.name} {op}: injected lost request")
+        elif fault == "error":
+            raise EngineError(f"{self.name} {op}: injected refusal")
+        elif fault == "stall":
+            await asyncio.Event().wait()  # until the caller's deadline cancels us
+        result = await fn(*args)
+        if fault == "reply":
+            raise OutcomeUnknown(f"{self.name} {op}: injected lost reply")
+        return result
+
+    # -- EngineAdmin ---------------------------------------------------------------------
+    async def incarnation(self) -> str:
+        return await self._call("incarnation", self._incarnation)
+
+    async def _incarnation(self) -> str:
+        return self.incarnation_id
+
+    async def begin(self, request: SendBegin) -> str:
+        return await self._call("begin", self._begin, request)
+
+    async def _begin(self, request: SendBegin) -> str:
+        if request.token in self.refused:
+            raise EngineError(f"{self.name}: attempt {request.token} was cleaned up; late begin refused")
+        if request.incarnation != self.incarnation_id:
+            raise EngineError(f"{self.name}: begin for life {request.incarnation}, engine is {self.incarnation_id}")
+        if request.token in self.stashes:
+            return self.incarnation_id
+        if request.lora_name in self.loaded:
+            raise EngineError(f"{self.name}: {request.lora_name} is already loaded")
+        if len(self.loaded) >= self.max_loaded:
+            raise EngineError(f"{self.name}: no free LoRA slot ({len(self.loaded)} loaded)")
+        self.stashes[request.token] = (request, {})
+        return self.incarnation_id
+
+    async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
+        return await self._call("receive_bucket", self._receive, token, index, payload)
+
+    async def _receive(self, token: AttemptToken, index: int, payload: bytes) -> str:
+        if token in self.refused or token not in self.stashes:
+            raise EngineError(f"{self.name}: no live stash for {token}")
+        self.stashes[token][1].setdefault(index, bytes(payload))  # a duplicate stores nothing new
+        return self.incarnation_id
+
+    async def end(self, token: AttemptToken) -> ReadyLocal:
+        return await self._call("end", self._end, token)
+
+    async def _end(self, token: AttemptToken) -> ReadyLocal:
+        if token in self.refused or token not in self.stashes:
+            raise EngineError(f"{self.name}: no live stash for {token}")
+        request, buckets = self.stashes[token]
+        if sorted(buckets) != list(range(len(request.plan))):
+            raise EngineError(f"{self.name}: buckets {sorted(buckets)} of {len(request.plan)} arrived")
+        if request.lora_name not in self.loaded:
+            self.loaded[request.lora_name] = request.digest
+        lora_id = hashlib.sha256(f"{self.incarnation_id}/{request.lora_name}".encode()).hexdigest()[:16]
+        return ReadyLocal(self.name, token, request.digest, self.incarnation_id, lora_id)
+
+    async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
+        return await self._call("cleanup", self._cleanup, token, lora_name)
+
+    async def _cleanup(self, token: AttemptToken, lora_name: str) -> str:
+        self.refused.add(token)
+        request = self.stashes.pop(token, (None,))[0]
+        # Unload only what this attempt loaded (a re-provisioning attempt shares the name).
+        if request is not None and self.loaded.get(lora_name) == request.digest and lora_name not in self.unregistered:
+            await self._unload(lora_name)
+        return self.incarnation_id
+
+    async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
+        return await self._call("reclaim", self._unload, lora_name)
+
+    async def _unload(self, lora_name: str) -> None:
+        if lora_name not in self.loaded:
+            return  # an earlier unload whose reply was lost, or never loaded here
+        self.unregistered.add(lora_name)
+        life = self.life
+        while self.refs.get(lora_name, 0) > 0:
+            await asyncio.sleep(0.001)
+            if self.life != life:
+                return  # the restart dropped it anyway
+        if self.loaded.pop(lora_name, None) is not None:
+            self.unloads[lora_name] = self.unloads.get(lora_name, 0) + 1
+        self.unregistered.discard(lora_name)
+
+    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        name = payload.get("lora_path")
+        if not name:
+            raise InvalidInput("lorapub never sends a generation without its bound lora_path")
+        fault = self._fault("generate")
+        if fault is not None:
+            self.injected.append(("generate", fault))
+        if fault == "restart":
+            self.restart()
+        elif fault == "request":
+            raise OutcomeUnknown(f"{self.name} generate: injected lost request")
+        elif fault == "error":
+            raise EngineError(f"{self.name} generate: injected refusal")
+        self.requests += 1
+        if not self.serves(name):
+            raise VersionMissing(f"{self.name} does not hold {name}", engine=self.name)
+        life = self.incarnation_id
+        if self._dead is None:
+            self._dead = asyncio.Event()
+        dead = self._dead
+        self.refs[name] = self.refs.get(name, 0) + 1
+        seconds = self.generate_seconds or payload.get("sampling_params", {}).get("max_new_tokens", 0) / 1000
+        try:
+            if seconds:
+                try:
+                    async with asyncio.timeout(seconds):
+                        await dead.wait()
+                except TimeoutError:
+                    pass
+            if dead.is_set():
+                raise OutcomeUnknown(f"{self.name} restarted while running the request")
+        finally:
+            if self.incarnation_id == life:
+                self.refs[name] -= 1
+        self.generations.append((life, name))
+        if fault in ("reply", "stall"):
+            raise OutcomeUnknown(f"{self.name} generate: injected lost reply")
+        return {"text": "ok", "meta_info": {"lora_path": name, "engine": self.name, "incarnation": life}}
+
+
+class MemoryUnderTest:
+    """:class:`MemoryEngine` as :func:`~lorapub.testing.check_engine_admin` drives it."""
+
+    def __init__(self, name: str = "e0") -> None:
+        self.admin = self.engine = MemoryEngine(name)
+
+    @classmethod
+    async def start(cls, name: str = "e0") -> "MemoryUnderTest":
+        return cls(name)
+
+    async def served(self) -> set[str]:
+        return {n for n in self.engine.loaded if self.engine.serves(n)}
+
+    def physical_unloads(self, lora_name: str) -> int:
+        return self.engine.unloads.get(lora_name, 0)
+
+    def native_refs(self, lora_name: str) -> int:
+        return self.engine.refs.get(lora_name, 0)
+
+    def generate_requests(self) -> int:
+        return self.engine.requests
+
+    def generation(self, lora_name: str, *, long: bool = False) -> dict[str, Any]:
+        return {"input_ids": [1, 2, 3], "lora_path": lora_name,
+                "sampling_params": {"max_new_tokens": 300 if long else 4, "temperature": 0}}
+
+    def fail_next(self, op: str) -> None:
+        self.engine.fail_next("end" if op == "load" else op, "error")
+
+    def drop_next_reply(self, op: str) -> None:
+        self.engine.fail_next("end" if op == "load" else op, "reply")
+
+    async def close(self) -> None:
+        pass
