@@ -75,6 +75,12 @@ class AttemptToken:
     version: VersionKey
     seq: int
 
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.version, VersionKey):
+            raise InvalidInput(f"an attempt token's version is a VersionKey, got {self.version!r}")
+        if not isinstance(self.seq, int) or isinstance(self.seq, bool) or self.seq < 0:
+            raise InvalidInput(f"an attempt token's seq is a non-negative int, got {self.seq!r}")
+
     def __str__(self) -> str:
         return f"{self.version}#a{self.seq}"
 
