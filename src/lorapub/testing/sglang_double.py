@@ -12,7 +12,9 @@ installed SGLang's, or lorapub's verbatim copy of 0.5.23's where SGLang is absen
   lorapub must avoid — unless the managed-adapter patch is on),
 * a prefix cache keyed by ``lora_id`` that reports ``cached_tokens``,
 * ``/lorapub/state`` as added by lorapub's SGLang patch (incarnation, adapters, refs),
-* ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` for the legacy path,
+* ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` (plain-text answer) for
+  the legacy path, and ``/v1/models`` (the base model and one card per loaded adapter),
+* ``stock=True``: an unpatched SGLang server (no lorapub route: 404; no managed protection),
 * injectable faults: definite errors, 500/503, dropped replies, slow unload, restart.
 
 Outputs are a deterministic function of (adapter content, tokens), so tests
@@ -31,7 +33,6 @@ from aiohttp import web
 
 from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
 from lorapub.testing._sglang_registry import lora_registry_module
-
 
 def content_signature(path: str) -> str:
     h = hashlib.sha256()
@@ -60,11 +61,14 @@ class Fault:
 class SGLangDouble:
     """One in-process SGLang server (``await SGLangDouble("e0").start()``, then ``.url``).
 
-    Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state`` and mode ``error``
-    (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
+    Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state``/``pause``/``continue``/``flush``
+    and mode ``error`` (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
     ``generate`` takes ``error`` or ``slow``; ``unload_slow`` delays the physical unload. ``restart()`` is a crash: a new incarnation
     with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
     ``registered()`` show what happened.
+
+    ``stock=True`` is SGLang without lorapub's patch: ``/lorapub/state``
+    does not exist (404) and managed names get no protection.
     """
 
     def __init__(
@@ -77,11 +81,15 @@ class SGLangDouble:
         decode_delay: float = 0.002,
         load_delay: float = 0.0,
         prefill_per_token: float = 0.0,
+        stock: bool = False,
+        served_model_name: str = "lorapub-tiny-qwen3",
     ) -> None:
         self.name = name
         self.max_loaded_loras = max_loaded_loras
         self.context_len = context_len
-        self.managed_patch = managed_patch
+        self.stock = stock
+        self.managed_patch = managed_patch and not stock
+        self.served_model_name = served_model_name
         self.decode_delay = decode_delay
         self.load_delay = load_delay  # simulated adapter load + GPU preparation time
         self.prefill_per_token = prefill_per_token  # uncached prompt tokens cost prefill time
@@ -114,15 +122,20 @@ class SGLangDouble:
         self._boot()
         self.events.append(("restart", self.incarnation))
 
+    def __repr__(self) -> str:
+        return f"SGLangDouble({self.name!r}, url={self.url!r}, stock={self.stock})"  # never the keys
+
     async def start(self) -> "SGLangDouble":
         app = web.Application()
         r = app.router
         r.add_post("/load_lora_adapter", self.h_load)
         r.add_post("/unload_lora_adapter", self.h_unload)
         r.add_post("/generate", self.h_generate)
-        r.add_get(STATE_ROUTE, self.h_state)
+        if not self.stock:
+            r.add_get(STATE_ROUTE, self.h_state)
         r.add_get("/health", self.h_health)
         r.add_get("/server_info", self.h_server_info)
+        r.add_get("/v1/models", self.h_models)
         r.add_post("/pause_generation", self.h_pause)
         r.add_post("/continue_generation", self.h_continue)
         r.add_post("/flush_cache", self.h_flush)
@@ -198,6 +211,16 @@ class SGLangDouble:
     async def h_server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"max_loaded_loras": self.max_loaded_loras, "enable_lora": True, "version": "0.5.23"})
 
+    async def h_models(self, request: web.Request) -> web.Response:
+        """SGLang's ``/v1/models``: the base model, then a card per loaded adapter (parent = base)."""
+        base = self.served_model_name
+        cards = [{"id": base, "object": "model", "owned_by": "sglang", "root": base, "parent": None,
+                  "max_model_len": self.context_len}]
+        cards += [{"id": name, "object": "model", "owned_by": "sglang", "root": ref.lora_path, "parent": base,
+                   "max_model_len": None}
+                  for name, ref in self.lora_registry.get_all_adapters().items()]
+        return web.json_response({"object": "list", "data": cards})
+
     async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
@@ -271,22 +294,43 @@ class SGLangDouble:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": {}})
 
     async def h_pause(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("pause", True)
+        if refused is not None:
+            return refused
         body = await request.json() if request.can_read_body else {}
         if (body or {}).get("mode", "abort") == "abort":
             self.abort_gen += 1
         self.paused.clear()
         self.events.append(("pause", ""))
-        return web.json_response({"success": True})
+        await self._maybe_drop_reply("pause")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def h_continue(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("continue", True)
+        if refused is not None:
+            return refused
         self.paused.set()
         self.events.append(("continue", ""))
-        return web.json_response({"success": True})
+        await self._maybe_drop_reply("continue")
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def h_flush(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("flush", True)
+        if refused is not None:
+            return refused
         self.prefix_cache.clear()
         self.events.append(("flush", ""))
-        return web.json_response({"success": True})
+        await self._maybe_drop_reply("flush")
+        # SGLang answers in plain text, not JSON
+        return web.Response(text=(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        ))
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether generation stands paused (a pause without its continue)."""
+        return not self.paused.is_set()
 
     # -- generation --------------------------------------------------------------
     async def _resolve(self, name: str) -> str:
