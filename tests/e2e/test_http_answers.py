@@ -138,6 +138,11 @@ async def test_a_payload_that_is_not_json_is_refused_before_sending(scripted):
         ({"probe_timeout": float("nan")}, "probe_timeout"),
         ({"probe_timeout": "30"}, "probe_timeout"),
         ({"http": "session"}, "http"),
+        ({"api_key": ""}, "api_key"),
+        ({"api_key": "sk-1\n"}, "api_key"),
+        ({"admin_api_key": " sk-admin"}, "admin_api_key"),
+        ({"admin_api_key": "clé"}, "admin_api_key"),
+        ({"admin_api_key": 1234}, "admin_api_key"),
     ],
 )
 @pytest.mark.parametrize("cls", [SGLangHTTP, SGLangEngine, SGLangOverwriteAdmin])

@@ -14,6 +14,7 @@ Transport rules: a generation is sent once. A timeout or dropped connection
 is :class:`OutcomeUnknown` and is never resent here. An engine's definite answer other
 than success is :class:`EngineError` carrying the engine's own words (clipped to
 :data:`MAX_ENGINE_TEXT` characters); so is a 200 whose body is not the JSON a route answers.
+Servers launched with ``--api-key``/``--admin-api-key`` take ``api_key=``/``admin_api_key=``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def _status_text(status: int, body: Any) -> str:
     return f"{status} {phrase} (empty body)"
 
 
+def _check_key(kind: str, key: object) -> str | None:
+    if key is None:
+        return None
+    # SGLang compares keys with secrets.compare_digest, which refuses non-ASCII strings, and HTTP
+    # strips a header value's outer blanks: such a key could never match.
+    if not isinstance(key, str) or not key or key != key.strip() or not all(" " <= c <= "~" for c in key):
+        raise InvalidInput(f"{kind} must be a non-empty string of printable ASCII without outer blanks")
+    return key
+
+
 def _check_timeout(kind: str, value: object) -> float | None:
     if value is None:
         return None
@@ -105,7 +116,15 @@ def _json_text(body: Any, what: str) -> str:
 
 
 class SGLangHTTP:
-    """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`."""
+    """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`.
+
+    ``api_key`` and ``admin_api_key`` are the server's ``--api-key`` and ``--admin-api-key``.
+    They are sent as ``Authorization: Bearer <key>`` following SGLang's own rules: generation
+    and ``/v1/models`` (its NORMAL routes) with the API key; the admin routes (load, unload,
+    pause, continue, flush, lorapub's state route: ADMIN_OPTIONAL) with the admin key, or with
+    the API key when no admin key is given (a server launched with ``--api-key`` alone accepts
+    that key there). Keys never appear in ``repr``, messages or logs.
+    """
 
     def __init__(
         self,
@@ -116,6 +135,8 @@ class SGLangHTTP:
         request_timeout: float | None = None,
         probe_timeout: float | None = 30.0,
         require_patch: bool = True,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.name = check_id("engine name", name)
         self.base_url = _check_url(base_url)
@@ -126,9 +147,12 @@ class SGLangHTTP:
         self.request_timeout = _check_timeout("request_timeout", request_timeout)
         self.probe_timeout = _check_timeout("probe_timeout", probe_timeout)
         self.require_patch = bool(require_patch)
+        self._api_key = _check_key("api_key", api_key)
+        self._admin_api_key = _check_key("admin_api_key", admin_api_key)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self.base_url!r})"
+        keys = [k for k, v in (("api_key", self._api_key), ("admin_api_key", self._admin_api_key)) if v]
+        return f"{type(self).__name__}({self.name!r}, {self.base_url!r}, keys={'+'.join(keys) or 'none'})"
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -140,15 +164,19 @@ class SGLangHTTP:
         if self._own_http and self._http is not None:
             await self._http.close()
 
+    def _authorization(self, admin: bool) -> dict[str, str]:
+        key = (self._admin_api_key or self._api_key) if admin else self._api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     async def request(
-        self, method: str, path: str, *, json_body=None, headers=None, timeout=None
+        self, method: str, path: str, *, json_body=None, headers=None, timeout=None, admin: bool = True
     ) -> tuple[int, Any]:
         """``(status, body)``: the body parsed as JSON, or its text when it is not JSON.
 
-        A body that is not JSON is refused before sending.
+        ``admin`` picks the key (see the class); a body that is not JSON is refused before sending.
         """
         data = None if json_body is None else _json_text(json_body, f"the body for {path}")
-        sent = dict(headers or {})
+        sent = {**(headers or {}), **self._authorization(admin)}
         if data is not None:
             sent["Content-Type"] = "application/json"
         try:
@@ -201,7 +229,7 @@ class SGLangHTTP:
         return body
 
     async def admin(self, path: str, body: Mapping[str, Any] | None = None, *, expect_json: bool = True) -> Any:
-        """POST an admin route; anything but 200 is a definite :class:`EngineError`,
+        """POST an admin route with the admin key; anything but 200 is a definite :class:`EngineError`,
         and so is a 200 that is not the JSON object the route answers (unless ``expect_json=False``)."""
         status, reply = await self.request("POST", path, json_body=dict(body or {}), timeout=self.probe_timeout)
         if status != 200:
@@ -214,8 +242,8 @@ class SGLangHTTP:
         return reply
 
     async def models(self) -> list[dict[str, Any]]:
-        """``GET /v1/models`` (stock SGLang): the base model and every loaded LoRA adapter."""
-        status, body = await self.request("GET", "/v1/models", timeout=self.probe_timeout)
+        """``GET /v1/models`` (stock SGLang, API key): the base model and every loaded LoRA adapter."""
+        status, body = await self.request("GET", "/v1/models", timeout=self.probe_timeout, admin=False)
         if status != 200:
             raise self.refusal("/v1/models", status, body)
         cards = self.json_object("/v1/models", status, body).get("data")
@@ -224,11 +252,11 @@ class SGLangHTTP:
         return cards
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One ``/generate``, sent once; a missing adapter is :class:`VersionMissing`."""
+        """One ``/generate`` with the API key, sent once; a missing adapter is :class:`VersionMissing`."""
         if not isinstance(payload, Mapping):
             raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
         status, body = await self.request(
-            "POST", "/generate", json_body=dict(payload), timeout=self.request_timeout
+            "POST", "/generate", json_body=dict(payload), timeout=self.request_timeout, admin=False
         )
         if status == 200:
             return self.json_object("/generate", status, body)
@@ -247,7 +275,11 @@ def _check_dir(kind: str, value: object) -> str:
 
 
 class SGLangEngine:
-    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`."""
+    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`.
+
+    ``api_key``/``admin_api_key``: the server's ``--api-key``/``--admin-api-key`` (see
+    :class:`SGLangHTTP` for which call carries which).
+    """
 
     def __init__(
         self,
@@ -259,10 +291,12 @@ class SGLangEngine:
         request_timeout: float | None = None,
         probe_timeout: float | None = 30.0,
         require_patch: bool = True,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.client = SGLangHTTP(
             name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch,
+            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
         )
         self.name = self.client.name  # a checked id: it names the engine's stash folder
         self.staging = Staging(self.name, os.path.join(_check_dir("stash_dir", stash_dir), self.name))
@@ -338,7 +372,7 @@ class SGLangEngine:
         status, body = await self.client.request(
             "POST", "/generate",
             json_body={"input_ids": [1, 2, 3], "lora_path": lora_name, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-            timeout=self.client.probe_timeout,
+            timeout=self.client.probe_timeout, admin=False,
         )
         if status != 200:
             raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_status_text(status, body)}")
@@ -351,6 +385,8 @@ class SGLangEngine:
         )
         if status == 200:
             return
+        if status in (401, 403):  # refused at the door: nothing was looked at
+            raise self.client.refusal("/unload_lora_adapter", status, body)
         # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
         state = await self.client.state()
         if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
@@ -385,10 +421,10 @@ class SGLangOverwriteAdmin:
 
     def __init__(self, name: str, base_url: str, *, http: aiohttp.ClientSession | None = None,
                  request_timeout: float | None = None, probe_timeout: float | None = 30.0,
-                 require_patch: bool = True) -> None:
+                 require_patch: bool = True, api_key: str | None = None, admin_api_key: str | None = None) -> None:
         self.client = SGLangHTTP(
             name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch,
+            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
         )
         self.name = self.client.name
 

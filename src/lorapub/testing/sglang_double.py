@@ -14,6 +14,8 @@ installed SGLang's, or lorapub's verbatim copy of 0.5.23's where SGLang is absen
 * ``/lorapub/state`` as added by lorapub's SGLang patch (incarnation, adapters, refs),
 * ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` (plain-text answer) for
   the legacy path, and ``/v1/models`` (the base model and one card per loaded adapter),
+* ``--api-key``/``--admin-api-key`` enforced as SGLang's HTTP middleware does (SGLang's own
+  ``decide_request_auth`` where SGLang is installed), each route at SGLang's auth level,
 * ``stock=True``: an unpatched SGLang server (no lorapub route: 404; no managed protection),
 * injectable faults: definite errors, 500/503, dropped replies, slow unload, restart.
 
@@ -24,15 +26,91 @@ can tell which version produced a token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import importlib.util
 import os
+import sys
 import uuid
 from typing import Any
 
 from aiohttp import web
 
 from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
-from lorapub.testing._sglang_registry import lora_registry_module
+from lorapub.testing._sglang_registry import lora_registry_module, registry_root
+
+NORMAL, ADMIN_OPTIONAL, ADMIN_FORCE = "normal", "admin_optional", "admin_force"
+
+#: Each route's auth level, as SGLang's ``http_server.py`` marks it with ``@auth_level`` (unmarked:
+#: NORMAL) and as lorapub's patch registers its state route (ADMIN_OPTIONAL, like the LoRA routes).
+#: A test keeps this equal to SGLang's own file.
+ROUTE_AUTH_LEVELS: dict[tuple[str, str], str] = {
+    ("POST", "/load_lora_adapter"): ADMIN_OPTIONAL,
+    ("POST", "/unload_lora_adapter"): ADMIN_OPTIONAL,
+    ("POST", "/pause_generation"): ADMIN_OPTIONAL,
+    ("POST", "/continue_generation"): ADMIN_OPTIONAL,
+    ("POST", "/flush_cache"): ADMIN_OPTIONAL,
+    ("GET", STATE_ROUTE): ADMIN_OPTIONAL,
+    ("POST", "/generate"): NORMAL,
+    ("GET", "/v1/models"): NORMAL,
+    ("GET", "/server_info"): NORMAL,
+    ("GET", "/health"): NORMAL,
+}
+
+
+def decide_request_auth(*, method: str, path: str, authorization_header: str | None, api_key: str | None,
+                        admin_api_key: str | None, auth_level: str) -> tuple[bool, int]:
+    """SGLang's rule (``srt/utils/auth.py``: ``decide_request_auth``), restated for where SGLang
+    is not installed; ``(allowed, status when refused)``. A test checks it against 0.5.17's and
+    0.5.23's own function for every combination."""
+    import secrets
+
+    if method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
+        return True, 401
+
+    def bearer(expected: str) -> bool:
+        if not authorization_header:
+            return False
+        parts = authorization_header.split(" ", 1)
+        if len(parts) != 2 or parts[0].lower() != "bearer":
+            return False
+        return secrets.compare_digest(parts[1], expected)
+
+    if auth_level == ADMIN_FORCE:
+        if not admin_api_key:
+            return False, 403
+        return bearer(admin_api_key), 401
+    if auth_level == ADMIN_OPTIONAL:
+        if admin_api_key:
+            return bearer(admin_api_key), 401
+        if api_key:
+            return bearer(api_key), 401
+        return True, 401
+    if api_key:
+        return bearer(api_key), 401
+    return True, 401
+
+
+@functools.lru_cache(maxsize=1)
+def _sglang_decide():
+    """SGLang's own ``decide_request_auth`` (the installed tree's ``srt/utils/auth.py``, which
+    imports nothing beyond the standard library), adapted to this module's levels; None where
+    SGLang is not installed."""
+    path = os.path.join(registry_root(), "srt", "utils", "auth.py")
+    if not os.path.exists(path):
+        return None
+    name = "lorapub_sglang.auth"  # a private name: the ``sglang`` namespace is left alone
+    spec = importlib.util.spec_from_file_location(name, path)
+    auth = importlib.util.module_from_spec(spec)
+    sys.modules[name] = auth  # its dataclasses look their module up while the class is built
+    spec.loader.exec_module(auth)
+
+    def decide(*, auth_level: str, **kw: Any) -> tuple[bool, int]:
+        decision = auth.decide_request_auth(auth_level=auth.AuthLevel(auth_level), **kw)
+        return decision.allowed, decision.error_status_code
+
+    return decide
+
 
 def content_signature(path: str) -> str:
     h = hashlib.sha256()
@@ -67,7 +145,9 @@ class SGLangDouble:
     with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
     ``registered()`` show what happened.
 
-    ``stock=True`` is SGLang without lorapub's patch: ``/lorapub/state``
+    ``api_key``/``admin_api_key`` are the server's ``--api-key``/``--admin-api-key``: requests
+    are let in or refused (401/403, ``{"error": "Unauthorized"}``) exactly as SGLang's
+    middleware decides. ``stock=True`` is SGLang without lorapub's patch: ``/lorapub/state``
     does not exist (404) and managed names get no protection.
     """
 
@@ -82,6 +162,8 @@ class SGLangDouble:
         load_delay: float = 0.0,
         prefill_per_token: float = 0.0,
         stock: bool = False,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
         served_model_name: str = "lorapub-tiny-qwen3",
     ) -> None:
         self.name = name
@@ -90,6 +172,9 @@ class SGLangDouble:
         self.stock = stock
         self.managed_patch = managed_patch and not stock
         self.served_model_name = served_model_name
+        self._api_key, self._admin_api_key = api_key, admin_api_key
+        self._decide = _sglang_decide() or decide_request_auth
+        self.refused: list[tuple[str, str, int]] = []  # (method, path, status) turned away at the door
         self.decode_delay = decode_delay
         self.load_delay = load_delay  # simulated adapter load + GPU preparation time
         self.prefill_per_token = prefill_per_token  # uncached prompt tokens cost prefill time
@@ -125,8 +210,23 @@ class SGLangDouble:
     def __repr__(self) -> str:
         return f"SGLangDouble({self.name!r}, url={self.url!r}, stock={self.stock})"  # never the keys
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """SGLang's ``add_api_key_middleware``: unknown routes are NORMAL, as there."""
+        level = ROUTE_AUTH_LEVELS.get((request.method, request.path), NORMAL)
+        if request.method == "HEAD":
+            level = ROUTE_AUTH_LEVELS.get(("GET", request.path), NORMAL)
+        allowed, status = self._decide(
+            method=request.method, path=request.path, authorization_header=request.headers.get("Authorization"),
+            api_key=self._api_key, admin_api_key=self._admin_api_key, auth_level=level,
+        )
+        if not allowed:
+            self.refused.append((request.method, request.path, status))
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
+
     async def start(self) -> "SGLangDouble":
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         r = app.router
         r.add_post("/load_lora_adapter", self.h_load)
         r.add_post("/unload_lora_adapter", self.h_unload)
