@@ -125,6 +125,8 @@ def test_a_bucket_cap_that_is_not_a_positive_int_is_refused(cap):
         snap.plan(cap)
     with pytest.raises(InvalidInput, match="bucket_cap_bytes"):
         BucketPlan.for_manifest(snap.manifest, cap)
+    with pytest.raises(InvalidInput, match="Manifest"):
+        BucketPlan.for_manifest(snap, 1 << 20)  # the snapshot, not its manifest
 
 
 def test_bucket_bytes_refuses_a_foreign_plan_or_an_index_out_of_range():

@@ -240,3 +240,14 @@ def test_staged_bytes_that_do_not_verify_are_a_definite_engine_error(tmp_path):
         staging.store_bucket(token2, i, snap2.bucket_bytes(snap2.plan(256), i))
     with pytest.raises(EngineError, match="does not verify"):
         staging.assemble(request2)
+
+
+async def test_misuse_of_the_overwrite_session_and_snapshot_dirs_is_invalid_input(fakes, tmp_path):
+    dep = await OverwriteDeployment(fakes, stash_dir=str(tmp_path)).start()
+    for bad in (None, "prompt", [1, 2]):
+        with pytest.raises(InvalidInput, match="payload"):
+            await dep.session("s").generate(bad)
+    assert all("generate" not in f.calls for f in fakes.values())
+    for bad in (None, "", 7, "a\x00b"):
+        with pytest.raises(InvalidInput, match="save_peft_dir"):
+            lora_snapshot(1).save_peft_dir(bad)

@@ -150,6 +150,8 @@ class BucketPlan:
 
     @classmethod
     def for_manifest(cls, manifest: Manifest, bucket_cap_bytes: int) -> "BucketPlan":
+        if not isinstance(manifest, Manifest):
+            raise InvalidInput(f"a bucket plan is made for a Manifest, got {type(manifest).__name__}")
         if not isinstance(bucket_cap_bytes, int) or isinstance(bucket_cap_bytes, bool) or bucket_cap_bytes <= 0:
             raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
         groups: list[list[TensorEntry]] = []

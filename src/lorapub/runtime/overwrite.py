@@ -112,6 +112,8 @@ class OverwriteSession:
         self.resumed = 0
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(payload, Mapping):
+            raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
         # The old agentic layer resumes requests that a publication's pause aborted.
         for _ in range(self.max_resumes):
             try:

@@ -155,6 +155,10 @@ class Snapshot:
 
     def save_peft_dir(self, path: str) -> str:
         """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (what SGLang loads)."""
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidInput(f"save_peft_dir takes a directory path, got {path!r}")
         os.makedirs(path, exist_ok=True)
         if self._framework == "torch":
             from safetensors.torch import save_file

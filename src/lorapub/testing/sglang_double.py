@@ -553,11 +553,18 @@ class SGLangUnderTest:
         self.admin = admin
 
     @classmethod
-    async def start(cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0) -> "SGLangUnderTest":
+    async def start(
+        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0,
+        api_key: str | None = None, admin_api_key: str | None = None,
+    ) -> "SGLangUnderTest":
+        """A fresh double and the adapter on it; with keys, the server requires them and the adapter holds them."""
         from lorapub.adapters.sglang_http import SGLangEngine
 
-        double = await SGLangDouble(name, decode_delay=0.005).start()
-        admin = SGLangEngine(name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout)
+        double = await SGLangDouble(name, decode_delay=0.005, api_key=api_key, admin_api_key=admin_api_key).start()
+        admin = SGLangEngine(
+            name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout,
+            api_key=api_key, admin_api_key=admin_api_key,
+        )
         return cls(double, admin)
 
     async def served(self) -> set[str]:
