@@ -251,3 +251,12 @@ async def test_misuse_of_the_overwrite_session_and_snapshot_dirs_is_invalid_inpu
     for bad in (None, "", 7, "a\x00b"):
         with pytest.raises(InvalidInput, match="save_peft_dir"):
             lora_snapshot(1).save_peft_dir(bad)
+
+
+async def test_an_unwritable_stash_is_invalid_input_before_any_engine_is_paused(fakes, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the stash folder should be")
+    dep = await OverwriteDeployment(fakes, stash_dir=str(blocker)).start()
+    with pytest.raises(InvalidInput, match="cannot be written under stash_dir"):
+        await dep.publish(lora_snapshot(1), "A")
+    assert all(f.calls == [] for f in fakes.values())

@@ -69,7 +69,10 @@ class OverwritePublisher:
         if not isinstance(snapshot, Snapshot):
             raise InvalidInput(f"publish takes a Snapshot, got {type(snapshot).__name__}")
         path = self.adapter_dir(snapshot, version_id)
-        await asyncio.to_thread(snapshot.save_peft_dir, path)
+        try:
+            await asyncio.to_thread(snapshot.save_peft_dir, path)
+        except OSError as e:  # before anything is sent: no engine was paused
+            raise InvalidInput(f"the adapter cannot be written under stash_dir {self.stash_dir!r}: {e}") from None
         started = time.monotonic()
         failure: BaseException | None = None
         try:
