@@ -28,6 +28,8 @@ from tests import sglang_real
 from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
 
 LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter")
+# SGLang's own middleware answers with ORJSONResponse, which recent FastAPI marks deprecated
+pytestmark = pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated")
 
 
 def route_levels(http_server_py: str) -> dict[tuple[str, str], str]:
