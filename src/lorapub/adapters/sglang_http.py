@@ -6,43 +6,125 @@
 mount); ``end`` fresh-loads the verified adapter **pinned** through
 ``/load_lora_adapter`` and probes the exact name. :class:`SGLangOverwriteAdmin` is
 the :class:`~lorapub.ports.OverwriteAdmin` of the old overwrite path (switch off).
-Requires lorapub's SGLang patch (its state route gives the incarnation; managed
-adapters are neither implicitly reloaded nor unloadable without a reclaim id).
+:class:`SGLangEngine` requires lorapub's SGLang patch (its state route gives the
+incarnation; managed adapters are neither implicitly reloaded nor unloadable without a
+reclaim id); :class:`SGLangOverwriteAdmin` needs only stock SGLang.
 
 Transport rules: a generation is sent once. A timeout or dropped connection
-is :class:`OutcomeUnknown` and is never resent here.
+is :class:`OutcomeUnknown` and is never resent here. An engine's definite answer other
+than success is :class:`EngineError` carrying the engine's own words (clipped to
+:data:`MAX_ENGINE_TEXT` characters); so is a 200 whose body is not the JSON a route answers.
+Servers launched with ``--api-key``/``--admin-api-key`` take ``api_key=``/``admin_api_key=``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http as _http
 import json
+import math
 import os
+import re
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from lorapub.adapters.staging import Staging
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken
+from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
+#: Engine text kept in an error message; a traceback or an HTML page is cut here.
+MAX_ENGINE_TEXT = 500
 
 
-def _message(body: Any, fallback: str) -> str:
+def _clip(text: str, limit: int = MAX_ENGINE_TEXT) -> str:
+    text = re.sub(r"\s+", " ", text).strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _message(body: Any) -> str:
+    """The engine's own words: SGLang answers ``{"error": {"message": …}}``, ``{"error": "…"}``
+    (its auth middleware), ``{"message": …}`` (OpenAI routes), ``{"error_message": …}`` (LoRA
+    admin), ``{"detail": …}`` (request validation), or plain text (``/flush_cache``)."""
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if body.get("error_message"):
-            return str(body["error_message"])
-    return fallback
+            return _clip(str(err["message"]))
+        if isinstance(err, str) and err:
+            return _clip(err)
+        for key in ("message", "error_message", "detail"):
+            value = body.get(key)
+            if value:
+                return _clip(value if isinstance(value, str) else json.dumps(value, default=str))
+        return _clip(json.dumps(body, default=str))
+    if isinstance(body, str):
+        return _clip(body)
+    return "" if body is None else _clip(json.dumps(body, default=str))
+
+
+def _status_text(status: int, body: Any) -> str:
+    said = _message(body)
+    if said:
+        return f"{status}: {said}"
+    try:
+        phrase = _http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "(unknown status)"
+    return f"{status} {phrase} (empty body)"
+
+
+def _check_key(kind: str, key: object) -> str | None:
+    if key is None:
+        return None
+    # SGLang compares keys with secrets.compare_digest, which refuses non-ASCII strings, and HTTP
+    # strips a header value's outer blanks: such a key could never match.
+    if not isinstance(key, str) or not key or key != key.strip() or not all(" " <= c <= "~" for c in key):
+        raise InvalidInput(f"{kind} must be a non-empty string of printable ASCII without outer blanks")
+    return key
+
+
+def _check_timeout(kind: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidInput(f"{kind} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def _check_url(base_url: object) -> str:
+    if not isinstance(base_url, str):
+        raise InvalidInput(f"base_url must be a string like http://host:port, got {type(base_url).__name__}")
+    try:
+        parts = urlsplit(base_url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        raise InvalidInput(f"base_url {base_url!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise InvalidInput(f"base_url must be http(s)://host[:port][/prefix], got {base_url!r}")
+    return base_url.rstrip("/")
+
+
+def _json_text(body: Any, what: str) -> str:
+    try:
+        return json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidInput(f"{what} is not JSON ({e}); nothing was sent") from None
 
 
 class SGLangHTTP:
-    """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`."""
+    """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`.
+
+    ``api_key`` and ``admin_api_key`` are the server's ``--api-key`` and ``--admin-api-key``.
+    They are sent as ``Authorization: Bearer <key>`` following SGLang's own rules: generation
+    and ``/v1/models`` (its NORMAL routes) with the API key; the admin routes (load, unload,
+    pause, continue, flush, lorapub's state route: ADMIN_OPTIONAL) with the admin key, or with
+    the API key when no admin key is given (a server launched with ``--api-key`` alone accepts
+    that key there). Keys never appear in ``repr``, messages or logs.
+    """
 
     def __init__(
         self,
@@ -51,16 +133,26 @@ class SGLangHTTP:
         *,
         http: aiohttp.ClientSession | None = None,
         request_timeout: float | None = None,
-        probe_timeout: float = 30.0,
+        probe_timeout: float | None = 30.0,
         require_patch: bool = True,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
-        self.name = name
-        self.base_url = base_url.rstrip("/")
+        self.name = check_id("engine name", name)
+        self.base_url = _check_url(base_url)
+        if http is not None and not isinstance(http, aiohttp.ClientSession):
+            raise InvalidInput(f"http must be an aiohttp.ClientSession or None, got {type(http).__name__}")
         self._http = http
         self._own_http = http is None
-        self.request_timeout = request_timeout
-        self.probe_timeout = probe_timeout
-        self.require_patch = require_patch
+        self.request_timeout = _check_timeout("request_timeout", request_timeout)
+        self.probe_timeout = _check_timeout("probe_timeout", probe_timeout)
+        self.require_patch = bool(require_patch)
+        self._api_key = _check_key("api_key", api_key)
+        self._admin_api_key = _check_key("admin_api_key", admin_api_key)
+
+    def __repr__(self) -> str:
+        keys = [k for k, v in (("api_key", self._api_key), ("admin_api_key", self._admin_api_key)) if v]
+        return f"{type(self).__name__}({self.name!r}, {self.base_url!r}, keys={'+'.join(keys) or 'none'})"
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -72,11 +164,25 @@ class SGLangHTTP:
         if self._own_http and self._http is not None:
             await self._http.close()
 
-    async def request(self, method: str, path: str, *, json_body=None, headers=None, timeout=None) -> tuple[int, Any]:
+    def _authorization(self, admin: bool) -> dict[str, str]:
+        key = (self._admin_api_key or self._api_key) if admin else self._api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def request(
+        self, method: str, path: str, *, json_body=None, headers=None, timeout=None, admin: bool = True
+    ) -> tuple[int, Any]:
+        """``(status, body)``: the body parsed as JSON, or its text when it is not JSON.
+
+        ``admin`` picks the key (see the class); a body that is not JSON is refused before sending.
+        """
+        data = None if json_body is None else _json_text(json_body, f"the body for {path}")
+        sent = {**(headers or {}), **self._authorization(admin)}
+        if data is not None:
+            sent["Content-Type"] = "application/json"
         try:
             t = aiohttp.ClientTimeout(total=timeout)
-            async with self.http.request(method, self.base_url + path, json=json_body, headers=headers, timeout=t) as r:
-                text = await r.text()
+            async with self.http.request(method, self.base_url + path, data=data, headers=sent, timeout=t) as r:
+                text = (await r.read()).decode("utf-8", errors="replace")
                 try:
                     body = json.loads(text) if text else None
                 except ValueError:
@@ -85,37 +191,95 @@ class SGLangHTTP:
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
             raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
 
+    def refusal(self, path: str, status: int, body: Any) -> EngineError:
+        """The definite "no" of an engine, with its own words (clipped)."""
+        return EngineError(f"{self.name} {path} answered {_status_text(status, body)}", engine=self.name, status=status)
+
+    def json_object(self, path: str, status: int, body: Any) -> dict[str, Any]:
+        """``body`` when it is a JSON object; a 200 with anything else is a definite :class:`EngineError`."""
+        if isinstance(body, dict):
+            return body
+        what = "an empty body" if body is None else (
+            f"a non-JSON body {_clip(body, 200)!r}" if isinstance(body, str) else f"JSON {type(body).__name__}"
+        )
+        raise EngineError(
+            f"{self.name} {path} answered {status} with {what} where a JSON object was expected",
+            engine=self.name, status=status,
+        )
+
     async def state(self) -> dict[str, Any]:
         """The state route of lorapub's SGLang patch: incarnation, adapters, refs, pending unloads."""
         status, body = await self.request("GET", STATE_ROUTE, timeout=self.probe_timeout)
         if status == 404 and self.require_patch:
-            raise EngineError(f"{self.name} lacks lorapub's SGLang patch ({STATE_ROUTE} is missing)")
+            raise EngineError(f"{self.name} lacks lorapub's SGLang patch ({STATE_ROUTE} is missing)", engine=self.name)
         if status != 200:
-            raise EngineError(f"{self.name} {STATE_ROUTE} answered {status}: {_message(body, '')}")
+            raise self.refusal(STATE_ROUTE, status, body)
+        body = self.json_object(STATE_ROUTE, status, body)
+        adapters = body.get("adapters", {})
+        if (
+            not isinstance(body.get("incarnation"), str)
+            or not isinstance(adapters, dict)
+            or not all(isinstance(v, dict) for v in adapters.values())
+            or not isinstance(body.get("pending_unloads", {}), dict)
+            or not isinstance(body.get("max_loaded_loras"), (int, type(None)))
+        ):
+            raise EngineError(f"{self.name} {STATE_ROUTE} answered a malformed state: {_message(body)}", engine=self.name)
         if self.require_patch and not body.get("managed_patch"):
             raise EngineError(f"{self.name} runs without lorapub's managed-adapter patch (implicit reload possible)")
         return body
 
-    async def admin(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """POST an admin route; anything but 200 is a definite :class:`EngineError`."""
+    async def admin(self, path: str, body: Mapping[str, Any] | None = None, *, expect_json: bool = True) -> Any:
+        """POST an admin route with the admin key; anything but 200 is a definite :class:`EngineError`,
+        and so is a 200 that is not the JSON object the route answers (unless ``expect_json=False``)."""
         status, reply = await self.request("POST", path, json_body=dict(body or {}), timeout=self.probe_timeout)
         if status != 200:
-            raise EngineError(f"{self.name} {path} answered {status}: {_message(reply, '')}")
+            raise self.refusal(path, status, reply)
+        if not expect_json:
+            return reply
+        reply = self.json_object(path, status, reply)
+        if reply.get("success") is False:
+            raise self.refusal(path, status, reply)
         return reply
 
+    async def models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models`` (stock SGLang, API key): the base model and every loaded LoRA adapter."""
+        status, body = await self.request("GET", "/v1/models", timeout=self.probe_timeout, admin=False)
+        if status != 200:
+            raise self.refusal("/v1/models", status, body)
+        cards = self.json_object("/v1/models", status, body).get("data")
+        if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
+            raise EngineError(f"{self.name} /v1/models answered no model list: {_message(body)}", engine=self.name)
+        return cards
+
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One ``/generate``, sent once; a missing adapter is :class:`VersionMissing`."""
-        status, body = await self.request("POST", "/generate", json_body=dict(payload), timeout=self.request_timeout)
+        """One ``/generate`` with the API key, sent once; a missing adapter is :class:`VersionMissing`."""
+        if not isinstance(payload, Mapping):
+            raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
+        status, body = await self.request(
+            "POST", "/generate", json_body=dict(payload), timeout=self.request_timeout, admin=False
+        )
         if status == 200:
-            return body
-        message = _message(body, str(status))
+            return self.json_object("/generate", status, body)
+        message = _message(body)
         if status == 400 and any(m in message for m in _MISSING_MARKERS):
             raise VersionMissing(f"{self.name} does not hold {payload.get('lora_path')}: {message}", engine=self.name)
-        raise EngineError(f"{self.name} /generate answered {status}: {message}", status=status)
+        raise self.refusal("/generate", status, body)
+
+
+def _check_dir(kind: str, value: object) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise InvalidInput(f"{kind} must be a directory path, got {value!r}")
+    return value
 
 
 class SGLangEngine:
-    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`."""
+    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`.
+
+    ``api_key``/``admin_api_key``: the server's ``--api-key``/``--admin-api-key`` (see
+    :class:`SGLangHTTP` for which call carries which).
+    """
 
     def __init__(
         self,
@@ -125,15 +289,20 @@ class SGLangEngine:
         *,
         http: aiohttp.ClientSession | None = None,
         request_timeout: float | None = None,
-        probe_timeout: float = 30.0,
+        probe_timeout: float | None = 30.0,
         require_patch: bool = True,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
-        self.name = name
         self.client = SGLangHTTP(
             name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch,
+            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
         )
-        self.staging = Staging(name, os.path.join(stash_dir, name))
+        self.name = self.client.name  # a checked id: it names the engine's stash folder
+        self.staging = Staging(self.name, os.path.join(_check_dir("stash_dir", stash_dir), self.name))
+
+    def __repr__(self) -> str:
+        return f"SGLangEngine({self.client!r})"
 
     @property
     def base_url(self) -> str:
@@ -188,7 +357,8 @@ class SGLangEngine:
                 timeout=self.client.probe_timeout,
             )
             if status != 200:
-                raise EngineError(f"{self.name}: load of {request.lora_name} failed: {_message(body, str(status))}")
+                raise EngineError(f"{self.name}: load of {request.lora_name} failed: {_status_text(status, body)}")
+            self.client.json_object("/load_lora_adapter", status, body)
             await self._probe(request.lora_name)
             state = await self.client.state()
             if state["incarnation"] != inc:
@@ -202,10 +372,11 @@ class SGLangEngine:
         status, body = await self.client.request(
             "POST", "/generate",
             json_body={"input_ids": [1, 2, 3], "lora_path": lora_name, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-            timeout=self.client.probe_timeout,
+            timeout=self.client.probe_timeout, admin=False,
         )
         if status != 200:
-            raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_message(body, str(status))}")
+            raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_status_text(status, body)}")
+        self.client.json_object("/generate", status, body)
 
     async def _unload(self, lora_name: str, reclaim_id: str) -> None:
         status, body = await self.client.request(
@@ -214,11 +385,13 @@ class SGLangEngine:
         )
         if status == 200:
             return
+        if status in (401, 403):  # refused at the door: nothing was looked at
+            raise self.client.refusal("/unload_lora_adapter", status, body)
         # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
         state = await self.client.state()
         if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
             return
-        raise EngineError(f"{self.name}: unload of {lora_name} failed: {_message(body, str(status))}")
+        raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         self.staging.refuse(token)  # from now on begin/receive/end of it are refused
@@ -233,21 +406,30 @@ class SGLangEngine:
 
     # -- serving ----------------------------------------------------------------------
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        if not payload.get("lora_path"):
+        if not isinstance(payload, Mapping) or not payload.get("lora_path"):
             raise InvalidInput("lorapub never sends a generation without its bound lora_path")
         return await self.client.generate(payload)
 
 
 class SGLangOverwriteAdmin:
-    """An SGLang server as the old overwrite path drives it (``enabled=False``)."""
+    """An SGLang server as the old overwrite path drives it (``enabled=False``).
+
+    Needs nothing of lorapub's SGLang patch: it uses only stock SGLang routes (the adapter
+    list comes from ``/v1/models``), so it runs against any SGLang 0.5.17/0.5.23 server.
+    ``require_patch`` is accepted for symmetry with :class:`SGLangEngine` and changes nothing here.
+    """
 
     def __init__(self, name: str, base_url: str, *, http: aiohttp.ClientSession | None = None,
-                 request_timeout: float | None = None, probe_timeout: float = 30.0, require_patch: bool = True) -> None:
-        self.name = name
+                 request_timeout: float | None = None, probe_timeout: float | None = 30.0,
+                 require_patch: bool = True, api_key: str | None = None, admin_api_key: str | None = None) -> None:
         self.client = SGLangHTTP(
             name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch,
+            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
         )
+        self.name = self.client.name
+
+    def __repr__(self) -> str:
+        return f"SGLangOverwriteAdmin({self.client!r})"
 
     async def close(self) -> None:
         await self.client.close()
@@ -259,16 +441,22 @@ class SGLangOverwriteAdmin:
         await self.client.admin("/continue_generation")
 
     async def flush_cache(self, attempts: int = 100) -> None:
-        # SGLang refuses to flush while aborted requests are still draining: ask again.
+        # SGLang refuses to flush while aborted requests are still draining (400): ask again.
+        # Its answer is plain text ("Cache flushed. ..."), not JSON. A refusal at the door
+        # (401/403) will not change by asking again.
         for _ in range(attempts - 1):
             try:
-                return await self.client.admin("/flush_cache")
-            except EngineError:
+                await self.client.admin("/flush_cache", expect_json=False)
+                return
+            except EngineError as e:
+                if e.details.get("status") in (401, 403):
+                    raise
                 await asyncio.sleep(0.05)
-        await self.client.admin("/flush_cache")
+        await self.client.admin("/flush_cache", expect_json=False)
 
     async def loaded_adapters(self) -> list[str]:
-        return list((await self.client.state()).get("adapters", {}))
+        # Stock SGLang lists its LoRA adapters as model cards with a parent (the base model).
+        return [card["id"] for card in await self.client.models() if card.get("parent")]
 
     async def load_adapter(self, lora_name: str, lora_path: str) -> None:
         await self.client.admin("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": False})

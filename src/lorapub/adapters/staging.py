@@ -21,21 +21,51 @@ import shutil
 from typing import Any
 
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import AttemptToken
-from lorapub.errors import EngineError
+from lorapub.core.identity import AttemptToken, VersionKey, check_id
+from lorapub.errors import EngineError, InvalidInput
 from lorapub.runtime.snapshot import Snapshot, load_safetensors
 
 
 class Staging:
+    """Paths come only from checked values: the stash of an attempt is named from its version
+    key (a checked epoch and id) and its sequence number, a bucket file from its plan index;
+    every path is also checked to resolve inside ``stash_root``."""
+
     def __init__(self, engine: str, stash_root: str) -> None:
+        if isinstance(stash_root, os.PathLike):
+            stash_root = os.fspath(stash_root)
+        if not isinstance(stash_root, str) or not stash_root or "\x00" in stash_root:
+            raise InvalidInput(f"stash_root must be a directory path, got {stash_root!r}")
         self.engine = engine
         self.stash_root = stash_root
         self._plans: dict[AttemptToken, tuple[SendBegin, str]] = {}
         self._tombstones: set[AttemptToken] = set()
         self._locks: dict[AttemptToken, asyncio.Lock] = {}
 
+    def _inside(self, *parts: str) -> str:
+        root = os.path.realpath(self.stash_root)
+        path = os.path.realpath(os.path.join(root, *parts))
+        if os.path.commonpath([root, path]) != root or path == root:
+            raise EngineError(f"{self.engine}: {os.path.join(*parts)!r} would leave the stash {root}; refused")
+        return path
+
     def stash(self, token: AttemptToken) -> str:
-        return os.path.join(self.stash_root, f"{token.version}-a{token.seq}")
+        if not isinstance(token, AttemptToken) or not isinstance(token.version, VersionKey):
+            raise EngineError(f"{self.engine}: {token!r} is not an attempt token")
+        # re-checked here: a token that arrived without its constructor (unpickled) is checked too
+        check_id("version_id", token.version.version_id)
+        if not isinstance(token.seq, int) or isinstance(token.seq, bool) or token.seq < 0:
+            raise EngineError(f"{self.engine}: attempt sequence {token.seq!r} is not a non-negative int")
+        if not isinstance(token.version.deployment_epoch, int) or isinstance(token.version.deployment_epoch, bool):
+            raise EngineError(f"{self.engine}: epoch {token.version.deployment_epoch!r} is not an int")
+        return self._inside(f"{token.version.deployment_epoch}-{token.version.version_id}-a{token.seq}")
+
+    def bucket_path(self, token: AttemptToken, index: object) -> str:
+        found = self._plans.get(token)
+        count = len(found[0].plan.buckets) if found else None
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0 or (count is not None and index >= count):
+            raise EngineError(f"{self.engine}: bucket index {index!r} is not in the plan of {token}")
+        return os.path.join(self.stash(token), f"bucket-{index:05d}.safetensors")
 
     def lock(self, token: AttemptToken) -> asyncio.Lock:
         """One operation per attempt at a time (else a load could land after its cleanup)."""
@@ -70,7 +100,9 @@ class Staging:
     def store_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
         """Store bucket ``index`` once (write-then-rename); returns the attempt's incarnation."""
         _, inc = self.live(token)
-        path = os.path.join(self.stash(token), f"bucket-{index:05d}.safetensors")
+        path = self.bucket_path(token, index)
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise EngineError(f"{self.engine}: bucket {index} of {token} is a {type(payload).__name__}, not bytes")
         if not os.path.exists(path):  # a duplicate receive stores nothing twice
             tmp = path + ".part"
             with open(tmp, "wb") as f:
@@ -82,17 +114,22 @@ class Staging:
         """Verify every bucket and the whole manifest, then write the PEFT dir an engine loads."""
         stash = self.stash(request.token)
         tensors: dict[str, Any] = {}
-        for bucket in request.plan.buckets:
-            path = os.path.join(stash, f"bucket-{bucket.index:05d}.safetensors")
-            if not os.path.exists(path):
-                raise EngineError(f"{self.engine}: bucket {bucket.index} of {request.token} never arrived")
-            got = load_safetensors(path)
-            if sorted(got) != sorted(bucket.tensor_names):
-                raise EngineError(f"{self.engine}: bucket {bucket.index} holds {sorted(got)}")
-            tensors.update(got)
-        with open(os.path.join(stash, "adapter_config.json")) as f:
-            config = json.load(f)
-        snapshot = Snapshot(tensors, config)
+        try:
+            for bucket in request.plan.buckets:
+                path = self.bucket_path(request.token, bucket.index)
+                if not os.path.exists(path):
+                    raise EngineError(f"{self.engine}: bucket {bucket.index} of {request.token} never arrived")
+                got = load_safetensors(path)
+                if sorted(got) != sorted(bucket.tensor_names):
+                    raise EngineError(f"{self.engine}: bucket {bucket.index} holds {sorted(got)}")
+                tensors.update(got)
+            with open(os.path.join(stash, "adapter_config.json")) as f:
+                config = json.load(f)
+            snapshot = Snapshot(tensors, config)
+        except EngineError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unreadable bytes or config, a bad snapshot: a definite no
+            raise EngineError(f"{self.engine}: the staged adapter of {request.token} does not verify: {e}") from None
         if snapshot.digest != request.digest:
             raise EngineError(f"{self.engine}: manifest digest {snapshot.digest[:12]} != {request.digest[:12]}")
         return snapshot.save_peft_dir(os.path.join(stash, "adapter"))

@@ -16,15 +16,20 @@ RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
 #: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads.
 STATE_ROUTE = "/lorapub/state"
 DIGEST_PREFIX_LEN = 12
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+# Matched with ``fullmatch``: ``$`` would also match before a trailing newline.
+_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
-def _check_id(kind: str, value: object) -> None:
-    if not isinstance(value, str) or not _ID_RE.match(value):
+def check_id(kind: str, value: object) -> str:
+    """``value`` if it is 1-128 characters of ``[A-Za-z0-9_.:-]`` (no separator, no newline), else
+    :class:`InvalidInput`. Ids checked here are safe in engine names and in file names."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise InvalidInput(
             f"{kind} must be 1-128 characters of [A-Za-z0-9_.:-], got {value!r}"
         )
+    return value
+
 
 
 def _check_epoch(value: object) -> None:
@@ -33,7 +38,7 @@ def _check_epoch(value: object) -> None:
 
 
 def check_digest(digest: object) -> str:
-    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
         raise InvalidInput(f"digest must be a full lowercase SHA-256 hex string, got {digest!r}")
     return digest
 
@@ -47,7 +52,7 @@ class VersionKey:
 
     def __attrs_post_init__(self) -> None:
         _check_epoch(self.deployment_epoch)
-        _check_id("version_id", self.version_id)
+        check_id("version_id", self.version_id)
 
     def __str__(self) -> str:
         return f"{self.deployment_epoch}-{self.version_id}"
@@ -70,6 +75,12 @@ class AttemptToken:
     version: VersionKey
     seq: int
 
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.version, VersionKey):
+            raise InvalidInput(f"an attempt token's version is a VersionKey, got {self.version!r}")
+        if not isinstance(self.seq, int) or isinstance(self.seq, bool) or self.seq < 0:
+            raise InvalidInput(f"an attempt token's seq is a non-negative int, got {self.seq!r}")
+
     def __str__(self) -> str:
         return f"{self.version}#a{self.seq}"
 
@@ -84,8 +95,8 @@ class SessionKey:
 
     def __attrs_post_init__(self) -> None:
         _check_epoch(self.deployment_epoch)
-        _check_id("session_id", self.session_id)
-        _check_id("nonce", self.nonce)
+        check_id("session_id", self.session_id)
+        check_id("nonce", self.nonce)
 
     def __str__(self) -> str:
         return f"{self.deployment_epoch}/{self.session_id}/{self.nonce}"

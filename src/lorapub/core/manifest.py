@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any, Mapping
 
 import attrs
@@ -36,7 +37,43 @@ class TensorEntry:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+_MAX_CONFIG_DEPTH = 32
+
+
+def _check_json(value: Any, where: str, depth: int) -> None:
+    if depth > _MAX_CONFIG_DEPTH:
+        raise InvalidInput(f"{where} nests deeper than {_MAX_CONFIG_DEPTH} levels (or refers to itself)")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput(f"{where} is {value!r}; JSON has no NaN or infinity")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidInput(f"{where} has the key {key!r} ({type(key).__name__}); JSON keys are strings")
+            _check_json(item, f"{where}[{key!r}]", depth + 1)
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]", depth + 1)
+        return
+    raise InvalidInput(f"{where} is a {type(value).__name__} ({value!r:.60}), which is not JSON")
+
+
+def check_serving_config(config: object) -> dict[str, Any]:
+    """A plain-JSON copy of ``config`` (string keys; None, bools, ints, finite floats, strings,
+    lists and mappings only), or :class:`InvalidInput` naming the offending key."""
+    if not isinstance(config, Mapping):
+        raise InvalidInput(f"serving_config must be a mapping (the adapter_config.json), got {type(config).__name__}")
+    _check_json(config, "serving_config", 0)
+    return json.loads(canonical_json(dict(config)))
 
 
 @attrs.frozen
@@ -50,12 +87,19 @@ class Manifest:
         names = [t.name for t in self.tensors]
         if not names:
             raise InvalidInput("a manifest needs at least one tensor")
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise InvalidInput(f"tensor names must be non-empty strings, got {name!r}")
         if names != sorted(names) or len(set(names)) != len(names):
             raise InvalidInput("manifest tensors must be unique and sorted by name")
 
     @classmethod
     def build(cls, tensors: list[TensorEntry], serving_config: Mapping[str, Any]) -> "Manifest":
-        return cls(sorted(tensors, key=lambda t: t.name), canonical_json(dict(serving_config)))
+        config = check_serving_config(serving_config)
+        for t in tensors:
+            if not isinstance(t.name, str) or not t.name:
+                raise InvalidInput(f"tensor names must be non-empty strings, got {t.name!r}")
+        return cls(sorted(tensors, key=lambda t: t.name), canonical_json(config))
 
     def canonical(self) -> str:
         return canonical_json(
@@ -106,8 +150,10 @@ class BucketPlan:
 
     @classmethod
     def for_manifest(cls, manifest: Manifest, bucket_cap_bytes: int) -> "BucketPlan":
-        if bucket_cap_bytes <= 0:
-            raise InvalidInput(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
+        if not isinstance(manifest, Manifest):
+            raise InvalidInput(f"a bucket plan is made for a Manifest, got {type(manifest).__name__}")
+        if not isinstance(bucket_cap_bytes, int) or isinstance(bucket_cap_bytes, bool) or bucket_cap_bytes <= 0:
+            raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
         groups: list[list[TensorEntry]] = []
         size = 0
         for entry in manifest.tensors:

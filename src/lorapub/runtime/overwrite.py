@@ -12,14 +12,22 @@ import asyncio
 import itertools
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
-from lorapub.core.identity import LORA_NAME_PREFIX
-from lorapub.errors import EngineError, InvalidInput
+from lorapub.core.identity import LORA_NAME_PREFIX, check_id
+from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown
 from lorapub.ports import OverwriteAdmin
 from lorapub.runtime.snapshot import Snapshot
 
 FIXED_LORA_NAME = LORA_NAME_PREFIX
+DEFAULT_STASH_DIR = "/tmp/lorapub-legacy"
+
+
+def _typed(engine: str, op: str, error: BaseException) -> LorapubError:
+    """An engine call's failure as the port allows it: typed errors as they are, anything else unknown."""
+    if isinstance(error, LorapubError):
+        return error
+    return OutcomeUnknown(f"{engine} {op}: {type(error).__name__}: {error}", engine=engine)
 
 
 class OverwritePublisher:
@@ -29,19 +37,69 @@ class OverwritePublisher:
         self.lora_name = lora_name
         self.updates = 0
 
+    def adapter_dir(self, snapshot: Snapshot, version_id: str) -> str:
+        """Where this update's adapter is written: under ``<stash>/legacy``, named only from the
+        update counter, a checked version id and the content digest (no caller text reaches a path)."""
+        check_id("version_id", version_id)
+        root = os.path.realpath(os.path.join(self.stash_dir, "legacy"))
+        path = os.path.realpath(os.path.join(root, f"{self.updates:06d}-{version_id}-{snapshot.digest[:12]}"))
+        if os.path.dirname(path) != root:  # a symlinked or otherwise escaping entry is refused, not followed
+            raise InvalidInput(f"adapter directory {path} would leave the stash {root}")
+        return path
+
+    async def _each(self, op: str, call: Callable[[OverwriteAdmin], Awaitable[Any]]) -> list[LorapubError]:
+        """``call`` on every engine at once; the typed failures (every engine is tried)."""
+        names = list(self.engines)
+        results = await asyncio.gather(*(call(e) for e in self.engines.values()), return_exceptions=True)
+        failures = []
+        for name, result in zip(names, results):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                failures.append(_typed(name, op, result))
+        return failures
+
     async def publish(self, snapshot: Snapshot, version_id: str) -> float:
-        """Returns the seconds generation stood paused."""
-        path = snapshot.save_peft_dir(os.path.join(self.stash_dir, "legacy", f"{self.updates:06d}-{version_id}"))
-        started = time.monotonic()
-        await asyncio.gather(*(e.pause_generation() for e in self.engines.values()))
+        """Returns the seconds generation stood paused.
+
+        Pause every engine, flush, unload the fixed name where it is loaded, load the new
+        adapter under it, continue. Generation is continued on every engine whatever happens
+        in between (a failure, a cancellation); the first failure is raised, typed.
+        """
+        if not isinstance(snapshot, Snapshot):
+            raise InvalidInput(f"publish takes a Snapshot, got {type(snapshot).__name__}")
+        path = self.adapter_dir(snapshot, version_id)
         try:
-            await asyncio.gather(*(e.flush_cache() for e in self.engines.values()))
-            for engine in self.engines.values():
-                if self.lora_name in await engine.loaded_adapters():
-                    await engine.unload_adapter(self.lora_name)
-                await engine.load_adapter(self.lora_name, path)
+            await asyncio.to_thread(snapshot.save_peft_dir, path)
+        except OSError as e:  # before anything is sent: no engine was paused
+            raise InvalidInput(f"the adapter cannot be written under stash_dir {self.stash_dir!r}: {e}") from None
+        started = time.monotonic()
+        failure: BaseException | None = None
+        try:
+            failures = await self._each("pause_generation", lambda e: e.pause_generation())
+            if failures:
+                raise failures[0]
+            failures = await self._each("flush_cache", lambda e: e.flush_cache())
+            if failures:
+                raise failures[0]
+            for name, engine in self.engines.items():
+                try:
+                    if self.lora_name in await engine.loaded_adapters():
+                        await engine.unload_adapter(self.lora_name)
+                    await engine.load_adapter(self.lora_name, path)
+                except Exception as e:  # noqa: BLE001 - typed below
+                    raise _typed(name, "overwrite", e) from e
+        except BaseException as e:
+            failure = e
+            raise
         finally:
-            await asyncio.gather(*(e.continue_generation() for e in self.engines.values()))
+            # Every engine continues, even one whose pause failed (it may have paused anyway).
+            left_paused = await asyncio.shield(self._each("continue_generation", lambda e: e.continue_generation()))
+            if left_paused:
+                why = "generation may still be paused: " + "; ".join(err.message for err in left_paused)
+                if failure is None:
+                    raise EngineError(why)
+                failure.add_note(why)
         self.updates += 1
         return time.monotonic() - started
 
@@ -57,6 +115,8 @@ class OverwriteSession:
         self.resumed = 0
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(payload, Mapping):
+            raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
         # The old agentic layer resumes requests that a publication's pause aborted.
         for _ in range(self.max_resumes):
             try:
@@ -81,10 +141,22 @@ class OverwriteDeployment:
     """The switch-off product: ``publish`` returns the seconds paused, ``session`` an :class:`OverwriteSession`."""
 
     def __init__(self, engines: Mapping[str, OverwriteAdmin], *, stash_dir: str | None = None) -> None:
-        if not engines:
-            raise InvalidInput("a deployment needs at least one engine")
+        if not isinstance(engines, Mapping) or not engines:
+            raise InvalidInput("a deployment needs a mapping of at least one engine name to its OverwriteAdmin")
+        for name, engine in engines.items():
+            check_id("engine name", name)
+            if not isinstance(engine, OverwriteAdmin):
+                raise InvalidInput(
+                    f"engine {name!r} is a {type(engine).__name__}, not an OverwriteAdmin "
+                    "(pause_generation, continue_generation, flush_cache, loaded_adapters, load_adapter, "
+                    "unload_adapter, generate)"
+                )
+        if stash_dir is not None:
+            stash_dir = os.fspath(stash_dir) if isinstance(stash_dir, os.PathLike) else stash_dir
+            if not isinstance(stash_dir, str) or not stash_dir or "\x00" in stash_dir:
+                raise InvalidInput(f"stash_dir must be a directory path, got {stash_dir!r}")
         self.engines = dict(engines)
-        self.publisher = OverwritePublisher(self.engines, stash_dir or "/tmp/lorapub-legacy")
+        self.publisher = OverwritePublisher(self.engines, stash_dir or DEFAULT_STASH_DIR)
         self._round_robin = itertools.count()
 
     async def start(self) -> "OverwriteDeployment":

@@ -11,26 +11,63 @@ import asyncio
 import hashlib
 import json
 import os
+import sys
 from typing import Any, Mapping
 
-from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
+from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
 
 DEFAULT_BUCKET_CAP = 64 << 20
 
 
-def _freeze(t: Any) -> Any:
-    if type(t).__module__.startswith("torch"):
-        return t.detach().to("cpu", copy=True).contiguous()
-    import numpy as np
+def _torch_tensor(t: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch tensor cannot exist unless torch was imported
+    return torch is not None and isinstance(t, torch.Tensor)
 
-    a = np.array(t, copy=True, order="C")
-    a.setflags(write=False)
-    return a
+
+def _numpy_array(t: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(t, np.ndarray)
+
+
+# numpy kinds with a fixed-size binary layout safetensors stores: bool, signed, unsigned, float, complex
+_NUMPY_KINDS = "biufc"
+
+
+def _check_tensor(name: str, t: Any) -> str:
+    """``"torch"`` or ``"numpy"``; :class:`InvalidInput` naming ``name`` for anything else."""
+    if _torch_tensor(t):
+        import torch
+
+        if t.layout != torch.strided:
+            raise InvalidInput(f"tensor {name!r} has layout {t.layout}; only dense (strided) tensors are published")
+        if t.device.type == "meta":
+            raise InvalidInput(f"tensor {name!r} is on the meta device and has no data")
+        return "torch"
+    if _numpy_array(t):
+        if t.dtype.kind not in _NUMPY_KINDS:
+            raise InvalidInput(f"tensor {name!r} has dtype {t.dtype}; only numeric and bool arrays are published")
+        return "numpy"
+    raise InvalidInput(f"tensor {name!r} is a {type(t).__name__} ({t!r:.60}), not a torch tensor or a numpy array")
+
+
+def _freeze(name: str, t: Any) -> Any:
+    try:
+        if _torch_tensor(t):
+            return t.detach().to("cpu", copy=True).contiguous()
+        import numpy as np
+
+        a = np.array(t, copy=True, order="C")
+        if a.dtype.byteorder == ">":  # one byte order for every digest: little-endian, as safetensors stores
+            a = a.astype(a.dtype.newbyteorder("<"))
+        a.setflags(write=False)
+        return a
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+        raise InvalidInput(f"tensor {name!r} cannot be copied to CPU memory: {e}") from None
 
 
 def _is_torch(t: Any) -> bool:
-    return type(t).__module__.startswith("torch")
+    return _torch_tensor(t)
 
 
 def _raw_bytes(t: Any) -> bytes:
@@ -46,15 +83,32 @@ def _dtype(t: Any) -> str:
 
 
 class Snapshot:
-    """Immutable once built. ``manifest.digest`` is the version's content digest."""
+    """Immutable once built. ``manifest.digest`` is the version's content digest.
+
+    Everything is checked here, before anything is sent to an engine: tensor names are
+    non-empty strings, every tensor is a dense torch tensor or a numeric numpy array (one
+    kind per snapshot), and the serving config is plain JSON (no NaN, string keys). A
+    violation is :class:`~lorapub.errors.InvalidInput` naming the offending key.
+    """
 
     def __init__(self, state_dict: Mapping[str, Any], serving_config: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping) or not isinstance(serving_config, Mapping):
             raise InvalidInput("Snapshot(state_dict, serving_config) takes two mappings")
         if not state_dict:
             raise InvalidInput("an adapter snapshot needs at least one tensor")
-        self._tensors = {name: _freeze(t) for name, t in sorted(state_dict.items())}
-        self.serving_config = json.loads(json.dumps(dict(serving_config), sort_keys=True))
+        kinds: dict[str, str] = {}
+        for name, t in state_dict.items():
+            if not isinstance(name, str) or not name:
+                raise InvalidInput(f"tensor names must be non-empty strings, got {name!r} ({type(name).__name__})")
+            kinds[name] = _check_tensor(name, t)
+        if len(set(kinds.values())) > 1:
+            torch_name = next(n for n, k in kinds.items() if k == "torch")
+            numpy_name = next(n for n, k in kinds.items() if k == "numpy")
+            raise InvalidInput(
+                f"state_dict mixes torch tensors ({torch_name!r}) and numpy arrays ({numpy_name!r}); pass one kind"
+            )
+        self.serving_config = check_serving_config(serving_config)
+        self._tensors = {name: _freeze(name, t) for name, t in sorted(state_dict.items())}
         entries = [
             TensorEntry(
                 name=name,
@@ -66,7 +120,7 @@ class Snapshot:
             for name, t in self._tensors.items()
         ]
         self.manifest = Manifest.build(entries, self.serving_config)
-        self._framework = "torch" if any(_is_torch(t) for t in self._tensors.values()) else "numpy"
+        self._framework = next(iter(kinds.values()))
 
     @property
     def digest(self) -> str:
@@ -84,6 +138,10 @@ class Snapshot:
 
     def bucket_bytes(self, plan: BucketPlan, index: int) -> bytes:
         """The bucket's tensors as one safetensors blob (what a byte transport carries)."""
+        if not isinstance(plan, BucketPlan) or plan.digest != self.digest:
+            raise InvalidInput("bucket_bytes needs a plan made for this snapshot (snapshot.plan())")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(plan.buckets):
+            raise InvalidInput(f"bucket index must be an int in [0, {len(plan.buckets)}), got {index!r}")
         bucket = plan.buckets[index]
         chosen = {name: self._tensors[name] for name in bucket.tensor_names}
         metadata = {"lorapub_digest": plan.digest, "lorapub_bucket": str(index)}
@@ -97,6 +155,10 @@ class Snapshot:
 
     def save_peft_dir(self, path: str) -> str:
         """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (what SGLang loads)."""
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidInput(f"save_peft_dir takes a directory path, got {path!r}")
         os.makedirs(path, exist_ok=True)
         if self._framework == "torch":
             from safetensors.torch import save_file
@@ -123,6 +185,8 @@ class InlineBucketSource:
     carries_bytes = True
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan) -> None:
+        if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan):
+            raise InvalidInput("InlineBucketSource(snapshot, plan) takes a Snapshot and its BucketPlan")
         if plan.digest != snapshot.digest:
             raise InvalidInput(f"plan is for digest {plan.digest[:12]}…, snapshot is {snapshot.digest[:12]}…")
         self.snapshot = snapshot

@@ -1,7 +1,9 @@
 """``GET /lorapub/state``: the server's incarnation and its LoRA registry, as lorapub reads it.
 
-Admin-level like SGLang's own LoRA admin routes: with ``--admin-api-key`` set, only callers
-holding that key may read it.
+Admin-level exactly like SGLang's own LoRA admin routes (``/load_lora_adapter``: ADMIN_OPTIONAL
+in 0.5.17 and 0.5.23): with ``--admin-api-key`` set only that key reads it, with ``--api-key``
+alone that key, with neither anyone (SGLang's ``decide_request_auth``). The diff form marks it
+with SGLang's ``@auth_level(AuthLevel.ADMIN_OPTIONAL)`` in both releases.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from lorapub.sglang_patch.targets import STATE_ROUTE
+from lorapub.sglang_patch.targets import STATE_ROUTE, PatchMismatch
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
 
@@ -50,6 +52,24 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
     }
 
 
+def _admin_level(app: Any) -> Any:
+    """The auth level of SGLang's own ``/load_lora_adapter`` on ``app`` (ADMIN_OPTIONAL in 0.5.17
+    and 0.5.23), so lorapub's route is exactly as protected as SGLang's LoRA admin routes."""
+    try:
+        from sglang.srt.utils.auth import AuthLevel
+    except ImportError as e:  # both supported releases have per-route auth levels
+        raise PatchMismatch(
+            f"SGLang's auth levels (sglang.srt.utils.auth) are missing ({e}); {STATE_ROUTE} is not "
+            "added rather than served without --admin-api-key protection"
+        ) from None
+    for route in getattr(app, "routes", []):
+        if getattr(route, "path", None) == "/load_lora_adapter":
+            level = getattr(getattr(route, "endpoint", None), "_auth_level", None)
+            if isinstance(level, AuthLevel):
+                return level
+    return AuthLevel.ADMIN_OPTIONAL
+
+
 def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
     if app is None:
         try:
@@ -69,10 +89,6 @@ def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
     async def lorapub_state():
         return state_of(tokenizer_manager(), release, form)
 
-    try:
-        from sglang.srt.utils.auth import AuthLevel
-
-        lorapub_state._auth_level = AuthLevel.ADMIN_OPTIONAL
-    except Exception:
-        pass  # a release without per-route auth levels
+    # What SGLang's @auth_level decorator does; its middleware reads it from the matched endpoint.
+    lorapub_state._auth_level = _admin_level(app)
     app.add_api_route(STATE_ROUTE, lorapub_state, methods=["GET"])

@@ -12,7 +12,11 @@ installed SGLang's, or lorapub's verbatim copy of 0.5.23's where SGLang is absen
   lorapub must avoid — unless the managed-adapter patch is on),
 * a prefix cache keyed by ``lora_id`` that reports ``cached_tokens``,
 * ``/lorapub/state`` as added by lorapub's SGLang patch (incarnation, adapters, refs),
-* ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` for the legacy path,
+* ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` (plain-text answer) for
+  the legacy path, and ``/v1/models`` (the base model and one card per loaded adapter),
+* ``--api-key``/``--admin-api-key`` enforced as SGLang's HTTP middleware does (SGLang's own
+  ``decide_request_auth`` where SGLang is installed), each route at SGLang's auth level,
+* ``stock=True``: an unpatched SGLang server (no lorapub route: 404; no managed protection),
 * injectable faults: definite errors, 500/503, dropped replies, slow unload, restart.
 
 Outputs are a deterministic function of (adapter content, tokens), so tests
@@ -22,15 +26,90 @@ can tell which version produced a token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import importlib.util
 import os
+import sys
 import uuid
 from typing import Any
 
 from aiohttp import web
 
 from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
-from lorapub.testing._sglang_registry import lora_registry_module
+from lorapub.testing._sglang_registry import lora_registry_module, registry_root
+
+NORMAL, ADMIN_OPTIONAL, ADMIN_FORCE = "normal", "admin_optional", "admin_force"
+
+#: Each route's auth level, as SGLang's ``http_server.py`` marks it with ``@auth_level`` (unmarked:
+#: NORMAL) and as lorapub's patch registers its state route (ADMIN_OPTIONAL, like the LoRA routes).
+#: A test keeps this equal to SGLang's own file.
+ROUTE_AUTH_LEVELS: dict[tuple[str, str], str] = {
+    ("POST", "/load_lora_adapter"): ADMIN_OPTIONAL,
+    ("POST", "/unload_lora_adapter"): ADMIN_OPTIONAL,
+    ("POST", "/pause_generation"): ADMIN_OPTIONAL,
+    ("POST", "/continue_generation"): ADMIN_OPTIONAL,
+    ("POST", "/flush_cache"): ADMIN_OPTIONAL,
+    ("GET", STATE_ROUTE): ADMIN_OPTIONAL,
+    ("POST", "/generate"): NORMAL,
+    ("GET", "/v1/models"): NORMAL,
+    ("GET", "/server_info"): NORMAL,
+    ("GET", "/health"): NORMAL,
+}
+
+
+def decide_request_auth(*, method: str, path: str, authorization_header: str | None, api_key: str | None,
+                        admin_api_key: str | None, auth_level: str) -> tuple[bool, int]:
+    """SGLang's rule (``srt/utils/auth.py``: ``decide_request_auth``), restated for where SGLang
+    is not installed; ``(allowed, status when refused)``. A test checks it against 0.5.17's and
+    0.5.23's own function for every combination."""
+    import secrets
+
+    if method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
+        return True, 401
+
+    def bearer(expected: str) -> bool:
+        if not authorization_header:
+            return False
+        parts = authorization_header.split(" ", 1)
+        if len(parts) != 2 or parts[0].lower() != "bearer":
+            return False
+        return secrets.compare_digest(parts[1], expected)
+
+    if auth_level == ADMIN_FORCE:
+        if not admin_api_key:
+            return False, 403
+        return bearer(admin_api_key), 401
+    if auth_level == ADMIN_OPTIONAL:
+        if admin_api_key:
+            return bearer(admin_api_key), 401
+        if api_key:
+            return bearer(api_key), 401
+        return True, 401
+    if api_key:
+        return bearer(api_key), 401
+    return True, 401
+
+
+@functools.lru_cache(maxsize=1)
+def _sglang_decide():
+    """SGLang's own ``decide_request_auth`` (the installed tree's ``srt/utils/auth.py``, which
+    imports nothing beyond the standard library), adapted to this module's levels; None where
+    SGLang is not installed."""
+    path = os.path.join(registry_root(), "srt", "utils", "auth.py")
+    if not os.path.exists(path):
+        return None
+    name = "lorapub_sglang.auth"  # a private name: the ``sglang`` namespace is left alone
+    spec = importlib.util.spec_from_file_location(name, path)
+    auth = importlib.util.module_from_spec(spec)
+    sys.modules[name] = auth  # its dataclasses look their module up while the class is built
+    spec.loader.exec_module(auth)
+
+    def decide(*, auth_level: str, **kw: Any) -> tuple[bool, int]:
+        decision = auth.decide_request_auth(auth_level=auth.AuthLevel(auth_level), **kw)
+        return decision.allowed, decision.error_status_code
+
+    return decide
 
 
 def content_signature(path: str) -> str:
@@ -60,11 +139,16 @@ class Fault:
 class SGLangDouble:
     """One in-process SGLang server (``await SGLangDouble("e0").start()``, then ``.url``).
 
-    Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state`` and mode ``error``
-    (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
+    Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state``/``pause``/``continue``/``flush``
+    and mode ``error`` (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
     ``generate`` takes ``error`` or ``slow``; ``unload_slow`` delays the physical unload. ``restart()`` is a crash: a new incarnation
     with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
     ``registered()`` show what happened.
+
+    ``api_key``/``admin_api_key`` are the server's ``--api-key``/``--admin-api-key``: requests
+    are let in or refused (401/403, ``{"error": "Unauthorized"}``) exactly as SGLang's
+    middleware decides. ``stock=True`` is SGLang without lorapub's patch: ``/lorapub/state``
+    does not exist (404) and managed names get no protection.
     """
 
     def __init__(
@@ -77,11 +161,20 @@ class SGLangDouble:
         decode_delay: float = 0.002,
         load_delay: float = 0.0,
         prefill_per_token: float = 0.0,
+        stock: bool = False,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        served_model_name: str = "lorapub-tiny-qwen3",
     ) -> None:
         self.name = name
         self.max_loaded_loras = max_loaded_loras
         self.context_len = context_len
-        self.managed_patch = managed_patch
+        self.stock = stock
+        self.managed_patch = managed_patch and not stock
+        self.served_model_name = served_model_name
+        self._api_key, self._admin_api_key = api_key, admin_api_key
+        self._decide = _sglang_decide() or decide_request_auth
+        self.refused: list[tuple[str, str, int]] = []  # (method, path, status) turned away at the door
         self.decode_delay = decode_delay
         self.load_delay = load_delay  # simulated adapter load + GPU preparation time
         self.prefill_per_token = prefill_per_token  # uncached prompt tokens cost prefill time
@@ -114,15 +207,35 @@ class SGLangDouble:
         self._boot()
         self.events.append(("restart", self.incarnation))
 
+    def __repr__(self) -> str:
+        return f"SGLangDouble({self.name!r}, url={self.url!r}, stock={self.stock})"  # never the keys
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """SGLang's ``add_api_key_middleware``: unknown routes are NORMAL, as there."""
+        level = ROUTE_AUTH_LEVELS.get((request.method, request.path), NORMAL)
+        if request.method == "HEAD":
+            level = ROUTE_AUTH_LEVELS.get(("GET", request.path), NORMAL)
+        allowed, status = self._decide(
+            method=request.method, path=request.path, authorization_header=request.headers.get("Authorization"),
+            api_key=self._api_key, admin_api_key=self._admin_api_key, auth_level=level,
+        )
+        if not allowed:
+            self.refused.append((request.method, request.path, status))
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
+
     async def start(self) -> "SGLangDouble":
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         r = app.router
         r.add_post("/load_lora_adapter", self.h_load)
         r.add_post("/unload_lora_adapter", self.h_unload)
         r.add_post("/generate", self.h_generate)
-        r.add_get(STATE_ROUTE, self.h_state)
+        if not self.stock:
+            r.add_get(STATE_ROUTE, self.h_state)
         r.add_get("/health", self.h_health)
         r.add_get("/server_info", self.h_server_info)
+        r.add_get("/v1/models", self.h_models)
         r.add_post("/pause_generation", self.h_pause)
         r.add_post("/continue_generation", self.h_continue)
         r.add_post("/flush_cache", self.h_flush)
@@ -198,6 +311,16 @@ class SGLangDouble:
     async def h_server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"max_loaded_loras": self.max_loaded_loras, "enable_lora": True, "version": "0.5.23"})
 
+    async def h_models(self, request: web.Request) -> web.Response:
+        """SGLang's ``/v1/models``: the base model, then a card per loaded adapter (parent = base)."""
+        base = self.served_model_name
+        cards = [{"id": base, "object": "model", "owned_by": "sglang", "root": base, "parent": None,
+                  "max_model_len": self.context_len}]
+        cards += [{"id": name, "object": "model", "owned_by": "sglang", "root": ref.lora_path, "parent": base,
+                   "max_model_len": None}
+                  for name, ref in self.lora_registry.get_all_adapters().items()]
+        return web.json_response({"object": "list", "data": cards})
+
     async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
@@ -271,22 +394,43 @@ class SGLangDouble:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": {}})
 
     async def h_pause(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("pause", True)
+        if refused is not None:
+            return refused
         body = await request.json() if request.can_read_body else {}
         if (body or {}).get("mode", "abort") == "abort":
             self.abort_gen += 1
         self.paused.clear()
         self.events.append(("pause", ""))
-        return web.json_response({"success": True})
+        await self._maybe_drop_reply("pause")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def h_continue(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("continue", True)
+        if refused is not None:
+            return refused
         self.paused.set()
         self.events.append(("continue", ""))
-        return web.json_response({"success": True})
+        await self._maybe_drop_reply("continue")
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def h_flush(self, request: web.Request) -> web.Response:
+        refused = await self._apply_fault("flush", True)
+        if refused is not None:
+            return refused
         self.prefix_cache.clear()
         self.events.append(("flush", ""))
-        return web.json_response({"success": True})
+        await self._maybe_drop_reply("flush")
+        # SGLang answers in plain text, not JSON
+        return web.Response(text=(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        ))
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether generation stands paused (a pause without its continue)."""
+        return not self.paused.is_set()
 
     # -- generation --------------------------------------------------------------
     async def _resolve(self, name: str) -> str:
@@ -409,11 +553,18 @@ class SGLangUnderTest:
         self.admin = admin
 
     @classmethod
-    async def start(cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0) -> "SGLangUnderTest":
+    async def start(
+        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0,
+        api_key: str | None = None, admin_api_key: str | None = None,
+    ) -> "SGLangUnderTest":
+        """A fresh double and the adapter on it; with keys, the server requires them and the adapter holds them."""
         from lorapub.adapters.sglang_http import SGLangEngine
 
-        double = await SGLangDouble(name, decode_delay=0.005).start()
-        admin = SGLangEngine(name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout)
+        double = await SGLangDouble(name, decode_delay=0.005, api_key=api_key, admin_api_key=admin_api_key).start()
+        admin = SGLangEngine(
+            name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout,
+            api_key=api_key, admin_api_key=admin_api_key,
+        )
         return cls(double, admin)
 
     async def served(self) -> set[str]:

@@ -1,0 +1,147 @@
+"""Bad input is refused at the door with INVALID_INPUT, naming what is wrong, before anything is sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorapub.core.identity import SessionKey, VersionKey, check_digest, check_id, lora_name_for
+from lorapub.errors import InvalidInput
+
+DIGEST = "ab" * 32
+
+
+@pytest.mark.parametrize("bad", ["v1\n", "v1\r\n", "\nv1", "v 1", "a/b", "../x", "", "x" * 129, "v1\x00", "é"])
+def test_ids_with_newlines_separators_or_other_characters_are_refused(bad):
+    with pytest.raises(InvalidInput) as e:
+        VersionKey(1, bad)
+    assert e.value.code == "INVALID_INPUT" and "version_id" in e.value.message
+    with pytest.raises(InvalidInput, match="session_id"):
+        SessionKey(1, bad, "n0")
+    with pytest.raises(InvalidInput, match="nonce"):
+        SessionKey(1, "s0", bad)
+    with pytest.raises(InvalidInput):
+        check_id("engine name", bad)
+
+
+def test_a_trailing_newline_never_reaches_a_lora_name():
+    with pytest.raises(InvalidInput):
+        lora_name_for(VersionKey(1, "v1\n"), DIGEST)
+    assert lora_name_for(VersionKey(1, "v1"), DIGEST) == "relax_policy_lora@1-v1-abababababab"
+
+
+@pytest.mark.parametrize("bad", [DIGEST + "\n", DIGEST.upper(), DIGEST[:-1], None, 7])
+def test_digests_must_be_exactly_64_lowercase_hex(bad):
+    with pytest.raises(InvalidInput, match="digest"):
+        check_digest(bad)
+    assert check_digest(DIGEST) == DIGEST
+
+
+# -- Snapshot: everything is checked at construction, naming the offending key -----------------
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from lorapub.core.manifest import BucketPlan  # noqa: E402
+from lorapub.runtime.snapshot import InlineBucketSource, Snapshot  # noqa: E402
+from lorapub.testing import lora_snapshot, peft_config, peft_lora_state_dict  # noqa: E402
+
+GOOD = np.ones((2, 2), dtype="float32")
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (None, "NoneType"),
+        ("weights", "str"),
+        (b"\x00\x01", "bytes"),
+        (_Opaque(), "_Opaque"),
+        ([[1.0, 2.0]], "list"),
+        (np.array(["a", "b"]), "dtype <U1"),
+        (np.array([object(), object()]), "dtype object"),
+    ],
+    ids=["none", "str", "bytes", "object", "list", "str-array", "object-array"],
+)
+def test_a_tensor_that_is_not_a_numeric_tensor_is_refused_naming_it(bad, named):
+    with pytest.raises(InvalidInput) as e:
+        Snapshot({"layer.0.lora_A.weight": GOOD, "layer.0.lora_B.weight": bad}, {"r": 2})
+    assert e.value.code == "INVALID_INPUT"
+    assert "'layer.0.lora_B.weight'" in e.value.message and named in e.value.message
+
+
+@pytest.mark.parametrize("bad_name", [0, None, ("a", "b"), b"w", ""])
+def test_tensor_names_must_be_non_empty_strings(bad_name):
+    with pytest.raises(InvalidInput, match="tensor names must be non-empty strings"):
+        Snapshot({"w": GOOD, bad_name: GOOD}, {"r": 2})
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        ({"r": 2, "lora_alpha": float("nan")}, "['lora_alpha']"),
+        ({"r": 2, "scale": math.inf}, "['scale']"),
+        ({"r": 2, "target_modules": ["q_proj", object()]}, "['target_modules'][1]"),
+        ({"r": 2, "modules": {"q_proj", "v_proj"}}, "['modules']"),
+        ({"r": 2, 7: "seven"}, "key 7"),
+        ({"r": 2, "nested": {"deeper": {1: 2}}}, "['nested']['deeper']"),
+        ({"r": np.int64(2)}, "['r']"),
+    ],
+    ids=["nan", "inf", "object-in-list", "set", "int-key", "nested-int-key", "numpy-int"],
+)
+def test_a_serving_config_that_is_not_plain_json_is_refused_naming_the_key(config, named):
+    with pytest.raises(InvalidInput) as e:
+        Snapshot({"w": GOOD}, config)
+    assert e.value.code == "INVALID_INPUT" and named in e.value.message, e.value.message
+
+
+def test_a_self_referencing_serving_config_is_refused():
+    config: dict = {"r": 2}
+    config["self"] = config
+    with pytest.raises(InvalidInput, match="refers to itself"):
+        Snapshot({"w": GOOD}, config)
+
+
+def test_torch_and_numpy_mixed_in_one_state_dict_are_refused_up_front():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InvalidInput, match="mixes torch tensors"):
+        Snapshot({"a": torch.ones(2), "b": GOOD}, {"r": 2})
+
+
+def test_torch_tensors_without_data_or_sparse_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InvalidInput, match="'m'.*meta"):
+        Snapshot({"m": torch.empty(2, 2, device="meta")}, {"r": 2})
+    with pytest.raises(InvalidInput, match="'s'.*layout"):
+        Snapshot({"s": torch.eye(2).to_sparse()}, {"r": 2})
+
+
+@pytest.mark.parametrize("cap", [0, -1, 1.5, "64", None, True, float("nan")])
+def test_a_bucket_cap_that_is_not_a_positive_int_is_refused(cap):
+    snap = lora_snapshot(1, layers=1, hidden=8, rank=2)
+    with pytest.raises(InvalidInput, match="bucket_cap_bytes"):
+        snap.plan(cap)
+    with pytest.raises(InvalidInput, match="bucket_cap_bytes"):
+        BucketPlan.for_manifest(snap.manifest, cap)
+    with pytest.raises(InvalidInput, match="Manifest"):
+        BucketPlan.for_manifest(snap, 1 << 20)  # the snapshot, not its manifest
+
+
+def test_bucket_bytes_refuses_a_foreign_plan_or_an_index_out_of_range():
+    a, b = lora_snapshot(1, layers=1, hidden=8, rank=2), lora_snapshot(2, layers=1, hidden=8, rank=2)
+    plan = a.plan(1 << 20)
+    for index in (-1, len(plan), "0", None):
+        with pytest.raises(InvalidInput, match="bucket index"):
+            a.bucket_bytes(plan, index)
+    with pytest.raises(InvalidInput, match="plan made for this snapshot"):
+        b.bucket_bytes(plan, 0)
+    with pytest.raises(InvalidInput):
+        InlineBucketSource(a, "not a plan")
+
+
+def test_big_endian_arrays_digest_like_the_same_values_in_native_order():
+    values = peft_lora_state_dict(3, layers=1, hidden=8, rank=2)
+    swapped = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in values.items()}
+    assert Snapshot(swapped, peft_config(2)).digest == Snapshot(values, peft_config(2)).digest
