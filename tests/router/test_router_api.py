@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from lorapub.adapters.sglang_router import SGLangRouter, engine_name
+from lorapub.adapters.sglang_router import RouterRouting, SGLangRouter, engine_name
 from lorapub.errors import EngineError, EngineUnavailable, OutcomeUnknown, VersionMissing
 
 
@@ -89,3 +89,20 @@ def test_engine_names_are_stable_and_path_safe():
     assert engine_name("http://10.0.0.7:30001/") == "10.0.0.7-30001"
     assert engine_name("http://[::1]:8000") == "--1-8000"
     assert engine_name("http://worker-3.svc:30000") == "worker-3.svc-30000"
+
+
+async def test_routing_sends_nothing_when_no_engine_holds_the_version(router, doubles):
+    routing = RouterRouting(router)
+
+    class _Session:
+        binding = None
+        key = "s"
+
+    assert routing.pick(_Session()) is routing.pick(_Session(), frozenset({"e0"}))
+    with pytest.raises(EngineUnavailable):
+        routing.pick(_Session(), frozenset())
+    target = routing.pick(_Session())
+    with pytest.raises(Exception) as err:
+        await target.generate({"input_ids": [1]})  # lorapub never sends without the bound lora_path
+    assert err.value.code == "INVALID_INPUT"
+    assert sum(d.generate_requests for d in doubles.values()) == 0

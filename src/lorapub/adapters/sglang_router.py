@@ -273,7 +273,15 @@ class RouterRouting:
         self.router = router
         self._target = RoutedGeneration(router)
 
-    def pick(self, session: Any) -> RoutedGeneration:
+    def pick(self, session: Any, holders: frozenset[str] | None = None) -> RoutedGeneration:
+        """The router picks the worker. ``holders`` (the engines that hold the session's
+        version now, None: unknown) only vetoes: with no holder at all nothing is sent."""
+        if holders is not None and not holders:
+            bound = session.binding.version if getattr(session, "binding", None) else "the bound version"
+            raise EngineUnavailable(
+                f"no engine holds {bound} right now (being re-provisioned); retry the request later",
+                session=getattr(session, "key", None),
+            )
         return self._target
 
 
