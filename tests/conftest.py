@@ -17,3 +17,10 @@ if settings is not None:
     )
     settings.register_profile("dev", max_examples=60, stateful_step_count=40, deadline=None)
     settings.load_profile(os.environ.get("LORAPUB_HYPOTHESIS_PROFILE", "ci"))
+
+# Import torch once before any test: its cold import (seconds on a small machine) would
+# otherwise land inside the first engine-side `end` and eat the short test deadlines.
+try:
+    import safetensors.torch  # noqa: F401
+except ImportError:
+    pass

@@ -13,6 +13,7 @@ from lorapub.core.version import VersionState
 from lorapub.core.registry import CloseAndRelease, Commit
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.errors import (
+    EngineUnavailable,
     CapacityError,
     EngineError,
     NoPublishedVersion,
@@ -225,11 +226,21 @@ async def test_missing_exact_version_errors_without_fallback(deployment, doubles
     s = deployment.session("s")
     s.engine = deployment.engines["e0"]
     await s.generate(GEN)
-    doubles["e0"].restart()  # the engine lost every adapter
-    base_before = doubles["e0"].generations
-    with pytest.raises(VersionMissing):
+    await deployment.reconciler.stop()  # hold re-provisioning back to see the gap it closes
+    doubles["e0"].restart()  # the engine lost every adapter; e1 still holds A
+    e1_before = doubles["e1"].generations
+    await s.generate(GEN)  # refused by e0 before running, then sent once to the holder
+    assert s.engine.name == "e1" and doubles["e1"].generations == e1_before + 1
+    assert "<base>" not in doubles["e0"].prefix_cache  # nothing ran on base (or on another version)
+    doubles["e1"].restart()  # now no engine holds A: a typed error, never base or latest
+    with pytest.raises(EngineUnavailable):
         await s.generate(GEN)
-    assert doubles["e0"].generations == base_before  # nothing ran on base or another version
+    assert all("<base>" not in d.prefix_cache for d in doubles.values())
+    # the reconciler loads A again on both engines from lorapub's frozen copy; the session goes on
+    health = await deployment.reconcile()
+    assert health.healthy, health.describe()
+    assert all(s.binding.lora_name in d.registered() for d in doubles.values())
+    await s.generate(GEN)
 
 
 async def test_managed_adapters_survive_ordinary_unload_and_lru(deployment, doubles, engines, tmp_path):

@@ -76,6 +76,9 @@ class RegistryMachine(RuleBasedStateMachine):
         self.unloaded: set[tuple] = set()  # (version, engine) confirmed
         self.default_history: list = []
         self.receipts: dict = {}
+        self.now = 1000.0  # the registry's clock, stamped into commands as the single writer does
+        self.holding: set[tuple] = set()  # (engine, incarnation, lora_name) truly loaded
+        self.expired: set[SessionKey] = set()
 
     # -- helpers ------------------------------------------------------------
     def apply(self, outcome: R.Outcome):
@@ -126,6 +129,8 @@ class RegistryMachine(RuleBasedStateMachine):
             a = s.attempts[msg.token]
             receipt = ReadyLocal(msg.engine, msg.token, a.digest, self.incarnations[msg.engine], "lid")
             reply = ("ready", receipt)
+            if msg.token not in self.cleanup_sent:  # the engine loads it pinned before it answers
+                self.holding.add((msg.engine, self.incarnations[msg.engine], a.lora_name))
             self.try_apply(R.RecordReady(receipt))
         elif isinstance(msg, SendCleanup):
             inc = self.incarnations[msg.engine]
@@ -133,11 +138,13 @@ class RegistryMachine(RuleBasedStateMachine):
             t = s.attempts[msg.token].target(msg.engine)
             if t is not None and t.incarnation == inc:
                 self.cleaned.add((msg.token, msg.engine, inc))
+            self.holding.discard((msg.engine, inc, msg.lora_name))
             self.try_apply(R.RecordCleaned(msg.token, msg.engine, inc))
         elif isinstance(msg, SendReclaim):
             reply = ("unloaded", msg.version, msg.reclaim_id, msg.engine)
             if s.versions[msg.version].reclaim_id == msg.reclaim_id:
                 self.unloaded.add((msg.version, msg.engine))
+            self.holding.discard((msg.engine, self.incarnations[msg.engine], msg.lora_name))
             self.try_apply(R.RecordUnloaded(msg.version, msg.reclaim_id, msg.engine))
         else:
             raise AssertionError(msg)
@@ -181,8 +188,21 @@ class RegistryMachine(RuleBasedStateMachine):
     def reserve_again(self, key, same):
         n_effects = len(self.network)
         if same:
-            digest, plan = fake_plan(key.version_id, 1)
             digest = self.digests[key]
+            plan = self.state.attempts[self.state.versions[key].attempt].plan
+            if self.state.versions[key].state is VersionState.FAILED_CLEAN:
+                # Nothing of the failed attempt survives: the same id and digest start afresh.
+                blocked = self.state.unresolved_attempt() is not None
+                result = self.try_apply(R.Reserve(key, digest, plan))
+                if isinstance(result, LorapubError):
+                    assert result.code in {"CAPACITY_ERROR", "PUBLICATION_BLOCKED"}, result
+                    assert (result.code == "PUBLICATION_BLOCKED") == blocked
+                    assert self.state.versions[key].state is VersionState.FAILED_CLEAN
+                    assert len(self.network) == n_effects
+                else:
+                    assert result.created and self.state.versions[key].state is VersionState.LOADING
+                    assert result.token == self.state.versions[key].attempt
+                return
             result = self.try_apply(R.Reserve(key, digest, plan))
             assert not isinstance(result, LorapubError), result
             assert not result.created and result.token == self.state.versions[key].attempt
@@ -245,7 +265,62 @@ class RegistryMachine(RuleBasedStateMachine):
     def restart_engine(self, engine):
         self.lives[engine] += 1
         self.incarnations[engine] = f"{engine}-life{self.lives[engine]}"
+        for key, v in self.state.versions.items():
+            if v.state is VersionState.RECLAIMING and engine in v.reclaim_pending:
+                self.unloaded.add((key, engine))  # the new life holds nothing: nothing to unload
         self.try_apply(R.RegisterEngine(engine, self.incarnations[engine]))
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def silent_restart(self, engine):
+        """The engine restarts and the registry does not know yet (no RegisterEngine)."""
+        self.lives[engine] += 1
+        self.incarnations[engine] = f"{engine}-life{self.lives[engine]}"
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def notice_restart(self, engine):
+        if self.state.engines[engine] != self.incarnations[engine]:
+            for key, v in self.state.versions.items():
+                if v.state is VersionState.RECLAIMING and engine in v.reclaim_pending:
+                    self.unloaded.add((key, engine))
+        self.try_apply(R.RegisterEngine(engine, self.incarnations[engine]))
+
+    # -- recovery ----------------------------------------------------------------
+    @precondition(lambda self: self.state.missing())
+    @rule(data=st.data())
+    def start_reprovision(self, data):
+        engine, key = data.draw(st.sampled_from(self.state.missing()))
+        token = self.try_apply(R.StartReprovision(key, engine))
+        assert self.state.reprovisions[(engine, key)] == token
+        assert self.try_apply(R.StartReprovision(key, engine)) == token  # a replay starts nothing new
+
+    @precondition(lambda self: any(not a.resolved and not a.reprovision for a in self.state.attempts.values()))
+    @rule(data=st.data())
+    def abort_stale(self, data):
+        live = sorted(t for t, a in self.state.attempts.items() if not a.resolved and not a.reprovision)
+        self.try_apply(R.AbortStale(data.draw(st.sampled_from(live)), "publisher stopped"))
+
+    @rule(seconds=st.sampled_from([1.0, 60.0, 200.0]))
+    def time_passes(self, seconds):
+        self.now += seconds
+
+    @rule()
+    def expire_leases(self):
+        before = self.state
+        self.try_apply(R.ExpireLeases(self.now))
+        for key, record in self.state.sessions.items():
+            if record.state is SessionState.EXPIRED and before.sessions[key].state is not SessionState.EXPIRED:
+                assert before.sessions[key].lease_until < self.now
+                self.expired.add(key)
+
+    @rule(data=st.data())
+    def renew_leases(self, data):
+        keys = data.draw(st.lists(st.sampled_from(SESSION_POOL), max_size=3))
+        gone = self.try_apply(R.RenewLeases(keys, self.now))
+        for key in keys:
+            record = self.state.sessions.get(key)
+            assert (key in gone) == (record is None or record.state is SessionState.EXPIRED)
+            if record is not None and record.state in (SessionState.OPEN, SessionState.BOUND, SessionState.CLOSING):
+                assert record.lease_until == self.now + self.state.lease_ttl
 
     @precondition(lambda self: self.ready_to_commit)
     @rule(data=st.data(), lost_reply=st.booleans(), stale_revision=st.booleans())
@@ -290,11 +365,13 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(key=sessions, lost_reply=st.booleans())
     def bind_first(self, key, lost_reply):
         default = self.state.default
-        result = self.try_apply(R.BindFirst(key))
+        result = self.try_apply(R.BindFirst(key, self.now))
         if isinstance(result, LorapubError):
             record = self.state.sessions.get(key)
             if result.code == "NO_PUBLISHED_VERSION":
                 assert default is None
+            elif result.code == "SESSION_EXPIRED":
+                assert key in self.expired and record.state is SessionState.EXPIRED
             else:
                 assert result.code == "SESSION_CLOSED" and record.state in (SessionState.CLOSING, SessionState.CLOSED)
             return
@@ -304,7 +381,7 @@ class RegistryMachine(RuleBasedStateMachine):
             assert result.version == default
             self.bound[key] = result.version
         if lost_reply:
-            assert self.try_apply(R.BindFirst(key)) == result
+            assert self.try_apply(R.BindFirst(key, self.now)) == result
 
     @rule(key=sessions)
     def begin_close(self, key):
@@ -372,7 +449,9 @@ class RegistryMachine(RuleBasedStateMachine):
             if record.version is not None:
                 assert self.bound[key] == record.version
             if key in self.closed:
-                assert record.state is SessionState.CLOSED and not record.holds_ref
+                assert record.state in (SessionState.CLOSED, SessionState.EXPIRED) and not record.holds_ref
+            if key in self.expired:
+                assert record.state is SessionState.EXPIRED and not record.holds_ref
 
     @invariant()
     def default_moves_forward_only(self):
@@ -397,8 +476,19 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @invariant()
     def at_most_one_unresolved_attempt(self):
-        unresolved = [a for a in self.state.attempts.values() if not a.resolved]
+        unresolved = [a for a in self.state.attempts.values() if not a.resolved and not a.reprovision]
         assert len(unresolved) <= 1
+        for (engine, key), token in self.state.reprovisions.items():
+            a = self.state.attempts[token]
+            assert a.reprovision and not a.resolved and a.engines == (engine,)
+
+    @invariant()
+    def holders_truly_hold(self):
+        """Every engine the registry routes a version to holds it in the life the registry knows."""
+        for key, v in self.state.versions.items():
+            if v.state in (VersionState.PUBLISHED, VersionState.RETIRED):
+                for e in v.engines:
+                    assert (e, self.state.engines[e], v.lora_name) in self.holding, f"{key} not held by {e}"
 
     @invariant()
     def reclaiming_never_dispatchable(self):

@@ -76,6 +76,10 @@ class Attempt:
     bucket: int = 0
     bucket_done: frozenset[str] = frozenset()
     abort_reason: str | None = None
+    publisher: str = ""
+    # A re-provisioning attempt loads an already published version on one restarted engine:
+    # it never commits and never moves the default.
+    reprovision: bool = False
 
     @property
     def resolved(self) -> bool:
@@ -105,12 +109,32 @@ def start(
     plan: BucketPlan,
     engines: Mapping[str, str],
     expected_default_revision: int,
+    *,
+    publisher: str = "",
+    reprovision: bool = False,
 ) -> Step:
     if plan.digest != digest:
         raise InvalidTransition(f"bucket plan is for digest {plan.digest[:12]}, version has {digest[:12]}")
     targets = tuple(Target(e, inc, TargetState.BEGIN_SENT) for e, inc in sorted(engines.items()))
-    attempt = Attempt(token, lora_name, digest, plan, expected_default_revision, targets)
-    return attempt, [SendBegin(t.engine, t.incarnation, token, lora_name, digest, plan) for t in targets]
+    attempt = Attempt(
+        token, lora_name, digest, plan, expected_default_revision, targets, publisher=publisher, reprovision=reprovision
+    )
+    return attempt, resend_begins(attempt)
+
+
+def resend_begins(attempt: Attempt) -> list[Effect]:
+    """The begins not answered yet (a replay after a lost reserve reply sends them again;
+    begin is idempotent on the engine)."""
+    return [
+        SendBegin(t.engine, t.incarnation, attempt.token, attempt.lora_name, attempt.digest, attempt.plan)
+        for t in attempt.targets
+        if t.state is TargetState.BEGIN_SENT
+    ]
+
+
+def progress(attempt: Attempt) -> tuple:
+    """A value that changes whenever the attempt moves (the reconciler's staleness check)."""
+    return (attempt.phase, attempt.bucket, attempt.bucket_done, tuple((t.incarnation, t.state) for t in attempt.targets))
 
 
 def _current(attempt: Attempt, engine: str, incarnation: str | None) -> Target | Ignored:

@@ -26,9 +26,13 @@ class RegisterEngine:
 
 @attrs.frozen
 class Reserve:
+    """``publisher`` names the caller: its own replay (a lost reply) resumes the attempt,
+    another publisher's same key and digest joins it."""
+
     key: VersionKey
     digest: str
     plan: BucketPlan
+    publisher: str = ""
 
 
 @attrs.frozen
@@ -87,11 +91,44 @@ class Commit:
 @attrs.frozen
 class OpenSession:
     key: SessionKey
+    now: float | None = None  # stamped by the registry (see :func:`stamped`)
 
 
 @attrs.frozen
 class BindFirst:
     key: SessionKey
+    now: float | None = None
+
+
+@attrs.frozen
+class RenewLeases:
+    """Renew the leases of sessions a live worker still holds (one batch, not per request)."""
+
+    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
+    now: float | None = None
+
+
+@attrs.frozen
+class ExpireLeases:
+    """Release the refs of sessions whose lease ran out (their worker stopped renewing)."""
+
+    now: float | None = None
+
+
+@attrs.frozen
+class StartReprovision:
+    """Load ``key`` again on ``engine``, which restarted and lost it, from lorapub's frozen copy."""
+
+    key: VersionKey
+    engine: str
+
+
+@attrs.frozen
+class AbortStale:
+    """Abort an active attempt whose publisher stopped making progress (it is cleaned after)."""
+
+    token: AttemptToken
+    reason: str
 
 
 @attrs.frozen
@@ -157,12 +194,31 @@ class ReadState:
     pass
 
 
+@attrs.frozen
+class ReadFleet:
+    """Which engine holds which version, and what the reconciler has to do (small, cheap)."""
+
+    pass
+
+
 Command = (
     RegisterEngine | Reserve | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure | RecordUnknown
     | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | BeginClose | CloseAndRelease
-    | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim
-    | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState
+    | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim | RenewLeases | ExpireLeases
+    | StartReprovision | AbortStale
+    | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState | ReadFleet
 )
 
 #: The commands that only read.
-QUERIES: tuple[type, ...] = (AuthorizeDispatch, QueryAttempt, ReadVersion, ListReclaimable, ReadState)
+QUERIES: tuple[type, ...] = (AuthorizeDispatch, QueryAttempt, ReadVersion, ListReclaimable, ReadState, ReadFleet)
+
+
+def stamped(command: "Command", now: float) -> "Command":
+    """The command with the registry's clock reading filled in where it takes one.
+
+    The core reads no clock: the single writer stamps the time once, before the
+    transition, so a logged command replays to the same state.
+    """
+    if getattr(command, "now", 0.0) is None:
+        return attrs.evolve(command, now=now)
+    return command

@@ -20,13 +20,15 @@ from pyrsistent import PMap, pmap
 from lorapub.core import attempt as att
 from lorapub.core import reclaim as rec
 from lorapub.core import session as ses
-from lorapub.core.attempt import Attempt, Phase, ReadyLocal
+from lorapub.core.attempt import Attempt, Phase, ReadyLocal, TargetState
 from lorapub.core.commands import (  # noqa: F401 - the command values are part of this module's face
+    AbortStale,
     AuthorizeDispatch,
     BeginClose,
     BindFirst,
     ClaimReclaim,
     CloseAndRelease,
+    ExpireLeases,
     Command,
     Commit,
     ForgetSessions,
@@ -34,6 +36,7 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     OpenSession,
     QUERIES,
     QueryAttempt,
+    ReadFleet,
     ReadState,
     ReadVersion,
     RecordBucketDone,
@@ -44,15 +47,25 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     RecordUnknown,
     RecordUnloaded,
     RegisterEngine,
+    RenewLeases,
     Reserve,
     RetryCleanup,
     RetryReclaim,
+    StartReprovision,
 )
 from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, lora_name_for
 from lorapub.core.manifest import BucketPlan
 from lorapub.core.session import Binding, SessionRecord, SessionState
-from lorapub.core.version import CommitReceipt, Version, VersionState, add_session_ref, advance, drop_session_ref
+from lorapub.core.version import (
+    SERVING,
+    CommitReceipt,
+    Version,
+    VersionState,
+    add_session_ref,
+    advance,
+    drop_session_ref,
+)
 from lorapub.errors import (
     CapacityError,
     EpochMismatch,
@@ -69,6 +82,8 @@ from lorapub.errors import (
 )
 
 DEFAULT_CAPACITY = 2
+#: Seconds a session's ref outlives the last renewal from its worker (None: no leases).
+DEFAULT_LEASE_TTL = 120.0
 
 
 def _frozen_map(value) -> PMap:
@@ -88,6 +103,10 @@ class RegistryState:
     default_revision: int = 0
     attempt_seq: int = 0
     reclaim_seq: int = 0
+    lease_ttl: float | None = DEFAULT_LEASE_TTL
+    # (engine, VersionKey) -> the re-provisioning attempt loading it there again
+    reprovisions: PMap = attrs.field(factory=pmap, converter=_frozen_map)
+    expired_sessions: int = 0
 
     # -- reads ---------------------------------------------------------------
     @property
@@ -119,6 +138,20 @@ class RegistryState:
             k for k, v in self.versions.items() if v.state is VersionState.RETIRED and v.session_refs == 0
         )
 
+    def needed(self) -> list[Version]:
+        """Versions sessions can still use: the default and RETIRED versions with refs."""
+        return [
+            v for k, v in sorted(self.versions.items())
+            if v.state is VersionState.PUBLISHED or (v.state is VersionState.RETIRED and v.session_refs > 0)
+        ]
+
+    def missing(self) -> list[tuple[str, VersionKey]]:
+        """(engine, version) pairs to re-provision: a needed version an engine lost in a restart."""
+        return [
+            (engine, v.key) for v in self.needed() for engine in sorted(self.engines)
+            if engine not in v.engines and (engine, v.key) not in self.reprovisions
+        ]
+
 
 @attrs.frozen
 class Outcome:
@@ -137,6 +170,33 @@ class ReserveReply:
 
 
 @attrs.frozen
+class Fleet:
+    """What the reconciler and the session router need, without the sessions (cheap to ship).
+
+    ``holders`` maps each version sessions may still use to the engines that hold it now.
+    """
+
+    epoch: int
+    engines: Mapping[str, str]
+    default: VersionKey | None
+    holders: Mapping[VersionKey, frozenset[str]]
+    missing: tuple[tuple[str, VersionKey], ...]
+    reclaimable: tuple[VersionKey, ...]
+    reclaiming: tuple[VersionKey, ...]
+    cleaning: tuple[AttemptToken, ...]  # aborted attempts whose cleanup is not confirmed
+    active: Mapping[AttemptToken, tuple]  # live attempts -> their progress value
+    expired_sessions: int
+    lease_ttl: float | None
+
+    @property
+    def routable(self) -> frozenset[str]:
+        """Engines that hold every version sessions may still use."""
+        if not self.holders:
+            return frozenset(self.engines)
+        return frozenset.intersection(*self.holders.values())
+
+
+@attrs.frozen
 class AttemptStatus:
     token: AttemptToken
     phase: Phase
@@ -145,12 +205,19 @@ class AttemptStatus:
     targets: tuple[tuple[str, str], ...]  # (engine, target state)
 
 
-def new_registry(epoch: int, engines: Mapping[str, str], capacity: int = DEFAULT_CAPACITY) -> RegistryState:
+def new_registry(
+    epoch: int,
+    engines: Mapping[str, str],
+    capacity: int = DEFAULT_CAPACITY,
+    lease_ttl: float | None = DEFAULT_LEASE_TTL,
+) -> RegistryState:
     if not engines:
         raise InvalidInput("a registry needs at least one target engine")
-    if capacity < 1:
-        raise InvalidInput(f"capacity must be >= 1, got {capacity}")
-    return RegistryState(epoch=epoch, engines=dict(engines), capacity=capacity)
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise InvalidInput(f"capacity must be an int >= 1, got {capacity!r}")
+    if lease_ttl is not None and (not isinstance(lease_ttl, (int, float)) or not lease_ttl > 0):
+        raise InvalidInput(f"lease_ttl must be a positive number of seconds or None, got {lease_ttl!r}")
+    return RegistryState(epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl)
 
 
 def _check_epoch(state: RegistryState, epoch: int, what: object) -> None:
@@ -167,6 +234,15 @@ def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outc
     state = attrs.evolve(state, engines=state.engines.set(engine, incarnation))
     if old is None:
         return Outcome(state)
+    # The new life holds no adapter: it leaves every version's holders (re-provisioned later
+    # where sessions still need it), and a reclaim has nothing left to unload there.
+    versions = state.versions
+    for key, v in state.versions.items():
+        if v.state in SERVING and engine in v.engines:
+            versions = versions.set(key, attrs.evolve(v, engines=tuple(e for e in v.engines if e != engine)))
+        elif v.state is VersionState.RECLAIMING and engine in v.reclaim_pending:
+            versions = versions.set(key, rec.confirm(v, v.reclaim_id or "", engine)[0])
+    state = attrs.evolve(state, versions=versions)
     effects: list[Effect] = []
     for token, a in list(state.attempts.items()):
         if a.resolved or a.target(engine) is None:
@@ -178,10 +254,27 @@ def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outc
 
 
 # -- publication ---------------------------------------------------------------
-def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan) -> Outcome:
+def _blocked_advice(blocker: Attempt) -> str:
+    if blocker.phase is Phase.ABORTED:
+        waiting = [t.engine for t in blocker.targets if t.state is not TargetState.CLEANED]
+        return (
+            f"attempt {blocker.token} failed and its cleanup is not confirmed on {', '.join(waiting)}; "
+            "lorapub retries the cleanup in the background — publish again once it is confirmed "
+            "(`await deployment.reconcile()` retries it now)"
+        )
+    return (
+        f"attempt {blocker.token} is {blocker.phase.value}; publish again once it finishes — if its "
+        "publisher died, the reconciler aborts and cleans it when it stops making progress "
+        "(`deployment.recover()` does so now, for a publisher known to be dead)"
+    )
+
+
+def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan, publisher: str = "") -> Outcome:
     """Take a logical slot for ``key`` and start its attempt (begin on every engine).
 
-    Same key and digest again returns the existing state and sends nothing.
+    Same key and digest again sends nothing and joins the existing attempt, except that the
+    same ``publisher``'s replay of a reserve whose reply was lost resumes it, and a version
+    whose attempt failed clean starts a fresh attempt.
     """
     _check_epoch(state, key.deployment_epoch, f"version {key}")
     check_digest(digest)
@@ -193,18 +286,28 @@ def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan
                 version=key,
             )
         a = state.attempts[existing.attempt]
-        return Outcome(
-            state,
-            ReserveReply(existing.attempt, existing.lora_name, existing.state, a.expected_default_revision, False),
-        )
+        if existing.state is not VersionState.FAILED_CLEAN:
+            if (
+                publisher and a.publisher == publisher and a.phase is Phase.BEGINNING
+                and all(t.state is TargetState.BEGIN_SENT for t in a.targets)
+            ):
+                # Our own reserve whose reply was lost: resume it (begin is idempotent).
+                return Outcome(
+                    state,
+                    ReserveReply(existing.attempt, existing.lora_name, existing.state, a.expected_default_revision, True),
+                    att.resend_begins(a),
+                )
+            # Committed, or running (or cleaning) elsewhere: the caller joins it.
+            return Outcome(
+                state,
+                ReserveReply(existing.attempt, existing.lora_name, existing.state, a.expected_default_revision, False),
+            )
+        # FAILED_CLEAN: nothing of the failed attempt survives on any engine; start afresh.
     if plan.digest != digest:
         raise InvalidInput(f"bucket plan was made for digest {plan.digest[:12]}…, not {digest[:12]}…")
     blocker = state.unresolved_attempt()
     if blocker is not None:
-        raise PublicationBlocked(
-            f"attempt {blocker.token} is {blocker.phase.value}; it must commit or be confirmed clean first",
-            attempt=blocker.token,
-        )
+        raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token)
     if state.slots_held >= state.capacity:
         held = sorted(f"{k}={v.state.value}" for k, v in state.versions.items() if v.holds_slot)
         raise CapacityError(
@@ -213,8 +316,11 @@ def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan
         )
     token = AttemptToken(key, state.attempt_seq + 1)
     name = lora_name_for(key, digest)
-    attempt, effects = att.start(token, name, digest, plan, state.engines, state.default_revision)
-    version = Version(key=key, digest=digest, lora_name=name, state=VersionState.LOADING, attempt=token)
+    attempt, effects = att.start(token, name, digest, plan, state.engines, state.default_revision, publisher=publisher)
+    if existing is not None:
+        version = advance(existing, VersionState.LOADING, attempt=token)
+    else:
+        version = Version(key=key, digest=digest, lora_name=name, state=VersionState.LOADING, attempt=token)
     state = attrs.evolve(
         state,
         attempt_seq=token.seq,
@@ -244,9 +350,30 @@ def _step_attempt(state: RegistryState, token: AttemptToken, fn, *args) -> Outco
     if a is None:
         return Outcome(state, None, [Ignored(f"attempt {token} is unknown here")])
     new, effects = fn(a, *args)
+    if new.reprovision:
+        return _step_reprovision(state, new, effects)
     state = _put_attempt(state, new)
     if new.phase is Phase.READY and a.phase is not Phase.READY:
         effects = [*effects, ReadyToCommit(token, new.expected_default_revision)]
+    return Outcome(state, new.phase, effects)
+
+
+def _step_reprovision(state: RegistryState, new: Attempt, effects: list[Effect]) -> Outcome:
+    """A re-provisioning attempt never commits: READY adds its engine to the version's holders."""
+    (target,) = new.targets
+    version = state.versions[new.token.version]
+    index = (target.engine, version.key)
+    if new.phase is Phase.READY:
+        if version.state in SERVING and att.all_ready_current(new, state.engines):
+            new = att.mark_committed(new)
+            version = attrs.evolve(version, engines=tuple(sorted({*version.engines, target.engine})))
+            state = attrs.evolve(state, versions=state.versions.set(version.key, version))
+        else:  # reclaim began meanwhile: unload what was just loaded
+            new, more = att.abort(new, f"{version.key} is {version.state.value}; re-provisioning not needed")
+            effects = [*effects, *more]
+    state = attrs.evolve(state, attempts=state.attempts.set(new.token, new))
+    if new.resolved and state.reprovisions.get(index) == new.token:
+        state = attrs.evolve(state, reprovisions=state.reprovisions.remove(index))
     return Outcome(state, new.phase, effects)
 
 
@@ -351,22 +478,31 @@ def _binding(state: RegistryState, record: SessionRecord) -> Binding:
     return Binding(record.key, v.key, v.lora_name, v.digest)
 
 
-def open_session(state: RegistryState, key: SessionKey) -> Outcome:
-    record = ses.opened(_session(state, key), key)
+def _lease_until(state: RegistryState, now: float | None) -> float | None:
+    return None if now is None or state.lease_ttl is None else now + state.lease_ttl
+
+
+def open_session(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+    record = ses.leased(ses.opened(_session(state, key), key), _lease_until(state, now))
     return Outcome(attrs.evolve(state, sessions=state.sessions.set(key, record)), record.state)
 
 
-def bind_first(state: RegistryState, key: SessionKey) -> Outcome:
-    """Bind to the current default on first generation; later calls return the same binding."""
+def bind_first(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+    """Bind to the current default on first generation; later calls return the same binding
+    (and renew the lease)."""
     record = _session(state, key)
+    lease = _lease_until(state, now)
     if record is not None and record.state is SessionState.BOUND:
+        renewed = ses.leased(record, lease)
+        if renewed is not record:
+            state = attrs.evolve(state, sessions=state.sessions.set(key, renewed))
         return Outcome(state, _binding(state, record))
     if record is not None and record.state in ses.ENDING:
-        raise SessionClosed(f"session {key} is {record.state.value}; bind refused")
+        ses.opened(record, key)  # raises the typed refusal (closed or expired)
     if state.default is None:
         raise NoPublishedVersion(f"no version is published yet in epoch {state.epoch}")
     version = add_session_ref(state.versions[state.default])
-    record = ses.bound(record, key, version.key)
+    record = ses.leased(ses.bound(record, key, version.key), lease)
     state = attrs.evolve(
         state,
         versions=state.versions.set(version.key, version),
@@ -402,6 +538,46 @@ def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome
     return Outcome(attrs.evolve(state, sessions=sessions), dropped)
 
 
+def renew_leases(state: RegistryState, keys: Iterable[SessionKey], now: float | None = None) -> Outcome:
+    """Renew the leases of live sessions; the reply names the sessions that are gone
+    (expired or unknown here), so their worker refuses them locally too."""
+    lease = _lease_until(state, now)
+    sessions = state.sessions
+    gone = []
+    for key in keys:
+        _check_epoch(state, key.deployment_epoch, f"session {key}")
+        record = sessions.get(key)
+        if record is None or record.state is SessionState.EXPIRED:
+            gone.append(key)
+            continue
+        renewed = ses.leased(record, lease)
+        if renewed is not record:
+            sessions = sessions.set(key, renewed)
+    return Outcome(attrs.evolve(state, sessions=sessions), tuple(gone))
+
+
+def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
+    """Sessions whose worker stopped renewing: EXPIRED tombstone, ref released once."""
+    if now is None:
+        return Outcome(state, 0)
+    versions, sessions = state.versions, state.sessions
+    released: set[VersionKey] = set()
+    expired = 0
+    for key, record in state.sessions.items():
+        if record.lease_until is None or record.lease_until >= now or record.state not in ses.LEASED:
+            continue
+        record, release = ses.expired(record)
+        sessions = sessions.set(key, record)
+        expired += 1
+        if release is not None:
+            versions = versions.set(release, drop_session_ref(versions[release]))
+            released.add(release)
+    if not expired:
+        return Outcome(state, 0)
+    state = attrs.evolve(state, versions=versions, sessions=sessions, expired_sessions=state.expired_sessions + expired)
+    return Outcome(state, expired, [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
+
+
 def authorize_dispatch(state: RegistryState, key: SessionKey) -> Binding:
     """The binding a new backend request must carry; refused once closing or reclaiming."""
     record = ses.require_dispatchable(_session(state, key), key)
@@ -418,6 +594,8 @@ def claim_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
     new, effects = rec.claim(version, rec.reclaim_id_for(version, state.reclaim_seq + 1))
     if new is version:
         return Outcome(state, version.reclaim_id, effects)
+    if not new.reclaim_pending:  # every holder restarted: nothing is loaded anywhere
+        new = advance(new, VersionState.RECLAIMED)
     state = attrs.evolve(state, versions=state.versions.set(key, new), reclaim_seq=state.reclaim_seq + 1)
     return Outcome(state, new.reclaim_id, effects)
 
@@ -438,6 +616,60 @@ def retry_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
     return Outcome(state, version.state, rec.sends(version))
 
 
+# -- recovery --------------------------------------------------------------------
+def start_reprovision(state: RegistryState, key: VersionKey, engine: str) -> Outcome:
+    """Load a needed version again on an engine that lost it; the reply is the attempt token
+    (None when nothing is to do: not needed, already held, or already being loaded)."""
+    version = state.version(key)
+    if engine not in state.engines:
+        raise UnknownEngine(f"engine {engine} is not registered")
+    if (engine, key) not in state.missing():
+        running = state.reprovisions.get((engine, key))
+        return Outcome(state, running, [Ignored(f"{key} on {engine}: nothing to re-provision")])
+    original = state.attempts[version.attempt]
+    token = AttemptToken(key, state.attempt_seq + 1)
+    attempt, effects = att.start(
+        token, version.lora_name, version.digest, original.plan, {engine: state.engines[engine]},
+        state.default_revision, reprovision=True,
+    )
+    state = attrs.evolve(
+        state,
+        attempt_seq=token.seq,
+        attempts=state.attempts.set(token, attempt),
+        reprovisions=state.reprovisions.set((engine, key), token),
+    )
+    return Outcome(state, token, effects)
+
+
+def abort_stale(state: RegistryState, token: AttemptToken, reason: str) -> Outcome:
+    """Abort an active attempt whose publisher stopped (cleanup follows on every target)."""
+    state.attempt(token)
+    return _step_attempt(state, token, att.abort, reason)
+
+
+def read_fleet(state: RegistryState) -> Fleet:
+    needed = state.needed()
+    cleaning, active = [], {}
+    for token, a in state.attempts.items():
+        if a.phase is Phase.ABORTED:
+            cleaning.append(token)
+        elif a.phase in att.ACTIVE:
+            active[token] = att.progress(a)
+    return Fleet(
+        epoch=state.epoch,
+        engines=dict(state.engines),
+        default=state.default,
+        holders={v.key: frozenset(v.engines) for v in needed},
+        missing=tuple(state.missing()),
+        reclaimable=tuple(state.reclaimable()),
+        reclaiming=tuple(sorted(k for k, v in state.versions.items() if v.state is VersionState.RECLAIMING)),
+        cleaning=tuple(sorted(cleaning)),
+        active=active,
+        expired_sessions=state.expired_sessions,
+        lease_ttl=state.lease_ttl,
+    )
+
+
 # -- the one door ----------------------------------------------------------------
 _TRANSITIONS = {
     RegisterEngine: register_engine, Reserve: reserve, RecordPrepared: record_prepared,
@@ -445,7 +677,8 @@ _TRANSITIONS = {
     RecordUnknown: record_unknown, RecordCleaned: record_cleaned, RetryCleanup: retry_cleanup, Commit: commit,
     OpenSession: open_session, BindFirst: bind_first, BeginClose: begin_close, CloseAndRelease: close_and_release,
     ForgetSessions: forget_sessions, ClaimReclaim: claim_reclaim, RecordUnloaded: record_unloaded,
-    RetryReclaim: retry_reclaim,
+    RetryReclaim: retry_reclaim, RenewLeases: renew_leases, ExpireLeases: expire_leases,
+    StartReprovision: start_reprovision, AbortStale: abort_stale,
 }
 
 _QUERIES = {
@@ -454,6 +687,7 @@ _QUERIES = {
     ReadVersion: lambda state, c: state.version(c.key),
     ListReclaimable: lambda state, c: state.reclaimable(),
     ReadState: lambda state, c: state,
+    ReadFleet: lambda state, c: read_fleet(state),
 }
 
 COMMANDS: tuple[type, ...] = (*_TRANSITIONS, *_QUERIES)

@@ -1,8 +1,9 @@
-"""SessionBinding: OPEN -> BOUND (first generation) -> CLOSING -> CLOSED tombstone.
+"""SessionBinding: OPEN -> BOUND (first generation) -> CLOSING -> CLOSED tombstone,
+or -> EXPIRED tombstone when its lease runs out (its worker stopped renewing it).
 
 A session holds at most one session ref, on the one version it bound first;
-the ref is released exactly once, by close_and_release. A CLOSING or CLOSED
-session never opens, binds or dispatches again.
+the ref is released exactly once, by close_and_release or by expiry. A CLOSING,
+CLOSED or EXPIRED session never opens, binds or dispatches again.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import enum
 import attrs
 
 from lorapub.core.identity import SessionKey, VersionKey
-from lorapub.errors import InvalidTransition, SessionClosed
+from lorapub.errors import InvalidTransition, SessionClosed, SessionExpired
 
 
 class SessionState(enum.Enum):
@@ -20,9 +21,14 @@ class SessionState(enum.Enum):
     BOUND = "BOUND"
     CLOSING = "CLOSING"
     CLOSED = "CLOSED"
+    EXPIRED = "EXPIRED"
 
 
-ENDING = frozenset({SessionState.CLOSING, SessionState.CLOSED})
+ENDING = frozenset({SessionState.CLOSING, SessionState.CLOSED, SessionState.EXPIRED})
+# Tombstones: the ref is released; only late messages can still arrive.
+TOMBSTONES = frozenset({SessionState.CLOSED, SessionState.EXPIRED})
+# States whose ref a lease keeps alive (a worker that dies mid-close leaves CLOSING).
+LEASED = frozenset({SessionState.OPEN, SessionState.BOUND, SessionState.CLOSING})
 
 
 @attrs.frozen
@@ -31,6 +37,7 @@ class SessionRecord:
     state: SessionState
     version: VersionKey | None = None
     holds_ref: bool = False
+    lease_until: float | None = None  # None: no lease (never expires)
 
 
 @attrs.frozen
@@ -44,6 +51,11 @@ class Binding:
 
 
 def _refuse_if_ending(record: SessionRecord, what: str) -> None:
+    if record.state is SessionState.EXPIRED:
+        raise SessionExpired(
+            f"session {record.key} expired (its lease was not renewed) and its version ref was released; "
+            f"{what} refused — start a new session", session=record.key,
+        )
     if record.state in ENDING:
         raise SessionClosed(f"session {record.key} is {record.state.value}; {what} refused")
 
@@ -74,10 +86,22 @@ def closing(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
 def closed(record: SessionRecord | None, key: SessionKey) -> tuple[SessionRecord, VersionKey | None]:
     """Returns the tombstone and the version whose ref must be dropped now (None if none)."""
     record = closing(record, key)
-    if record.state is SessionState.CLOSED:
+    if record.state in TOMBSTONES:
         return record, None
     release = record.version if record.holds_ref else None
     return attrs.evolve(record, state=SessionState.CLOSED, holds_ref=False), release
+
+
+def leased(record: SessionRecord, lease_until: float | None) -> SessionRecord:
+    if lease_until is None or record.state not in LEASED:
+        return record
+    return attrs.evolve(record, lease_until=lease_until)
+
+
+def expired(record: SessionRecord) -> tuple[SessionRecord, VersionKey | None]:
+    """The EXPIRED tombstone and the version whose ref must be dropped now (None if none)."""
+    release = record.version if record.holds_ref else None
+    return attrs.evolve(record, state=SessionState.EXPIRED, holds_ref=False, lease_until=None), release
 
 
 def require_dispatchable(record: SessionRecord | None, key: SessionKey) -> SessionRecord:

@@ -1,5 +1,6 @@
 """Version lifecycle: LOADING -> PUBLISHED -> RETIRED -> RECLAIMING -> RECLAIMED,
-with the failure path LOADING -> ABORTED -> FAILED_CLEAN."""
+with the failure path LOADING -> ABORTED -> FAILED_CLEAN, from which the same id and
+digest may start a fresh attempt (FAILED_CLEAN -> LOADING)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ _ALLOWED = {
     VersionState.RECLAIMING: {VersionState.RECLAIMED},
     VersionState.ABORTED: {VersionState.FAILED_CLEAN},
     VersionState.RECLAIMED: set(),
-    VersionState.FAILED_CLEAN: set(),
+    VersionState.FAILED_CLEAN: {VersionState.LOADING},
 }
+
+# States whose adapter sessions may still need on an engine (re-provisioned after a restart).
+SERVING = frozenset({VersionState.PUBLISHED, VersionState.RETIRED})
 
 
 @attrs.frozen
@@ -69,7 +73,8 @@ class Version:
     state: VersionState
     attempt: AttemptToken
     session_refs: int = 0
-    # Engines that hold it once published; reclaim must hear from each of them.
+    # Engines that hold it once published; reclaim must hear from each of them. An engine
+    # that restarts leaves this set until it is re-provisioned.
     engines: tuple[str, ...] = ()
     commit: CommitReceipt | None = None
     reclaim_id: str | None = None

@@ -8,19 +8,37 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any, Mapping
 
-from lorapub.core.identity import VersionKey
-from lorapub.core.commands import ReadState, RegisterEngine
-from lorapub.core.registry import RegistryState
-from lorapub.errors import InvalidInput
+from lorapub.core.identity import VersionKey, _check_epoch
+from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
+from lorapub.core.registry import DEFAULT_LEASE_TTL, Fleet, RegistryState
+from lorapub.errors import AlreadyStarted, InvalidInput, LorapubError
 from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
+from lorapub.runtime.reconciler import Health, Reconciler
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import Session, SessionService
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+def _check_engines(engines: Any) -> dict[str, Any]:
+    if not isinstance(engines, Mapping) or not engines:
+        raise InvalidInput("engines must be a non-empty mapping of engine name -> engine adapter")
+    for key, engine in engines.items():
+        name = getattr(engine, "name", None)
+        if name != key:
+            raise InvalidInput(
+                f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
+                "engines by name, so they must match"
+            )
+    return dict(engines)
 
 
 class Deployment:
@@ -38,8 +56,18 @@ class Deployment:
         stash_dir: str | None = None,
         reclaim_retries: int = 5,
         reclaim_backoff: float = 1.0,
+        lease_ttl: float | None = DEFAULT_LEASE_TTL,
+        reconcile_interval: float | None = 5.0,
+        stale_attempt_after: float | None = None,
     ) -> None:
-        self.engines = dict(engines)
+        self.engines = _check_engines(engines)
+        _check_epoch(epoch)
+        for name, value in (("reconcile_interval", reconcile_interval), ("lease_ttl", lease_ttl),
+                            ("stale_attempt_after", stale_attempt_after)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+                raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
+        if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
+            raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim
@@ -48,12 +76,21 @@ class Deployment:
         self.stash_dir = stash_dir
         self.reclaim_retries = reclaim_retries
         self.reclaim_backoff = reclaim_backoff
+        self.lease_ttl = lease_ttl
+        self.reconcile_interval = reconcile_interval
+        self.stale_attempt_after = stale_attempt_after
         self._started = False
+        self._closed = False
 
     async def start(self) -> "Deployment":
+        """Connect to the registry (or create one), start the reconciler and lease renewals."""
+        if self._started:
+            raise AlreadyStarted("this Deployment is already started; a second start() would drop its live sessions")
+        if self._closed:
+            raise AlreadyStarted("this Deployment was closed; build a new one")
         if self.registry is None:
             incarnations = {name: await e.incarnation() for name, e in self.engines.items()}
-            self.registry = LocalRegistry(self.epoch, incarnations)
+            self.registry = LocalRegistry(self.epoch, incarnations, lease_ttl=self.lease_ttl)
         self.reclaimer = Reclaimer(
             self.registry, self.engines, self.deadlines,
             auto=self.auto_reclaim, retries=self.reclaim_retries, backoff=self.reclaim_backoff,
@@ -65,12 +102,76 @@ class Deployment:
         self.sessions = SessionService(
             self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
         )
+        self.reconciler = Reconciler(
+            self.registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
+            publisher=self.publisher, interval=self.reconcile_interval,
+            stale_attempt_after=self.stale_attempt_after, on_fleet=self._on_fleet,
+        )
+        self.reclaimer.on_done = lambda version: self.reconciler.kick()
+        self.sessions.kick = self.reconciler.kick
+        self.sessions.probe = self._probe
         self._started = True
+        self.reconciler.start()
+        self.sessions.start_renewals(await self._lease_ttl())
         return self
+
+    async def _lease_ttl(self) -> float | None:
+        # The registry's setting wins (a shared registry may have been made by another process).
+        fleet = (await self.registry.handle(ReadFleet())).reply
+        return fleet.lease_ttl
+
+    def _on_fleet(self, fleet: Fleet) -> None:
+        self.sessions.update_holders(fleet.holders)
+
+    async def _probe(self, engine: str | None) -> None:
+        """A targeted restart check after an engine refused a version it should hold."""
+        names = [engine] if engine is not None else list(self.engines)
+        for name in names:
+            try:
+                incarnation = await self.engines[name].incarnation()
+                result = await self.registry.handle(RegisterEngine(name, incarnation))
+                if result.effects:
+                    await self.publisher.control.run(result.effects)
+            except LorapubError as e:
+                log.warning("probe of %s failed: %s", name, e)
+        self._on_fleet((await self.registry.handle(ReadFleet())).reply)
+
+    async def close(self) -> None:
+        """Stop the reconciler and lease renewals (sessions left open expire after their TTL)."""
+        if not self._started:
+            self._closed = True
+            return
+        self._started, self._closed = False, True
+        await self.sessions.stop_renewals()
+        await self.reconciler.stop()
+        await self.reclaimer.settle()
+
+    async def __aenter__(self) -> "Deployment":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def reconcile(self) -> Health:
+        """Run one reconciliation pass now: detect restarts, expire leases, clean, reclaim,
+        re-provision. Returns the typed health report (what still blocks, and why)."""
+        self._require_started()
+        return await self.reconciler.run_once()
+
+    @property
+    def health(self) -> Health:
+        """The health report of the last reconciliation pass."""
+        self._require_started()
+        return self.reconciler.health
+
+    async def recover(self) -> list[str]:
+        """Abort an attempt whose publisher is known to be dead, and drive its cleanup."""
+        self._require_started()
+        return await self.publisher.recover()
 
     def _require_started(self) -> None:
         if not self._started:
-            raise InvalidInput("call `await deployment.start()` first")
+            raise InvalidInput("call `await deployment.start()` first" if not self._closed else "this Deployment is closed")
 
     async def state(self) -> RegistryState:
         """The registry's whole state (for reports and tests; sessions never need it)."""
@@ -94,8 +195,15 @@ class Deployment:
 
     async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
         self._require_started()
+        await self._settle_briefly()
         await self.refresh_engines()
         return await self.publisher.publish(snapshot, version_id)
+
+    async def _settle_briefly(self, seconds: float = 5.0) -> None:
+        # A reclaim that is finishing frees the slot this publication needs; a long one (it
+        # waits for running requests) is not waited for: reserve then says CAPACITY_ERROR.
+        if self.reclaimer._background:
+            await asyncio.wait(list(self.reclaimer._background), timeout=seconds)
 
     async def reclaim(self, version: VersionKey):
         """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background)."""

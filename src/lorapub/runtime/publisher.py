@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Mapping
+import uuid
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
@@ -23,12 +24,14 @@ from lorapub.core.commands import (
     ReadState,
     ReadVersion,
     RecordFailure,
+    RecordUnknown,
+    RegisterEngine,
     Reserve,
     RetryCleanup,
     RetryReclaim,
 )
 from lorapub.core.version import CommitReceipt, VersionState
-from lorapub.errors import LorapubError, OutcomeUnknown, PublicationBlocked
+from lorapub.errors import InvalidInput, LorapubError, OutcomeUnknown, PublicationBlocked
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
@@ -57,6 +60,32 @@ class PublicationReport:
     reused: bool = False
 
 
+class FrozenCopies:
+    """The frozen snapshots of versions sessions may still need, kept by the publishing
+    process so a restarted engine is re-provisioned from them (never from live trainer
+    parameters). The reconciler drops every copy the registry no longer needs."""
+
+    def __init__(self) -> None:
+        self._copies: dict[VersionKey, Snapshot] = {}
+
+    def keep(self, key: VersionKey, snapshot: Snapshot) -> None:
+        self._copies[key] = snapshot
+
+    def get(self, key: VersionKey) -> Snapshot | None:
+        return self._copies.get(key)
+
+    def retain(self, keys: Iterable[VersionKey]) -> None:
+        keep = set(keys)
+        for key in [k for k in self._copies if k not in keep]:
+            del self._copies[key]
+
+    def __contains__(self, key: VersionKey) -> bool:
+        return key in self._copies
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
 class Publisher:
     """One publisher, at most one attempt at a time (the registry enforces both)."""
 
@@ -82,20 +111,42 @@ class Publisher:
         self.source_factory = source_factory
         self.commit_retries = commit_retries
         self.on_eligible = on_eligible
+        self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
+        self.frozen = FrozenCopies()
+        self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
     @property
     def control(self) -> EffectRunner:
         """Runs control-only effects (cleanup), which need no bucket source."""
         return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible)
 
+    async def _reserve(self, command: Reserve):
+        """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
+        last: Exception | None = None
+        for attempt in range(self.commit_retries):
+            try:
+                return await self.registry.handle(command)
+            except OutcomeUnknown as e:
+                last = e
+                log.warning("reserve %s: reply lost (%s); replaying it", command.key, e)
+                await self.clock.sleep(min(0.05 * 2**attempt, 1.0))
+        raise OutcomeUnknown(
+            f"reserve of {command.key} unanswered after {self.commit_retries} tries: {last}; "
+            "publishing the same id and snapshot again resumes it", version=command.key,
+        )
+
     async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
+        if not isinstance(snapshot, Snapshot):
+            raise InvalidInput(f"publish takes a lorapub.Snapshot, not {type(snapshot).__name__}")
         started = self.clock.monotonic()
         key = VersionKey(self.epoch, version_id)
         plan = snapshot.plan(self.bucket_cap_bytes)
-        reserved = await self.registry.handle(Reserve(key, snapshot.digest, plan))  # CAPACITY_ERROR before any begin
+        # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin.
+        reserved = await self._reserve(Reserve(key, snapshot.digest, plan, self.publisher_id))
         reply = reserved.reply
         if not reply.created:
             return await self._existing(key, reply, started)
+        self.frozen.keep(key, snapshot)
         ready: list[ReadyToCommit] = []
         runner = EffectRunner(
             self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
@@ -103,6 +154,9 @@ class Publisher:
         )
         runlog = await runner.run(reserved.effects, RunLog(self.clock))
         status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+        if status.phase is Phase.READY and ready:
+            await self._confirm_lives(reply.token, status.targets, runlog)
+            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
         if status.phase is Phase.READY and ready:
             receipt = await self._commit(key, reply.token, ready[-1].expected_default_revision, runlog)
             return PublicationReport(
@@ -113,13 +167,38 @@ class Publisher:
         if status.phase is Phase.CLEAN:
             raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
         raise PublicationBlocked(
-            f"{key} failed and cleanup is not confirmed on every engine ({status.targets}); "
-            f"its slot stays held until retry_cleanup() confirms it: {why}",
+            f"{key} failed and cleanup is not confirmed on every engine ({status.targets}); its slot stays "
+            f"held until a cleanup is confirmed — lorapub retries it in the background "
+            f"(`await deployment.reconcile()` retries it now): {why}",
             version=key,
         )
 
+    async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
+        """Re-check every target's life right before commit: a READY from a life that has
+        since ended is void, and the attempt aborts and is cleaned (the default stays)."""
+        for engine_name, _ in targets:
+            engine = self.engines[engine_name]
+            try:
+                async with asyncio.timeout(self.deadlines.begin):
+                    incarnation = await engine.incarnation()
+            except Exception as e:
+                runlog.unknown.append(f"{engine_name} pre-commit life check: {e}")
+                result = await self.registry.handle(RecordUnknown(token, engine_name, "pre-commit life check"))
+            else:
+                result = await self.registry.handle(RegisterEngine(engine_name, incarnation))
+                if result.effects:
+                    runlog.failures.append(f"{engine_name} restarted after READY (now {incarnation})")
+            await self.control.run(result.effects)
+
     async def _existing(self, key: VersionKey, reply, started: float) -> PublicationReport:
         status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+        # Another publisher runs this very version (same id and digest): join it.
+        waited, pause = 0.0, 0.02
+        while status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING) and waited < self.join_timeout:
+            await self.clock.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, 0.5)
+            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
         if status.phase is Phase.COMMITTED:
             return PublicationReport(
                 key, reply.lora_name, status.commit, status.version_state, self.clock.monotonic() - started, {}, 0, True
@@ -130,9 +209,21 @@ class Publisher:
             return PublicationReport(
                 key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started, {}, 0, True
             )
+        if status.phase is Phase.CLEAN:
+            raise PublicationFailed(
+                f"the attempt {reply.token} of {key} that this call joined failed and was cleaned; "
+                "publish the same id and snapshot again to start a fresh attempt", version=key,
+            )
+        if status.phase is Phase.ABORTED:
+            raise PublicationBlocked(
+                f"{key}: attempt {reply.token} failed and its cleanup is not confirmed yet; lorapub retries it "
+                "in the background (`await deployment.reconcile()` retries it now), then publish again",
+                version=key,
+            )
         raise PublicationBlocked(
-            f"{key} is already {status.phase.value} from an earlier attempt; call recover() to abort and clean it",
-            version=key,
+            f"{key}: attempt {reply.token} is still {status.phase.value} after {self.join_timeout:g}s; publish "
+            "again later — if its publisher died, the reconciler aborts and cleans it once it stops making "
+            "progress", version=key,
         )
 
     async def _commit(self, key: VersionKey, token: AttemptToken, revision: int, runlog: RunLog) -> CommitReceipt:
@@ -200,20 +291,33 @@ class Reclaimer:
         self.retries = retries
         self.backoff = backoff
         self._background: set[asyncio.Task] = set()
+        self._in_flight: dict[VersionKey, int] = {}
+        self.on_done: Callable[[VersionKey], None] | None = None
 
     @property
     def control(self) -> EffectRunner:
         return EffectRunner(self.registry, self.engines, None, self.deadlines)
 
-    async def reclaim(self, key: VersionKey) -> VersionState:
-        result = await self.registry.handle(ClaimReclaim(key))
-        await self.control.run(result.effects)
+    def in_flight(self, key: VersionKey) -> bool:
+        """An unload of ``key`` is running in this process (it may wait for long requests)."""
+        return self._in_flight.get(key, 0) > 0
+
+    async def _run(self, key: VersionKey, command) -> VersionState:
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        try:
+            result = await self.registry.handle(command)
+            await self.control.run(result.effects)
+        finally:
+            self._in_flight[key] -= 1
+            if not self._in_flight[key]:
+                del self._in_flight[key]
         return (await self.registry.handle(ReadVersion(key))).reply.state
 
+    async def reclaim(self, key: VersionKey) -> VersionState:
+        return await self._run(key, ClaimReclaim(key))
+
     async def retry(self, key: VersionKey) -> VersionState:
-        result = await self.registry.handle(RetryReclaim(key))
-        await self.control.run(result.effects)
-        return (await self.registry.handle(ReadVersion(key))).reply.state
+        return await self._run(key, RetryReclaim(key))
 
     async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
         return {key: await self.reclaim(key) for key in (await self.registry.handle(ListReclaimable())).reply}
@@ -226,13 +330,20 @@ class Reclaimer:
         task.add_done_callback(self._background.discard)
 
     async def _reclaim_until_done(self, version: VersionKey) -> None:
-        """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent)."""
-        state = await self.reclaim(version)
-        for attempt in range(self.retries):
-            if state is not VersionState.RECLAIMING:
-                return
-            await asyncio.sleep(self.backoff * 2**attempt)
-            state = await self.retry(version)
+        """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent).
+        A failure here is not final: the reconciler is told and finds it again in the state."""
+        state = None
+        try:
+            state = await self.reclaim(version)
+            for attempt in range(self.retries):
+                if state is not VersionState.RECLAIMING:
+                    break
+                await asyncio.sleep(self.backoff * 2**attempt)
+                state = await self.retry(version)
+        except LorapubError as e:
+            log.warning("background reclaim of %s failed (%s); the reconciler retries it", version, e)
+        if state is not VersionState.RECLAIMED and self.on_done is not None:
+            self.on_done(version)
 
     async def settle(self) -> None:
         """Wait for the background reclaims started by :meth:`on_eligible`."""

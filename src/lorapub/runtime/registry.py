@@ -9,10 +9,11 @@ correct single writer under asyncio and inside a Ray actor alike.
 
 from __future__ import annotations
 
-from typing import Mapping
+import time
+from typing import Callable, Mapping
 
 from lorapub.core import registry as R
-from lorapub.core.commands import Command
+from lorapub.core.commands import Command, stamped
 from lorapub.core.registry import RegistryState, Result
 from lorapub.ports import RegistryStore
 
@@ -39,9 +40,13 @@ class LocalRegistry:
         engines: Mapping[str, str],
         capacity: int = R.DEFAULT_CAPACITY,
         store: RegistryStore | None = None,
+        *,
+        lease_ttl: float | None = R.DEFAULT_LEASE_TTL,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store or MemoryStore()
-        self._state = self._store.load() or R.new_registry(epoch, engines, capacity)
+        self._clock = clock  # wall time: leases must mean the same to every process and after a restart
+        self._state = self._store.load() or R.new_registry(epoch, engines, capacity, lease_ttl)
         self._store.save(self._state)
         self.transitions = 0
 
@@ -51,6 +56,7 @@ class LocalRegistry:
 
     def apply(self, command: Command) -> Result:
         """Apply one command whole; a rejection raises its typed error and changes nothing."""
+        command = stamped(command, self._clock())  # the one clock reading, before the transition
         outcome = R.handle(self._state, command)
         if not isinstance(command, R.QUERIES):
             self._state = outcome.state
