@@ -13,11 +13,11 @@ import os
 
 import pytest
 
-from lorapub.adapters.sglang_router import RouterRouting, SGLangRouter, WorkerWatcher
+from lorapub.adapters.sglang_router import RouterRouting, SGLangRouter, WorkerWatcher, reconcile_heal
 from lorapub.errors import EngineError
 from lorapub.runtime.deployment import Deployment
 from lorapub.runtime.runner import Deadlines
-from tests.router.harness import RecordingDouble, RouterProcess, reprovision
+from tests.router.harness import RecordingDouble, RouterProcess
 
 
 def _router_missing() -> str | None:
@@ -84,6 +84,7 @@ class Fleet:
 
     def __init__(self, deployment, watcher, router, doubles) -> None:
         self.deployment, self.watcher, self.router, self.doubles = deployment, watcher, router, doubles
+        self._reconcile = reconcile_heal(deployment)  # the wiring a deployment uses
         self.heal_calls: list[str] = []
         self.heal_gate: asyncio.Event = asyncio.Event()
         self.heal_gate.set()
@@ -97,7 +98,7 @@ class Fleet:
         if self.heal_failures:
             self.heal_failures -= 1
             raise EngineError(f"{name}: re-provisioning failed (injected)")
-        await reprovision(self.deployment, self.doubles, name)
+        await self._reconcile(name)
 
     def events(self, kind, name: str | None = None) -> list:
         return [e for e in self.watcher.events if isinstance(e, kind) and (name is None or e.name == name)]
@@ -121,7 +122,8 @@ async def fleet(doubles, router, tmp_path):
     engines = await watcher.discover()
     assert set(engines) == set(doubles)
     deployment = await Deployment(
-        engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path)
+        engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path),
+        reconcile_interval=0.5,
     ).start()
     deployment.sessions.router = RouterRouting(router)
     fleet = holder["fleet"] = Fleet(deployment, watcher, router, doubles)
@@ -129,4 +131,5 @@ async def fleet(doubles, router, tmp_path):
         yield fleet
     finally:
         await deployment.settle()
+        await deployment.close()
         await watcher.close()

@@ -144,26 +144,6 @@ def served_by(doubles: dict, reply: dict) -> RecordingDouble:
 
 
 
-async def reprovision(deployment, doubles: dict, name: str) -> None:
-    """A stand-in for the deployment's own re-provisioning (what ``heal`` is wired to).
-
-    Tells the registry about the worker's new life, then loads, pinned and directly on the
-    worker (never through the router), every version sessions may still need, from a copy
-    a healthy worker holds.
-    """
-    from lorapub.core.version import VersionState
-
-    await deployment.refresh_engines()
-    state = await deployment.state()
-    target, engine = doubles[name], deployment.engines[name]
-    for v in state.versions.values():
-        if v.state not in (VersionState.PUBLISHED, VersionState.RETIRED) or v.lora_name in target.registered():
-            continue
-        source = next(d for d in doubles.values() if d is not target and v.lora_name in d.registered())
-        path = source.lora_registry.get_all_adapters()[v.lora_name].lora_path
-        await engine.client.admin("/load_lora_adapter", {"lora_name": v.lora_name, "lora_path": path, "pinned": True})
-
-
 async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -384,6 +384,31 @@ class WorkerStatus:
 Heal = Callable[[str], Awaitable[Any]]
 
 
+def reconcile_heal(deployment: Any) -> Heal:
+    """``heal(name)`` for a :class:`~lorapub.Deployment`: the deployment's own re-provisioning.
+
+    One reconciliation pass (``deployment.reconcile()``) registers the worker's current
+    incarnation with the registry (its old life's READYs, stashes and holdings are void)
+    and loads, pinned and directly on the worker, every version sessions may still use
+    from the frozen copy this process keeps. The heal succeeds only if the worker is then
+    routable (holds every such version); otherwise :class:`EngineUnavailable` with the
+    deployment's health report, and the watcher keeps the worker out and retries.
+    """
+
+    async def heal(name: str) -> None:
+        health = await deployment.reconcile()
+        fleet = health.fleet
+        if fleet is None or name not in fleet.engines or name not in fleet.routable:
+            lost = sorted(str(key) for engine, key in (fleet.missing if fleet else ()) if engine == name)
+            raise EngineUnavailable(
+                f"{name} does not hold every version sessions may use yet (missing: {', '.join(lost) or '-'}; "
+                f"health: {health.describe()})",
+                engine=name,
+            )
+
+    return heal
+
+
 class WorkerWatcher:
     """Watches the router's workers; runs the re-provisioning handshake.
 
