@@ -13,6 +13,7 @@ from lorapub.adapters.sglang_router import (
     WorkerUnreachable,
 )
 from lorapub.core.version import VersionState
+from lorapub.errors import VersionMissing
 from lorapub.testing.fixtures import lora_snapshot
 from tests.router.harness import served_by, wait_for
 
@@ -148,3 +149,26 @@ async def test_an_unreachable_worker_is_taken_out_of_the_router(fleet, doubles):
     for i in range(6):  # no request fails: the router only knows the healthy worker
         reply = await s.generate(_request(f"r{i}", [i, 2]))
         assert served_by(doubles, reply).name == "e0"
+
+
+async def test_before_the_watcher_notices_a_restart_requests_fail_with_a_version_error_never_a_fallback(
+    fleet, doubles
+):
+    """The window between a restart and the next poll: the router may still pick the worker.
+    It answers with a version error for the exact lora_path; nothing runs on base or another version."""
+    d, router = fleet.deployment, fleet.router
+    e0, e1 = doubles["e0"], doubles["e1"]
+    a = await d.publish(lora_snapshot(1), "A")
+    s = d.session("s")
+    await s.generate(_request("s-0", [1, 2, 3]))
+    await router.remove_worker(e0.url)  # the router can only pick e1 now (the watcher is not polling)
+    e1.restart()
+    try:
+        reply = await s.generate(_request("s-1", [1, 2, 3, 4]))
+    except VersionMissing as e:
+        assert "never been loaded" in str(e) or "not loaded" in str(e)
+    else:  # the deployment re-provisioned e1 before the session's one resend: the exact version ran
+        assert served_by(doubles, reply) is e1 and reply["meta_info"]["lora_id"] == e1.lora_id(a.lora_name)
+    sent = [b for b in e1.received if b.get("rid") == "s-1"]
+    assert 1 <= len(sent) <= 2 and all(b["lora_path"] == a.lora_name for b in sent)
+    assert not [b for dbl in doubles.values() for b in dbl.received if b.get("lora_path") != a.lora_name]
