@@ -236,6 +236,8 @@ class SGLangDouble:
         r.add_get("/health", self.h_health)
         r.add_get("/server_info", self.h_server_info)
         r.add_get("/v1/models", self.h_models)
+        r.add_get("/model_info", self.h_model_info)  # the SGLang router reads it when a worker joins
+        r.add_get("/get_model_info", self.h_model_info)  # its deprecated alias, which the router falls back to
         r.add_post("/pause_generation", self.h_pause)
         r.add_post("/continue_generation", self.h_continue)
         r.add_post("/flush_cache", self.h_flush)
@@ -320,6 +322,28 @@ class SGLangDouble:
                    "max_model_len": None}
                   for name, ref in self.lora_registry.get_all_adapters().items()]
         return web.json_response({"object": "list", "data": cards})
+
+    async def h_model_info(self, request: web.Request) -> web.Response:
+        # SGLang 0.5.23's /model_info fields (model_path stays None: no model, and the SGLang router
+        # would try to load a tokenizer from it); the router reads model_type and architectures.
+        return web.json_response(
+            {
+                "model_path": None,
+                "served_model_name": None,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "qwen3",
+                "architectures": ["Qwen3ForCausalLM"],
+            }
+        )
 
     async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
