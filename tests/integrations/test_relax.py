@@ -122,8 +122,8 @@ async def make_relax(tmp_path, *, enabled: bool) -> Relax:
     if enabled:
         registry = SharedRegistry(LocalRegistry(7, {engine_name(d.url): d.incarnation for d in doubles}))
         options = {"registry": registry, "deadlines": FAST, "bucket_cap_bytes": 8 << 10}
-    shard_pub = RelaxLoraPublication(args, worker_urls=lambda: _async(urls), **options)
-    trainer_pub = BlockingRelaxLoraPublication(args, worker_urls=urls, **options)
+    shard_pub = RelaxLoraPublication(args, worker_urls=lambda: _async(urls), **options)  # _sglang_worker_urls
+    trainer_pub = BlockingRelaxLoraPublication(args, worker_urls=lambda: urls, **options)  # rollout_topology
     backend = SGLangBackendAdapter(args, worker_urls=urls, lora_publication=shard_pub)
     shard = AgenticSessionShard(args, backend=backend, lora_publication=shard_pub, worker_urls=lambda: urls)
     trainer = Trainer()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import inspect
 import os
 import re
 import threading
@@ -56,7 +57,7 @@ _DEST = "enable_versioned_lora_publication"
 _DEFAULT_REGISTRY = "relax_lora_publication"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")  # lorapub's rule for session and version ids
 
-WorkerUrls = Union[Sequence[str], Callable[[], Awaitable[Sequence[str]]]]
+WorkerUrls = Union[Sequence[str], Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]]
 
 
 class BindingChanged(LorapubError):
@@ -269,8 +270,8 @@ class _WireGuard:
 class RelaxLoraPublication:
     """The hooks of one Relax process (an ``AgenticSessionShard``, or the trainer's rank 0).
 
-    It starts lazily on first use: the engines are built from ``worker_urls`` (a list, or
-    an async callable such as ``lambda: _sglang_worker_urls(args)``) unless ``engines``
+    It starts lazily on first use: the engines are built from ``worker_urls`` (a list, or a
+    callable, sync or async, such as ``lambda: _sglang_worker_urls(args)``) unless ``engines``
     are given, and :func:`lorapub.deploy` is called with ``enabled`` from the Relax argument.
     """
 
@@ -323,7 +324,9 @@ class RelaxLoraPublication:
     async def _build_engines(self) -> dict[str, Any]:
         urls = self._worker_urls
         if callable(urls):
-            urls = await urls()
+            urls = urls()
+            if inspect.isawaitable(urls):
+                urls = await urls
         from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin  # aiohttp: lazily
 
         engines: dict[str, Any] = {}
