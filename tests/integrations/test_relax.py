@@ -492,6 +492,9 @@ def test_add_arguments_follows_relaxs_convention_and_defaults_off():
     validate_args(unset)
     epoch = unset.lora_publication_epoch
     assert isinstance(epoch, int) and relax_lora.resolve_epoch(unset) == epoch  # fixed once
+    not_validated = parser.parse_args([ARGUMENT])
+    with pytest.raises(ValueError, match="validate_args"):  # an actor never picks its own epoch
+        RelaxLoraPublication(not_validated)
 
 
 def test_snapshot_from_relaxs_export_is_a_frozen_copy():

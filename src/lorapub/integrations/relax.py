@@ -286,7 +286,10 @@ class RelaxLoraPublication:
     ) -> None:
         self.args = args
         self.enabled = is_enabled(args)
-        self.epoch = resolve_epoch(args)
+        if self.enabled and getattr(args, "lora_publication_epoch", None) is None:
+            # Each actor picking its own epoch would split one run into several deployments.
+            raise ValueError(f"{ARGUMENT}: the epoch is unset; call validate_args(args) on the driver first")
+        self.epoch = resolve_epoch(args) if self.enabled else int(getattr(args, "lora_publication_epoch", None) or 0)
         self.deployment: Any = None
         self._worker_urls = worker_urls
         self._given_engines = dict(engines) if engines is not None else None
