@@ -464,7 +464,11 @@ class DeviceDirectBackend:
             request = urllib.request.Request(f"{url}{endpoint}", data=json.dumps(payload or {}).encode(),
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=30) as response:
-                replies.append(json.loads(response.read() or b"null"))
+                raw = response.read()
+                try:
+                    replies.append(json.loads(raw or b"null"))
+                except ValueError:  # SGLang's /flush_cache answers plain text
+                    replies.append(raw.decode(errors="replace"))
         return replies
 
     def update_weights_for_rollout(self, rollout_only: bool = False, actor_fwd_only: bool = False) -> None:

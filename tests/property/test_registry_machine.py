@@ -135,9 +135,8 @@ class RegistryMachine(RuleBasedStateMachine):
         elif isinstance(msg, SendCleanup):
             inc = self.incarnations[msg.engine]
             reply = ("cleaned", msg.token, msg.engine, inc)
-            t = s.attempts[msg.token].target(msg.engine)
-            if t is not None and t.incarnation == inc:
-                self.cleaned.add((msg.token, msg.engine, inc))
+            # The engine cleaned the attempt in its current life, whatever the registry knew then.
+            self.cleaned.add((msg.token, msg.engine, inc))
             self.holding.discard((msg.engine, inc, msg.lora_name))
             self.try_apply(R.RecordCleaned(msg.token, msg.engine, inc))
         elif isinstance(msg, SendReclaim):

@@ -101,8 +101,8 @@ def _router_error(body: Any) -> tuple[str | None, str]:
     """(the router's own error code or None, the message) of an error answer."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         code = body["error"].get("code")
-        return (code if isinstance(code, str) else None), _message(body, json.dumps(body))
-    return None, _message(body, str(body))
+        return (code if isinstance(code, str) else None), _message(body)
+    return None, _message(body)
 
 
 @attrs.frozen

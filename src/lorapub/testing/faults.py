@@ -25,6 +25,8 @@ MODES = ("request", "reply")
 
 
 class FaultyRegistry:
+    """A :class:`~lorapub.ports.Registry` wrapper that loses planned or random requests and replies."""
+
     def __init__(self, inner: Registry, *, rate: float = 0.0, seed: int | None = None, queries: bool = False) -> None:
         self.inner = inner
         self.rate = rate

@@ -31,6 +31,9 @@ OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "g
 
 
 class MemoryEngine:
+    """An in-process engine that behaves as live SGLang was seen to, with injectable faults
+    (see the module docs); it passes :func:`~lorapub.testing.check_engine_admin`."""
+
     def __init__(
         self, name: str, *, max_loaded: int = 3, rate: float = 0.0, seed: int | None = None,
         generate_seconds: float = 0.0,
