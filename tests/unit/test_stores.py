@@ -253,6 +253,7 @@ CORRUPTIONS = {
     "missing snapshot part": (lambda p: _rewrite(p, "DELETE FROM snapshot_parts WHERE part = 1"), "parts"),
     "foreign tables": (lambda p: _rewrite(p, "DROP TABLE log"), "not a lorapub registry log"),
     "truncated file": (_truncate, None),
+    "emptied file": (lambda p: p.write_bytes(b""), "empty"),
     "not a database": (_garbage, None),
     "garbled pages": (_garble_page, None),
 }

@@ -252,6 +252,13 @@ class SQLiteStore:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         except OSError as e:
             raise StoreError(f"registry store {self.path}: cannot create its folder: {e}") from None
+        if _size(self.path) == 0 and not _size(self.path + "-wal"):
+            # SQLite would take an empty file for a new database and the registry would start
+            # afresh: a store cut to nothing (or whose creation never committed) is refused.
+            raise StoreCorrupted(
+                f"registry store {self.path}: the file is empty (cut to nothing, or its creation never "
+                f"finished); move it away to start a new store"
+            )
         db = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=0)
@@ -493,6 +500,13 @@ class SQLiteStore:
             "building": self._build is not None,
             "bytes": sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p)),
         }
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
 
 
 def _key(kind: str, *numbers: int) -> bytes:
