@@ -174,6 +174,18 @@ def test_a_store_written_before_resumes_the_same_state(tmp_path, kind):
 
 
 # -- SQLiteStore --------------------------------------------------------------------------------
+def test_a_file_store_file_opened_as_sqlite_store_says_so(tmp_path):
+    """store_path used to mean a FileStore: an old file is named for what it is, not just 'corrupted'."""
+    path = tmp_path / "registry.pickle"
+    registry = LocalRegistry(EP, E, store=FileStore(str(path)))
+    publish_through(registry, "A")
+    data = path.read_bytes()
+    with pytest.raises(StoreCorrupted, match="this is a FileStore file"):
+        sqlite_registry(path)
+    assert path.read_bytes() == data  # untouched
+    assert LocalRegistry(EP, E, store=FileStore(str(path))).state == registry.state
+
+
 def test_sqlite_store_logs_commands_not_states(tmp_path):
     registry = with_sessions(tmp_path / "r.db", 50)
     before = registry.store.stats()

@@ -290,6 +290,12 @@ class SQLiteStore:
         except (sqlite3.Error, OSError) as e:
             if db is not None:
                 db.close()
+            if _looks_like_file_store(self.path):
+                raise StoreCorrupted(
+                    f"registry store {self.path}: this is a FileStore file (a pickled state), not a "
+                    f"SQLiteStore; open it with FileStore (RayRegistry.create(store_factory=functools.partial("
+                    f"FileStore, path))) or give the SQLiteStore a new path"
+                ) from None
             raise self._error("cannot open it", e) from None
         self._db = db
         self._build = None
@@ -500,6 +506,15 @@ class SQLiteStore:
             "building": self._build is not None,
             "bytes": sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p)),
         }
+
+
+def _looks_like_file_store(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_FILE_MAGIC))
+    except OSError:
+        return False
+    return head == _FILE_MAGIC or head[:1] == b"\x80"  # FileStore's header, or an older plain pickle
 
 
 def _size(path: str) -> int | None:
