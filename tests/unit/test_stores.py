@@ -138,6 +138,37 @@ def test_file_store_save_failure_is_a_store_error_and_the_state_stays(tmp_path):
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
+class StateOnlyStore:
+    """A store written against the earlier protocol: save(state), no command."""
+
+    def __init__(self) -> None:
+        self.saved: list = []
+        self.fail = False
+
+    def load(self):
+        return self.saved[-1] if self.saved else None
+
+    def save(self, state):
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        self.saved.append(state)
+
+
+def test_a_store_that_takes_only_the_state_still_works_and_its_failures_are_typed():
+    store = StateOnlyStore()
+    registry = LocalRegistry(EP, E, store=store)
+    publish_through(registry, "A")
+    registry.apply(BindFirst(sk(1)))
+    assert store.saved[-1] is registry.state
+    store.fail = True
+    before = registry.state
+    with pytest.raises(StoreError, match="StateOnlyStore: save failed: OSError"):
+        registry.apply(BindFirst(sk(2)))
+    assert registry.state is before  # not applied
+    store.fail = False
+    assert LocalRegistry(EP, E, store=store).state == before
+
+
 # -- both durable stores ---------------------------------------------------------------------
 STORES = {
     "sqlite": lambda p: SQLiteStore(str(p / "registry.db")),
