@@ -94,11 +94,21 @@ class Registry(Protocol):
 
 
 class RegistryStore(Protocol):
-    """Where a registry keeps its state between calls (memory, or a durable store)."""
+    """Where a registry keeps its state between calls (memory, or a durable store).
+
+    ``load`` returns the state last saved, or None for a new store. ``save`` makes ``state``
+    durable before it returns; ``command`` is the command whose application turned the
+    previously saved state into ``state`` (a log store keeps only the command and replays
+    it through the pure core on load), or None when ``state`` is to be kept whole (a
+    checkpoint). Failures raise :class:`~lorapub.errors.StoreError` (unreadable contents
+    :class:`~lorapub.errors.StoreCorrupted`) naming the store; after a failed ``save`` the
+    previously saved state is still the durable one. A store whose ``save`` takes only the
+    state is still accepted: it is then always given the whole state.
+    """
 
     def load(self) -> RegistryState | None: ...
 
-    def save(self, state: RegistryState) -> None: ...
+    def save(self, state: RegistryState, command: Command | None = None) -> None: ...
 
 
 class Clock(Protocol):

@@ -96,3 +96,85 @@ async def test_durable_ray_registry_survives_an_actor_restart(ray_cluster, tmp_p
         assert (await replay(ReadState())).reply.versions[key].session_refs == 1
     finally:
         ray.kill(registry.actor, no_restart=True)
+
+
+# -- store failures reach callers typed, never as a lost reply ---------------------------------
+def _engines():
+    return {"e0": "e0-a", "e1": "e1-a"}
+
+
+async def test_a_corrupted_store_reaches_callers_as_store_corrupted(ray_cluster, tmp_path):
+    from lorapub.errors import StoreCorrupted
+
+    path = tmp_path / "registry.db"
+    path.write_bytes(b"not a registry store" * 64)
+    registry = RayRegistry.create("reg-corrupt", epoch=3, engines=_engines(), store_path=str(path), call_timeout=20)
+    try:
+        for _ in range(2):  # every call answers the same, typed: callers stop instead of replaying forever
+            with pytest.raises(StoreCorrupted) as e:
+                await registry.handle(ReadState())
+            assert str(path) in e.value.message and e.value.code == "STORE_CORRUPTED"
+        path.unlink()  # an operator moves the broken file away: the next call opens a new store
+        assert (await registry.handle(ReadState())).reply.epoch == 3
+    finally:
+        ray.kill(registry.actor, no_restart=True)
+
+
+async def test_a_store_of_another_epoch_is_refused_through_the_actor(ray_cluster, tmp_path):
+    from lorapub.errors import EpochMismatch
+    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.runtime.stores import SQLiteStore
+
+    path = str(tmp_path / "registry.db")
+    LocalRegistry(3, _engines(), store=SQLiteStore(path)).close()  # written by epoch 3
+    registry = RayRegistry.create("reg-epoch", epoch=4, engines=_engines(), store_path=path, call_timeout=20)
+    try:
+        with pytest.raises(EpochMismatch) as e:
+            await registry.handle(ReadState())
+        assert path in e.value.message and "epoch 3" in e.value.message and "epoch 4" in e.value.message
+    finally:
+        ray.kill(registry.actor, no_restart=True)
+
+
+async def test_a_failed_save_in_the_actor_is_a_store_error_and_the_actor_keeps_serving(ray_cluster, tmp_path):
+    from lorapub.core.registry import CloseAndRelease, OpenSession
+    from lorapub.errors import SessionClosed, StoreError
+
+    path = str(tmp_path / "registry.db")
+    poison = SessionKey(3, "poison", "n")
+
+    def store_factory():  # built inside the actor; the disk is "full" for one command only
+        from lorapub.runtime.stores import SQLiteStore
+
+        class FullForPoison(SQLiteStore):
+            def save(self, state, command=None):
+                if getattr(command, "key", None) == poison:
+                    raise OSError(28, "No space left on device")
+                super().save(state, command)
+
+        return FullForPoison(path)
+
+    registry = RayRegistry.create("reg-full", epoch=3, engines=_engines(), store_factory=store_factory,
+                                  call_timeout=20)
+    try:
+        await registry.handle(OpenSession(SessionKey(3, "ok", "n")))
+        with pytest.raises(StoreError) as e:
+            await registry.handle(OpenSession(poison))
+        assert e.value.code == "STORE_ERROR" and path in e.value.message and "No space left" in e.value.message
+        state = (await registry.handle(ReadState())).reply
+        assert poison not in state.sessions and SessionKey(3, "ok", "n") in state.sessions  # not applied
+        await registry.handle(CloseAndRelease(SessionKey(3, "ok", "n")))
+        with pytest.raises(SessionClosed):  # every typed rejection keeps its class and code
+            await registry.handle(OpenSession(SessionKey(3, "ok", "n")))
+    finally:
+        ray.kill(registry.actor, no_restart=True)
+
+
+async def test_only_a_dead_actor_is_outcome_unknown(ray_cluster):
+    from lorapub.errors import OutcomeUnknown
+
+    registry = RayRegistry.create("reg-dead", epoch=3, engines=_engines(), call_timeout=20)
+    assert (await registry.handle(ReadState())).reply.epoch == 3
+    ray.kill(registry.actor, no_restart=True)
+    with pytest.raises(OutcomeUnknown):
+        await registry.handle(ReadState())

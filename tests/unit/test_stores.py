@@ -1,10 +1,70 @@
+"""Durable registry stores: resume, integrity, epoch refusal, failed saves, compaction, crashes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lorapub.core.attempt import ReadyLocal
+from lorapub.core.effects import SOURCE
 from lorapub.core.identity import SessionKey, VersionKey
-from lorapub.core.registry import BindFirst, Commit
+from lorapub.core.registry import (
+    BindFirst, CloseAndRelease, Commit, ForgetSessions, OpenSession, RecordBucketDone, RecordPrepared,
+    RecordReady, Reserve,
+)
+from lorapub.errors import EpochMismatch, StoreCorrupted, StoreError
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.runtime.stores import FileStore
+from lorapub.runtime.stores import FileStore, SQLiteStore
+from lorapub.testing.fixtures import fake_plan
 from tests.unit.test_core_rows import E, EP, publish
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def sk(i: int | str) -> SessionKey:
+    return SessionKey(EP, f"s{i}", "n")
+
+
+def publish_through(registry: LocalRegistry, v: str) -> None:
+    """One publication driven command by command, so each transition goes through the store."""
+    digest, plan = fake_plan(v)
+    key = VersionKey(EP, v)
+    token = registry.apply(Reserve(key, digest, plan)).reply.token
+    for e, inc in E.items():
+        registry.apply(RecordPrepared(token, e, inc))
+    for i in range(len(plan)):
+        for p in (SOURCE, *E):
+            registry.apply(RecordBucketDone(token, p, i, E.get(p)))
+    for e, inc in E.items():
+        registry.apply(RecordReady(ReadyLocal(e, token, digest, inc)))
+    registry.apply(Commit(key, token, registry.state.default_revision))
+
+
+def sqlite_registry(path, **options) -> LocalRegistry:
+    return LocalRegistry(EP, E, store=SQLiteStore(str(path), **options))
+
+
+def with_sessions(path, n: int, **options) -> LocalRegistry:
+    registry = sqlite_registry(path, **options)
+    publish_through(registry, "A")
+    for i in range(n):
+        registry.apply(BindFirst(sk(i)))
+    return registry
+
+
+def reopen(registry: LocalRegistry, **options) -> LocalRegistry:
+    path = registry.store.path
+    registry.close()
+    return LocalRegistry(EP, {"ignored": "x"}, store=type(registry.store)(path, **options))
+
+
+# -- FileStore (the whole state per decision) --------------------------------------------------
 def test_file_store_survives_a_registry_restart(tmp_path):
     path = str(tmp_path / "registry.pickle")
     first = LocalRegistry(EP, E, store=FileStore(path))
@@ -28,3 +88,331 @@ def test_file_store_writes_atomically(tmp_path):
     store.save({"a": 2})
     assert store.load() == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["s.pickle"]
+
+
+def test_file_store_still_reads_a_plain_pickle(tmp_path):
+    """What earlier releases wrote (a bare pickle, no checksum) still resumes."""
+    path = tmp_path / "old.pickle"
+    state, _ = publish(LocalRegistry(EP, E).state, "A")
+    path.write_bytes(pickle.dumps(state))
+    assert LocalRegistry(EP, E, store=FileStore(str(path))).state == state
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble", "empty"])
+def test_damaged_file_store_is_store_corrupted_naming_the_file(tmp_path, damage):
+    path = tmp_path / "registry.pickle"
+    registry = LocalRegistry(EP, E, store=FileStore(str(path)))
+    publish_through(registry, "A")
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garble":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0x55]) + data[middle + 1:])
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(StoreCorrupted) as e:
+        LocalRegistry(EP, E, store=FileStore(str(path)))
+    assert str(path) in e.value.message
+
+
+def test_file_store_holding_something_else_is_refused(tmp_path):
+    path = tmp_path / "registry.pickle"
+    FileStore(str(path)).save({"not": "a registry"})
+    with pytest.raises(StoreCorrupted, match="holds a dict"):
+        LocalRegistry(EP, E, store=FileStore(str(path)))
+
+
+def test_file_store_save_failure_is_a_store_error_and_the_state_stays(tmp_path):
+    path = tmp_path / "registry.pickle"
+    registry = LocalRegistry(EP, E, store=FileStore(str(path)))
+    publish_through(registry, "A")
+    before = registry.state
+    path.unlink()
+    path.mkdir()  # the file's place is taken: the rename fails
+    (path / "x").write_text("x")
+    with pytest.raises(StoreError) as e:
+        registry.apply(BindFirst(sk(1)))
+    assert str(path) in e.value.message
+    assert registry.state is before  # not applied
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+class StateOnlyStore:
+    """A store written against the earlier protocol: save(state), no command."""
+
+    def __init__(self) -> None:
+        self.saved: list = []
+        self.fail = False
+
+    def load(self):
+        return self.saved[-1] if self.saved else None
+
+    def save(self, state):
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        self.saved.append(state)
+
+
+def test_a_store_that_takes_only_the_state_still_works_and_its_failures_are_typed():
+    store = StateOnlyStore()
+    registry = LocalRegistry(EP, E, store=store)
+    publish_through(registry, "A")
+    registry.apply(BindFirst(sk(1)))
+    assert store.saved[-1] is registry.state
+    store.fail = True
+    before = registry.state
+    with pytest.raises(StoreError, match="StateOnlyStore: save failed: OSError"):
+        registry.apply(BindFirst(sk(2)))
+    assert registry.state is before  # not applied
+    store.fail = False
+    assert LocalRegistry(EP, E, store=store).state == before
+
+
+# -- both durable stores ---------------------------------------------------------------------
+STORES = {
+    "sqlite": lambda p: SQLiteStore(str(p / "registry.db")),
+    "file": lambda p: FileStore(str(p / "registry.pickle")),
+}
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_store_of_another_epoch_is_refused_and_left_untouched(tmp_path, kind):
+    registry = LocalRegistry(EP, E, store=STORES[kind](tmp_path))
+    publish_through(registry, "A")
+    registry.apply(BindFirst(sk(1)))
+    state = registry.state
+    registry.close()
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(EpochMismatch) as e:
+        LocalRegistry(EP + 1, E, store=STORES[kind](tmp_path))
+    assert str(tmp_path) in e.value.message
+    assert f"epoch {EP}" in e.value.message and f"epoch {EP + 1}" in e.value.message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    assert LocalRegistry(EP, E, store=STORES[kind](tmp_path)).state == state  # its own epoch resumes it
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_store_written_before_resumes_the_same_state(tmp_path, kind):
+    registry = LocalRegistry(EP, E, store=STORES[kind](tmp_path))
+    publish_through(registry, "A")
+    for i in range(5):
+        registry.apply(BindFirst(sk(i)))
+    registry.apply(CloseAndRelease(sk(2)))
+    state = registry.state
+    registry.close()
+    assert LocalRegistry(EP, {"other": "y"}, 7, store=STORES[kind](tmp_path)).state == state
+
+
+# -- SQLiteStore --------------------------------------------------------------------------------
+def test_a_file_store_file_opened_as_sqlite_store_says_so(tmp_path):
+    """store_path used to mean a FileStore: an old file is named for what it is, not just 'corrupted'."""
+    path = tmp_path / "registry.pickle"
+    registry = LocalRegistry(EP, E, store=FileStore(str(path)))
+    publish_through(registry, "A")
+    data = path.read_bytes()
+    with pytest.raises(StoreCorrupted, match="this is a FileStore file"):
+        sqlite_registry(path)
+    assert path.read_bytes() == data  # untouched
+    assert LocalRegistry(EP, E, store=FileStore(str(path))).state == registry.state
+
+
+def test_sqlite_store_logs_commands_not_states(tmp_path):
+    registry = with_sessions(tmp_path / "r.db", 50)
+    before = registry.store.stats()
+    registry.apply(BindFirst(sk("new")))
+    after = registry.store.stats()
+    assert after["seq"] == before["seq"] + 1 and after["log_records"] == before["log_records"] + 1
+    # a replay that changes nothing stores nothing
+    registry.apply(BindFirst(sk("new")))
+    assert registry.store.stats()["seq"] == after["seq"]
+
+
+def test_sqlite_store_is_locked_to_one_registry(tmp_path):
+    registry = with_sessions(tmp_path / "r.db", 1)
+    with pytest.raises(StoreError, match="locked by another registry") as e:
+        sqlite_registry(tmp_path / "r.db")
+    assert str(tmp_path / "r.db") in e.value.message
+    assert reopen(registry).state == registry.state  # once released, it opens
+
+
+def _rewrite(path, sql: str, *args) -> None:
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute(sql, args)
+    db.close()
+
+
+def _corrupt_record(path):
+    db = sqlite3.connect(str(path), isolation_level=None)
+    seq, record = db.execute("SELECT seq, record FROM log ORDER BY seq DESC LIMIT 1").fetchone()
+    db.execute("UPDATE log SET record = ? WHERE seq = ?", (record[:10] + bytes([record[10] ^ 1]) + record[11:], seq))
+    db.close()
+
+
+def _unpicklable_record(path):
+    from lorapub.runtime import stores
+
+    db = sqlite3.connect(str(path), isolation_level=None)
+    (seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
+    record = pickle.dumps(BindFirst(sk(1))).replace(b"BindFirst", b"BindLast\x00")  # names no class
+    db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
+               (record, stores._checksum(stores._key("log", seq), record), seq))
+    db.close()
+
+
+def _unreplayable_record(path):
+    from lorapub.runtime import stores
+
+    db = sqlite3.connect(str(path), isolation_level=None)
+    (seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
+    record = pickle.dumps(OpenSession(SessionKey(EP + 5, "x", "n")))  # another epoch: the core refuses it
+    db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
+               (record, stores._checksum(stores._key("log", seq), record), seq))
+    db.close()
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garbage(path):
+    path.write_bytes(b"this is not a database" * 100)
+
+
+def _garble_page(path):
+    data = bytearray(path.read_bytes())
+    for i in range(4096 + 100, len(data), 997):  # every page but the header page
+        data[i] ^= 0xA5
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "checksum": (_corrupt_record, "checksum mismatch"),
+    "unpicklable record": (_unpicklable_record, "cannot decode"),
+    "record that does not replay": (_unreplayable_record, "does not replay"),
+    "wrong schema": (lambda p: _rewrite(p, "UPDATE meta SET value = 'someone.else/9' WHERE key = 'schema'"), "schema"),
+    "missing log record": (lambda p: _rewrite(p, "DELETE FROM log WHERE seq = (SELECT MIN(seq) FROM log)"), "missing"),
+    "missing snapshot part": (lambda p: _rewrite(p, "DELETE FROM snapshot_parts WHERE part = 1"), "parts"),
+    "foreign tables": (lambda p: _rewrite(p, "DROP TABLE log"), "not a lorapub registry log"),
+    "truncated file": (_truncate, None),
+    "emptied file": (lambda p: p.write_bytes(b""), "empty"),
+    "not a database": (_garbage, None),
+    "garbled pages": (_garble_page, None),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_corrupted_sqlite_store_is_store_corrupted_naming_the_file(tmp_path, corruption):
+    damage, says = CORRUPTIONS[corruption]
+    registry = with_sessions(tmp_path / "r.db", 600, part_entries=50)
+    registry.close()
+    damage(tmp_path / "r.db")
+    with pytest.raises(StoreCorrupted, match=says) as e:
+        sqlite_registry(tmp_path / "r.db")
+    assert str(tmp_path / "r.db") in e.value.message
+
+
+def test_sqlite_save_failure_is_a_store_error_and_nothing_advances(tmp_path):
+    registry = with_sessions(tmp_path / "r.db", 3)
+    db = registry.store._db
+    (pages,) = db.execute("PRAGMA page_count").fetchone()
+    db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+    failed = None
+    for i in range(10_000):
+        before, seq = registry.state, registry.store.stats()["seq"]
+        try:
+            registry.apply(BindFirst(sk(f"x{i}")))
+        except StoreError as e:
+            failed = (i, e)
+            break
+    assert failed is not None, "the store never filled up"
+    i, e = failed
+    assert str(tmp_path / "r.db") in e.message and "BindFirst not stored" in e.message
+    assert registry.state is before and registry.store.stats()["seq"] == seq
+    db.execute("PRAGMA max_page_count = 1073741823")  # space again: the same command applies once
+    bound = registry.apply(BindFirst(sk(f"x{i}"))).reply
+    again = reopen(registry)
+    assert again.state == registry.state
+    assert again.apply(BindFirst(sk(f"x{i}"))).reply == bound
+
+
+def test_compaction_keeps_the_state_and_shrinks_the_log(tmp_path):
+    path = tmp_path / "r.db"
+    registry = with_sessions(path, 200, snapshot_every=50, part_entries=16, gc_batch=40)
+    states, most = [], 0
+    for i in range(600):
+        registry.apply(BindFirst(sk(f"c{i}")) if i % 2 == 0 else CloseAndRelease(sk(f"c{i - 1}")))
+        stats = registry.store.stats()
+        most = max(most, stats["log_records"])
+        if i % 97 == 0:
+            states.append(registry.state)
+    stats = registry.store.stats()
+    assert stats["seq"] > 800 and stats["snapshot"] > 700
+    # the log holds what the latest snapshot does not cover, plus garbage not yet collected
+    assert most < 150 and stats["log_records"] < 150
+    registry.apply(ForgetSessions(tuple(sk(f"c{i}") for i in range(0, 600, 2))))
+    state = registry.state
+    assert reopen(registry).state == state
+    assert len(state.sessions) == 200
+
+
+def test_compaction_through_a_reopen_mid_snapshot(tmp_path):
+    """A snapshot left half-written by a restart is ignored, then collected; the state is kept."""
+    registry = with_sessions(tmp_path / "r.db", 100, snapshot_every=20, part_entries=5)
+    for i in range(23):
+        registry.apply(OpenSession(sk(f"o{i}")))
+    assert registry.store.stats()["building"]
+    for round_ in range(5):
+        registry = reopen(registry, snapshot_every=20, part_entries=5)
+        for i in range(17):
+            registry.apply(BindFirst(sk(f"r{round_}-{i}")))
+    state = registry.state
+    again = reopen(registry, snapshot_every=20, part_entries=5)
+    assert again.state == state
+    for i in range(200):
+        again.apply(OpenSession(sk(f"late{i}")))
+    stats = again.store.stats()
+    per_snapshot = (len(again.state.sessions) + 4) // 5 + 4  # its maps in parts of 5, and the header
+    assert stats["snapshot_parts"] <= 2 * per_snapshot  # the latest snapshot and the one being written
+    assert reopen(again).state == again.state
+
+
+_CRASH = textwrap.dedent("""
+    import os, sys
+    from lorapub.core.identity import SessionKey
+    from lorapub.core.registry import BindFirst, CloseAndRelease
+    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.runtime.stores import SQLiteStore
+    registry = LocalRegistry(3, {"e0": "x"}, store=SQLiteStore(sys.argv[1]))
+    command = {"bind": BindFirst, "close": CloseAndRelease}[sys.argv[2]](SessionKey(3, "victim", "n"))
+    registry.apply(command)  # durable on return
+    os._exit(0)  # the process dies before the reply reaches anyone: no close, the WAL is left as is
+""")
+
+
+@pytest.mark.parametrize("command", ["bind", "close"])
+def test_a_crash_between_append_and_reply_leaves_the_command_applied_and_replay_safe(tmp_path, command):
+    path = tmp_path / "r.db"
+    registry = with_sessions(path, 10)
+    if command == "close":
+        registry.apply(BindFirst(SessionKey(EP, "victim", "n")))
+    refs = registry.state.versions[VersionKey(EP, "A")].session_refs
+    registry.close()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), REPO]))
+    subprocess.run([sys.executable, "-c", _CRASH, str(path), command], check=True, env=env, timeout=60)
+    assert os.path.exists(str(path) + "-wal")  # it really died without closing
+    again = sqlite_registry(path)
+    seq = again.store.stats()["seq"]
+    victim = again.state.sessions[SessionKey(EP, "victim", "n")]
+    expected = refs + 1 if command == "bind" else refs - 1
+    assert again.state.versions[VersionKey(EP, "A")].session_refs == expected  # the command is in
+    # the caller never saw a reply and replays the same command: same answer, no second effect
+    replay = {"bind": BindFirst, "close": CloseAndRelease}[command](SessionKey(EP, "victim", "n"))
+    reply = again.apply(replay).reply
+    assert again.state.versions[VersionKey(EP, "A")].session_refs == expected
+    assert again.state.sessions[SessionKey(EP, "victim", "n")] == victim
+    assert again.store.stats()["seq"] <= seq + 1  # at most a record that changes nothing
+    assert reopen(again).state == again.state
+    if command == "bind":
+        assert reply.version == VersionKey(EP, "A")

@@ -2,24 +2,28 @@
 
 The actor runs a :class:`~lorapub.runtime.registry.LocalRegistry` with Ray's default
 one-call-at-a-time concurrency: each command is applied whole before the next
-call starts. Typed errors cross the process boundary as (code, message) and are
-raised again as the same lorapub class; a call whose reply is lost (actor
-unreachable, timeout) is :class:`~lorapub.errors.OutcomeUnknown`, and every
-registry command is safe to replay.
+call starts. Every typed error raised in the actor (a rejection, and a store that
+cannot be read, is corrupted, belongs to another epoch or cannot save) crosses the
+process boundary as (code, message) and is raised again as the same lorapub class
+with the same code. Only a call whose reply is lost (actor unreachable or dead,
+timeout) is :class:`~lorapub.errors.OutcomeUnknown`; every registry command is safe
+to replay.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping
+import functools
+from typing import Any, Callable, Mapping
 
 import ray
 
 from lorapub import errors
 from lorapub.core.commands import Command
-from lorapub.core.registry import COMMANDS, Result
+from lorapub.core.registry import COMMANDS, DEFAULT_LEASE_TTL, Result
+from lorapub.ports import RegistryStore
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.runtime.stores import FileStore
+from lorapub.runtime.stores import SQLiteStore
 
 _ERRORS = {
     cls.code: cls
@@ -29,17 +33,46 @@ _ERRORS = {
 
 
 class _RegistryActor:
-    def __init__(self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None) -> None:
-        store = FileStore(store_path) if store_path else None  # durable: a restarted actor resumes
-        self.registry = LocalRegistry(epoch, engines, capacity, store=store)
+    """Opens its registry lazily: a store that cannot be opened answers every call with its
+    typed error (and is tried again on the next call) instead of killing the actor, which
+    callers would only see as a lost reply."""
+
+    def __init__(
+        self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None,
+        store_factory: Callable[[], RegistryStore] | None = None, lease_ttl: float | None = DEFAULT_LEASE_TTL,
+    ) -> None:
+        if store_factory is None and store_path:
+            store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
+        self._open_args = (epoch, dict(engines), capacity)
+        self._lease_ttl = lease_ttl
+        self._store_factory = store_factory
+        self.registry: LocalRegistry | None = None
+        try:
+            self._registry()
+        except Exception:
+            pass  # answered to every caller by handle(), typed, and tried again there
+
+    def _registry(self) -> LocalRegistry:
+        if self.registry is None:
+            store = self._store_factory() if self._store_factory is not None else None
+            try:
+                self.registry = LocalRegistry(*self._open_args, store=store, lease_ttl=self._lease_ttl)
+            except BaseException:
+                if store is not None and hasattr(store, "close"):
+                    store.close()  # release the file so the next try (or an operator) can open it
+                raise
+        return self.registry
 
     def handle(self, command: Command) -> tuple[str, Any]:
         if not isinstance(command, COMMANDS):
             return ("error", ("INVALID_INPUT", f"{command!r} is not a registry command"))
         try:
-            return ("ok", self.registry.apply(command))
+            return ("ok", self._registry().apply(command))
         except errors.LorapubError as e:
             return ("error", (e.code, e.message))
+        except Exception as e:  # a definite answer all the same: nothing was applied
+            return ("error", ("LORAPUB_ERROR", f"registry actor failed on {type(command).__name__}: "
+                                               f"{type(e).__name__}: {e}"))
 
 
 RegistryActor = ray.remote(num_cpus=0)(_RegistryActor)
@@ -55,18 +88,25 @@ class RayRegistry:
     @classmethod
     def create(
         cls, name: str, epoch: int, engines: Mapping[str, str], capacity: int = 2, namespace: str = "lorapub",
-        store_path: str | None = None,
+        store_path: str | None = None, store_factory: Callable[[], RegistryStore] | None = None,
+        call_timeout: float = 30.0, lease_ttl: float | None = DEFAULT_LEASE_TTL,
     ) -> "RayRegistry":
-        """``store_path`` makes state durable and lets Ray restart the actor without losing it."""
+        """A durable store lets Ray restart the actor without losing its state.
+
+        ``store_path`` keeps it in a :class:`~lorapub.runtime.stores.SQLiteStore` at that
+        path (on the actor's node); ``store_factory`` builds any other store inside the
+        actor (it is pickled there), e.g. ``functools.partial(FileStore, path)``.
+        """
+        durable = bool(store_path) or store_factory is not None
         handle = RegistryActor.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-            max_restarts=-1 if store_path else 0, max_task_retries=0,
-        ).remote(epoch, dict(engines), capacity, store_path)
-        return cls(handle)
+            max_restarts=-1 if durable else 0, max_task_retries=0,
+        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl)
+        return cls(handle, call_timeout=call_timeout)
 
     @classmethod
-    def lookup(cls, name: str, namespace: str = "lorapub") -> "RayRegistry":
-        return cls(ray.get_actor(name, namespace=namespace))
+    def lookup(cls, name: str, namespace: str = "lorapub", call_timeout: float = 30.0) -> "RayRegistry":
+        return cls(ray.get_actor(name, namespace=namespace), call_timeout=call_timeout)
 
     async def handle(self, command: Command) -> Result:
         what = type(command).__name__
@@ -74,7 +114,12 @@ class RayRegistry:
             status, value = await asyncio.wait_for(self.actor.handle.remote(command), self.call_timeout)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError as e:  # the actor answered by raising: definite, not lost
+            raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
         if status == "error":
             code, message = value
-            raise _ERRORS.get(code, errors.LorapubError)(message)
+            cls = _ERRORS.get(code)
+            if cls is None:
+                raise errors.LorapubError(f"{code}: {message}")
+            raise cls(message)
         return value

@@ -9,12 +9,14 @@ correct single writer under asyncio and inside a Ray actor alike.
 
 from __future__ import annotations
 
+import inspect
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from lorapub.core import registry as R
 from lorapub.core.commands import Command, stamped
 from lorapub.core.registry import RegistryState, Result
+from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreError
 from lorapub.ports import RegistryStore
 
 
@@ -27,12 +29,18 @@ class MemoryStore:
     def load(self) -> RegistryState | None:
         return self._state
 
-    def save(self, state: RegistryState) -> None:
+    def save(self, state: RegistryState, command: Command | None = None) -> None:
         self._state = state
 
 
 class LocalRegistry:
-    """Takes command values, returns :class:`~lorapub.core.registry.Result` values."""
+    """Takes command values, returns :class:`~lorapub.core.registry.Result` values.
+
+    With a durable ``store`` it resumes the state the store holds. That state must belong
+    to ``epoch`` (:class:`~lorapub.errors.EpochMismatch` naming the store otherwise: a new
+    epoch starts with a new store); on resume ``engines`` and ``capacity`` come from the
+    store, where :class:`~lorapub.core.commands.RegisterEngine` keeps them current.
+    """
 
     def __init__(
         self,
@@ -44,25 +52,89 @@ class LocalRegistry:
         lease_ttl: float | None = R.DEFAULT_LEASE_TTL,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._store = store or MemoryStore()
+        self._store = store if store is not None else MemoryStore()
         self._clock = clock  # wall time: leases must mean the same to every process and after a restart
-        self._state = self._store.load() or R.new_registry(epoch, engines, capacity, lease_ttl)
-        self._store.save(self._state)
+        self._logs_commands = _save_takes_command(self._store)
+        where = _where(self._store)
+        try:
+            loaded = self._store.load()
+        except LorapubError:
+            raise
+        except Exception as e:
+            raise StoreError(f"registry store {where}: cannot load it: {type(e).__name__}: {e}") from None
+        if loaded is None:
+            self._state = R.new_registry(epoch, engines, capacity, lease_ttl)
+            self._save(self._state, None)
+        elif not isinstance(loaded, RegistryState):
+            self.close()  # refused: the store is released for whoever repairs it
+            raise StoreCorrupted(f"registry store {where} holds a {type(loaded).__name__}, not a registry state")
+        elif loaded.epoch != epoch:
+            self.close()
+            raise EpochMismatch(
+                f"registry store {where} holds deployment epoch {loaded.epoch}; this registry serves epoch "
+                f"{epoch}: refusing to resume it (use a new store for a new epoch)"
+            )
+        else:
+            self._state = loaded
         self.transitions = 0
 
     @property
     def state(self) -> RegistryState:
         return self._state
 
+    @property
+    def store(self) -> RegistryStore:
+        return self._store
+
+    def _save(self, state: RegistryState, command: Command | None) -> None:
+        try:
+            if self._logs_commands:
+                self._store.save(state, command)
+            else:
+                self._store.save(state)
+        except LorapubError:
+            raise
+        except Exception as e:  # a store that raised something untyped: still a store failure
+            raise StoreError(
+                f"registry store {_where(self._store)}: save failed: {type(e).__name__}: {e}"
+            ) from None
+
     def apply(self, command: Command) -> Result:
-        """Apply one command whole; a rejection raises its typed error and changes nothing."""
-        command = stamped(command, self._clock())  # the one clock reading, before the transition
+        """Apply one command whole; a rejection raises its typed error and changes nothing.
+
+        A transition is durable before this returns. If the store cannot save it, this
+        raises :class:`~lorapub.errors.StoreError` and the state stays as it was: the
+        command counts as not applied (replaying it later is safe, as for every command).
+        """
+        command = stamped(command, self._clock())  # the one clock reading, before the transition (and the log)
         outcome = R.handle(self._state, command)
         if not isinstance(command, R.QUERIES):
-            self._state = outcome.state
-            self._store.save(outcome.state)  # durable before the reply leaves
+            if outcome.state is not self._state:  # an idempotent replay changes nothing: nothing to store
+                self._save(outcome.state, command)  # durable before the reply leaves
+                self._state = outcome.state
             self.transitions += 1
         return Result(outcome.reply, outcome.effects)
 
     async def handle(self, command: Command) -> Result:
         return self.apply(command)
+
+    def close(self) -> None:
+        """Release the store (a durable store's file and lock); the registry is not usable after."""
+        close = getattr(self._store, "close", None)
+        if close is not None:
+            close()
+
+
+def _where(store: Any) -> str:
+    return str(getattr(store, "path", None) or type(store).__name__)
+
+
+def _save_takes_command(store: Any) -> bool:
+    """Whether ``store.save`` accepts the command too (stores written before it did take only the state)."""
+    try:
+        params = list(inspect.signature(store.save).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
