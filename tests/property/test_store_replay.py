@@ -20,6 +20,7 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from lorapub.core import registry as R
 from lorapub.errors import LorapubError
+from lorapub.core.commands import stamped
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import SQLiteStore
 from tests.property.test_registry_machine import EPOCH, SESSION_POOL, RegistryMachine
@@ -31,7 +32,7 @@ class StoreReplayMachine(RegistryMachine):
         super().setup()
         self.dir = tempfile.mkdtemp(prefix="lorapub-store-")
         self.options = dict(snapshot_every=snapshot_every, part_entries=part_entries, gc_batch=2)
-        self.registry = LocalRegistry(EPOCH, self.incarnations, store=self._store())
+        self.registry = LocalRegistry(EPOCH, self.incarnations, store=self._store(), clock=lambda: self.now)
         assert self.registry.state == self.state
 
     def _store(self) -> SQLiteStore:
@@ -39,7 +40,7 @@ class StoreReplayMachine(RegistryMachine):
 
     def try_apply(self, command):
         try:
-            expected = R.handle(self.state, command)
+            expected = R.handle(self.state, stamped(command, self.now))  # as the single writer stamps it
         except LorapubError as e:
             expected = e
         try:
@@ -65,7 +66,7 @@ class StoreReplayMachine(RegistryMachine):
         if not hasattr(self, "registry"):
             return
         self.registry.close()
-        self.registry = LocalRegistry(EPOCH, {"ignored": "x"}, store=self._store())
+        self.registry = LocalRegistry(EPOCH, {"ignored": "x"}, store=self._store(), clock=lambda: self.now)
         assert self.registry.state == self.state
 
     def teardown(self):

@@ -488,15 +488,12 @@ def open_session(state: RegistryState, key: SessionKey, now: float | None = None
 
 
 def bind_first(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
-    """Bind to the current default on first generation; later calls return the same binding
-    (and renew the lease)."""
+    """Bind to the current default on first generation (the lease starts); later calls return
+    the same binding and change nothing (leases are renewed in batches, by ``RenewLeases``)."""
     record = _session(state, key)
     lease = _lease_until(state, now)
     if record is not None and record.state is SessionState.BOUND:
-        renewed = ses.leased(record, lease)
-        if renewed is not record:
-            state = attrs.evolve(state, sessions=state.sessions.set(key, renewed))
-        return Outcome(state, _binding(state, record))
+        return Outcome(state, _binding(state, record))  # a replay: same answer, nothing changes
     if record is not None and record.state in ses.ENDING:
         ses.opened(record, key)  # raises the typed refusal (closed or expired)
     if state.default is None:

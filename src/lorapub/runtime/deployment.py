@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from lorapub.core.identity import VersionKey, _check_epoch
 from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
 from lorapub.core.registry import DEFAULT_LEASE_TTL, Fleet, RegistryState
-from lorapub.errors import AlreadyStarted, InvalidInput, LorapubError
+from lorapub.errors import AlreadyStarted, InvalidInput, LorapubError, OutcomeUnknown
 from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
@@ -89,7 +89,7 @@ class Deployment:
         if self._closed:
             raise AlreadyStarted("this Deployment was closed; build a new one")
         if self.registry is None:
-            incarnations = {name: await e.incarnation() for name, e in self.engines.items()}
+            incarnations = {name: await self._incarnation(name) for name in self.engines}
             self.registry = LocalRegistry(self.epoch, incarnations, lease_ttl=self.lease_ttl)
         self.reclaimer = Reclaimer(
             self.registry, self.engines, self.deadlines,
@@ -128,7 +128,7 @@ class Deployment:
         names = [engine] if engine is not None else list(self.engines)
         for name in names:
             try:
-                incarnation = await self.engines[name].incarnation()
+                incarnation = await self._incarnation(name)
                 result = await self.registry.handle(RegisterEngine(name, incarnation))
                 if result.effects:
                     await self.publisher.control.run(result.effects)
@@ -183,11 +183,23 @@ class Deployment:
         self._require_started()
         await self.reclaimer.settle()
 
+    async def _incarnation(self, name: str) -> str:
+        try:
+            async with asyncio.timeout(self.deadlines.begin):
+                return await self.engines[name].incarnation()
+        except TimeoutError:
+            raise OutcomeUnknown(f"{name} did not say its incarnation within {self.deadlines.begin:g}s") from None
+
     async def refresh_engines(self) -> dict[str, str]:
-        """Tell the registry about engines that restarted (their READYs and stashes are void)."""
+        """Tell the registry about engines that restarted (their READYs and stashes are void).
+        An engine that does not answer is left as the registry knows it (a begin to it fails)."""
         found = {}
-        for name, engine in self.engines.items():
-            found[name] = await engine.incarnation()
+        for name in self.engines:
+            try:
+                found[name] = await self._incarnation(name)
+            except LorapubError as e:
+                log.warning("incarnation of %s unknown before publishing: %s", name, e)
+                continue
             result = await self.registry.handle(RegisterEngine(name, found[name]))
             if result.effects:
                 await self.publisher.control.run(result.effects)
