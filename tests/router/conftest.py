@@ -123,9 +123,8 @@ async def fleet(doubles, router, tmp_path):
     assert set(engines) == set(doubles)
     deployment = await Deployment(
         engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path),
-        reconcile_interval=0.5,
+        reconcile_interval=0.5, router=RouterRouting(router),
     ).start()
-    deployment.sessions.router = RouterRouting(router)
     fleet = holder["fleet"] = Fleet(deployment, watcher, router, doubles)
     try:
         yield fleet

@@ -59,6 +59,7 @@ class Deployment:
         lease_ttl: float | None = DEFAULT_LEASE_TTL,
         reconcile_interval: float | None = 5.0,
         stale_attempt_after: float | None = None,
+        router: Any = None,
     ) -> None:
         self.engines = _check_engines(engines)
         _check_epoch(epoch)
@@ -79,6 +80,9 @@ class Deployment:
         self.lease_ttl = lease_ttl
         self.reconcile_interval = reconcile_interval
         self.stale_attempt_after = stale_attempt_after
+        # How generations reach engines: lorapub's sticky router by default, or e.g.
+        # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
+        self.router = router
         self._started = False
         self._closed = False
 
@@ -101,6 +105,7 @@ class Deployment:
         )
         self.sessions = SessionService(
             self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
+            router=self.router,
         )
         self.reconciler = Reconciler(
             self.registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,

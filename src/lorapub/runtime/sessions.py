@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Mapping
 
 import logging
+import time
 from typing import Awaitable, Callable
 
 from lorapub.core.identity import SessionKey, VersionKey
@@ -80,6 +81,7 @@ class Session:
         self.binding: Binding | None = None
         self.engine: EngineAdmin | None = None
         self.requests = 0
+        self.lease_seen = time.monotonic()  # when the registry last confirmed this session's lease
         self._bind_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
@@ -87,6 +89,7 @@ class Session:
     # -- binding ------------------------------------------------------------
     async def _bind_once(self) -> Binding:
         result = await self.service.registry.handle(BindFirst(self.key))
+        self.lease_seen = time.monotonic()
         self.binding = result.reply
         if self.state is LocalState.OPEN:
             self.state = LocalState.BOUND
@@ -117,12 +120,18 @@ class Session:
         It is sent once. An unknown outcome is raised to the caller, never resent here.
         """
         self._refuse_if_ended("dispatch")
+        # After the first bind a generation costs no registry round trip: the session's own ref
+        # keeps its version from being reclaimed, and its lease is renewed in batches. Only a
+        # session whose lease was not confirmed for half its TTL (a worker that stalled or lost
+        # the registry) asks first, so a late request on an expired session is refused.
         binding = await self.bind()
-        try:
-            await self.service.registry.handle(AuthorizeDispatch(self.key))  # refuses RECLAIMING versions
-        except SessionExpired:
-            self.state = LocalState.EXPIRED
-            raise
+        ttl = self.service.lease_ttl
+        if ttl is not None and time.monotonic() - self.lease_seen > ttl / 2:
+            try:
+                await self.service.registry.handle(AuthorizeDispatch(self.key))
+            except SessionExpired:
+                self.state = LocalState.EXPIRED
+                raise
         body = dict(payload)
         body["lora_path"] = binding.lora_name
         try:
@@ -131,6 +140,11 @@ class Session:
             # A definite refusal before anything ran: the engine lost the version (a restart the
             # fleet view has not seen yet). Learn the truth, then send it once to a holder.
             engine = self.engine
+            try:  # the failure path may ask the registry: is this session still entitled to it?
+                await self.service.registry.handle(AuthorizeDispatch(self.key))
+            except SessionExpired:
+                self.state = LocalState.EXPIRED
+                raise
             await self.service.engine_suspect(engine.name if engine is not None else None)
             holders = self.service.holders(binding.version)
             if holders is not None and engine is not None and engine.name in holders:
@@ -217,6 +231,7 @@ class SessionService:
         self.probe: Callable[[str | None], Awaitable[None]] | None = None
         self._renewer: asyncio.Task | None = None
         self.renewals = 0
+        self.lease_ttl: float | None = None
 
     # -- the fleet view (no registry round trip per request) -----------------------
     def update_holders(self, holders: Mapping[VersionKey, frozenset[str]]) -> None:
@@ -236,6 +251,7 @@ class SessionService:
 
     # -- leases -----------------------------------------------------------------------
     def start_renewals(self, lease_ttl: float | None) -> None:
+        self.lease_ttl = lease_ttl
         if lease_ttl is None or self._renewer is not None:
             return
         self._renewer = asyncio.get_running_loop().create_task(self._renew_loop(lease_ttl / 3), name="lorapub-leases")
@@ -259,11 +275,14 @@ class SessionService:
         live = [s for s in self.sessions.values() if s.state in (LocalState.OPEN, LocalState.BOUND, LocalState.FINALIZING)]
         if not live:
             return 0
+        sent = time.monotonic()
         gone = set((await self.registry.handle(RenewLeases(tuple(s.key for s in live)))).reply)
         self.renewals += 1
         for s in live:
             if s.key in gone and s.binding is not None:  # unknown-but-unbound sessions hold nothing yet
                 s.state = LocalState.EXPIRED
+            else:
+                s.lease_seen = max(s.lease_seen, sent)
         return len(live)
 
     def session(self, session_id: str, nonce: str | None = None) -> Session:
