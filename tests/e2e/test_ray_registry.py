@@ -147,10 +147,10 @@ async def test_a_failed_save_in_the_actor_is_a_store_error_and_the_actor_keeps_s
         from lorapub.runtime.stores import SQLiteStore
 
         class FullForPoison(SQLiteStore):
-            def save(self, state, command=None):
-                if getattr(command, "key", None) == poison:
+            def save_many(self, items):  # the group commit every save goes through
+                if any(getattr(command, "key", None) == poison for _, command in items):
                     raise OSError(28, "No space left on device")
-                super().save(state, command)
+                super().save_many(items)
 
         return FullForPoison(path)
 
@@ -178,3 +178,28 @@ async def test_only_a_dead_actor_is_outcome_unknown(ray_cluster):
     ray.kill(registry.actor, no_restart=True)
     with pytest.raises(OutcomeUnknown):
         await registry.handle(ReadState())
+
+
+async def test_commands_of_one_process_travel_in_one_actor_call_each_answered_on_its_own(ray_cluster):
+    import asyncio
+
+    from lorapub.core.registry import CloseAndRelease
+
+    registry = RayRegistry.create("reg-batch", epoch=3, engines=_engines(), call_timeout=20)
+    try:
+        keys = [SessionKey(3, f"s{i}", "n") for i in range(100)]
+        # no version yet: every bind is refused, each with its own typed error, in one call
+        results = await asyncio.gather(*(registry.handle(BindFirst(k)) for k in keys), return_exceptions=True)
+        assert all(isinstance(r, NoPublishedVersion) for r in results)
+        assert registry.calls == 1
+        # a batch mixing answers and rejections: closes succeed, binds are refused
+        mixed = await asyncio.gather(
+            *(registry.handle(CloseAndRelease(k) if i % 2 else BindFirst(k)) for i, k in enumerate(keys)),
+            return_exceptions=True,
+        )
+        assert [isinstance(r, NoPublishedVersion) for r in mixed] == [i % 2 == 0 for i in range(100)]
+        assert registry.calls == 2
+        state = (await registry.handle(ReadState())).reply
+        assert sum(1 for k in keys if k in state.sessions) == 50  # applied in order, none lost
+    finally:
+        ray.kill(registry.actor)

@@ -416,3 +416,37 @@ def test_a_crash_between_append_and_reply_leaves_the_command_applied_and_replay_
     assert reopen(again).state == again.state
     if command == "bind":
         assert reply.version == VersionKey(EP, "A")
+
+
+def test_group_commit_stores_a_batch_in_one_transaction_each_answered_on_its_own(tmp_path):
+    from lorapub.core.commands import CloseAndRelease
+    from lorapub.errors import NoPublishedVersion
+
+    registry = with_sessions(tmp_path / "r.db", 3)
+    before = registry.store.stats()["seq"]
+    commits = []
+    real = registry.store.save_many
+    registry.store.save_many = lambda items: (commits.append(len(items)), real(items))[1]
+    other = LocalRegistry(EP + 1, E)  # a registry with nothing published: its binds are refused
+    answers = registry.apply_many([BindFirst(sk("x")), CloseAndRelease(sk(0)), BindFirst(sk("x")), CloseAndRelease(sk(1))])
+    assert commits == [3]  # one transaction; the replayed bind changed nothing and is not stored
+    assert all(not isinstance(a, Exception) for a in answers)
+    assert registry.store.stats()["seq"] == before + commits[0]
+    assert isinstance(other.apply_many([BindFirst(SessionKey(EP + 1, "s", "n"))])[0], NoPublishedVersion)
+    state = registry.state
+    assert reopen(registry).state == state  # the batch is durable exactly as applied
+
+
+def test_a_failed_group_commit_applies_none_of_the_batch(tmp_path):
+    from lorapub.core.commands import CloseAndRelease
+
+    registry = with_sessions(tmp_path / "r.db", 2)
+    state = registry.state
+
+    def broken(items):
+        raise OSError("disk full")
+
+    registry.store.save_many = broken
+    answers = registry.apply_many([CloseAndRelease(sk(0)), BindFirst(sk("y"))])
+    assert all(isinstance(a, StoreError) for a in answers)
+    assert registry.state is state

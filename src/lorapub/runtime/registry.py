@@ -115,6 +115,44 @@ class LocalRegistry:
             self.transitions += 1
         return Result(outcome.reply, outcome.effects)
 
+    def apply_many(self, commands: list[Command]) -> list[Result | LorapubError]:
+        """Apply commands in order, each answered on its own (a rejection is returned, not
+        raised, and changes nothing); the transitions are made durable together — one group
+        commit when the store has ``save_many`` — before any answer is returned. If that
+        commit fails, every command of the batch counts as not applied (StoreError each)."""
+        state = self._state
+        answers: list[Result | LorapubError] = []
+        changed: list[tuple[RegistryState, Command]] = []
+        for command in commands:
+            command = stamped(command, self._clock())
+            try:
+                outcome = R.handle(state, command)
+            except LorapubError as e:
+                answers.append(e)
+                continue
+            if not isinstance(command, R.QUERIES) and outcome.state is not state:
+                state = outcome.state
+                changed.append((state, command))
+            answers.append(Result(outcome.reply, outcome.effects))
+        if changed:
+            save_many = getattr(self._store, "save_many", None)
+            try:
+                if save_many is not None and self._logs_commands:
+                    try:
+                        save_many(changed)
+                    except LorapubError:
+                        raise
+                    except Exception as e:
+                        raise StoreError(f"registry store {_where(self._store)}: save failed: {type(e).__name__}: {e}") from None
+                else:
+                    for new, command in changed:
+                        self._save(new, command)
+            except StoreError as e:
+                return [e if isinstance(a, Result) else a for a in answers]
+            self._state = state
+            self.transitions += len(changed)
+        return answers
+
     async def handle(self, command: Command) -> Result:
         return self.apply(command)
 

@@ -395,18 +395,27 @@ class SQLiteStore:
     def save(self, state: RegistryState, command: Command | None = None) -> None:
         """Make ``state`` durable: append ``command`` (the one that produced ``state`` from
         the last saved state), or with no command, write ``state`` whole as a checkpoint."""
-        db = self._open()
         if command is None:
-            return self._checkpoint(db, state)
-        try:
-            record = _encode(command)
-        except Exception as e:
-            raise StoreError(
-                f"registry store {self.path}: cannot encode {type(command).__name__}: {type(e).__name__}: {e}"
-            ) from None
+            return self._checkpoint(self._open(), state)
+        self.save_many([(state, command)])
+
+    def save_many(self, items: list[tuple[RegistryState, Command]]) -> None:
+        """Group commit: append several commands (each with the state it produced, in order)
+        in **one** transaction — one fsync for the batch. All or none are stored."""
+        if not items:
+            return
+        db = self._open()
+        records = []
+        for _, command in items:
+            try:
+                records.append(_encode(command))
+            except Exception as e:
+                raise StoreError(
+                    f"registry store {self.path}: cannot encode {type(command).__name__}: {type(e).__name__}: {e}"
+                ) from None
         if self._snap < 0:
             raise StoreError(f"registry store {self.path}: save a whole state before logging commands on it")
-        seq = self._seq + 1
+        first = self._seq + 1
         build = self._build
         if build is not None:
             try:
@@ -414,9 +423,12 @@ class SQLiteStore:
             except Exception:  # a state that cannot be encoded: drop this snapshot, keep logging
                 self._build = build = None
         finished = False
+        what = type(items[0][1]).__name__ if len(items) == 1 else f"a batch of {len(items)} commands"
         try:
             db.execute("BEGIN IMMEDIATE")
-            db.execute("INSERT INTO log VALUES (?, ?, ?)", (seq, record, _checksum(_key("log", seq), record)))
+            for i, record in enumerate(records):
+                seq = first + i
+                db.execute("INSERT INTO log VALUES (?, ?, ?)", (seq, record, _checksum(_key("log", seq), record)))
             if build is not None:
                 if part is not None:
                     db.execute(
@@ -434,8 +446,8 @@ class SQLiteStore:
             self._rollback(db)
             if isinstance(e, LorapubError):
                 raise
-            raise self._error(f"{type(command).__name__} not stored", e) from None
-        self._seq = seq
+            raise self._error(f"{what} not stored", e) from None
+        self._seq = seq = first + len(records) - 1
         if build is not None:
             if finished:
                 self._snap, self._build, self._garbage = build.snap, None, True
@@ -445,7 +457,7 @@ class SQLiteStore:
         elif not self._garbage and seq - self._snap >= self.snapshot_every:
             # the previous snapshot's garbage is gone: the log never holds more than about
             # snapshot_every + (parts of one snapshot) + (collection steps) records
-            self._build = _Build(seq, state, self.part_entries)
+            self._build = _Build(seq, items[-1][0], self.part_entries)
 
     def _collect(self, db: sqlite3.Connection) -> None:
         """Delete up to ``gc_batch`` log records and parts the latest snapshot covers."""
