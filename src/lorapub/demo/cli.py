@@ -102,6 +102,17 @@ async def demo(args) -> int:
         pubs.append(("D", "PUBLISHED", d.seconds, dict(d.phases)))
         say("capacity freed by A's reclaim and C's cleanup: D published; B retired and reclaimed when unused")
         await dep.settle()
+        if doubles:
+            late = dep.session("after-restart")
+            await late.generate({"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 2}})
+            doubles[1].restart()
+            say("e1 crashed and restarted: it lost D; a session keeps generating on D (routed to e0)")
+            await late.generate({"input_ids": [7, 8, 9, 10], "sampling_params": {"max_new_tokens": 2}})
+            health = await dep.reconcile()
+            holders = sorted(health.fleet.holders.get(d.version, ())) if health.fleet else []
+            say(f"reconciler: D re-provisioned from lorapub's frozen copy on {', '.join(holders)}; "
+                f"health: {health.describe()}")
+            await late.close()
     finally:
         sampler.cancel()
 
