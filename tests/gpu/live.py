@@ -550,9 +550,78 @@ class Run:
         # the fixed name serves whatever was loaded last: its version is the publisher's update count
         runs["switch_off"] = await self.one_run(spec, legacy.session, engines, publish=lambda: legacy.publish(self.snaps["B"], "B"),
                                                 dep=None, version_of=lambda s: legacy.publisher.updates)
+        for run in runs.values():
+            run.pop("_records", None), run.pop("_sessions", None)
         return {"spec": {k: getattr(spec, k) for k in ("sessions", "arrival_interval", "turns", "prompt_len",
                                                         "tool_output_len", "max_new_tokens", "tool_latency")},
                 "runs": runs, "compare": compare(runs)}
+
+    async def router(self) -> dict:
+        """Behind the real SGLang router (cache_aware), as Relax deploys it: generations go to
+        the router with each session's exact lora_path; publication and reclaim go to the
+        workers directly. Reports the cached-token ratio per version."""
+        import subprocess
+        import sys
+
+        from lorapub.adapters.sglang_router import RouterRouting, SGLangRouter, router_command
+
+        for e in (self.E0, self.E1):  # a fresh epoch: what earlier sections left loaded leaves first
+            for name in list((await self.http.state(e.url))["adapters"]):
+                await self.http.unload(e.url, name, reclaim_id=f"teardown-{name}")
+        port = 30400
+        cmd = router_command([self.E0.url, self.E1.url], port=port, python=sys.executable,
+                             extra=("--prometheus-host", "127.0.0.1", "--prometheus-port", "29555", "--log-level", "warn"))
+        log = open(os.path.join(self.out_dir, "router.log"), "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        router = SGLangRouter(f"http://127.0.0.1:{port}")
+        try:
+            t0 = time.monotonic()
+            while True:
+                try:
+                    workers = await router.workers()
+                    if len(workers) == 2:
+                        break
+                except LorapubError:
+                    pass
+                if proc.poll() is not None or time.monotonic() - t0 > 60:
+                    raise RuntimeError(f"router did not come up (rc {proc.poll()})")
+                await asyncio.sleep(0.2)
+            boot = time.monotonic() - t0
+            engines = self.fresh_engines("router")
+            dep = await Deployment(engines, epoch=4, stash_dir=os.path.join(self.root, "stash4"), deadlines=DEADLINES,
+                                   bucket_cap_bytes=64 << 10, router=RouterRouting(router)).start()
+            await dep.publish(self.snaps["A"], "A")
+            spec = WorkloadSpec(sessions=96, arrival_interval=0.04, turns=(4, 8), prompt_len=(64, 256),
+                                tool_output_len=(8, 32), max_new_tokens=16, tool_latency=0.1, seed=SEED + 4)
+            bound = lambda s: s.binding.lora_name if s.binding else None  # noqa: E731
+            run = await self.one_run(spec, dep.session, engines, publish=lambda: dep.publish(self.snaps["B"], "B"),
+                                     dep=dep, version_of=bound)
+            await dep.settle()
+            per_version: dict = {}
+            for r in run.pop("_records", []):
+                pv = per_version.setdefault(r["version"], {"requests": 0, "prompt": 0, "cached": 0})
+                pv["requests"] += 1
+                pv["prompt"] += r["prompt"]
+                pv["cached"] += r["cached"]
+            for pv in per_version.values():
+                pv["cached_token_ratio"] = round(pv["cached"] / pv["prompt"], 3) if pv["prompt"] else None
+            state = await dep.state()
+            await dep.close()
+            versions_per_session: dict = {}
+            for r in run.pop("_sessions", []):
+                versions_per_session.setdefault(r[0], set()).add(r[1])
+            run["sessions_on_more_than_one_version"] = sum(1 for v in versions_per_session.values() if len(v) > 1)
+            return {"router_boot_s": round(boot, 2), "workers": workers, "run": run, "per_version": per_version,
+                    "A_after_run": next(v.state.value for v in state.versions.values() if v.key.version_id == "A"),
+                    "command": " ".join(cmd[1:])}
+        finally:
+            await router.close()
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
 
     def fresh_engines(self, tag: str) -> dict:
         return {n: Instrumented(SGLangEngine(n, s.url, os.path.join(self.root, f"stash-{tag}"), probe_timeout=60))
@@ -600,6 +669,9 @@ class Run:
             "cached_token_ratio_in_window": result.cached_ratio(*window),
             "slots_held_max": max(occupancy) if occupancy else None,
             "publication": pub, "seconds": result.ended - result.started,
+            "_records": [{"version": r.version, "prompt": r.prompt_tokens, "cached": r.cached_tokens}
+                         for r in recs if r.ok and r.prompt_tokens and r.turn > 0],
+            "_sessions": [(r.session, r.version) for r in recs if r.ok],
         }
 
     async def main(self) -> dict:
@@ -634,6 +706,8 @@ class Run:
                 await self.section("patch_behaviour", self.patch_behaviour())
                 if "C2" in self.pubs:
                     await self.section("online", self.online())
+                if os.environ.get("LORAPUB_GPU_ROUTER"):
+                    await self.section("router", self.router())
         finally:
             self.report["servers_alive_at_end"] = {s.name: s.alive() for s in all_servers}
             srv.stop(all_servers)
@@ -737,6 +811,16 @@ def verdicts(r: dict) -> dict[str, bool]:
         and (ours.get("slots_held_max") or 99) <= 2 and "B" in ours.get("publication", {}).get("version", "")
     v["online: A reclaimed after the run"] = ours.get("A_after_run") == "RECLAIMED"
     v["online: switch-off and control runs side by side"] = bool(on.get("compare"))
+    rt = s.get("router")
+    if rt is not None or os.environ.get("LORAPUB_GPU_ROUTER"):
+        rt = rt or {}
+        run = rt.get("run", {})
+        pv = rt.get("per_version", {})
+        v["router: sessions through the real SGLang router, B published under load, no failures, one version per session"] = \
+            run.get("failures") == 0 and run.get("sessions_on_more_than_one_version") == 0 and len(pv) == 2 \
+            and "B" in run.get("publication", {}).get("version", "")
+        v["router: cached-token ratio reported per version, A reclaimed after"] = all(
+            x.get("cached_token_ratio") is not None for x in pv.values()) and rt.get("A_after_run") == "RECLAIMED"
     v["no section raised"] = not r.get("errors")
     return v
 

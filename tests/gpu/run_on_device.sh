@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Live-SGLang acceptance on a GPU machine that reaches no package registry.
 # Carried into the checkout: .sgl/site.tar.xz (SGLang 0.5.17 and what it needs beyond the image),
-# .sgl/triton-cache.tgz (optional), .whl/*.whl (lorapub's own needs the image lacks).
+# .sgl/triton-cache.tgz (optional), .whl/*.whl (lorapub's own needs the image lacks),
+# .rtr/sglang_router.tar.xz (optional: the SGLang router, for the router section).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
@@ -9,6 +10,10 @@ S=$(date +%s)
 xz -dc -T0 .sgl/site.tar.xz | tar -x -C /tmp/site || exit 3
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 4
 [ -f .sgl/triton-cache.tgz ] && tar -C ~ -xzf .sgl/triton-cache.tgz
+if [ -f .rtr/sglang_router.tar.xz ]; then
+  xz -dc -T0 .rtr/sglang_router.tar.xz | tar -x -C /tmp/site || exit 6
+  export LORAPUB_GPU_ROUTER=1
+fi
 # Fixtures with the image's own transformers and peft (the bundle's transformers serves SGLang).
 env -u PYTHONPATH python3 -c "from tests.gpu.fixtures import build_all; print(build_all('/tmp/fx'))" || exit 5
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1

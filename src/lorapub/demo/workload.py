@@ -28,6 +28,7 @@ class RequestRecord:
     cached_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    version: Any = None  # what version_of(session) named when the turn ended
 
 
 @attrs.define
@@ -142,7 +143,8 @@ async def run_workload(
                     )
                     meta = out.get("meta_info", {})
                     rec.ok = True
-                    rec.lora_id = meta.get("lora_id") or (version_of(session) if version_of else None)
+                    rec.version = version_of(session) if version_of else None
+                    rec.lora_id = meta.get("lora_id") or rec.version
                     rec.cached_tokens = int(meta.get("cached_tokens", 0))
                     context += list(out.get("output_ids", [])) + tool_output  # the tool turn appends its output
                 except LorapubError as e:
