@@ -33,7 +33,8 @@ from lorapub.core.effects import (
     SendReclaim,
     TransferBucket,
 )
-from lorapub.core.identity import SessionKey, VersionKey
+from lorapub.core.commands import stamped
+from lorapub.core.identity import SessionKey, VersionKey, new_nonce
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError, NotReclaimable, SessionClosed
@@ -41,7 +42,12 @@ from lorapub.testing.fixtures import fake_plan
 
 ENGINES = ("e0", "e1")
 EPOCH = 7
-SESSION_POOL = [SessionKey(EPOCH, f"s{i}", "n0") for i in range(6)]
+WINDOW = 400.0
+# s*: nonces of the caller's own (tombstones kept for the epoch); t*: born at a known time
+# (forgotten after the window, and then every late message for them is still refused)
+SESSION_POOL = [SessionKey(EPOCH, f"s{i}", "n0") for i in range(6)] + [
+    SessionKey(EPOCH, f"t{i}", new_nonce(1000 + 100 * i, "abcdef")) for i in range(4)
+]
 
 
 @attrs.frozen
@@ -61,7 +67,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def setup(self):
         self.incarnations = {e: f"{e}-life0" for e in ENGINES}
         self.lives = {e: 0 for e in ENGINES}
-        self.state = R.new_registry(EPOCH, self.incarnations)
+        self.state = R.new_registry(EPOCH, self.incarnations, lease_ttl=120.0, tombstone_window=WINDOW)
         self.network: list = []  # effects waiting for delivery
         self.history: list = []  # replies already delivered once (replayed late)
         self.ready_to_commit: list[ReadyToCommit] = []
@@ -108,6 +114,7 @@ class RegistryMachine(RuleBasedStateMachine):
         return outcome.reply
 
     def try_apply(self, command):
+        command = stamped(command, self.now)  # as the single writer does, before every transition
         try:
             return self.apply(R.handle(self.state, command))
         except LorapubError as e:
@@ -370,10 +377,13 @@ class RegistryMachine(RuleBasedStateMachine):
             if result.code == "NO_PUBLISHED_VERSION":
                 assert default is None
             elif result.code == "SESSION_EXPIRED":
-                assert key in self.expired and record.state is SessionState.EXPIRED
+                beyond = key.born is not None and key.born < self.now - WINDOW
+                assert (key in self.expired and record is not None and record.state is SessionState.EXPIRED) or (
+                    record is None and beyond)
             else:
                 assert result.code == "SESSION_CLOSED" and record.state in (SessionState.CLOSING, SessionState.CLOSED)
             return
+        assert key not in self.closed and key not in self.expired, f"{key} bound again after it ended"
         if key in self.bound:
             assert result.version == self.bound[key], "binding changed"
         else:

@@ -23,7 +23,7 @@ from lorapub.errors import LorapubError
 from lorapub.core.commands import stamped
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import SQLiteStore
-from tests.property.test_registry_machine import EPOCH, SESSION_POOL, RegistryMachine
+from tests.property.test_registry_machine import WINDOW, EPOCH, SESSION_POOL, RegistryMachine
 
 
 class StoreReplayMachine(RegistryMachine):
@@ -32,7 +32,8 @@ class StoreReplayMachine(RegistryMachine):
         super().setup()
         self.dir = tempfile.mkdtemp(prefix="lorapub-store-")
         self.options = dict(snapshot_every=snapshot_every, part_entries=part_entries, gc_batch=2)
-        self.registry = LocalRegistry(EPOCH, self.incarnations, store=self._store(), clock=lambda: self.now)
+        self.registry = LocalRegistry(EPOCH, self.incarnations, store=self._store(), clock=lambda: self.now,
+                                      lease_ttl=120.0, tombstone_window=WINDOW)
         assert self.registry.state == self.state
 
     def _store(self) -> SQLiteStore:

@@ -110,7 +110,8 @@ class RenewLeases:
 
 @attrs.frozen
 class ExpireLeases:
-    """Release the refs of sessions whose lease ran out (their worker stopped renewing)."""
+    """Release the refs of sessions whose lease ran out (their worker stopped renewing), and
+    forget the tombstones of sessions born before the tombstone window."""
 
     now: float | None = None
 
@@ -134,11 +135,13 @@ class AbortStale:
 @attrs.frozen
 class BeginClose:
     key: SessionKey
+    now: float | None = None
 
 
 @attrs.frozen
 class CloseAndRelease:
     key: SessionKey
+    now: float | None = None
 
 
 @attrs.frozen

@@ -85,6 +85,15 @@ class AttemptToken:
         return f"{self.version}#a{self.seq}"
 
 
+_BORN_RE = re.compile(r"b([0-9]{1,12})-[0-9a-f]{6,32}")
+
+
+def new_nonce(now: float, entropy: str) -> str:
+    """A session nonce that carries its birth time, so the registry can forget the session's
+    tombstone after its window and still refuse late messages for it."""
+    return f"b{int(now)}-{entropy}"
+
+
 @attrs.frozen(order=True)
 class SessionKey:
     """A session lifecycle: the nonce separates two lifecycles that reuse one session id."""
@@ -97,6 +106,13 @@ class SessionKey:
         _check_epoch(self.deployment_epoch)
         check_id("session_id", self.session_id)
         check_id("nonce", self.nonce)
+
+    @property
+    def born(self) -> int | None:
+        """When the lifecycle began (wall-clock seconds), for nonces made by :func:`new_nonce`;
+        None for a nonce of the caller's own (its tombstone is then kept for the epoch)."""
+        m = _BORN_RE.fullmatch(self.nonce)
+        return int(m.group(1)) if m else None
 
     def __str__(self) -> str:
         return f"{self.deployment_epoch}/{self.session_id}/{self.nonce}"

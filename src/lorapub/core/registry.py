@@ -67,6 +67,7 @@ from lorapub.core.version import (
     drop_session_ref,
 )
 from lorapub.errors import (
+    SessionExpired,
     CapacityError,
     EpochMismatch,
     InvalidInput,
@@ -84,6 +85,9 @@ from lorapub.errors import (
 DEFAULT_CAPACITY = 2
 #: Seconds a session's ref outlives the last renewal from its worker (None: no leases).
 DEFAULT_LEASE_TTL = 120.0
+#: Seconds a closed or expired session's tombstone is kept after the session began (None: for
+#: the epoch). Messages for a session born before the window are refused without one.
+DEFAULT_TOMBSTONE_WINDOW = 3600.0
 
 
 def _frozen_map(value) -> PMap:
@@ -107,6 +111,8 @@ class RegistryState:
     # (engine, VersionKey) -> the re-provisioning attempt loading it there again
     reprovisions: PMap = attrs.field(factory=pmap, converter=_frozen_map)
     expired_sessions: int = 0
+    tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW
+    forgotten_sessions: int = 0
 
     # -- reads ---------------------------------------------------------------
     @property
@@ -210,6 +216,7 @@ def new_registry(
     engines: Mapping[str, str],
     capacity: int = DEFAULT_CAPACITY,
     lease_ttl: float | None = DEFAULT_LEASE_TTL,
+    tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
 ) -> RegistryState:
     if not engines:
         raise InvalidInput("a registry needs at least one target engine")
@@ -217,7 +224,13 @@ def new_registry(
         raise InvalidInput(f"capacity must be an int >= 1, got {capacity!r}")
     if lease_ttl is not None and (not isinstance(lease_ttl, (int, float)) or not lease_ttl > 0):
         raise InvalidInput(f"lease_ttl must be a positive number of seconds or None, got {lease_ttl!r}")
-    return RegistryState(epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl)
+    if tombstone_window is not None and (not isinstance(tombstone_window, (int, float)) or not tombstone_window > 0):
+        raise InvalidInput(f"tombstone_window must be a positive number of seconds or None, got {tombstone_window!r}")
+    if lease_ttl is not None and tombstone_window is not None and tombstone_window < 2 * lease_ttl:
+        raise InvalidInput(f"tombstone_window ({tombstone_window:g}s) must be at least twice lease_ttl ({lease_ttl:g}s)")
+    return RegistryState(
+        epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
+    )
 
 
 def _check_epoch(state: RegistryState, epoch: int, what: object) -> None:
@@ -472,6 +485,22 @@ def _session(state: RegistryState, key: SessionKey) -> SessionRecord | None:
     return state.sessions.get(key)
 
 
+def _beyond_window(state: RegistryState, key: SessionKey, now: float | None) -> bool:
+    """Born before the tombstone window: a tombstone of it may have been forgotten."""
+    born = key.born
+    return born is not None and now is not None and state.tombstone_window is not None and (
+        born < now - state.tombstone_window
+    )
+
+
+def _refuse_beyond_window(state: RegistryState, key: SessionKey, record, now: float | None, what: str) -> None:
+    if record is None and _beyond_window(state, key, now):
+        raise SessionExpired(
+            f"session {key} began more than {state.tombstone_window:g}s ago and is not live here "
+            f"(its tombstone may have been forgotten); {what} refused — start a new session", session=key,
+        )
+
+
 def _binding(state: RegistryState, record: SessionRecord) -> Binding:
     assert record.version is not None
     v = state.versions[record.version]
@@ -483,7 +512,9 @@ def _lease_until(state: RegistryState, now: float | None) -> float | None:
 
 
 def open_session(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
-    record = ses.leased(ses.opened(_session(state, key), key), _lease_until(state, now))
+    found = _session(state, key)
+    _refuse_beyond_window(state, key, found, now, "open")
+    record = ses.leased(ses.opened(found, key), _lease_until(state, now))
     return Outcome(attrs.evolve(state, sessions=state.sessions.set(key, record)), record.state)
 
 
@@ -491,6 +522,7 @@ def bind_first(state: RegistryState, key: SessionKey, now: float | None = None) 
     """Bind to the current default on first generation (the lease starts); later calls return
     the same binding and change nothing (leases are renewed in batches, by ``RenewLeases``)."""
     record = _session(state, key)
+    _refuse_beyond_window(state, key, record, now, "bind")
     lease = _lease_until(state, now)
     if record is not None and record.state is SessionState.BOUND:
         return Outcome(state, _binding(state, record))  # a replay: same answer, nothing changes
@@ -508,14 +540,20 @@ def bind_first(state: RegistryState, key: SessionKey, now: float | None = None) 
     return Outcome(state, _binding(state, record))
 
 
-def begin_close(state: RegistryState, key: SessionKey) -> Outcome:
-    record = ses.closing(_session(state, key), key)
+def begin_close(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+    found = _session(state, key)
+    if found is None and _beyond_window(state, key, now):
+        return Outcome(state, SessionState.CLOSED)  # long over: nothing to record
+    record = ses.closing(found, key)
     return Outcome(attrs.evolve(state, sessions=state.sessions.set(key, record)), record.state)
 
 
-def close_and_release(state: RegistryState, key: SessionKey) -> Outcome:
-    """Release the session ref exactly once and keep a CLOSED tombstone."""
-    record, release = ses.closed(_session(state, key), key)
+def close_and_release(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+    """Release the session ref exactly once and keep a CLOSED tombstone (for the window)."""
+    found = _session(state, key)
+    if found is None and _beyond_window(state, key, now):
+        return Outcome(state, SessionState.CLOSED)
+    record, release = ses.closed(found, key)
     state = attrs.evolve(state, sessions=state.sessions.set(key, record))
     if release is None:
         return Outcome(state, record.state)
@@ -559,8 +597,13 @@ def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
         return Outcome(state, 0)
     versions, sessions = state.versions, state.sessions
     released: set[VersionKey] = set()
-    expired = 0
+    expired = forgotten = 0
     for key, record in state.sessions.items():
+        if record.state in ses.TOMBSTONES:
+            if _beyond_window(state, key, now):
+                sessions = sessions.remove(key)
+                forgotten += 1
+            continue
         if record.lease_until is None or record.lease_until >= now or record.state not in ses.LEASED:
             continue
         record, release = ses.expired(record)
@@ -569,9 +612,12 @@ def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
         if release is not None:
             versions = versions.set(release, drop_session_ref(versions[release]))
             released.add(release)
-    if not expired:
+    if not expired and not forgotten:
         return Outcome(state, 0)
-    state = attrs.evolve(state, versions=versions, sessions=sessions, expired_sessions=state.expired_sessions + expired)
+    state = attrs.evolve(
+        state, versions=versions, sessions=sessions, expired_sessions=state.expired_sessions + expired,
+        forgotten_sessions=state.forgotten_sessions + forgotten,
+    )
     return Outcome(state, expired, [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
 
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from lorapub.core.identity import VersionKey, _check_epoch
 from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
-from lorapub.core.registry import DEFAULT_LEASE_TTL, Fleet, RegistryState
+from lorapub.core.registry import DEFAULT_LEASE_TTL, DEFAULT_TOMBSTONE_WINDOW, Fleet, RegistryState
 from lorapub.errors import AlreadyStarted, InvalidInput, LorapubError, OutcomeUnknown
 from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry
 from lorapub.runtime.overwrite import OverwriteDeployment
@@ -57,6 +57,7 @@ class Deployment:
         reclaim_retries: int = 5,
         reclaim_backoff: float = 1.0,
         lease_ttl: float | None = DEFAULT_LEASE_TTL,
+        tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
         reconcile_interval: float | None = 5.0,
         stale_attempt_after: float | None = None,
         router: Any = None,
@@ -78,6 +79,7 @@ class Deployment:
         self.reclaim_retries = reclaim_retries
         self.reclaim_backoff = reclaim_backoff
         self.lease_ttl = lease_ttl
+        self.tombstone_window = tombstone_window
         self.reconcile_interval = reconcile_interval
         self.stale_attempt_after = stale_attempt_after
         # How generations reach engines: lorapub's sticky router by default, or e.g.
@@ -94,7 +96,9 @@ class Deployment:
             raise AlreadyStarted("this Deployment was closed; build a new one")
         if self.registry is None:
             incarnations = {name: await self._incarnation(name) for name in self.engines}
-            self.registry = LocalRegistry(self.epoch, incarnations, lease_ttl=self.lease_ttl)
+            self.registry = LocalRegistry(
+                self.epoch, incarnations, lease_ttl=self.lease_ttl, tombstone_window=self.tombstone_window,
+            )
         self.reclaimer = Reclaimer(
             self.registry, self.engines, self.deadlines,
             auto=self.auto_reclaim, retries=self.reclaim_retries, backoff=self.reclaim_backoff,

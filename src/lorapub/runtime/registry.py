@@ -50,6 +50,7 @@ class LocalRegistry:
         store: RegistryStore | None = None,
         *,
         lease_ttl: float | None = R.DEFAULT_LEASE_TTL,
+        tombstone_window: float | None = R.DEFAULT_TOMBSTONE_WINDOW,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store if store is not None else MemoryStore()
@@ -63,7 +64,7 @@ class LocalRegistry:
         except Exception as e:
             raise StoreError(f"registry store {where}: cannot load it: {type(e).__name__}: {e}") from None
         if loaded is None:
-            self._state = R.new_registry(epoch, engines, capacity, lease_ttl)
+            self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window)
             self._save(self._state, None)
         elif not isinstance(loaded, RegistryState):
             self.close()  # refused: the store is released for whoever repairs it

@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from lorapub.core.identity import SessionKey, VersionKey
+from lorapub.core.identity import SessionKey, VersionKey, new_nonce
 from lorapub.core.commands import AuthorizeDispatch, BeginClose, BindFirst, CloseAndRelease, RenewLeases
 from lorapub.core.session import Binding
 from lorapub.errors import EngineUnavailable, InvalidInput, LorapubError, SessionClosed, SessionExpired, VersionMissing
@@ -287,7 +287,7 @@ class SessionService:
 
     def session(self, session_id: str, nonce: str | None = None) -> Session:
         """The local record for a session lifecycle (OPEN; nothing is bound until the first generation)."""
-        key = SessionKey(self.epoch, session_id, nonce or uuid.uuid4().hex[:16])
+        key = SessionKey(self.epoch, session_id, nonce or new_nonce(time.time(), uuid.uuid4().hex[:16]))
         found = self.sessions.get(key)
         if found is None:
             found = self.sessions[key] = Session(self, key)
