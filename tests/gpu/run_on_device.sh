@@ -7,9 +7,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
 S=$(date +%s)
-xz -dc -T0 .sgl/site.tar.xz | tar -x -C /tmp/site || exit 3
+SGL=${LORAPUB_SGL_DIR:-.sgl}  # .sgl-lite: the same bundle with its shared objects stripped (fits beside the router)
+xz -dc -T0 "$SGL/site.tar.xz" | tar -x -C /tmp/site || exit 3
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 4
-[ -f .sgl/triton-cache.tgz ] && tar -C ~ -xzf .sgl/triton-cache.tgz
+[ -f "$SGL/triton-cache.tgz" ] && tar -C ~ -xzf "$SGL/triton-cache.tgz"
 if [ -f .rtr/sglang_router.tar.xz ]; then
   xz -dc -T0 .rtr/sglang_router.tar.xz | tar -x -C /tmp/site || exit 6
   export LORAPUB_GPU_ROUTER=1
