@@ -35,6 +35,7 @@ from lorapub.core.attempt import ReadyLocal  # noqa: E402
 from lorapub.core.effects import SOURCE  # noqa: E402
 from lorapub.core.identity import SessionKey, VersionKey  # noqa: E402
 from lorapub.runtime.deployment import deploy  # noqa: E402
+from lorapub.runtime.overwrite import FIXED_LORA_NAME  # noqa: E402
 from lorapub.runtime.runner import Deadlines  # noqa: E402
 from lorapub.errors import CapacityError, PublicationBlocked  # noqa: E402
 from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
@@ -108,8 +109,10 @@ def longest_stall(result: WorkloadResult, window: tuple[float, float] | None = N
     return longest
 
 
-async def one_run(strategy: str, args, spec: WorkloadSpec) -> dict:
-    """One strategy on fresh engines; the figures of that run (seconds, counts)."""
+async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
+    """One strategy on fresh engines (or, with --engine-url, the servers as the previous run
+    left them: as it found them); the figures of that run (seconds, counts). Each run is a
+    deployment epoch of its own, so no two runs publish the same adapter name."""
     enabled = strategy != "baseline"
     n_publications = 0 if strategy == "control" else args.publications
     stash = tempfile.mkdtemp(prefix="lorapub-bench-")
@@ -123,10 +126,11 @@ async def one_run(strategy: str, args, spec: WorkloadSpec) -> dict:
             engines = {f"e{i}": SGLangEngine(f"e{i}", u, args.stash_dir or stash) for i, u in enumerate(urls)}
         else:
             engines = {f"e{i}": SGLangOverwriteAdmin(f"e{i}", u) for i, u in enumerate(urls)}
-        dep = await deploy(engines, epoch=1, enabled=enabled, deadlines=Deadlines(), bucket_cap_bytes=64 << 10,
+        dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(), bucket_cap_bytes=64 << 10,
                            stash_dir=stash)
-        await dep.publish(lora_snapshot(1000), "v0")  # bootstrap: before any session exists
+        bootstrap = await dep.publish(lora_snapshot(1000), "v0")  # before any session exists
         windows, publications, deferred, sessions = [], [], 0, []
+        loaded = [] if isinstance(bootstrap, float) else [bootstrap.lora_name]
         # the trainer builds snapshots in its own process; here they are ready before the run
         snapshots = {i: lora_snapshot(1000 + i) for i in range(1, n_publications + 1)}
 
@@ -142,6 +146,8 @@ async def one_run(strategy: str, args, spec: WorkloadSpec) -> dict:
                     continue
                 t1 = time.monotonic()
                 windows.append((t0, t1))
+                if not isinstance(report, float):
+                    loaded.append(report.lora_name)
                 publications.append((t1 - t0, {} if isinstance(report, float) else dict(report.phases)))
 
         def session(name: str):
@@ -161,6 +167,13 @@ async def one_run(strategy: str, args, spec: WorkloadSpec) -> dict:
             gc.unfreeze()
         if enabled:
             await dep.settle()
+        if args.engine_url:  # real servers serve every run: unload what this one loaded
+            for e in engines.values():
+                if enabled:
+                    for name in loaded:  # reclaimed ones are gone already: an unload of them is a no-op
+                        await e.reclaim(name, f"bench-end-of-run-{epoch}")
+                elif FIXED_LORA_NAME in await e.loaded_adapters():
+                    await e.unload_adapter(FIXED_LORA_NAME)
         for e in engines.values():
             await e.close()
     finally:
@@ -253,7 +266,7 @@ def method(args, spec: WorkloadSpec) -> str:
         "    lorapub: a new immutable version loaded, pinned, beside the live ones; sessions keep their version.",
         f"  {args.rounds} round(s), each control -> baseline -> lorapub; a figure is the median [min-max] over the rounds.",
         "  garbage collector: collected, frozen and off in this process during each measured run (workload and",
-        "    publications); likewise in each engine process once it serves.",
+        "    publications)" + ("." if args.engine_url else "; likewise in each engine process once it serves."),
         "  no-progress gap: per engine, the longest time between two completions while a request was pending (from",
         "    the earliest start among the requests not yet completed when that is later); a run's figure is its",
         "    larger engine's. A stall per publication: the longest such gap overlapping it, averaged over them.",
@@ -271,8 +284,8 @@ async def part1(args) -> tuple[dict, dict]:
     rounds = []
     for r in range(args.rounds):
         run = {}
-        for strategy in STRATEGIES:
-            run[strategy] = await one_run(strategy, args, spec)
+        for i, strategy in enumerate(STRATEGIES):
+            run[strategy] = await one_run(strategy, args, spec, epoch=1 + r * len(STRATEGIES) + i)
         run["derived"] = derived(run)
         rounds.append(run)
         d = run["derived"]
