@@ -27,6 +27,7 @@ class FakeOverwriteAdmin:
         self.paused = False
         self.gate: asyncio.Event | None = None  # flush_cache waits on it when set
         self.continue_gate: asyncio.Event | None = None  # continue_generation waits on it when set
+        self.load_gate: asyncio.Event | None = None  # load_adapter waits on it when set
 
     async def _op(self, op: str) -> None:
         self.calls.append(op)
@@ -54,6 +55,8 @@ class FakeOverwriteAdmin:
 
     async def load_adapter(self, lora_name: str, lora_path: str) -> None:
         await self._op("load")
+        if self.load_gate is not None:
+            await self.load_gate.wait()
         self.loaded[lora_name] = lora_path
 
     async def unload_adapter(self, lora_name: str) -> None:
@@ -131,6 +134,24 @@ async def test_a_failure_mid_way_continues_every_engine_and_raises_typed(fakes, 
     for f in fakes.values():
         assert not f.paused and f.calls[-1] == "continue", (f.name, f.calls)
     assert dep.publisher.updates == 1  # the failed update does not count
+
+
+async def test_the_overwrite_loads_on_every_engine_at_once(fakes, tmp_path):
+    dep = await OverwriteDeployment(fakes, stash_dir=str(tmp_path)).start()
+    await dep.publish(lora_snapshot(1), "A")
+    fakes["e0"].load_gate = asyncio.Event()  # e0's load does not finish...
+    task = asyncio.create_task(dep.publish(lora_snapshot(2), "B"))
+
+    async def e1_loaded() -> None:
+        while fakes["e1"].calls.count("load") < 2:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(e1_loaded(), 5)  # ...and e1 unloads and loads all the same (in turn it never would)
+    assert fakes["e0"].calls[-1] == "load" and not task.done()
+    fakes["e0"].load_gate.set()
+    await task
+    for f in fakes.values():
+        assert f.calls[-6:] == ["pause", "flush", "list", "unload", "load", "continue"] and not f.paused
 
 
 async def test_a_failed_continue_is_reported_not_swallowed(fakes, tmp_path):

@@ -59,12 +59,18 @@ class OverwritePublisher:
                 failures.append(_typed(name, op, result))
         return failures
 
+    async def _overwrite(self, engine: OverwriteAdmin, path: str) -> None:
+        if self.lora_name in await engine.loaded_adapters():
+            await engine.unload_adapter(self.lora_name)
+        await engine.load_adapter(self.lora_name, path)
+
     async def publish(self, snapshot: Snapshot, version_id: str) -> float:
         """Returns the seconds generation stood paused.
 
-        Pause every engine, flush, unload the fixed name where it is loaded, load the new
-        adapter under it, continue. Generation is continued on every engine whatever happens
-        in between (a failure, a cancellation); the first failure is raised, typed.
+        Pause every engine, flush, unload the fixed name where it is loaded and load the new
+        adapter under it (every step on all engines at once: the pause lasts one engine's
+        load, not their sum), continue. Generation is continued on every engine whatever
+        happens in between (a failure, a cancellation); the first failure is raised, typed.
         """
         if not isinstance(snapshot, Snapshot):
             raise InvalidInput(f"publish takes a Snapshot, got {type(snapshot).__name__}")
@@ -82,13 +88,9 @@ class OverwritePublisher:
             failures = await self._each("flush_cache", lambda e: e.flush_cache())
             if failures:
                 raise failures[0]
-            for name, engine in self.engines.items():
-                try:
-                    if self.lora_name in await engine.loaded_adapters():
-                        await engine.unload_adapter(self.lora_name)
-                    await engine.load_adapter(self.lora_name, path)
-                except Exception as e:  # noqa: BLE001 - typed below
-                    raise _typed(name, "overwrite", e) from e
+            failures = await self._each("overwrite", lambda e: self._overwrite(e, path))
+            if failures:
+                raise failures[0]
         except BaseException as e:
             failure = e
             raise

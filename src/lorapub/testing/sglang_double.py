@@ -149,6 +149,11 @@ class SGLangDouble:
     are let in or refused (401/403, ``{"error": "Unauthorized"}``) exactly as SGLang's
     middleware decides. ``stock=True`` is SGLang without lorapub's patch: ``/lorapub/state``
     does not exist (404) and managed names get no protection.
+
+    ``blocking_load=True`` models SGLang's scheduler, which loads an adapter between batches:
+    while a load runs (``load_delay``, an implicit reload included) no prefill or decode step
+    starts on this engine; steps resume when the adapter is registered. Off (the default),
+    decoding goes on beside a load.
     """
 
     def __init__(
@@ -161,6 +166,7 @@ class SGLangDouble:
         decode_delay: float = 0.002,
         load_delay: float = 0.0,
         prefill_per_token: float = 0.0,
+        blocking_load: bool = False,
         stock: bool = False,
         api_key: str | None = None,
         admin_api_key: str | None = None,
@@ -178,6 +184,7 @@ class SGLangDouble:
         self.decode_delay = decode_delay
         self.load_delay = load_delay  # simulated adapter load + GPU preparation time
         self.prefill_per_token = prefill_per_token  # uncached prompt tokens cost prefill time
+        self.blocking_load = blocking_load  # a load holds this engine's batches (SGLang's scheduler)
         self.faults: dict[str, Fault] = {}
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -199,6 +206,8 @@ class SGLangDouble:
         self.prefix_cache: dict[str, list[tuple[int, ...]]] = {}
         self.paused = asyncio.Event()
         self.paused.set()
+        self.not_loading = asyncio.Event()  # cleared while a blocking load holds the batches
+        self.not_loading.set()
         self.abort_gen = 0  # bumped by pause_generation(mode="abort"): running requests end aborted
         self.physical_unloads: list[str] = []
 
@@ -348,14 +357,19 @@ class SGLangDouble:
     async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
-        signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
-        if self.load_delay:
-            await asyncio.sleep(self.load_delay)
-        ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
-        await self.lora_registry.register(ref)  # "already exists" -> ValueError
-        self.loaded[ref.lora_id] = signature
-        self.ref_cache[lora_name] = ref
-        self.events.append(("load", lora_name))
+        if self.blocking_load:  # callers hold update_lock: one load at a time
+            self.not_loading.clear()
+        try:
+            signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
+            if self.load_delay:
+                await asyncio.sleep(self.load_delay)
+            ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+            await self.lora_registry.register(ref)  # "already exists" -> ValueError
+            self.loaded[ref.lora_id] = signature
+            self.ref_cache[lora_name] = ref
+            self.events.append(("load", lora_name))
+        finally:
+            self.not_loading.set()
         while self.lora_registry.num_registered_loras > self.max_loaded_loras:
             lru = await self.lora_registry.lru_lora_name(exclude_pinned=True)
             if lru is None:
@@ -520,6 +534,7 @@ class SGLangDouble:
             signature = self.loaded.get(lora_id, "<base>") if lora_id else "<base>"
             cached = self._cached_tokens(lora_id, ids)
             if self.prefill_per_token:
+                await self.not_loading.wait()
                 await asyncio.sleep(self.prefill_per_token * (len(ids) - cached))
             seq = list(ids)
             logprobs = []
@@ -528,6 +543,7 @@ class SGLangDouble:
                     await release_once()
                     return web.json_response({"error": {"message": "Request aborted by pause_generation"}}, status=503)
                 await self.paused.wait()
+                await self.not_loading.wait()
                 await asyncio.sleep(self.decode_delay)
                 if lora_id is not None and lora_id not in self.loaded:
                     raise RuntimeError("adapter unloaded under a running request")  # must never happen

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""One SGLang contract double (``lorapub.testing.SGLangDouble``) in a process of its own.
+
+    python3 bench/engine_server.py NAME [--decode-delay S] [--load-delay S]
+                                        [--prefill-per-token S] [--blocking-load]
+
+bench/run.py starts one per engine and per run, so an engine's event loop, CPU and garbage
+collector are not the workload's (nor the other engine's). It prints ``URL <base url>`` once
+it serves on loopback, then serves until its standard input closes. The process lives for
+one run: once it serves, its start-up objects are frozen out of the collector and the
+collector is off (``gc.freeze()``, ``gc.disable()``), so no collection pause lands in the
+engine's timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+from lorapub.testing import SGLangDouble  # noqa: E402
+
+
+async def serve(args: argparse.Namespace) -> None:
+    double = await SGLangDouble(
+        args.name, decode_delay=args.decode_delay, load_delay=args.load_delay,
+        prefill_per_token=args.prefill_per_token, blocking_load=args.blocking_load,
+    ).start()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    print(f"URL {double.url}", flush=True)
+    await asyncio.to_thread(sys.stdin.read)  # until the benchmark closes our stdin (or dies)
+    await double.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name")
+    parser.add_argument("--decode-delay", type=float, default=0.002)
+    parser.add_argument("--load-delay", type=float, default=0.0)
+    parser.add_argument("--prefill-per-token", type=float, default=0.0)
+    parser.add_argument("--blocking-load", action="store_true")
+    asyncio.run(serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

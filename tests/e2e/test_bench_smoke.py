@@ -1,0 +1,65 @@
+"""bench/run.py --quick runs end to end and prints every figure it promises (their values are
+the benchmark's business, not a test's: no timing is asserted here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "run.py")
+
+
+def load_bench():
+    """bench/run.py as a module (for its table of figures), leaving sys.path as it was."""
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("lorapub_bench_run", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path[:] = saved
+
+
+bench = load_bench()
+
+
+def test_the_quick_benchmark_prints_every_figure(tmp_path):
+    out = tmp_path / "figures.json"
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = done.stdout
+    for name, _, _, _ in bench.ROWS:
+        assert name in text
+    for line in ("method:", "excess no-progress gap over control", "excess request latency p99 over control",
+                 "share of the baseline's excess stall that lorapub removes", "lorapub phases",
+                 "== control plane", "== performance bars =="):
+        assert line in text
+
+    figures = json.loads(out.read_text())
+    online = figures["online"]
+    (round_,) = online["rounds"]  # --quick: one round
+    for strategy in bench.STRATEGIES:
+        run = round_[strategy]
+        for _, key, _, applies in bench.ROWS:
+            assert key in run
+            if strategy in applies:  # a figure that applies is measured, not NaN
+                assert not math.isnan(run[key]), (strategy, key)
+                assert not math.isnan(online["summary"][strategy][key]["median"]), (strategy, key)
+        assert run["requests"] > 0
+    assert round_["baseline"]["published"] == round_["lorapub"]["published"] == 1
+    assert set(round_["lorapub"]["phases"]) == {"begin", "transfer", "end", "commit"}
+    for key in ("baseline_excess_gap", "lorapub_excess_gap", "baseline_excess_p99", "lorapub_excess_p99", "removed"):
+        assert not math.isnan(round_["derived"][key])
+        assert set(online["summary"]["derived"][key]) == {"median", "min", "max"}
+    assert len(online["load_average"]) == 2
+    assert {"2 engines", "64 engines", "10 sessions", "10000 sessions"} <= set(figures["control_plane"])
+    assert len(figures["bars"]) == 5

@@ -1,0 +1,41 @@
+"""The contract double's ``blocking_load``: SGLang's scheduler loads an adapter between batches,
+so while a load runs no step of generation starts on that engine (the benchmark relies on it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.demo.workload import until
+from lorapub.testing import SGLangDouble, lora_snapshot
+
+GEN = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2}}
+
+
+@pytest.fixture
+async def adapter_dir(tmp_path):
+    return await asyncio.to_thread(lora_snapshot(1).save_peft_dir, str(tmp_path / "a"))
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "beside"])
+async def test_a_generation_sent_during_a_load(adapter_dir, blocking):
+    double = await SGLangDouble("e0", load_delay=0.3 if blocking else 30.0, blocking_load=blocking,
+                                prefill_per_token=1e-6).start()
+    admin = SGLangOverwriteAdmin("e0", double.url)
+    load = asyncio.create_task(admin.load_adapter("x", adapter_dir))
+    try:
+        await until(lambda: double.update_lock.locked())  # the load is under way
+        out = await admin.generate(GEN)
+        assert out["output_ids"]
+        if blocking:  # it waited: the adapter was registered before its first step
+            assert ("load", "x") in double.events and double.not_loading.is_set()
+            await load
+        else:  # it ran beside the load, which is still going
+            assert ("load", "x") not in double.events and not load.done()
+    finally:
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+        await admin.close()
+        await double.stop()
