@@ -72,8 +72,9 @@ class WorkloadResult:
         """Per engine: the longest stretch with no request completing while one was pending.
 
         Between two consecutive completions at ``a`` and ``b``, the stretch counts from
-        ``max(a, start of the request that completed at b)``: idle time with nothing in
-        flight is not a stall. ``window`` keeps the stretches that overlap it.
+        ``max(a, earliest start among the requests still pending at a)``: idle time with
+        nothing in flight is not a stall, and a request that arrives during a stall and ends
+        first does not cut it short. ``window`` keeps the stretches that overlap it.
         """
         gaps: dict[str, float] = {}
         by_engine: dict[str, list[RequestRecord]] = {}
@@ -81,9 +82,13 @@ class WorkloadResult:
             by_engine.setdefault(r.engine or "?", []).append(r)
         for engine, recs in by_engine.items():
             recs.sort(key=lambda r: r.ended)
+            pending_since = [0.0] * len(recs)  # [i]: the earliest start among recs[i:]
+            earliest = float("inf")
+            for i in range(len(recs) - 1, -1, -1):
+                earliest = pending_since[i] = min(earliest, recs[i].started)
             longest = 0.0
-            for prev, cur in zip(recs, recs[1:]):
-                a, b = max(prev.ended, cur.started), cur.ended
+            for i in range(1, len(recs)):
+                a, b = max(recs[i - 1].ended, pending_since[i]), recs[i].ended
                 if window and (b < window[0] or a > window[1]):
                     continue
                 longest = max(longest, b - a)
