@@ -164,3 +164,33 @@ async def test_engines_with_one_transport_choose_the_publishers_bucket_source(tm
         name = "e2"
 
     assert engines_source_factory({"e2": Plain()}) is InlineBucketSource
+
+
+async def test_a_duplicate_torch_receive_starts_no_second_collective(tmp_path):
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+
+    d = SGLangDouble("e0")
+    d.stash_root = str(tmp_path / "disk")
+    await d.start()
+    transport = TorchDistributed(timeout=10.0)
+    engine = SGLangWireEngine("e0", d.url, transport=transport, probe_timeout=10)
+    try:
+        snapshot = lora_snapshot(8, layers=1, hidden=16, rank=2)
+        plan = snapshot.plan(256)
+        source = transport.bucket_source_factory(snapshot, plan)
+        key = VersionKey(1, "T")
+        token = AttemptToken(key, 1)
+        inc = await engine.incarnation()
+        await engine.begin(SendBegin("e0", inc, token, lora_name_for(key, snapshot.digest), snapshot.digest, plan))
+        # the source's half and two receives of the same bucket at once (a duplicate in flight)
+        results = await asyncio.gather(source.send(token, 0, ("e0",)), engine.receive_bucket(token, 0, b""),
+                                       engine.receive_bucket(token, 0, b""))
+        assert results[1:] == [inc, inc]
+        assert await engine.receive_bucket(token, 0, b"") == inc  # and once more after it finished
+        await source.send(token, 0, ("e0",))  # a duplicate send joins nothing either
+        assert d.staging.collectives == 1 and source.broadcasts == 1
+        assert d.staging.report()["attempts"][str(token)]["buckets"] == [0]
+    finally:
+        await engine.close()
+        await d.stop()
