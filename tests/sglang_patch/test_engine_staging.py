@@ -157,20 +157,28 @@ async def test_bytes_that_do_not_verify_are_refused_and_nothing_is_loaded(tm_cla
     token, plan, body = begin_body(snapshot, "B", "dir", cap=1 << 20)
     assert (await staging.begin(body))[0] == 200
     blob = bytearray(raw_bucket(snapshot, plan.buckets[0]))
-    blob[3] ^= 1
-    status, answer = await staging.receive(params(token, 0), chunks_of(bytes(blob)), len(blob))
-    assert status == 400 and answer["error"]["code"] == "STAGE_DIGEST", answer
     status, answer = await staging.receive(params(token, 0), chunks_of(bytes(blob[:-1])), len(blob) - 1)
     assert status == 400 and "plan" in answer["error"]["message"]
     status, answer = await staging.end({"token": body["token"], "incarnation": LIFE})
     assert status == 409 and answer["error"]["code"] == "STAGE_INCOMPLETE"
+    blob[3] ^= 1  # one flipped bit: stored, checked beside the next bucket, refused at end before any load
+    status, answer = await staging.receive(params(token, 0), chunks_of(bytes(blob)), len(blob))
+    assert status == 200, answer
+    status, answer = await staging.end({"token": body["token"], "incarnation": LIFE})
+    assert status == 400 and answer["error"]["code"] == "STAGE_DIGEST", answer
+    status, answer = await staging.end({"token": body["token"], "incarnation": LIFE})
+    assert status == 409 and answer["error"]["code"] == "STAGE_FAILED"  # the attempt stays failed
+    assert tm.rank_ops == []
     # a safetensors blob of the bucket (what Snapshot.bucket_bytes carries) is taken too
+    token, plan, body = begin_body(snapshot, "B2", "dir", cap=1 << 20)
+    assert (await staging.begin(body))[0] == 200
     blob = snapshot.bucket_bytes(plan, 0)
     status, answer = await staging.receive(params(token, 0, "safetensors"), chunks_of(blob), len(blob))
     assert status == 200, answer
     status, answer = await staging.receive(params(token, 0, "safetensors"), chunks_of(blob), len(blob))
     assert (status, answer["duplicate"]) == (200, True)
-    assert tm.rank_ops == []
+    status, answer = await staging.end({"token": body["token"], "incarnation": LIFE})
+    assert status == 200 and tm.rank_ops == [("load", body["lora_name"])], answer
 
 
 async def test_begin_refuses_another_life_a_forged_plan_a_loaded_name_and_a_full_engine(tm_class, tmp_path):

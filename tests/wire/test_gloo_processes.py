@@ -30,7 +30,7 @@ DEADLINES = Deadlines(begin=10, bucket=40, end=10, cleanup=40, commit=5, reclaim
 class EngineProcess:
     def __init__(self, name: str, stash: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.wire.engine_process", name, stash],
+        self.proc = subprocess.Popen([sys.executable, "-m", "lorapub.testing.serve_double", name, stash],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env, text=True)
         line = self.proc.stdout.readline().split()
         assert line and line[0] == "URL", line
@@ -38,7 +38,7 @@ class EngineProcess:
 
     async def inject(self, op: str, mode: str = "error", **kw) -> None:
         async with aiohttp.ClientSession() as http:
-            async with http.post(self.control + "/test/inject", json={"op": op, "mode": mode, **kw}) as r:
+            async with http.post(self.control + "/inject", json={"op": op, "mode": mode, **kw}) as r:
                 assert r.status == 200
 
     def stop(self) -> None:

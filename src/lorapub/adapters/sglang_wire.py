@@ -27,6 +27,7 @@ import asyncio
 import datetime
 import os
 import sys
+import threading
 import uuid
 import weakref
 from typing import Any, AsyncIterator, Iterator
@@ -42,7 +43,8 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
 
-CHUNK = 1 << 20  # a streamed body is written in slices of this size (views, never copies)
+CHUNK = 256 << 10  # a streamed body is written in slices of this size (views, never copies): small
+# slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
 
 
 def _tensor_bytes(t: Any) -> memoryview:
@@ -74,6 +76,9 @@ class RawBucket:
     async def chunks(self) -> AsyncIterator[memoryview]:
         for view in self.views():
             yield view
+            # A socket that takes every write at once would let the whole bucket go out in one step
+            # of the event loop; yield after each slice so the caller's loop keeps running.
+            await asyncio.sleep(0)
 
 
 class HTTPBytes:
@@ -180,10 +185,8 @@ class ShmBucketSource:
         if found is not None:
             path = os.path.join(self.shm_dir, found.name)
             self._paths.discard(path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            # removing a large tmpfs file frees its pages there and then: never on the event loop
+            threading.Thread(target=_remove_all, args=({path},), name="lorapub-shm-unlink", daemon=True).start()
 
     def close(self) -> None:
         self._finalizer()
@@ -232,6 +235,8 @@ class TorchDistributed(HTTPBytes):
     def __init__(self, *, host: str = "127.0.0.1", backend: str = "gloo", device: str = "cpu",
                  timeout: float = 60.0, load: str = "dir") -> None:
         super().__init__(load=load)
+        import torch.distributed  # noqa: F401 - imported here, never on the event loop of a publication
+
         if backend not in ("gloo", "nccl"):
             raise InvalidInput(f"backend must be gloo or nccl, got {backend!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
@@ -279,6 +284,7 @@ class TorchBucketSource:
         self._sent: dict[tuple[AttemptToken, int], asyncio.Future] = {}
         self.failed: str | None = None
         self.broadcasts = 0
+        self._flat = None
 
     def _event(self, token: AttemptToken) -> asyncio.Event:
         return self._roster_set.setdefault(token, asyncio.Event())
@@ -303,7 +309,8 @@ class TorchBucketSource:
     def abort(self, token: AttemptToken, reason: str) -> None:
         """Every party of ``token``'s collective stops waiting (an engine refused or did not answer)."""
         self.failed = self.failed or reason
-        es.post_abort(self._prefixed(token), f"publisher: {reason}")
+        if self.store is not None:
+            es.post_abort(self._prefixed(token), f"publisher: {reason}")
 
     def _join(self, token: AttemptToken, world: int) -> Any:
         import torch.distributed as dist
@@ -324,10 +331,15 @@ class TorchBucketSource:
         if token not in self._groups:
             self._groups[token] = self._join(token, world)
         bucket = self.plan.buckets[index]
-        flat = torch.empty(bucket.nbytes, dtype=torch.uint8)  # the one source-side copy
-        out, offset = memoryview(flat.numpy()).cast("B"), 0
-        for view in RawBucket(self.snapshot, bucket).views():
-            out[offset : offset + len(view)] = view
+        if self._flat is None or self._flat.numel() < bucket.nbytes:  # one buffer of the largest bucket,
+            self._flat = torch.empty(max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8)  # reused
+        import numpy as np
+
+        flat = self._flat[: bucket.nbytes]  # the only source-side copy, one bucket at a time
+        out, offset = flat.numpy(), 0
+        for entry in bucket.entries:  # numpy copies without the GIL: the caller's loop keeps running
+            view = _tensor_bytes(self.snapshot.tensor(entry.name))
+            np.copyto(out[offset : offset + len(view)], np.frombuffer(view, dtype=np.uint8))
             offset += len(view)
         if self.transport.device != "cpu":  # pragma: no cover - NCCL sends from the GPU
             flat = flat.to(self.transport.device)
@@ -336,6 +348,9 @@ class TorchBucketSource:
         opts.timeout = datetime.timedelta(seconds=self.transport.timeout)
         es.barrier(self._prefixed(token), f"bucket-{index}", world, self.transport.timeout)
         self._groups[token].broadcast([flat], opts).wait()
+        if index == len(self.plan.buckets) - 1:  # the last bucket: leave the group here, off the loop
+            self._groups.pop(token, None)
+            self._flat = self.store = None  # the store's server thread is joined here too
 
     async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         roster = tuple(sorted(engines))
@@ -352,7 +367,8 @@ class TorchBucketSource:
             await asyncio.to_thread(self._broadcast, token, index, 1 + len(roster))
         except Exception as e:  # noqa: BLE001 - a failed collective fails the attempt for every party
             self.failed = f"{type(e).__name__}: {e}"
-            es.post_abort(self._prefixed(token), f"publisher: {self.failed}")
+            if self.store is not None:
+                es.post_abort(self._prefixed(token), f"publisher: {self.failed}")
             self._groups.pop(token, None)  # its sockets close: ranks still waiting fail at once
             error = EngineError(f"broadcast of bucket {index} of {token} failed: {self.failed}")
             self._sent[key].set_exception(error)

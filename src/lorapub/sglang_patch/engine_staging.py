@@ -227,7 +227,7 @@ def barrier(store: Any, key: str, world: int, timeout: float, abort_key: str = "
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {store.add(key, 0)} of {world} parties reached {key!r} within {timeout:g}s")
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        pause = min(pause * 2, 0.002)
 
 
 def post_abort(store: Any, reason: str) -> None:
@@ -256,19 +256,34 @@ class EngineHooks(Protocol):
 
 
 class Buffer:
-    """A bucket's bytes on the engine: a bytearray, or a uint8 torch tensor in shared memory when the
-    load form hands tensors to SGLang's scheduler processes."""
+    """A bucket's bytes on the engine: an anonymous mapping (pages are touched only when the bytes
+    arrive), a read-only mapping of a shared-memory bucket file (no copy at all), or a uint8 torch
+    tensor in shared memory when the load form hands tensors to SGLang's scheduler processes."""
 
-    def __init__(self, nbytes: int, shared: bool) -> None:
-        self.nbytes = nbytes
-        if shared:
+    def __init__(self, nbytes: int, shared: bool, mapping: mmap.mmap | None = None) -> None:
+        self.nbytes, self.tensor, self._map = nbytes, None, mapping
+        if mapping is not None:
+            self.view = memoryview(mapping)
+        elif shared:
             import torch
 
             self.tensor = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
             self.view = memoryview(self.tensor.numpy()).cast("B")
+        elif nbytes:
+            self._map = mmap.mmap(-1, nbytes)
+            self.view = memoryview(self._map)
         else:
-            self.tensor = None
-            self.view = memoryview(bytearray(nbytes))
+            self.view = memoryview(bytearray(0))
+
+    def close(self) -> None:
+        """Give the memory back now (or, while a loaded tensor still views it, when that goes)."""
+        self.tensor = None
+        try:
+            self.view.release()
+            if self._map is not None:
+                self._map.close()
+        except (BufferError, ValueError):
+            pass
 
 
 class _Attempt:
@@ -282,6 +297,7 @@ class _Attempt:
         self.folder: str | None = None
         self.group: Any = None  # torch transport: the group's store and, once formed, its process group
         self.inflight: dict[int, asyncio.Future] = {}  # torch buckets whose collective is running
+        self.verifying: dict[int, asyncio.Future] = {}  # SHA-256 checks running beside the next bucket
         self.failed: str | None = None
 
     @property
@@ -469,22 +485,27 @@ class EngineStaging:
                 await _fill(buf.view, chunks, f"bucket {index}")
                 spans = safetensors_layout(buf.view, bucket)
             if fmt != "torch":
-                await asyncio.to_thread(verify_spans, buf.view, spans, bucket)
                 return self._store(attempt, index, buf, spans)
         answer = await asyncio.shield(running)  # it runs on even if this caller goes away
         return {**answer, "duplicate": True} if duplicate else answer
 
     async def _collect(self, attempt: _Attempt, bucket: Bucket, control: Mapping[str, Any]) -> dict[str, Any]:
         try:
-            buf, spans = await self._broadcast(attempt, bucket, control)  # verified in the collective's thread
+            buf, spans = await self._broadcast(attempt, bucket, control)
             return self._store(attempt, bucket.index, buf, spans)
         finally:
             attempt.inflight.pop(bucket.index, None)
 
     def _store(self, attempt: _Attempt, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
+        """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
+        event loop); ``end`` waits for every check before anything is loaded."""
         if attempt.token in self._tombstones:  # cleaned up while the bytes arrived: keep nothing
+            buf.close()
             raise _refuse(f"attempt {attempt.token} was cleaned up while bucket {index} arrived", "STAGE_TOMBSTONE")
         attempt.buckets[index] = (buf, spans)
+        check = asyncio.ensure_future(asyncio.to_thread(verify_spans, buf.view, spans, attempt.plan.buckets[index]))
+        check.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here; end raises it
+        attempt.verifying[index] = check
         return {"incarnation": self.incarnation, "duplicate": False}
 
     def _from_shm(self, bucket: Bucket, control: Mapping[str, Any], shared: bool) -> tuple[Buffer, list]:
@@ -501,10 +522,15 @@ class EngineStaging:
             size = os.fstat(fd).st_size
             if size != bucket.nbytes:
                 raise _bad(f"shared-memory bucket {name} has {size} bytes, the plan says {bucket.nbytes}")
-            buf = Buffer(bucket.nbytes, shared)
-            if size:
-                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-                    buf.view[:] = m  # the engine's own copy: the publisher may remove the file at once
+            if shared or not size:  # tensors for SGLang's scheduler: the engine's own shared copy
+                buf, got = Buffer(bucket.nbytes, shared), 0
+                while got < size:
+                    n = os.readv(fd, [buf.view[got:]])
+                    if n <= 0:
+                        raise _bad(f"shared-memory bucket {name} ended after {got} of {size} bytes")
+                    got += n
+            else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file)
+                buf = Buffer(size, False, mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
             return buf, raw_spans(bucket)
         finally:
             os.close(fd)
@@ -587,9 +613,7 @@ class EngineStaging:
             group["pg"].broadcast([target], opts).wait()
             if device != "cpu":  # pragma: no cover
                 buf.view[:] = memoryview(target.cpu().numpy()).cast("B")
-            spans = raw_spans(bucket)
-            verify_spans(buf.view, spans, bucket)
-            return buf, spans
+            return buf, raw_spans(bucket)
 
         self.collectives += 1
         try:
@@ -609,8 +633,8 @@ class EngineStaging:
         group, attempt.group = attempt.group, None
         if group and reason and group.get("prefixed") is not None:
             post_abort(group["prefixed"], reason)
-        if group:
-            group["pg"] = group["store"] = group["prefixed"] = None
+        if group:  # a process group's teardown joins its threads: never on the server's event loop
+            threading.Thread(target=group.clear, name="lorapub-group-teardown", daemon=True).start()
 
     # -- end ----------------------------------------------------------------------------------------
     async def end(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -631,7 +655,12 @@ class EngineStaging:
             missing = [b.index for b in attempt.plan.buckets if b.index not in attempt.buckets]
             if missing:
                 raise _refuse(f"buckets {missing[:8]} of {token} never arrived", "STAGE_INCOMPLETE")
-            if manifest_digest(attempt.plan) != attempt.digest:  # every tensor was checked on arrival
+            try:  # every tensor's SHA-256, checked as its bucket arrived
+                await asyncio.gather(*attempt.verifying.values())
+            except Refused as e:
+                attempt.failed = e.message
+                raise
+            if manifest_digest(attempt.plan) != attempt.digest:
                 raise Refused(400, "STAGE_DIGEST", f"the staged manifest does not hash to {attempt.digest[:12]}")
             adapters = self.hooks.adapters()
             if attempt.lora_name in adapters:
@@ -657,7 +686,7 @@ class EngineStaging:
             attempt.receipt = {"incarnation": self.incarnation, "lora_name": attempt.lora_name, "digest": attempt.digest,
                                "lora_id": entry.get("lora_id"), "lora_path": entry.get("lora_path", path),
                                "load": attempt.load}
-            attempt.buckets.clear()  # the engine holds the adapter now; the staged bytes are not needed
+            self._release_buckets(attempt)  # the engine holds the adapter now; the staged bytes are not needed
             self._drop_group(attempt)
             return dict(attempt.receipt, duplicate=False)
 
@@ -730,8 +759,17 @@ class EngineStaging:
                 freed.append(str(attempt.token))
         return {"incarnation": self.incarnation, "freed": freed}
 
-    def _free(self, attempt: _Attempt) -> None:
+    @staticmethod
+    def _release_buckets(attempt: _Attempt) -> None:
+        for check in attempt.verifying.values():
+            check.cancel()
+        attempt.verifying.clear()
+        for buf, _ in attempt.buckets.values():
+            buf.close()
         attempt.buckets.clear()
+
+    def _free(self, attempt: _Attempt) -> None:
+        self._release_buckets(attempt)
         self._drop_group(attempt, None if attempt.receipt else f"{self.incarnation}: attempt {attempt.token} cleaned up")
         if attempt.folder is not None:
             shutil.rmtree(attempt.folder, ignore_errors=True)
