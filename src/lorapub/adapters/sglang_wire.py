@@ -43,7 +43,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
 
-CHUNK = 256 << 10  # a streamed body is written in slices of this size (views, never copies): small
+CHUNK = 128 << 10  # a streamed body is written in slices of this size (views, never copies): small
 # slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
 
 
