@@ -214,14 +214,15 @@ async def serve(app):
     return server, task, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+@pytest.mark.parametrize("kind", ["http", "shm", "gloo"])
 @pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated")
-async def test_the_runtime_routes_stage_over_http_into_the_releases_own_code(release, sglang_auth_importable, tmp_path,
-                                                                             monkeypatch):
+async def test_the_runtime_routes_stage_each_transport_into_the_releases_own_code(release, kind, sglang_auth_importable,
+                                                                                  tmp_path, monkeypatch):
     fastapi = pytest.importorskip("fastapi")
     from starlette.responses import JSONResponse
 
-    from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine, WireBucketSource
+    from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, TorchDistributed
     from lorapub.core.effects import SendBegin
     from lorapub.sglang_patch import routes
 
@@ -229,6 +230,8 @@ async def test_the_runtime_routes_stage_over_http_into_the_releases_own_code(rel
     cls = harness.build_runtime_patched(root)
     sglang_auth_importable(release)
     monkeypatch.setenv("LORAPUB_ENGINE_STASH", str(tmp_path / "engine-disk"))
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv("LORAPUB_SHM_DIR", str(tmp_path / "shm"))
     monkeypatch.setattr(routes, "STAGING", None)
     tm = cls()
     app = fastapi.FastAPI()
@@ -255,7 +258,9 @@ async def test_the_runtime_routes_stage_over_http_into_the_releases_own_code(rel
     assert staging is routes.STAGING and staging.stash_root.startswith(str(tmp_path / "engine-disk"))
     staging.hooks._serialize = forking_dumps
     server, task, url = await serve(app)
-    engine = SGLangWireEngine("e0", url, transport=HTTPBytes(), probe_timeout=10)
+    transport = {"http": HTTPBytes, "shm": lambda: SameHostIPC(shm_dir=str(tmp_path / "shm")),
+                 "gloo": lambda: TorchDistributed(timeout=10.0)}[kind]()
+    engine = SGLangWireEngine("e0", url, transport=transport, probe_timeout=10)
     try:
         snapshot = bf16_snapshot(9)
         key = VersionKey(1, "A")
@@ -264,15 +269,25 @@ async def test_the_runtime_routes_stage_over_http_into_the_releases_own_code(rel
         name = lora_name_for(key, snapshot.digest)
         inc = await engine.incarnation()
         assert inc == routes.INCARNATION
+        source = transport.bucket_source_factory(snapshot, plan)
         assert await engine.begin(SendBegin("e0", inc, token, name, snapshot.digest, plan)) == inc
-        source = WireBucketSource(snapshot, plan)
-        for b in plan.buckets:  # streamed from the snapshot's memory through Starlette's request.stream()
-            assert await engine.receive_bucket(token, b.index, source.payload(token, b.index)) == inc
+        for b in plan.buckets:  # streamed through Starlette's request.stream(), a /dev/shm file, or a broadcast
+            if source.carries_bytes:
+                await source.send(token, b.index, ("e0",))
+                assert await engine.receive_bucket(token, b.index, source.payload(token, b.index)) == inc
+            else:
+                _, got = await asyncio.gather(source.send(token, b.index, ("e0",)),
+                                              engine.receive_bucket(token, b.index, b""))
+                assert got == inc
         ready = await engine.end(token)
         ref = tm.lora_registry.get_all_adapters()[name]
         assert (ready.digest, ready.incarnation, ready.lora_id) == (snapshot.digest, inc, ref.lora_id) and ref.pinned
         state = await engine.state()
         assert state["staging"]["bytes"] == 0 and str(token) in state["staging"]["attempts"]
+        assert state["staging"]["collectives"] == (len(plan.buckets) if kind == "gloo" else 0)
+        loaded = tm.rank_tensors.get(name) if kind == "shm" else safetensors_torch.load_file(
+            os.path.join(ref.lora_path, "adapter_model.safetensors"))
+        assert all(torch.equal(loaded[n], snapshot.tensor(n)) for n in snapshot.tensor_names)
         assert await engine.cleanup(token, name) == inc
         assert name not in tm.lora_registry.get_all_adapters()
         assert (await engine.state())["staging"]["attempts"] == {}
