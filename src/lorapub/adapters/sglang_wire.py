@@ -265,7 +265,8 @@ class TorchDistributed(HTTPBytes):
 
 class TorchBucketSource:
     """The publisher's half for :class:`TorchDistributed` (rank 0). The group forms at the first
-    bucket, once the attempt's engines are known; bucket ``i`` is broadcast at most once."""
+    bucket, once the attempt's engines are known; bucket ``i`` is broadcast at most once, from a
+    flat copy made while bucket ``i-1`` was on the wire (two reused bucket-sized buffers)."""
 
     carries_bytes = False
 
@@ -284,7 +285,8 @@ class TorchBucketSource:
         self._sent: dict[tuple[AttemptToken, int], asyncio.Future] = {}
         self.failed: str | None = None
         self.broadcasts = 0
-        self._flat = None
+        self._bufs: list[Any] = [None, None]  # at most two buckets' bytes beside the snapshot
+        self._ahead: dict[int, tuple[threading.Thread, int]] = {}
 
     def _event(self, token: AttemptToken) -> asyncio.Event:
         return self._roster_set.setdefault(token, asyncio.Event())
@@ -324,23 +326,39 @@ class TorchBucketSource:
         opts._timeout = span
         return dist.ProcessGroupNCCL(store, 0, world, opts)
 
-    def _broadcast(self, token: AttemptToken, index: int, world: int) -> None:
-        import torch
-        import torch.distributed as dist
-
-        if token not in self._groups:
-            self._groups[token] = self._join(token, world)
-        bucket = self.plan.buckets[index]
-        if self._flat is None or self._flat.numel() < bucket.nbytes:  # one buffer of the largest bucket,
-            self._flat = torch.empty(max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8)  # reused
+    def _flatten(self, index: int, slot: int) -> Any:
+        """Bucket ``index`` into buffer ``slot`` (two buffers of the largest bucket, reused)."""
         import numpy as np
+        import torch
 
-        flat = self._flat[: bucket.nbytes]  # the only source-side copy, one bucket at a time
+        if self._bufs[slot] is None:
+            self._bufs[slot] = torch.empty(max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8)
+        bucket = self.plan.buckets[index]
+        flat = self._bufs[slot][: bucket.nbytes]
         out, offset = flat.numpy(), 0
         for entry in bucket.entries:  # numpy copies without the GIL: the caller's loop keeps running
             view = _tensor_bytes(self.snapshot.tensor(entry.name))
             np.copyto(out[offset : offset + len(view)], np.frombuffer(view, dtype=np.uint8))
             offset += len(view)
+        return flat
+
+    def _broadcast(self, token: AttemptToken, index: int, world: int) -> None:
+        import torch.distributed as dist
+
+        if token not in self._groups:
+            self._groups[token] = self._join(token, world)
+        ahead = self._ahead.pop(index, None)
+        if ahead is not None:  # flattened while the previous bucket was broadcast
+            ahead[0].join()
+            slot = ahead[1]
+            flat = self._bufs[slot][: self.plan.buckets[index].nbytes]
+        else:
+            slot = index % 2
+            flat = self._flatten(index, slot)
+        if index + 1 < len(self.plan.buckets):  # the next bucket goes into the other buffer meanwhile
+            worker = threading.Thread(target=self._flatten, args=(index + 1, 1 - slot), daemon=True)
+            worker.start()
+            self._ahead[index + 1] = (worker, 1 - slot)
         if self.transport.device != "cpu":  # pragma: no cover - NCCL sends from the GPU
             flat = flat.to(self.transport.device)
         opts = dist.BroadcastOptions()
@@ -350,7 +368,8 @@ class TorchBucketSource:
         self._groups[token].broadcast([flat], opts).wait()
         if index == len(self.plan.buckets) - 1:  # the last bucket: leave the group here, off the loop
             self._groups.pop(token, None)
-            self._flat = self.store = None  # the store's server thread is joined here too
+            self._bufs = [None, None]
+            self.store = None  # the store's server thread is joined here too
 
     async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         roster = tuple(sorted(engines))
@@ -386,7 +405,9 @@ class SGLangWireEngine(SGLangAdminBase):
     """A patched SGLang server (0.5.17 or 0.5.23) whose staging runs inside it.
 
     ``transport``: :class:`HTTPBytes` (default), :class:`SameHostIPC` or :class:`TorchDistributed`.
-    The other options are :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s; every staging route
+    ``load_timeout`` bounds ``end`` (verification and the engine's load) and ``cleanup`` (which
+    waits for an in-flight ``end``); ``transfer_timeout`` one bucket's request. The other options
+    are :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s; every staging route
     is admin-level and carries the admin key. ``bucket_source_factory`` is the transport's: a
     deployment of these engines sends buckets the transport's way.
     """
@@ -401,6 +422,7 @@ class SGLangWireEngine(SGLangAdminBase):
         request_timeout: float | None = None,
         probe_timeout: float | None = 30.0,
         transfer_timeout: float | None = None,
+        load_timeout: float | None = 600.0,
         require_patch: bool = True,
         api_key: str | None = None,
         admin_api_key: str | None = None,
@@ -414,7 +436,8 @@ class SGLangWireEngine(SGLangAdminBase):
         if not isinstance(transport, HTTPBytes):
             raise InvalidInput(f"transport must be HTTPBytes, SameHostIPC or TorchDistributed, got {transport!r}")
         self.transport = transport
-        self.transfer_timeout = transfer_timeout
+        self.transfer_timeout = transfer_timeout  # one bucket's request (None: the runner's deadline bounds it)
+        self.load_timeout = load_timeout  # end (verify + the engine's load) and cleanup (waits for it)
         self._lives: dict[AttemptToken, str] = {}
         self._digests: dict[AttemptToken, str] = {}
 
@@ -498,7 +521,8 @@ class SGLangWireEngine(SGLangAdminBase):
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
         inc = await self._life(token)
-        receipt = await self._stage(es.END_ROUTE, {"token": es.token_to_json(token), "incarnation": inc})
+        receipt = await self._stage(es.END_ROUTE, {"token": es.token_to_json(token), "incarnation": inc},
+                                    self.load_timeout)
         name, digest = receipt.get("lora_name"), receipt.get("digest")
         if receipt.get("incarnation") != inc or not isinstance(name, str) or not isinstance(digest, str):
             raise EngineError(f"{self.name} {es.END_ROUTE} answered a malformed receipt: {receipt}", engine=self.name)
@@ -509,12 +533,14 @@ class SGLangWireEngine(SGLangAdminBase):
         entry = state["adapters"].get(name)
         if entry is None or not entry.get("pinned") or entry.get("lora_id") != receipt.get("lora_id"):
             raise EngineError(f"{self.name}: {name} is not loaded pinned from this attempt")
+        self._lives.pop(token, None)
+        self._digests.pop(token, None)
         return ReadyLocal(self.name, token, digest, inc, entry.get("lora_id"))
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         # The engine tombstones the attempt first and waits for its in-flight operation, so nothing
         # of it can be loaded after this answer; then the exact name is unloaded (if it was).
-        await self._stage(es.CLEANUP_ROUTE, {"token": es.token_to_json(token)})
+        await self._stage(es.CLEANUP_ROUTE, {"token": es.token_to_json(token)}, self.load_timeout)
         await self._unload(lora_name, f"cleanup-{token}")
         self._lives.pop(token, None)
         self._digests.pop(token, None)

@@ -748,6 +748,6 @@ class SGLangWireUnderTest(SGLangUnderTest):
         await double.start()
         admin = SGLangWireEngine(
             name, double.url, transport=transport, request_timeout=request_timeout, probe_timeout=request_timeout,
-            api_key=api_key, admin_api_key=admin_api_key,
+            load_timeout=request_timeout, api_key=api_key, admin_api_key=admin_api_key,
         )
         return cls(double, admin)
