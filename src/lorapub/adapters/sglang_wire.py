@@ -130,13 +130,18 @@ class ShmBucket:
     def __len__(self) -> int:
         return self.nbytes
 
-    def read_by(self, engine: str) -> None:
-        self.source._read(self.index, engine)
+    def read_by(self, engine: str, ok: bool = True) -> None:
+        """``engine``'s receive of this bucket ended (``ok``: it stored it; else the attempt is over)."""
+        if ok:
+            self.source._read(self.index, engine)
+        else:
+            self.source.abort()
 
 
 class ShmBucketSource:
     """The publisher's half for :class:`SameHostIPC`: bucket ``i`` is written into one shared-memory
-    file (off the event loop) for every engine on the host, and removed when all of them read it."""
+    file (off the event loop) for every engine on the host, and removed when all of them read it;
+    bucket ``i+1`` is written while the engines read bucket ``i`` (at most two files at a time)."""
 
     carries_bytes = True
 
@@ -149,6 +154,8 @@ class ShmBucketSource:
         self._engines: dict[int, set[str]] = {}
         self._read_by: dict[int, set[str]] = {}
         self._paths: set[str] = set()
+        self._ahead: dict[int, asyncio.Future] = {}  # at most the next bucket, written in advance
+        self._aborted = False
         self._finalizer = weakref.finalize(self, _remove_all, self._paths)
 
     def _write(self, index: int) -> ShmBucket:
@@ -165,14 +172,32 @@ class ShmBucketSource:
     async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         self._engines[index] = set(engines)
         if index not in self._files:
-            self._files[index] = await asyncio.to_thread(self._write, index)
+            ahead = self._ahead.pop(index, None)  # written while the engines read the previous bucket
+            self._files[index] = await (ahead if ahead is not None else asyncio.to_thread(self._write, index))
         for old in [i for i in self._files if i < index]:  # every party finished those buckets
             self._remove(old)
+        nxt = index + 1
+        if not self._aborted and nxt < len(self.plan.buckets) and nxt not in self._files and nxt not in self._ahead:
+            self._ahead[nxt] = asyncio.ensure_future(asyncio.to_thread(self._write, nxt))
 
     def payload(self, token: AttemptToken, index: int) -> ShmBucket:
         if index not in self._files:
             raise EngineError(f"shared-memory bucket {index} of {token} was not written (its send did not run)")
         return self._files[index]
+
+    def abort(self) -> None:
+        """The attempt failed: remove every bucket file, and the one being written ahead once written."""
+        self._aborted = True
+        for index in list(self._files):
+            self._remove(index)
+        for index, ahead in list(self._ahead.items()):
+            ahead.add_done_callback(lambda f, i=index: self._drop_ahead(i, f))
+
+    def _drop_ahead(self, index: int, done: asyncio.Future) -> None:
+        self._ahead.pop(index, None)
+        if not done.cancelled() and done.exception() is None:
+            self._files[index] = done.result()
+            self._remove(index)
 
     def _read(self, index: int, engine: str) -> None:
         seen = self._read_by.setdefault(index, set())
@@ -501,12 +526,15 @@ class SGLangWireEngine(SGLangAdminBase):
             headers["Content-Type"] = "application/octet-stream"
         else:
             raise InvalidInput(f"{self.name}: a bucket payload is bytes or a wire bucket, got {type(payload).__name__}")
+        stored = False
         try:
             t = aiohttp.ClientTimeout(total=self.transfer_timeout)
             async with self.client.http.post(self.base_url + es.BUCKET_ROUTE, params=params, data=data,
                                              headers=headers, timeout=t) as r:
                 status, text = r.status, (await r.read()).decode("utf-8", errors="replace")
-            return self._staged(es.BUCKET_ROUTE, status, es.json_or_text(text))["incarnation"]
+            incarnation = self._staged(es.BUCKET_ROUTE, status, es.json_or_text(text))["incarnation"]
+            stored = True
+            return incarnation
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             if source is not None:
                 source.abort(token, f"{self.name} did not answer bucket {index}")
@@ -517,7 +545,7 @@ class SGLangWireEngine(SGLangAdminBase):
             raise
         finally:
             if isinstance(payload, ShmBucket):
-                payload.read_by(self.name)
+                payload.read_by(self.name, ok=stored)
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
         inc = await self._life(token)
