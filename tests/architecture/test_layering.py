@@ -133,3 +133,29 @@ def test_the_vendored_registry_is_sglang_0523_verbatim():
 
     common = "srt/utils/common.py"
     assert counter(os.path.join(root, common)) == counter(os.path.join(VENDORED_ROOT, common))
+
+
+def test_engine_staging_runs_in_the_server_without_lorapubs_runtime():
+    """The engine side (what the patched SGLang server imports) needs only the standard library,
+    lorapub.core and, for its torch transport and tensor loads, torch."""
+    allowed = {"lorapub.core", "lorapub.errors"}
+    imported = _imports(SRC / "sglang_patch" / "engine_staging.py")
+    assert {m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed)} == set()
+    tree = ast.parse((SRC / "sglang_patch" / "engine_staging.py").read_text())
+    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    assert top - {"__future__", "lorapub"} <= set(sys.stdlib_module_names), top
+    out = _blocked(
+        "import types\n"
+        f"root = {str(SRC)!r}\n"
+        "for name, path in (('lorapub', root), ('lorapub.sglang_patch', root + '/sglang_patch')):\n"
+        "    m = types.ModuleType(name); m.__path__ = [path]; sys.modules[name] = m\n"
+        "import lorapub.sglang_patch.engine_staging as es\n"
+        "bad = [m for m in sys.modules if m.startswith(('lorapub.runtime', 'lorapub.adapters', 'lorapub.testing'))\n"
+        "       or m.split('.')[0] in {'aiohttp', 'torch', 'sglang', 'ray'}]\n"
+        "assert not bad, bad\n"
+        "print(es.BEGIN_ROUTE)\n",
+        {"aiohttp", "torch", "sglang", "ray", "safetensors", "fastapi", "starlette"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "/lorapub/stage/begin"

@@ -27,7 +27,7 @@ from lorapub.sglang_patch import targets
 from tests import sglang_real
 
 TM_FILE, MIXIN_FILE = targets.TM_FILE, targets.MIXIN_FILE
-MIXIN_METHODS = ["_unload_lora_adapter_locked", "load_lora_adapter", "unload_lora_adapter"]
+MIXIN_METHODS = ["_unload_lora_adapter_locked", "load_lora_adapter", "unload_lora_adapter", "load_lora_adapter_from_tensors"]
 MIXIN_FUNCTIONS = ["_merge_lora_update_results", "_lora_load_needs_cleanup"]
 TM_METHODS = {
     "0.5.23": ["_release_lora_once", "_release_req_states_on_failure", "_handle_abort_finish_reason",
@@ -43,6 +43,20 @@ class LoadLoRAAdapterReqInput:
     lora_path: str
     pinned: bool = False
     lora_id: Optional[str] = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoadLoRAAdapterFromTensorsReqInput:
+    """SGLang's fields (0.5.17 and 0.5.23 have the same): the serialized tensors go to every TP rank."""
+
+    lora_name: str
+    config_dict: Dict[str, Any]
+    serialized_named_tensors: List[bytes]
+    pinned: bool = False
+    added_tokens_config: Optional[Dict[str, int]] = None
+    lora_id: Optional[str] = None
+    load_format: Optional[str] = None
+    expected_checksums: Optional[Dict[str, str]] = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,6 +136,10 @@ def _namespace(registry_module, server_args) -> dict:
         "LoadLoRAAdapterReqInput": LoadLoRAAdapterReqInput, "UnloadLoRAAdapterReqInput": UnloadLoRAAdapterReqInput,
         "LoRAUpdateOutput": LoRAUpdateOutput, "LoadLoRAAdapterReqOutput": LoRAUpdateOutput,
         "UnloadLoRAAdapterReqOutput": LoRAUpdateOutput, "GenerateReqInput": GenerateReqInput,
+        "LoadLoRAAdapterFromTensorsReqInput": LoadLoRAAdapterFromTensorsReqInput,
+        "LoadLoRAAdapterFromTensorsReqOutput": LoRAUpdateOutput,
+        # stand-in for SGLang's payload normaliser (base64 strings -> bytes); payloads here are bytes
+        "normalize_serialized_named_tensor_payloads": lambda payloads: [bytes(p) for p in payloads],
         "EmbeddingReqInput": GenerateReqInput, "ReqState": ReqState, "TokenizerManager": object,
         "AbortReq": AbortReq, "HEALTH_CHECK_RID_PREFIX": "HEALTH_CHECK", "BatchEmbeddingOutput": type(None),
         "_lora_settings": lora, "_server_args": server_args,
@@ -222,6 +240,7 @@ def build(root: str | None = None, release: str | None = None) -> type:
             self._lora_release_tasks: set = set()
             self.rank_ops: list[tuple[str, str]] = []  # what reached the (GPU) ranks
             self.rank_loaded: dict[str, str] = {}
+            self.rank_tensors: dict[str, dict] = {}
             self.aborted: list[str] = []
             self.releases: list[Any] = []
             self._tasks: set = set()
@@ -237,9 +256,22 @@ def build(root: str | None = None, release: str | None = None) -> type:
             pass
 
         async def update_lora_adapter_communicator(self, obj):
-            op = "load" if isinstance(obj, LoadLoRAAdapterReqInput) else "unload"
+            op = "unload" if isinstance(obj, UnloadLoRAAdapterReqInput) else "load"
             self.rank_ops.append((op, obj.lora_name))
-            if op == "load":
+            if isinstance(obj, LoadLoRAAdapterFromTensorsReqInput):
+                # what a TP rank does (tp_worker.load_lora_adapter_from_tensors): deserialize its own
+                # copy, check every tensor's SHA-256 against expected_checksums
+                import hashlib
+                import pickle
+
+                tensors = pickle.loads(obj.serialized_named_tensors[0])
+                for name, want in (obj.expected_checksums or {}).items():
+                    raw = tensors[name].contiguous().flatten().view(__import__("torch").uint8).numpy()
+                    if hashlib.sha256(raw).hexdigest() != want:
+                        return [LoRAUpdateOutput(success=False, error_message=f"[LORA-CHECK] MISMATCH {name}")]
+                self.rank_tensors[obj.lora_name] = tensors
+                self.rank_loaded[obj.lora_name] = "__tensor__"
+            elif op == "load":
                 self.rank_loaded[obj.lora_name] = obj.lora_path
             else:
                 self.rank_loaded.pop(obj.lora_name, None)

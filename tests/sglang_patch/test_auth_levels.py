@@ -1,4 +1,5 @@
-"""lorapub's state route is admin-level exactly like SGLang's own LoRA admin routes, in every
+"""lorapub's state route and its engine-side staging routes are admin-level exactly like SGLang's own
+LoRA admin routes, in every
 supported release and both forms of the patch, judged by each release's own auth code.
 
 * diff form: the release's ``http_server.py`` with lorapub's diffs applied marks
@@ -22,12 +23,14 @@ import types
 import pytest
 
 from lorapub.sglang_patch import PatchMismatch, targets
-from lorapub.sglang_patch.routes import add_state_route
+from lorapub.sglang_patch import engine_staging
+from lorapub.sglang_patch.routes import add_staging_routes, add_state_route
 from lorapub.testing import sglang_double
 from tests import sglang_real
 from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
 
 LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter")
+LORAPUB_ROUTES = (("GET", targets.STATE_ROUTE), *engine_staging.ROUTES)
 # SGLang's own middleware answers with ORJSONResponse, which recent FastAPI marks deprecated
 pytestmark = pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated")
 
@@ -75,8 +78,9 @@ def test_the_diff_form_marks_the_state_route_like_sglangs_lora_routes(release, t
     patched = route_levels(os.path.join(diff_patched_root(release, tmp_path), targets.HTTP_FILE))
     lora = {pristine[("POST", r)] for r in LORA_ROUTES}
     assert lora == {"admin_optional"}, lora  # what SGLang itself does in this release
-    assert patched[("GET", targets.STATE_ROUTE)] == "admin_optional"
-    assert {k: v for k, v in patched.items() if k != ("GET", targets.STATE_ROUTE)} == pristine  # nothing else moved
+    for route in LORAPUB_ROUTES:
+        assert patched[route] == "admin_optional", route
+    assert {k: v for k, v in patched.items() if k not in LORAPUB_ROUTES} == pristine  # nothing else moved
 
 
 class _FakeTokenizerManager:
@@ -105,17 +109,19 @@ def sglang_auth_importable(monkeypatch):
     return install
 
 
-async def asgi_get(app, path: str, authorization: str | None) -> tuple[int, object]:
+async def asgi_get(app, path: str, authorization: str | None, method: str = "GET", body: bytes = b"") -> tuple[int, object]:
     headers = [(b"authorization", authorization.encode())] if authorization else []
+    if body:
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
         "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
     }
     sent = []
 
     async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message):
         sent.append(message)
@@ -144,25 +150,33 @@ async def test_the_runtime_route_admits_exactly_whom_sglang_admits_to_its_lora_r
         app = fastapi.FastAPI()
         app.state.tokenizer_manager = _FakeTokenizerManager(registry_module)
         add_state_route(app, release)
-        endpoint = next(r.endpoint for r in app.routes if getattr(r, "path", None) == targets.STATE_ROUTE)
-        assert endpoint._auth_level is lora_level
+        add_staging_routes(app, release)
+        for path in [targets.STATE_ROUTE] + [p for _, p in engine_staging.ROUTES]:
+            endpoint = next(r.endpoint for r in app.routes if getattr(r, "path", None) == path)
+            assert endpoint._auth_level is lora_level, path
         auth.add_api_key_middleware(app, api_key=api_key, admin_api_key=admin_api_key)
+        cleanup = json.dumps({"token": {"epoch": 1, "version_id": "A", "seq": 1}}).encode()
         for caller in CALLERS:
             expected = auth.decide_request_auth(
                 method="POST", path="/load_lora_adapter", authorization_header=caller, api_key=api_key,
                 admin_api_key=admin_api_key, auth_level=lora_level,
             )
             status, body = await asgi_get(app, targets.STATE_ROUTE, caller)
+            staged = await asgi_get(app, engine_staging.CLEANUP_ROUTE, caller, "POST", cleanup)
             if expected.allowed:
                 assert status == 200 and body["sglang"] == release and body["adapters"] == {}, (caller, body)
+                assert staged[0] == 200 and staged[1]["incarnation"] == body["incarnation"], staged
             else:
                 assert (status, body) == (expected.error_status_code, {"error": "Unauthorized"}), (caller, api_key)
+                assert staged == (expected.error_status_code, {"error": "Unauthorized"}), (caller, api_key)
     # where SGLang's auth levels cannot be imported, the route is refused, never served unprotected
     monkeypatch.setitem(sys.modules, "sglang.srt.utils.auth", None)
     app = fastapi.FastAPI()
     with pytest.raises(PatchMismatch, match="auth levels"):
         add_state_route(app, release)
-    assert not any(getattr(r, "path", None) == targets.STATE_ROUTE for r in app.routes)
+    with pytest.raises(PatchMismatch, match="auth levels"):
+        add_staging_routes(app, release)
+    assert not any(getattr(r, "path", "").startswith("/lorapub/") for r in app.routes)
 
 
 # -- the contract double ------------------------------------------------------------------------
@@ -170,7 +184,7 @@ def test_the_double_marks_each_route_as_sglang_does(tmp_path):
     stock = route_levels(os.path.join(root_of("0.5.23"), targets.HTTP_FILE))
     patched = route_levels(os.path.join(diff_patched_root("0.5.23", tmp_path), targets.HTTP_FILE))
     for (method, path), level in sglang_double.ROUTE_AUTH_LEVELS.items():
-        sglang = patched if path == targets.STATE_ROUTE else stock
+        sglang = patched if path.startswith("/lorapub/") else stock
         assert sglang[(method, path)] == level, (method, path)
 
 

@@ -262,9 +262,11 @@ def test_command_line_checks_and_applies_all_or_nothing(release, tmp_path):
     pristine = tmp_path / "pristine" / "sglang"
     shutil.copytree(root_of(release), pristine, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     out = subprocess.run([*run, "check", "--root", str(pristine)], capture_output=True, text=True)
-    assert out.returncode == 0 and f"SGLang {release} verified; 3 patches apply" in out.stdout, out.stderr
+    count = len(diffs.diff_files(release))
+    assert count == {"0.5.17": 3, "0.5.23": 4}[release]
+    assert out.returncode == 0 and f"SGLang {release} verified; {count} patches apply" in out.stdout, out.stderr
     out = subprocess.run([*run, "apply", "--root", str(pristine)], capture_output=True, text=True)
-    assert out.returncode == 0 and f"applied 3 patches for SGLang {release}" in out.stdout, out.stderr
+    assert out.returncode == 0 and f"applied {count} patches for SGLang {release}" in out.stdout, out.stderr
 
 
 def test_shipped_0517_diffs_are_the_runtime_edits():
@@ -272,6 +274,13 @@ def test_shipped_0517_diffs_are_the_runtime_edits():
     rendered = diffs.render_0517(root_of("0.5.17"))
     shipped = {os.path.basename(p): open(p).read() for p in diffs.diff_files("0.5.17")}
     assert rendered == shipped
+
+
+def test_shipped_0523_staging_diff_is_the_runtime_routes():
+    """0.5.23's staging-routes diff is rendered from the same block the 0.5.17 diff carries."""
+    rendered = diffs.render_0523(root_of("0.5.23"))
+    shipped = {os.path.basename(p): open(p).read() for p in diffs.diff_files("0.5.23")}
+    assert rendered[diffs.STAGING_0523] == shipped[diffs.STAGING_0523]
 
 
 @pytest.mark.parametrize("release", RELEASES)

@@ -274,8 +274,70 @@ def _check_dir(kind: str, value: object) -> str:
     return value
 
 
-class SGLangEngine:
-    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`.
+class SGLangAdminBase:
+    """What every lorapub adapter of a patched SGLang server shares: the client, the state route,
+    the exact-version probe, the reclaim-authorised unload and the generation path."""
+
+    client: SGLangHTTP
+    name: str
+
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
+
+    @property
+    def require_patch(self) -> bool:
+        return self.client.require_patch
+
+    @require_patch.setter
+    def require_patch(self, value: bool) -> None:
+        self.client.require_patch = value
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def state(self) -> dict[str, Any]:
+        return await self.client.state()
+
+    async def incarnation(self) -> str:
+        return (await self.client.state())["incarnation"]
+
+    async def _probe(self, lora_name: str) -> None:
+        status, body = await self.client.request(
+            "POST", "/generate",
+            json_body={"input_ids": [1, 2, 3], "lora_path": lora_name, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+            timeout=self.client.probe_timeout, admin=False,
+        )
+        if status != 200:
+            raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_status_text(status, body)}")
+        self.client.json_object("/generate", status, body)
+
+    async def _unload(self, lora_name: str, reclaim_id: str) -> None:
+        status, body = await self.client.request(
+            "POST", "/unload_lora_adapter", json_body={"lora_name": lora_name},
+            headers={RECLAIM_HEADER: reclaim_id}, timeout=None,
+        )
+        if status == 200:
+            return
+        if status in (401, 403):  # refused at the door: nothing was looked at
+            raise self.client.refusal("/unload_lora_adapter", status, body)
+        # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
+        state = await self.client.state()
+        if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
+            return
+        raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
+
+    # -- serving ----------------------------------------------------------------------
+    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(payload, Mapping) or not payload.get("lora_path"):
+            raise InvalidInput("lorapub never sends a generation without its bound lora_path")
+        return await self.client.generate(payload)
+
+
+class SGLangEngine(SGLangAdminBase):
+    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`, staging buckets in this
+    process in a directory the engine must be able to read (see
+    :class:`~lorapub.adapters.sglang_wire.SGLangWireEngine` for staging inside the engine).
 
     ``api_key``/``admin_api_key``: the server's ``--api-key``/``--admin-api-key`` (see
     :class:`SGLangHTTP` for which call carries which).
@@ -303,27 +365,6 @@ class SGLangEngine:
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.client!r})"
-
-    @property
-    def base_url(self) -> str:
-        return self.client.base_url
-
-    @property
-    def require_patch(self) -> bool:
-        return self.client.require_patch
-
-    @require_patch.setter
-    def require_patch(self, value: bool) -> None:
-        self.client.require_patch = value
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    async def state(self) -> dict[str, Any]:
-        return await self.client.state()
-
-    async def incarnation(self) -> str:
-        return (await self.client.state())["incarnation"]
 
     # -- publication ------------------------------------------------------------------
     async def begin(self, request: SendBegin) -> str:
@@ -368,31 +409,6 @@ class SGLangEngine:
                 raise EngineError(f"{self.name}: {request.lora_name} is not loaded pinned from this attempt")
             return ReadyLocal(self.name, token, request.digest, inc, entry.get("lora_id"))
 
-    async def _probe(self, lora_name: str) -> None:
-        status, body = await self.client.request(
-            "POST", "/generate",
-            json_body={"input_ids": [1, 2, 3], "lora_path": lora_name, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-            timeout=self.client.probe_timeout, admin=False,
-        )
-        if status != 200:
-            raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_status_text(status, body)}")
-        self.client.json_object("/generate", status, body)
-
-    async def _unload(self, lora_name: str, reclaim_id: str) -> None:
-        status, body = await self.client.request(
-            "POST", "/unload_lora_adapter", json_body={"lora_name": lora_name},
-            headers={RECLAIM_HEADER: reclaim_id}, timeout=None,
-        )
-        if status == 200:
-            return
-        if status in (401, 403):  # refused at the door: nothing was looked at
-            raise self.client.refusal("/unload_lora_adapter", status, body)
-        # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
-        state = await self.client.state()
-        if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
-            return
-        raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
-
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         self.staging.refuse(token)  # from now on begin/receive/end of it are refused
         async with self.staging.lock(token):
@@ -403,12 +419,6 @@ class SGLangEngine:
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)
-
-    # -- serving ----------------------------------------------------------------------
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(payload, Mapping) or not payload.get("lora_path"):
-            raise InvalidInput("lorapub never sends a generation without its bound lora_path")
-        return await self.client.generate(payload)
 
 
 class SGLangOverwriteAdmin:

@@ -86,6 +86,22 @@ class FrozenCopies:
         return len(self._copies)
 
 
+def engines_source_factory(engines: Mapping[str, Any]) -> Callable[[Snapshot, Any], BucketSource]:
+    """The bucket source the engines' transport needs: engines that declare a
+    ``bucket_source_factory`` (a wire transport) must all declare the same one; engines that declare
+    none take :class:`InlineBucketSource` (safetensors bytes per bucket)."""
+    declared = {name: getattr(engine, "bucket_source_factory", None) for name, engine in engines.items()}
+    found = {f for f in declared.values() if f is not None}
+    if not found:
+        return InlineBucketSource
+    if len(found) == 1 and all(f is not None for f in declared.values()):
+        return found.pop()
+    raise InvalidInput(
+        "the engines use different bucket transports; one deployment sends buckets one way: "
+        + ", ".join(f"{n}: {getattr(f, '__self__', f)!r}" for n, f in sorted(declared.items()))
+    )
+
+
 class Publisher:
     """One publisher, at most one attempt at a time (the registry enforces both)."""
 
@@ -97,7 +113,7 @@ class Publisher:
         epoch: int,
         deadlines: Deadlines | None = None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
-        source_factory: Callable[[Snapshot, Any], BucketSource] = InlineBucketSource,
+        source_factory: Callable[[Snapshot, Any], BucketSource] | None = None,
         commit_retries: int = 5,
         clock: Clock | None = None,
         on_eligible: OnEligible | None = None,
@@ -108,7 +124,7 @@ class Publisher:
         self.epoch = epoch
         self.deadlines = deadlines or Deadlines()
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.source_factory = source_factory
+        self.source_factory = source_factory or engines_source_factory(self.engines)
         self.commit_retries = commit_retries
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it

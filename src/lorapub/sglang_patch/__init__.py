@@ -3,7 +3,8 @@
 Two forms of the same change:
 
 * runtime: ``lorapub.sglang_patch.apply()`` patches ``TokenizerManager`` in the server
-  process and adds ``GET /lorapub/state``; ``python -m lorapub.sglang_patch launch
+  process and adds ``GET /lorapub/state`` and the engine-side staging routes
+  (``POST /lorapub/stage/*``, :mod:`lorapub.sglang_patch.engine_staging`); ``python -m lorapub.sglang_patch launch
   <sglang.launch_server args>`` starts a patched server;
 * diffs: package data under ``diffs/<release>/``, checked and applied with
   ``python -m lorapub.sglang_patch check|apply [--root DIR]``.
@@ -20,6 +21,7 @@ from typing import Any
 from lorapub.sglang_patch import release_0517, release_0523
 from lorapub.sglang_patch.edits import edited_source, install_method, install_methods
 from lorapub.sglang_patch.routes import INCARNATION, state_of
+from lorapub.sglang_patch.routes import add_staging_routes as _add_staging_routes
 from lorapub.sglang_patch.routes import add_state_route as _add_state_route
 from lorapub.sglang_patch.targets import (
     MANAGED_PREFIX,
@@ -91,4 +93,5 @@ def apply(
     setattr(tokenizer_manager_cls, PATCH_MARK, release.version)
     if add_state_route:
         _add_state_route(app, release.version)
+        _add_staging_routes(app, release.version)
     return tokenizer_manager_cls

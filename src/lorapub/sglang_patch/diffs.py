@@ -89,4 +89,52 @@ def render_0517(root: str) -> dict[str, str]:
     return out
 
 
-__all__ = ["SUPPORTED", "already_applied", "apply_diffs", "diff_files", "render_0517"]
+def _unified(rel: str, before: str, after: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        for side, body in (("a", before), ("b", after)):
+            path = os.path.join(tmp, side, "sglang", rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(body)
+        return subprocess.run(
+            ["diff", "-u", "--label", f"a/sglang/{rel}", "--label", f"b/sglang/{rel}", f"a/sglang/{rel}",
+             f"b/sglang/{rel}"],
+            cwd=tmp, capture_output=True, text=True,
+        ).stdout
+
+
+#: The 0.5.23 diff rendered from lorapub's code (0001-0003 are written by hand).
+STAGING_0523 = "0004-engine-side-staging-routes.diff"
+
+
+def render_0523(root: str) -> dict[str, str]:
+    """The 0.5.23 staging-routes diff (file name -> text), against the pristine tree at ``root`` with
+    0001-0003 applied: the staging block of :mod:`lorapub.sglang_patch.routes` after the state route."""
+    from lorapub.sglang_patch.edits import insert_before
+    from lorapub.sglang_patch.routes import HTTP_STAGING_BLOCK
+    from lorapub.sglang_patch.targets import HTTP_FILE
+
+    if detect(root).version != "0.5.23":
+        raise PatchMismatch(f"{root} is not a pristine SGLang 0.5.23 tree")
+    with tempfile.TemporaryDirectory() as scratch:
+        release = RELEASES["0.5.23"]
+        for rel in release.touched_files:
+            os.makedirs(os.path.join(scratch, os.path.dirname(rel)), exist_ok=True)
+            shutil.copy(os.path.join(root, rel), os.path.join(scratch, rel))
+        for diff in diff_files("0.5.23"):
+            if os.path.basename(diff) == STAGING_0523:
+                continue
+            result = _patch(scratch, diff)
+            if result.returncode != 0:
+                raise PatchMismatch(f"{os.path.basename(diff)} does not apply:\n{result.stdout}{result.stderr}")
+        with open(os.path.join(scratch, HTTP_FILE)) as f:
+            before = f.read()
+    pending = '        "pending_unloads": dict(tm.pending_lora_unloads),\n'
+    after = insert_before(before, pending, "", HTTP_FILE).replace(
+        pending, pending + '        "staging": _LORAPUB_STAGING.report(),\n')
+    after = insert_before(after, '@app.api_route("/open_session", methods=["GET", "POST"])\n', HTTP_STAGING_BLOCK,
+                          HTTP_FILE)
+    return {STAGING_0523: _unified(HTTP_FILE, before, after)}
+
+
+__all__ = ["SUPPORTED", "already_applied", "apply_diffs", "diff_files", "render_0517", "render_0523"]

@@ -220,6 +220,7 @@ async def lorapub_state():
             for name, ref in registry.get_all_adapters().items()
         },
         "pending_unloads": dict(tm._lorapub_pending_unloads()),
+        "staging": _LORAPUB_STAGING.report(),
     }
 
 
@@ -229,6 +230,7 @@ async def lorapub_state():
 def patched_files(root: str) -> dict[str, str]:
     """The three files of an SGLang 0.5.17 tree at ``root`` with lorapub's edits (for the diffs)."""
     from lorapub.sglang_patch.edits import edited_source, insert_before, read
+    from lorapub.sglang_patch.routes import HTTP_STAGING_BLOCK
     from lorapub.sglang_patch.targets import HTTP_FILE
 
     texts = {rel: read(root, rel) for rel in (TM_FILE, MIXIN_FILE, HTTP_FILE)}
@@ -243,6 +245,7 @@ def patched_files(root: str) -> dict[str, str]:
     mixin = insert_before(mixin, "    async def _unload_lora_adapter_locked(\n", MIXIN_METHODS.lstrip("\n") + "\n", MIXIN_FILE)
     texts[MIXIN_FILE] = mixin
     texts[HTTP_FILE] = insert_before(
-        texts[HTTP_FILE], '@app.api_route("/load_lora_adapter", methods=["POST"])\n', HTTP_ROUTE, HTTP_FILE
+        texts[HTTP_FILE], '@app.api_route("/load_lora_adapter", methods=["POST"])\n', HTTP_ROUTE + HTTP_STAGING_BLOCK,
+        HTTP_FILE
     )
     return texts

@@ -1,4 +1,8 @@
-"""``GET /lorapub/state``: the server's incarnation and its LoRA registry, as lorapub reads it.
+"""``GET /lorapub/state`` and the engine-side staging routes (``POST /lorapub/stage/*``), runtime form.
+
+The state route gives the server's incarnation and its LoRA registry, as lorapub reads it, and
+what the engine-side staging holds. The staging routes run
+:mod:`lorapub.sglang_patch.engine_staging` in the server process.
 
 Admin-level exactly like SGLang's own LoRA admin routes (``/load_lora_adapter``: ADMIN_OPTIONAL
 in 0.5.17 and 0.5.23): with ``--admin-api-key`` set only that key reads it, with ``--api-key``
@@ -11,16 +15,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from lorapub.sglang_patch import engine_staging
+from lorapub.sglang_patch.engine_staging import max_loaded_loras as _max_loaded_loras
 from lorapub.sglang_patch.targets import STATE_ROUTE, PatchMismatch
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
-
-
-def _max_loaded_loras(tm: Any) -> Any:
-    get_lora = type(tm)._resolve_lora_path.__globals__.get("get_lora")
-    if get_lora is not None:  # 0.5.23 keeps LoRA settings in their own config
-        return get_lora().max_loaded_loras
-    return tm.server_args.max_loaded_loras
+#: The engine-side staging of this server life (set when the staging routes are added).
+STAGING: engine_staging.EngineStaging | None = None
 
 
 def _pending_unloads(tm: Any) -> dict:
@@ -49,6 +50,7 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
             for name, ref in registry.get_all_adapters().items()
         },
         "pending_unloads": _pending_unloads(tm),
+        "staging": STAGING.report() if STAGING is not None else None,
     }
 
 
@@ -59,8 +61,8 @@ def _admin_level(app: Any) -> Any:
         from sglang.srt.utils.auth import AuthLevel
     except ImportError as e:  # both supported releases have per-route auth levels
         raise PatchMismatch(
-            f"SGLang's auth levels (sglang.srt.utils.auth) are missing ({e}); {STATE_ROUTE} is not "
-            "added rather than served without --admin-api-key protection"
+            f"SGLang's auth levels (sglang.srt.utils.auth) are missing ({e}); lorapub's routes ({STATE_ROUTE}, "
+            f"{engine_staging.PREFIX}/*) are not added rather than served without --admin-api-key protection"
         ) from None
     for route in getattr(app, "routes", []):
         if getattr(route, "path", None) == "/load_lora_adapter":
@@ -68,6 +70,55 @@ def _admin_level(app: Any) -> Any:
             if isinstance(level, AuthLevel):
                 return level
     return AuthLevel.ADMIN_OPTIONAL
+
+
+def _server_app(app: Any) -> tuple[Any, Any]:
+    """(app, a function returning its TokenizerManager); app None: SGLang's own HTTP server."""
+    if app is None:
+        try:
+            from sglang.srt.entrypoints import http_server
+        except Exception:
+            return None, None  # no HTTP server in this process (tests, offline engine)
+        return http_server.app, lambda: http_server._global_state.tokenizer_manager
+    return app, lambda: app.state.tokenizer_manager
+
+
+def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime") -> Any:
+    """Add ``POST /lorapub/stage/{begin,bucket,end,cleanup,release}`` at SGLang's LoRA admin level.
+    Returns the server's :class:`~lorapub.sglang_patch.engine_staging.EngineStaging` (None without a server)."""
+    global STAGING
+    app, tokenizer_manager = _server_app(app)
+    if app is None:
+        return None
+    if any(getattr(r, "path", None) == engine_staging.BEGIN_ROUTE for r in app.routes):
+        return STAGING
+    level = _admin_level(app)  # raises before anything is added where auth levels are missing
+    from starlette.responses import JSONResponse
+
+    staging = STAGING = engine_staging.for_server(tokenizer_manager, INCARNATION)
+
+    def route(path, handler):
+        async def endpoint(request):  # a Starlette request: the bucket body is streamed
+            status, body = await handler(request)
+            return JSONResponse(body, status_code=status)
+
+        endpoint.__name__ = "lorapub_" + path.rsplit("/", 1)[-1]
+        endpoint._auth_level = level
+        from starlette.requests import Request
+
+        endpoint.__annotations__ = {"request": Request}
+        app.add_api_route(path, endpoint, methods=["POST"])
+
+    route(engine_staging.BEGIN_ROUTE, lambda r: _with_json(r, staging.begin))
+    route(engine_staging.BUCKET_ROUTE, lambda r: engine_staging.starlette_receive(staging, r))
+    route(engine_staging.END_ROUTE, lambda r: _with_json(r, staging.end))
+    route(engine_staging.CLEANUP_ROUTE, lambda r: _with_json(r, staging.cleanup))
+    route(engine_staging.RELEASE_ROUTE, lambda r: _with_json(r, staging.release))
+    return staging
+
+
+async def _with_json(request: Any, handler: Any) -> tuple[int, dict]:
+    return await handler(await engine_staging.starlette_json(request))
 
 
 def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
@@ -92,3 +143,33 @@ def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
     # What SGLang's @auth_level decorator does; its middleware reads it from the matched endpoint.
     lorapub_state._auth_level = _admin_level(app)
     app.add_api_route(STATE_ROUTE, lorapub_state, methods=["GET"])
+
+
+def _http_staging_block() -> str:
+    """The staging routes as the diff form adds them to ``http_server.py`` (both releases), after the
+    state route: the same handlers as the runtime form, marked with SGLang's own ``@auth_level``."""
+    out = [
+        "# lorapub: engine-side staging of adapter versions runs in this process (engine_staging.py).\n"
+        "from lorapub.sglang_patch import engine_staging as _lorapub_engine_staging\n\n"
+        "_LORAPUB_STAGING = _lorapub_engine_staging.for_server(\n"
+        "    lambda: _global_state.tokenizer_manager, _LORAPUB_INCARNATION\n)\n\n\n"
+    ]
+    for path in (engine_staging.BEGIN_ROUTE, engine_staging.BUCKET_ROUTE, engine_staging.END_ROUTE,
+                 engine_staging.CLEANUP_ROUTE, engine_staging.RELEASE_ROUTE):
+        verb = path.rsplit("/", 1)[-1]
+        if verb == "bucket":
+            call = "await _lorapub_engine_staging.starlette_receive(_LORAPUB_STAGING, request)"
+        else:
+            call = (f"await _LORAPUB_STAGING.{verb}(\n"
+                    "        await _lorapub_engine_staging.starlette_json(request)\n    )")
+        out.append(
+            f'@app.post("{path}")\n'
+            "@auth_level(AuthLevel.ADMIN_OPTIONAL)\n"
+            f"async def lorapub_stage_{verb}(request: Request):\n"
+            f"    status, body = {call}\n"
+            "    return ORJSONResponse(body, status_code=status)\n\n\n"
+        )
+    return "".join(out)
+
+
+HTTP_STAGING_BLOCK = _http_staging_block()

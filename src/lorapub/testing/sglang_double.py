@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
+from lorapub.sglang_patch import engine_staging
 from lorapub.testing._sglang_registry import lora_registry_module, registry_root
 
 NORMAL, ADMIN_OPTIONAL, ADMIN_FORCE = "normal", "admin_optional", "admin_force"
@@ -56,6 +57,8 @@ ROUTE_AUTH_LEVELS: dict[tuple[str, str], str] = {
     ("GET", "/server_info"): NORMAL,
     ("GET", "/health"): NORMAL,
 }
+# lorapub's engine-side staging routes: admin-level, like SGLang's LoRA admin routes (see below).
+ROUTE_AUTH_LEVELS.update({route: ADMIN_OPTIONAL for route in engine_staging.ROUTES})
 
 
 def decide_request_auth(*, method: str, path: str, authorization_header: str | None, api_key: str | None,
@@ -242,6 +245,7 @@ class SGLangDouble:
         r.add_post("/generate", self.h_generate)
         if not self.stock:
             r.add_get(STATE_ROUTE, self.h_state)
+            self._add_staging_routes(r)
         r.add_get("/health", self.h_health)
         r.add_get("/server_info", self.h_server_info)
         r.add_get("/v1/models", self.h_models)
@@ -313,6 +317,7 @@ class SGLangDouble:
                 "managed_patch": self.managed_patch,
                 "adapters": adapters,
                 "pending_unloads": dict(self.pending_unloads),
+                "staging": self.staging.report(),
             }
         )
 
@@ -354,13 +359,14 @@ class SGLangDouble:
             }
         )
 
-    async def _load(self, lora_name: str, lora_path: str, pinned: bool) -> dict[str, Any]:
+    async def _load(self, lora_name: str, lora_path: str, pinned: bool, signature: str | None = None) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
         if self.blocking_load:  # callers hold update_lock: one load at a time
             self.not_loading.clear()
         try:
-            signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
+            if signature is None:  # from tensors: the caller computed it
+                signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
             if self.load_delay:
                 await asyncio.sleep(self.load_delay)
             ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
@@ -573,6 +579,65 @@ class SGLangDouble:
             # client disconnect / abort / crash: exactly once, whatever the path
             await asyncio.shield(release_once())
 
+
+    # -- lorapub's engine-side staging (the routes lorapub's SGLang patch adds) -------------------
+    # The same code the patched server runs (lorapub.sglang_patch.engine_staging), with this double
+    # as its engine: a load from a staged folder or from tensors goes through the double's own load.
+    @property
+    def staging(self) -> engine_staging.EngineStaging:
+        current = self.__dict__.get("_staging")
+        if current is None or current.incarnation != self.incarnation:  # a new life stages afresh
+            if current is not None:
+                current.close()
+            current = self.__dict__["_staging"] = engine_staging.EngineStaging(
+                _DoubleHooks(self), incarnation=self.incarnation,
+                stash_root=self.__dict__.get("stash_root"), shm_dir=self.__dict__.get("shm_dir"),
+            )
+        return current
+
+    def _add_staging_routes(self, r: web.UrlDispatcher) -> None:
+        async def json_of(request: web.Request) -> Any:
+            try:
+                return await request.json()
+            except ValueError:
+                return None
+
+        def answer(status_body: tuple[int, dict]) -> web.Response:
+            return web.json_response(status_body[1], status=status_body[0])
+
+        async def begin(request: web.Request) -> web.Response:
+            return answer(await self.staging.begin(await json_of(request)))
+
+        async def bucket(request: web.Request) -> web.Response:
+            refused = await self._apply_fault("bucket", True)
+            if refused is not None:
+                await request.read()
+                return refused
+            out = await self.staging.receive(dict(request.query), request.content.iter_chunked(1 << 20),
+                                             request.content_length)
+            await self._maybe_drop_reply("bucket")
+            return answer(out)
+
+        async def end(request: web.Request) -> web.Response:
+            body = await json_of(request)
+            refused = await self._apply_fault("load", True)  # the end's load fails like a load would
+            if refused is not None:
+                return refused
+            out = await self.staging.end(body)
+            await self._maybe_drop_reply("load")
+            return answer(out)
+
+        async def cleanup(request: web.Request) -> web.Response:
+            return answer(await self.staging.cleanup(await json_of(request)))
+
+        async def release(request: web.Request) -> web.Response:
+            return answer(await self.staging.release(await json_of(request)))
+
+        for path, handler in ((engine_staging.BEGIN_ROUTE, begin), (engine_staging.BUCKET_ROUTE, bucket),
+                              (engine_staging.END_ROUTE, end), (engine_staging.CLEANUP_ROUTE, cleanup),
+                              (engine_staging.RELEASE_ROUTE, release)):
+            r.add_post(path, handler)
+
     # -- introspection for tests ----------------------------------------------------
     def refs(self, name: str) -> int | None:
         ref = self.lora_registry.get_all_adapters().get(name)
@@ -635,3 +700,70 @@ class SGLangUnderTest:
     async def close(self) -> None:
         await self.admin.close()
         await self.double.stop()
+
+
+class _DoubleHooks:
+    """The double as the engine of :class:`~lorapub.sglang_patch.engine_staging.EngineStaging`."""
+
+    def __init__(self, double: SGLangDouble) -> None:
+        self.double = double
+
+    def adapters(self) -> dict[str, dict[str, Any]]:
+        return {n: {"lora_id": r.lora_id, "pinned": bool(r.pinned), "lora_path": r.lora_path}
+                for n, r in self.double.lora_registry.get_all_adapters().items()}
+
+    def max_loaded_loras(self) -> int:
+        return self.double.max_loaded_loras
+
+    async def _load(self, lora_name: str, lora_path: str, signature: str | None) -> str | None:
+        try:
+            async with self.double.update_lock:
+                await self.double._load(lora_name, lora_path, True, signature)
+        except (ValueError, OSError) as e:
+            return str(e)
+        return None
+
+    async def load_dir(self, lora_name: str, path: str) -> str | None:
+        return await self._load(lora_name, path, None)
+
+    async def load_tensors(self, lora_name: str, tensors: dict[str, Any], config: dict[str, Any],
+                           checksums: dict[str, str]) -> str | None:
+        def signature() -> str:  # what SGLang's ranks check (expected_checksums), then the content
+            import torch
+
+            h = hashlib.sha256()
+            for name in sorted(tensors):
+                raw = tensors[name].reshape(-1).view(torch.uint8).numpy()
+                if hashlib.sha256(raw).hexdigest() != checksums.get(name):
+                    raise ValueError(f"[LORA-CHECK] adapter sync MISMATCH: {name}")
+                h.update(name.encode() + b"\0" + raw.tobytes())
+            h.update(engine_staging.json_bytes(config))
+            return h.hexdigest()
+
+        try:
+            sig = await asyncio.to_thread(signature)
+        except ValueError as e:
+            return str(e)
+        return await self._load(lora_name, "__tensor__", sig)
+
+
+class SGLangWireUnderTest(SGLangUnderTest):
+    """lorapub's engine-side-staging adapter (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`)
+    against a fresh :class:`SGLangDouble`, for the conformance suite."""
+
+    @classmethod
+    async def start(  # type: ignore[override]
+        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0, transport: Any = None,
+        api_key: str | None = None, admin_api_key: str | None = None,
+    ) -> "SGLangWireUnderTest":
+        from lorapub.adapters.sglang_wire import SGLangWireEngine
+
+        double = SGLangDouble(name, decode_delay=0.005, api_key=api_key, admin_api_key=admin_api_key)
+        double.stash_root = stash_dir  # the engine's own disk
+        double.shm_dir = getattr(transport, "shm_dir", None)
+        await double.start()
+        admin = SGLangWireEngine(
+            name, double.url, transport=transport, request_timeout=request_timeout, probe_timeout=request_timeout,
+            load_timeout=request_timeout, api_key=api_key, admin_api_key=admin_api_key,
+        )
+        return cls(double, admin)

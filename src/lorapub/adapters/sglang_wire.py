@@ -1,0 +1,583 @@
+"""Adapter bytes over the wire into a patched SGLang server, staged **inside the engine**.
+
+:class:`SGLangWireEngine` is an :class:`~lorapub.ports.EngineAdmin` whose begin / buckets / end /
+cleanup run in the engine process (the routes lorapub's SGLang patch adds,
+:mod:`lorapub.sglang_patch.engine_staging`): the publisher keeps one frozen snapshot and does no
+per-engine byte work; each engine verifies every tensor's SHA-256 and the manifest digest before
+the pinned fresh load. No filesystem is shared. The transport is chosen per deployment:
+
+* :class:`HTTPBytes` (default, cross-host): each bucket's tensors are streamed as the body of one
+  POST, straight from the frozen snapshot's memory (no serialisation, no copy);
+* :class:`SameHostIPC`: the publisher writes each bucket once into a shared-memory file that every
+  engine on the host reads; the engine loads through SGLang's own ``load_lora_adapter_from_tensors``
+  (tensors handed to the scheduler over SGLang's IPC, nothing written to disk);
+* :class:`TorchDistributed`: the engine joins a process group with the publisher (gloo on CPUs,
+  NCCL on GPUs) and receives each bucket as one ordered broadcast; a duplicate receive starts no
+  second collective, and a failed collective fails the attempt on every party (every wait is
+  bounded by the transport's ``timeout``).
+
+Each transport is also the publisher's bucket source: engines built with one transport make
+:class:`~lorapub.runtime.publisher.Publisher` (and so ``Deployment``/``deploy``) use its
+``bucket_source_factory``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import sys
+import threading
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Iterator
+
+import aiohttp
+
+from lorapub.adapters.sglang_http import SGLangAdminBase, SGLangHTTP
+from lorapub.core.attempt import ReadyLocal
+from lorapub.core.effects import SendBegin
+from lorapub.core.identity import AttemptToken
+from lorapub.core.manifest import Bucket, BucketPlan
+from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
+from lorapub.runtime.snapshot import Snapshot
+from lorapub.sglang_patch import engine_staging as es
+
+CHUNK = 128 << 10  # a streamed body is written in slices of this size (views, never copies): small
+# slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    """A read-only byte view of a frozen tensor's memory (no copy)."""
+    torch = sys.modules.get("torch")  # a torch tensor cannot exist unless torch was imported
+    if torch is not None and isinstance(t, torch.Tensor):
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    import numpy as np
+
+    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8)).cast("B")
+
+
+class RawBucket:
+    """Bucket ``index`` of a frozen snapshot as it travels: its tensors back to back in plan order,
+    read straight from the snapshot (``len`` is the plan's size; ``chunks()`` yields views)."""
+
+    def __init__(self, snapshot: Snapshot, bucket: Bucket) -> None:
+        self.snapshot, self.bucket = snapshot, bucket
+
+    def __len__(self) -> int:
+        return self.bucket.nbytes
+
+    def views(self) -> Iterator[memoryview]:
+        for entry in self.bucket.entries:
+            view = _tensor_bytes(self.snapshot.tensor(entry.name))
+            for start in range(0, len(view), CHUNK):
+                yield view[start : start + CHUNK]
+
+    async def chunks(self) -> AsyncIterator[memoryview]:
+        for view in self.views():
+            yield view
+            # A socket that takes every write at once would let the whole bucket go out in one step
+            # of the event loop; yield after each slice so the caller's loop keeps running.
+            await asyncio.sleep(0)
+
+
+class HTTPBytes:
+    """Buckets as HTTP bodies (cross-host; the default). ``load``: ``"dir"`` (the engine writes a PEFT
+    folder on its own disk and loads it) or ``"tensors"`` (SGLang's ``load_lora_adapter_from_tensors``)."""
+
+    kind = "http"
+
+    def __init__(self, *, load: str = "dir") -> None:
+        if load not in es.LOAD_FORMS:
+            raise InvalidInput(f"load must be one of {es.LOAD_FORMS}, got {load!r}")
+        self.load = load
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(load={self.load!r})"
+
+    def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> "WireBucketSource":
+        return WireBucketSource(snapshot, plan)
+
+
+class WireBucketSource:
+    """The publisher's half for :class:`HTTPBytes`: nothing to prepare; each engine's receive streams
+    the bucket from the frozen snapshot (no serialisation, no per-engine copy)."""
+
+    carries_bytes = True
+
+    def __init__(self, snapshot: Snapshot, plan: BucketPlan) -> None:
+        if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
+            raise InvalidInput("a wire bucket source takes a Snapshot and the plan made for it")
+        self.snapshot, self.plan = snapshot, plan
+
+    async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
+        return None
+
+    def payload(self, token: AttemptToken, index: int) -> RawBucket:
+        return RawBucket(self.snapshot, self.plan.buckets[index])
+
+
+# -- same-host IPC ------------------------------------------------------------------------------------
+class ShmBucket:
+    """A bucket written once into a shared-memory file; removed once every engine has read it."""
+
+    def __init__(self, name: str, nbytes: int, source: "ShmBucketSource", index: int) -> None:
+        self.name, self.nbytes, self.source, self.index = name, nbytes, source, index
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def read_by(self, engine: str, ok: bool = True) -> None:
+        """``engine``'s receive of this bucket ended (``ok``: it stored it; else the attempt is over)."""
+        if ok:
+            self.source._read(self.index, engine)
+        else:
+            self.source.abort()
+
+
+class ShmBucketSource:
+    """The publisher's half for :class:`SameHostIPC`: bucket ``i`` is written into one shared-memory
+    file (off the event loop) for every engine on the host, and removed when all of them read it;
+    bucket ``i+1`` is written while the engines read bucket ``i`` (at most two files at a time)."""
+
+    carries_bytes = True
+
+    def __init__(self, snapshot: Snapshot, plan: BucketPlan, shm_dir: str) -> None:
+        if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
+            raise InvalidInput("a shared-memory bucket source takes a Snapshot and the plan made for it")
+        self.snapshot, self.plan, self.shm_dir = snapshot, plan, shm_dir
+        self.stem = f"lorapub-{uuid.uuid4().hex}"
+        self._files: dict[int, ShmBucket] = {}
+        self._engines: dict[int, set[str]] = {}
+        self._read_by: dict[int, set[str]] = {}
+        self._paths: set[str] = set()
+        self._ahead: dict[int, asyncio.Future] = {}  # at most the next bucket, written in advance
+        self._aborted = False
+        self._finalizer = weakref.finalize(self, _remove_all, self._paths)
+
+    def _write(self, index: int) -> ShmBucket:
+        name = f"{self.stem}-b{index}.bucket"
+        path = os.path.join(self.shm_dir, name)
+        bucket = self.plan.buckets[index]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self._paths.add(path)
+        with os.fdopen(fd, "wb") as f:
+            for view in RawBucket(self.snapshot, bucket).views():
+                f.write(view)
+        return ShmBucket(name, bucket.nbytes, self, index)
+
+    async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
+        self._engines[index] = set(engines)
+        if index not in self._files:
+            ahead = self._ahead.pop(index, None)  # written while the engines read the previous bucket
+            self._files[index] = await (ahead if ahead is not None else asyncio.to_thread(self._write, index))
+        for old in [i for i in self._files if i < index]:  # every party finished those buckets
+            self._remove(old)
+        nxt = index + 1
+        if not self._aborted and nxt < len(self.plan.buckets) and nxt not in self._files and nxt not in self._ahead:
+            self._ahead[nxt] = asyncio.ensure_future(asyncio.to_thread(self._write, nxt))
+
+    def payload(self, token: AttemptToken, index: int) -> ShmBucket:
+        if index not in self._files:
+            raise EngineError(f"shared-memory bucket {index} of {token} was not written (its send did not run)")
+        return self._files[index]
+
+    def abort(self) -> None:
+        """The attempt failed: remove every bucket file, and the one being written ahead once written."""
+        self._aborted = True
+        for index in list(self._files):
+            self._remove(index)
+        for index, ahead in list(self._ahead.items()):
+            ahead.add_done_callback(lambda f, i=index: self._drop_ahead(i, f))
+
+    def _drop_ahead(self, index: int, done: asyncio.Future) -> None:
+        self._ahead.pop(index, None)
+        if not done.cancelled() and done.exception() is None:
+            self._files[index] = done.result()
+            self._remove(index)
+
+    def _read(self, index: int, engine: str) -> None:
+        seen = self._read_by.setdefault(index, set())
+        seen.add(engine)
+        if index in self._engines and seen >= self._engines[index]:
+            self._remove(index)
+
+    def _remove(self, index: int) -> None:
+        found = self._files.pop(index, None)
+        if found is not None:
+            path = os.path.join(self.shm_dir, found.name)
+            self._paths.discard(path)
+            # removing a large tmpfs file frees its pages there and then: never on the event loop
+            threading.Thread(target=_remove_all, args=({path},), name="lorapub-shm-unlink", daemon=True).start()
+
+    def close(self) -> None:
+        self._finalizer()
+        self._files.clear()
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self._paths)
+
+
+def _remove_all(paths: set[str]) -> None:
+    for path in list(paths):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    paths.clear()
+
+
+class SameHostIPC(HTTPBytes):
+    """Buckets through shared memory on one host (``shm_dir``, default ``/dev/shm``; the engine reads
+    only lorapub's bucket files from its own ``LORAPUB_SHM_DIR``, the same folder), loaded through
+    SGLang's own ``load_lora_adapter_from_tensors`` by default."""
+
+    kind = "shm"
+
+    def __init__(self, *, shm_dir: str = "/dev/shm", load: str = "tensors") -> None:
+        super().__init__(load=load)
+        if not isinstance(shm_dir, str) or not os.path.isdir(shm_dir):
+            raise InvalidInput(f"shm_dir must be an existing folder, got {shm_dir!r}")
+        self.shm_dir = shm_dir
+
+    def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> ShmBucketSource:
+        return ShmBucketSource(snapshot, plan, self.shm_dir)
+
+
+# -- torch.distributed ----------------------------------------------------------------------------------
+class TorchDistributed(HTTPBytes):
+    """Buckets as ordered broadcasts in a process group of the publisher (rank 0) and the attempt's
+    engines (ranks 1.. in engine-name order): ``backend`` gloo (CPU) or nccl (GPU, ``device`` cuda).
+    The publisher hosts the group's store at ``host`` (an address every engine can reach) on a free
+    port per attempt; ``timeout`` bounds every join and broadcast on every party."""
+
+    kind = "torch"
+
+    def __init__(self, *, host: str = "127.0.0.1", backend: str = "gloo", device: str = "cpu",
+                 timeout: float = 60.0, load: str = "dir") -> None:
+        super().__init__(load=load)
+        import torch.distributed  # noqa: F401 - imported here, never on the event loop of a publication
+
+        if backend not in ("gloo", "nccl"):
+            raise InvalidInput(f"backend must be gloo or nccl, got {backend!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.host, self.backend, self.device, self.timeout = host, backend, device, float(timeout)
+        self._sources: weakref.WeakValueDictionary[str, TorchBucketSource] = weakref.WeakValueDictionary()
+
+    def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> "TorchBucketSource":
+        source = TorchBucketSource(snapshot, plan, self)
+        self._sources[plan.digest] = source
+        return source
+
+    def source_for(self, digest: str) -> "TorchBucketSource":
+        source = self._sources.get(digest)
+        if source is None:
+            raise EngineError(f"no torch.distributed bucket source is publishing {digest[:12]} in this process")
+        return source
+
+    def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:
+        source = self._sources.get(request.digest)
+        if source is None:  # a caller that hands the buckets' bytes itself (no collective to join)
+            return {"kind": "http"}
+        return {"kind": self.kind, "host": self.host, "port": source.port, "backend": self.backend,
+                "device": self.device, "timeout": self.timeout}
+
+
+class TorchBucketSource:
+    """The publisher's half for :class:`TorchDistributed` (rank 0). The group forms at the first
+    bucket, once the attempt's engines are known; bucket ``i`` is broadcast at most once, from a
+    flat copy made while bucket ``i-1`` was on the wire (two reused bucket-sized buffers)."""
+
+    carries_bytes = False
+
+    def __init__(self, snapshot: Snapshot, plan: BucketPlan, transport: TorchDistributed) -> None:
+        import torch.distributed as dist
+
+        if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
+            raise InvalidInput("a torch bucket source takes a Snapshot and the plan made for it")
+        self.snapshot, self.plan, self.transport = snapshot, plan, transport
+        self.store = dist.TCPStore(transport.host, 0, None, True, timeout=datetime.timedelta(seconds=transport.timeout),
+                                   wait_for_workers=False)
+        self.port = self.store.port
+        self._rosters: dict[AttemptToken, tuple[str, ...]] = {}
+        self._roster_set: dict[AttemptToken, asyncio.Event] = {}
+        self._groups: dict[AttemptToken, Any] = {}
+        self._sent: dict[tuple[AttemptToken, int], asyncio.Future] = {}
+        self.failed: str | None = None
+        self.broadcasts = 0
+        self._bufs: list[Any] = [None, None]  # at most two buckets' bytes beside the snapshot
+        self._ahead: dict[int, tuple[threading.Thread, int]] = {}
+
+    def _event(self, token: AttemptToken) -> asyncio.Event:
+        return self._roster_set.setdefault(token, asyncio.Event())
+
+    async def rank_of(self, token: AttemptToken, engine: str) -> tuple[int, int]:
+        """(rank, world size) of ``engine`` in the group of ``token`` (known once its first bucket starts)."""
+        try:
+            async with asyncio.timeout(self.transport.timeout):
+                await self._event(token).wait()
+        except TimeoutError:
+            raise OutcomeUnknown(f"the publisher never started the collective of {token}") from None
+        roster = self._rosters[token]
+        if engine not in roster:
+            raise EngineError(f"{engine} is not a target of {token} ({roster})")
+        return 1 + roster.index(engine), 1 + len(roster)
+
+    def _prefixed(self, token: AttemptToken) -> Any:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(f"lorapub/{token}", self.store)
+
+    def abort(self, token: AttemptToken, reason: str) -> None:
+        """Every party of ``token``'s collective stops waiting (an engine refused or did not answer)."""
+        self.failed = self.failed or reason
+        if self.store is not None:
+            es.post_abort(self._prefixed(token), f"publisher: {reason}")
+
+    def _join(self, token: AttemptToken, world: int) -> Any:
+        import torch.distributed as dist
+
+        span = datetime.timedelta(seconds=self.transport.timeout)
+        store = self._prefixed(token)
+        es.barrier(store, "join", world, self.transport.timeout)  # every party is there before the group forms
+        if self.transport.backend == "gloo":
+            return dist.ProcessGroupGloo(store, 0, world, span)
+        opts = dist.ProcessGroupNCCL.Options()  # pragma: no cover - needs GPUs
+        opts._timeout = span
+        return dist.ProcessGroupNCCL(store, 0, world, opts)
+
+    def _flatten(self, index: int, slot: int) -> Any:
+        """Bucket ``index`` into buffer ``slot`` (two buffers of the largest bucket, reused)."""
+        import numpy as np
+        import torch
+
+        if self._bufs[slot] is None:
+            self._bufs[slot] = torch.empty(max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8)
+        bucket = self.plan.buckets[index]
+        flat = self._bufs[slot][: bucket.nbytes]
+        out, offset = flat.numpy(), 0
+        for entry in bucket.entries:  # numpy copies without the GIL: the caller's loop keeps running
+            view = _tensor_bytes(self.snapshot.tensor(entry.name))
+            np.copyto(out[offset : offset + len(view)], np.frombuffer(view, dtype=np.uint8))
+            offset += len(view)
+        return flat
+
+    def _broadcast(self, token: AttemptToken, index: int, world: int) -> None:
+        import torch.distributed as dist
+
+        if token not in self._groups:
+            self._groups[token] = self._join(token, world)
+        ahead = self._ahead.pop(index, None)
+        if ahead is not None:  # flattened while the previous bucket was broadcast
+            ahead[0].join()
+            slot = ahead[1]
+            flat = self._bufs[slot][: self.plan.buckets[index].nbytes]
+        else:
+            slot = index % 2
+            flat = self._flatten(index, slot)
+        if index + 1 < len(self.plan.buckets):  # the next bucket goes into the other buffer meanwhile
+            worker = threading.Thread(target=self._flatten, args=(index + 1, 1 - slot), daemon=True)
+            worker.start()
+            self._ahead[index + 1] = (worker, 1 - slot)
+        if self.transport.device != "cpu":  # pragma: no cover - NCCL sends from the GPU
+            flat = flat.to(self.transport.device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=self.transport.timeout)
+        es.barrier(self._prefixed(token), f"bucket-{index}", world, self.transport.timeout)
+        self._groups[token].broadcast([flat], opts).wait()
+        if index == len(self.plan.buckets) - 1:  # the last bucket: leave the group here, off the loop
+            self._groups.pop(token, None)
+            self._bufs = [None, None]
+            self.store = None  # the store's server thread is joined here too
+
+    async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
+        roster = tuple(sorted(engines))
+        if token not in self._rosters:
+            self._rosters[token] = roster
+            self._event(token).set()
+        key = (token, index)
+        if key in self._sent:  # a duplicate: the same outcome, never a second collective
+            return await asyncio.shield(self._sent[key])
+        if self.failed:
+            raise EngineError(f"the collective of {token} failed before bucket {index}: {self.failed}")
+        self._sent[key] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.to_thread(self._broadcast, token, index, 1 + len(roster))
+        except Exception as e:  # noqa: BLE001 - a failed collective fails the attempt for every party
+            self.failed = f"{type(e).__name__}: {e}"
+            if self.store is not None:
+                es.post_abort(self._prefixed(token), f"publisher: {self.failed}")
+            self._groups.pop(token, None)  # its sockets close: ranks still waiting fail at once
+            error = EngineError(f"broadcast of bucket {index} of {token} failed: {self.failed}")
+            self._sent[key].set_exception(error)
+            self._sent[key].exception()  # retrieved here; the caller gets it raised below
+            raise error from None
+        self.broadcasts += 1
+        self._sent[key].set_result(None)
+
+    def payload(self, token: AttemptToken, index: int) -> bytes:
+        return b""
+
+
+# -- the engine adapter ----------------------------------------------------------------------------------
+class SGLangWireEngine(SGLangAdminBase):
+    """A patched SGLang server (0.5.17 or 0.5.23) whose staging runs inside it.
+
+    ``transport``: :class:`HTTPBytes` (default), :class:`SameHostIPC` or :class:`TorchDistributed`.
+    ``load_timeout`` bounds ``end`` (verification and the engine's load) and ``cleanup`` (which
+    waits for an in-flight ``end``); ``transfer_timeout`` one bucket's request. The other options
+    are :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s; every staging route
+    is admin-level and carries the admin key. ``bucket_source_factory`` is the transport's: a
+    deployment of these engines sends buckets the transport's way.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        transport: HTTPBytes | None = None,
+        http: aiohttp.ClientSession | None = None,
+        request_timeout: float | None = None,
+        probe_timeout: float | None = 30.0,
+        transfer_timeout: float | None = None,
+        load_timeout: float | None = 600.0,
+        require_patch: bool = True,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+    ) -> None:
+        self.client = SGLangHTTP(
+            name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
+            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
+        )
+        self.name = self.client.name
+        transport = HTTPBytes() if transport is None else transport
+        if not isinstance(transport, HTTPBytes):
+            raise InvalidInput(f"transport must be HTTPBytes, SameHostIPC or TorchDistributed, got {transport!r}")
+        self.transport = transport
+        self.transfer_timeout = transfer_timeout  # one bucket's request (None: the runner's deadline bounds it)
+        self.load_timeout = load_timeout  # end (verify + the engine's load) and cleanup (waits for it)
+        self._lives: dict[AttemptToken, str] = {}
+        self._digests: dict[AttemptToken, str] = {}
+
+    def __repr__(self) -> str:
+        return f"SGLangWireEngine({self.client!r}, transport={self.transport!r})"
+
+    @property
+    def bucket_source_factory(self):
+        return self.transport.bucket_source_factory
+
+    async def _stage(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        status, reply = await self.client.request("POST", path, json_body=body,
+                                                  timeout=timeout if timeout is not None else self.client.probe_timeout)
+        return self._staged(path, status, reply)
+
+    def _staged(self, path: str, status: int, reply: Any) -> dict[str, Any]:
+        if status == 404 and self.client.require_patch:
+            raise EngineError(f"{self.name} lacks lorapub's engine-side staging ({path} is missing): update its "
+                              "SGLang patch", engine=self.name, status=status)
+        if status != 200:
+            raise self.client.refusal(path, status, reply)
+        return self.client.json_object(path, status, reply)
+
+    # -- publication ------------------------------------------------------------------------------
+    async def begin(self, request: SendBegin) -> str:
+        body = {
+            "token": es.token_to_json(request.token), "incarnation": request.incarnation,
+            "lora_name": request.lora_name, "digest": request.digest, "plan": es.plan_to_json(request.plan),
+            "transport": self.transport.begin_options(request, self.name), "load": self.transport.load,
+        }
+        reply = await self._stage(es.BEGIN_ROUTE, body)
+        self._lives[request.token] = reply["incarnation"]
+        self._digests[request.token] = request.digest
+        return reply["incarnation"]
+
+    async def _life(self, token: AttemptToken) -> str:
+        return self._lives.get(token) or await self.incarnation()
+
+    async def receive_bucket(self, token: AttemptToken, index: int, payload: Any) -> str:
+        params = {**es.token_params(token), "index": str(index), "incarnation": await self._life(token)}
+        headers = {**self.client._authorization(True)}
+        source = None
+        if isinstance(payload, RawBucket):
+            params["format"], data = "raw", payload.chunks()
+            headers["Content-Length"] = str(len(payload))
+            headers["Content-Type"] = "application/octet-stream"
+        elif isinstance(payload, ShmBucket):
+            params["format"], data = "shm", es.json_bytes({"name": payload.name})
+            headers["Content-Type"] = "application/json"
+        elif isinstance(self.transport, TorchDistributed) and not len(payload):
+            source = self.transport.source_for(self._digests.get(token) or "")
+            try:
+                rank, world = await source.rank_of(token, self.name)
+            except Exception as e:
+                source.abort(token, f"{self.name}: {e}")
+                raise
+            params["format"], data = "torch", es.json_bytes({"rank": rank, "world_size": world, "src": 0})
+            headers["Content-Type"] = "application/json"
+        elif isinstance(payload, (bytes, bytearray, memoryview)):
+            params["format"], data = "safetensors", payload  # a safetensors blob (Snapshot.bucket_bytes)
+            headers["Content-Type"] = "application/octet-stream"
+        else:
+            raise InvalidInput(f"{self.name}: a bucket payload is bytes or a wire bucket, got {type(payload).__name__}")
+        stored = False
+        try:
+            t = aiohttp.ClientTimeout(total=self.transfer_timeout)
+            async with self.client.http.post(self.base_url + es.BUCKET_ROUTE, params=params, data=data,
+                                             headers=headers, timeout=t) as r:
+                status, text = r.status, (await r.read()).decode("utf-8", errors="replace")
+            incarnation = self._staged(es.BUCKET_ROUTE, status, es.json_or_text(text))["incarnation"]
+            stored = True
+            return incarnation
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            if source is not None:
+                source.abort(token, f"{self.name} did not answer bucket {index}")
+            raise OutcomeUnknown(f"{self.name} {es.BUCKET_ROUTE}: no answer ({type(e).__name__})") from None
+        except EngineError as e:
+            if source is not None:  # the others must not wait for a rank that will not come
+                source.abort(token, f"{self.name} refused bucket {index}: {e.message}")
+            raise
+        finally:
+            if isinstance(payload, ShmBucket):
+                payload.read_by(self.name, ok=stored)
+
+    async def end(self, token: AttemptToken) -> ReadyLocal:
+        inc = await self._life(token)
+        receipt = await self._stage(es.END_ROUTE, {"token": es.token_to_json(token), "incarnation": inc},
+                                    self.load_timeout)
+        name, digest = receipt.get("lora_name"), receipt.get("digest")
+        if receipt.get("incarnation") != inc or not isinstance(name, str) or not isinstance(digest, str):
+            raise EngineError(f"{self.name} {es.END_ROUTE} answered a malformed receipt: {receipt}", engine=self.name)
+        await self._probe(name)
+        state = await self.client.state()
+        if state["incarnation"] != inc:
+            raise EngineError(f"{self.name} restarted during end ({inc} -> {state['incarnation']})")
+        entry = state["adapters"].get(name)
+        if entry is None or not entry.get("pinned") or entry.get("lora_id") != receipt.get("lora_id"):
+            raise EngineError(f"{self.name}: {name} is not loaded pinned from this attempt")
+        self._lives.pop(token, None)
+        self._digests.pop(token, None)
+        return ReadyLocal(self.name, token, digest, inc, entry.get("lora_id"))
+
+    async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
+        # The engine tombstones the attempt first and waits for its in-flight operation, so nothing
+        # of it can be loaded after this answer; then the exact name is unloaded (if it was).
+        await self._stage(es.CLEANUP_ROUTE, {"token": es.token_to_json(token)}, self.load_timeout)
+        await self._unload(lora_name, f"cleanup-{token}")
+        self._lives.pop(token, None)
+        self._digests.pop(token, None)
+        return await self.incarnation()
+
+    async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
+        await self._unload(lora_name, reclaim_id)
+        await self._stage(es.RELEASE_ROUTE, {"lora_name": lora_name})  # the engine frees what it still kept
+
+
+__all__ = ["HTTPBytes", "RawBucket", "SGLangWireEngine", "SameHostIPC", "ShmBucket", "ShmBucketSource",
+           "TorchBucketSource", "TorchDistributed", "WireBucketSource"]

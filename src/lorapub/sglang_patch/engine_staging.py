@@ -1,0 +1,878 @@
+"""Engine-side staging of adapter versions: begin / bucket / end / cleanup / release, in the engine.
+
+This module runs **inside the SGLang server process** (lorapub's patch adds its routes) and inside
+lorapub's contract double, so both use one implementation. It imports only the standard library,
+``lorapub.core`` and, where a transport or load form needs them, torch (and nothing of lorapub's
+runtime, adapters or aiohttp).
+
+One :class:`EngineStaging` per server life (``incarnation``). Every message names its attempt
+(``AttemptToken``) and the life it was meant for; a message for another life, for an attempt that
+was cleaned up (a **tombstone**), or for one never begun here is refused and recreates nothing.
+
+* ``begin``: checks the name is the version's managed name, that the bucket plan is the one the
+  digest describes (the manifest rebuilt from the plan hashes to the digest), that the name is not
+  loaded and a LoRA slot is free; fixes the attempt, its transport and its load form.
+* ``receive``: stores bucket ``index`` once into a buffer of exactly the plan's size and verifies the
+  SHA-256 of every tensor in it (off the event loop) before it counts as stored; a duplicate stores
+  nothing and starts no second collective. Transports: ``raw`` (HTTP body: the bucket's tensors
+  back to back in plan order), ``safetensors`` (HTTP body: a safetensors blob of the bucket),
+  ``shm`` (same host: a shared-memory file the publisher wrote once for every engine), ``torch``
+  (a torch.distributed broadcast from the publisher, gloo or NCCL, in a group begun here).
+* ``end``: every bucket present and verified, the manifest digest checked again, then the fresh,
+  **pinned** load through the engine (``dir``: a PEFT directory on the engine's own disk, loaded
+  with ``load_lora_adapter``; ``tensors``: SGLang's own ``load_lora_adapter_from_tensors``, which
+  hands the tensors to the scheduler over SGLang's IPC, never touching disk). A duplicate ``end``
+  answers the same receipt.
+* ``cleanup``: tombstones the attempt first, waits for its in-flight operation, frees the stash
+  (the unload itself is SGLang's ``/unload_lora_adapter`` with the reclaim header).
+* ``release``: after a reclaim unloaded a name, frees what the attempt that loaded it still keeps.
+
+Every handler answers ``(status, body)``: 200 with a JSON object, or a definite refusal
+(``{"error": {"message", "code"}}``, 400 malformed or not verifying, 409 refused by state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import mmap
+import os
+import re
+import shutil
+import tempfile
+import threading
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+
+from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
+
+PREFIX = "/lorapub/stage"
+BEGIN_ROUTE, BUCKET_ROUTE, END_ROUTE = f"{PREFIX}/begin", f"{PREFIX}/bucket", f"{PREFIX}/end"
+CLEANUP_ROUTE, RELEASE_ROUTE = f"{PREFIX}/cleanup", f"{PREFIX}/release"
+#: (method, path) of every staging route; all are admin-level, like SGLang's LoRA admin routes.
+ROUTES = (("POST", BEGIN_ROUTE), ("POST", BUCKET_ROUTE), ("POST", END_ROUTE), ("POST", CLEANUP_ROUTE),
+          ("POST", RELEASE_ROUTE))
+FORMATS = ("raw", "safetensors", "shm", "torch")
+LOAD_FORMS = ("dir", "tensors")
+#: A shared-memory bucket file is named like this, inside the engine's allowed shm folder.
+SHM_NAME = re.compile(r"lorapub-[0-9a-f]{8,64}-b[0-9]{1,6}\.bucket")
+#: safetensors dtype codes for the dtype names lorapub's manifest carries.
+SAFETENSORS_DTYPES = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+_CHUNK = 1 << 20
+
+
+class Refused(Exception):
+    """A definite no: ``status`` and a stable ``code`` go back to the caller."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _refuse(message: str, code: str = "STAGE_REFUSED", status: int = 409) -> Refused:
+    return Refused(status, code, message)
+
+
+def _bad(message: str) -> Refused:
+    return Refused(400, "STAGE_INVALID", message)
+
+
+# -- wire encodings shared with the publisher's adapter ---------------------------------------
+def token_to_json(token: AttemptToken) -> dict[str, Any]:
+    return {"epoch": token.version.deployment_epoch, "version_id": token.version.version_id, "seq": token.seq}
+
+
+def token_from_json(value: Any) -> AttemptToken:
+    try:
+        return AttemptToken(VersionKey(int(value["epoch"]), str(value["version_id"])), int(value["seq"]))
+    except Exception as e:  # noqa: BLE001 - anything malformed is a 400
+        raise _bad(f"not an attempt token: {value!r:.200} ({e})") from None
+
+
+def token_params(token: AttemptToken) -> dict[str, str]:
+    """The token as URL query parameters (a bucket's body is its bytes)."""
+    return {k: str(v) for k, v in token_to_json(token).items()}
+
+
+def plan_to_json(plan: BucketPlan) -> dict[str, Any]:
+    return {
+        "digest": plan.digest,
+        "serving_config_json": plan.serving_config_json,
+        "buckets": [{"index": b.index, "entries": [e.canonical() for e in b.entries]} for b in plan.buckets],
+    }
+
+
+def plan_from_json(value: Any) -> BucketPlan:
+    """The plan, with every bucket's size and digest recomputed here (never taken on trust)."""
+    try:
+        buckets = []
+        for i, b in enumerate(value["buckets"]):
+            if int(b["index"]) != i:
+                raise ValueError(f"bucket {i} says index {b['index']}")
+            entries = tuple(
+                TensorEntry(str(e["name"]), str(e["dtype"]), tuple(int(x) for x in e["shape"]), int(e["nbytes"]),
+                            str(e["sha256"]))
+                for e in b["entries"]
+            )
+            if not entries:
+                raise ValueError(f"bucket {i} is empty")
+            for e in entries:
+                if e.nbytes < 0 or any(x < 0 for x in e.shape) or not re.fullmatch(r"[0-9a-f]{64}", e.sha256):
+                    raise ValueError(f"tensor {e.name!r} has a bad size, shape or digest")
+            buckets.append(Bucket(i, entries, sum(e.nbytes for e in entries),
+                                  hashlib.sha256("".join(e.sha256 for e in entries).encode()).hexdigest()))
+        if not buckets:
+            raise ValueError("no buckets")
+        return BucketPlan(str(value["digest"]), tuple(buckets), str(value["serving_config_json"]))
+    except Refused:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _bad(f"not a bucket plan: {e}") from None
+
+
+def manifest_digest(plan: BucketPlan) -> str:
+    """The digest of the manifest the plan's tensors and serving config describe."""
+    entries = [e for b in plan.buckets for e in b.entries]
+    try:
+        return Manifest.build(entries, json.loads(plan.serving_config_json)).digest
+    except Exception as e:  # noqa: BLE001 - unsorted/duplicate names, a config that is not JSON
+        raise _bad(f"the plan describes no valid manifest: {e}") from None
+
+
+def json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+# -- safetensors without a framework -----------------------------------------------------------
+def safetensors_header(entries: list[TensorEntry]) -> bytes:
+    """The header of a safetensors file holding ``entries`` back to back (8-byte length + JSON, padded)."""
+    header, offset = {}, 0
+    for e in entries:
+        if e.dtype not in SAFETENSORS_DTYPES:
+            raise _bad(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors cannot store")
+        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def safetensors_layout(blob: memoryview, bucket: Bucket) -> list[tuple[int, int]]:
+    """(start, end) of each entry's bytes inside a safetensors ``blob``, checked against the plan."""
+    if len(blob) < 8:
+        raise _bad("a safetensors body shorter than its length prefix")
+    size = int.from_bytes(blob[:8], "little")
+    if size > len(blob) - 8 or size > 100 << 20:
+        raise _bad("a safetensors header longer than the body")
+    try:
+        header = json.loads(bytes(blob[8 : 8 + size]))
+    except ValueError:
+        raise _bad("a safetensors header that is not JSON") from None
+    header.pop("__metadata__", None)
+    if sorted(header) != sorted(bucket.tensor_names):
+        raise _bad(f"bucket {bucket.index} holds {sorted(header)[:4]}…, the plan says {list(bucket.tensor_names)[:4]}…")
+    base, spans = 8 + size, []
+    for e in bucket.entries:
+        h = header[e.name]
+        start, end = (int(x) for x in h["data_offsets"])
+        if h.get("dtype") != SAFETENSORS_DTYPES.get(e.dtype) or list(h.get("shape", ())) != list(e.shape):
+            raise _bad(f"tensor {e.name!r} is {h.get('dtype')} {h.get('shape')}, the plan says {e.dtype} {list(e.shape)}")
+        if end - start != e.nbytes or base + end > len(blob) or start < 0:
+            raise _bad(f"tensor {e.name!r} has {end - start} bytes, the plan says {e.nbytes}")
+        spans.append((base + start, base + end))
+    return spans
+
+
+def verify_spans(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket) -> None:
+    """Every tensor's bytes against its manifest SHA-256 (one pass; run it off the event loop)."""
+    for (start, end), e in zip(spans, bucket.entries):
+        if hashlib.sha256(buf[start:end]).hexdigest() != e.sha256:
+            raise Refused(400, "STAGE_DIGEST", f"tensor {e.name!r} of bucket {bucket.index} does not match its SHA-256")
+
+
+def raw_spans(bucket: Bucket) -> list[tuple[int, int]]:
+    spans, offset = [], 0
+    for e in bucket.entries:
+        spans.append((offset, offset + e.nbytes))
+        offset += e.nbytes
+    return spans
+
+
+def barrier(store: Any, key: str, world: int, timeout: float, abort_key: str = "abort") -> None:
+    """Every party of a collective announces itself on the group's store and waits for all
+    ``world`` of them (or an abort any party posts, or ``timeout``): a collective is entered only when
+    every rank is there, so no rank is left waiting in one that a party will never join."""
+    import time
+
+    store.add(key, 1)
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while True:
+        if store.check([abort_key]):
+            raise RuntimeError(f"the collective was aborted: {store.get(abort_key).decode(errors='replace')}")
+        if store.add(key, 0) >= world:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {store.add(key, 0)} of {world} parties reached {key!r} within {timeout:g}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.002)
+
+
+def post_abort(store: Any, reason: str) -> None:
+    """Tell every party of a collective to stop waiting (best effort)."""
+    try:
+        store.set("abort", reason[:500])
+    except Exception:  # noqa: BLE001 - the store may already be gone
+        pass
+
+
+# -- what the staging needs from its engine ----------------------------------------------------
+class EngineHooks(Protocol):
+    """The engine around the staging (SGLang's TokenizerManager, or the contract double)."""
+
+    def adapters(self) -> Mapping[str, Mapping[str, Any]]:
+        """Registered adapters: name -> {"lora_id", "pinned", "lora_path"}."""
+
+    def max_loaded_loras(self) -> int | None: ...
+
+    async def load_dir(self, lora_name: str, path: str) -> str | None:
+        """Load the PEFT directory ``path`` pinned under ``lora_name``; None, or the engine's error text."""
+
+    async def load_tensors(self, lora_name: str, tensors: dict[str, Any], config: dict[str, Any],
+                           checksums: dict[str, str]) -> str | None:
+        """Load named torch tensors pinned under ``lora_name``; None, or the engine's error text."""
+
+
+class Buffer:
+    """A bucket's bytes on the engine: an anonymous mapping (pages are touched only when the bytes
+    arrive), a read-only mapping of a shared-memory bucket file (no copy at all), or a uint8 torch
+    tensor in shared memory when the load form hands tensors to SGLang's scheduler processes."""
+
+    def __init__(self, nbytes: int, shared: bool, mapping: mmap.mmap | None = None) -> None:
+        self.nbytes, self.tensor, self._map = nbytes, None, mapping
+        if mapping is not None:
+            self.view = memoryview(mapping)
+        elif shared:
+            import torch
+
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            self.view = memoryview(self.tensor.numpy()).cast("B")
+        elif nbytes:
+            self._map = mmap.mmap(-1, nbytes)
+            self.view = memoryview(self._map)
+        else:
+            self.view = memoryview(bytearray(0))
+
+    def close(self) -> None:
+        """Give the memory back now (or, while a loaded tensor still views it, when that goes)."""
+        self.tensor = None
+        try:
+            self.view.release()
+            if self._map is not None:
+                self._map.close()
+        except (BufferError, ValueError):
+            pass
+
+
+class _Attempt:
+    def __init__(self, token: AttemptToken, lora_name: str, digest: str, plan: BucketPlan, transport: dict,
+                 load: str) -> None:
+        self.token, self.lora_name, self.digest, self.plan = token, lora_name, digest, plan
+        self.transport, self.load = transport, load
+        self.lock = asyncio.Lock()
+        self.buckets: dict[int, tuple[Buffer, list[tuple[int, int]]]] = {}
+        self.receipt: dict[str, Any] | None = None
+        self.folder: str | None = None
+        self.group: Any = None  # torch transport: the group's store and, once formed, its process group
+        self.inflight: dict[int, asyncio.Future] = {}  # torch buckets whose collective is running
+        self.verifying: dict[int, asyncio.Future] = {}  # SHA-256 checks running beside the next bucket
+        self.failed: str | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(buf.nbytes for buf, _ in self.buckets.values())
+
+
+class EngineStaging:
+    """The engine-side staging of one server life. ``hooks`` is the engine; ``stash_root`` the
+    engine's own folder for ``dir`` loads; ``shm_dir`` the only folder ``shm`` buckets are read from;
+    ``max_stash_bytes`` bounds what staged attempts may hold at once (None: no bound)."""
+
+    def __init__(self, hooks: EngineHooks, *, incarnation: str, stash_root: str | None = None,
+                 shm_dir: str | None = None, max_stash_bytes: int | None = None) -> None:
+        self.hooks = hooks
+        self.incarnation = incarnation
+        root = stash_root or os.environ.get("LORAPUB_ENGINE_STASH") or os.path.join(
+            tempfile.gettempdir(), "lorapub-engine-stash")
+        self.stash_root = os.path.join(root, re.sub(r"[^A-Za-z0-9_.-]", "_", incarnation))
+        self.shm_dir = os.path.realpath(shm_dir or os.environ.get("LORAPUB_SHM_DIR") or "/dev/shm")
+        if max_stash_bytes is None and os.environ.get("LORAPUB_MAX_STASH_BYTES"):
+            max_stash_bytes = int(os.environ["LORAPUB_MAX_STASH_BYTES"])
+        self.max_stash_bytes = max_stash_bytes
+        self._attempts: dict[AttemptToken, _Attempt] = {}
+        self._tombstones: set[AttemptToken] = set()
+        self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
+
+    # -- introspection (the state route reports it) ------------------------------------------
+    def report(self) -> dict[str, Any]:
+        return {
+            "attempts": {
+                str(a.token): {"lora_name": a.lora_name, "buckets": sorted(a.buckets), "bytes": a.held_bytes,
+                               "loaded": a.receipt is not None, "folder": a.folder is not None,
+                               "transport": a.transport.get("kind", "http"), "load": a.load}
+                for a in self._attempts.values()
+            },
+            "bytes": sum(a.held_bytes for a in self._attempts.values()),
+            "tombstones": len(self._tombstones),
+            "collectives": self.collectives,
+        }
+
+    def close(self) -> None:
+        """Free every stash of this life (the server is going away)."""
+        for attempt in list(self._attempts.values()):
+            self._free(attempt)
+        shutil.rmtree(self.stash_root, ignore_errors=True)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _check_life(self, incarnation: Any) -> None:
+        if incarnation != self.incarnation:
+            raise _refuse(f"message for engine life {incarnation!r}; this life is {self.incarnation!r}", "STAGE_LIFE")
+
+    def _live(self, token: AttemptToken) -> _Attempt:
+        if token in self._tombstones:
+            raise _refuse(f"attempt {token} was cleaned up here; refusing to recreate it", "STAGE_TOMBSTONE")
+        found = self._attempts.get(token)
+        if found is None:
+            raise _refuse(f"attempt {token} was never begun in this engine life", "STAGE_UNKNOWN")
+        return found
+
+    def _folder(self, token: AttemptToken) -> str:
+        return os.path.join(self.stash_root, f"{token.version.deployment_epoch}-{token.version.version_id}-a{token.seq}")
+
+    @staticmethod
+    async def _answer(work) -> tuple[int, dict[str, Any]]:
+        try:
+            return 200, await work
+        except Refused as e:
+            return e.status, {"error": {"message": e.message, "code": e.code}}
+
+    # -- begin ------------------------------------------------------------------------------------
+    async def begin(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._answer(self._begin(body))
+
+    async def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise _bad("begin takes a JSON object")
+        token = token_from_json(body.get("token"))
+        if token in self._tombstones:
+            raise _refuse(f"attempt {token} was cleaned up here; late begin refused", "STAGE_TOMBSTONE")
+        self._check_life(body.get("incarnation"))
+        found = self._attempts.get(token)
+        if found is not None:  # a duplicate begin: the same answer, nothing set up twice
+            if found.digest != body.get("digest"):
+                raise _refuse(f"attempt {token} was begun here with digest {found.digest[:12]}")
+            return {"incarnation": self.incarnation, "duplicate": True}
+        digest, lora_name = body.get("digest"), body.get("lora_name")
+        plan = plan_from_json(body.get("plan"))
+        try:
+            expected_name = lora_name_for(token.version, digest)
+        except Exception:  # noqa: BLE001
+            raise _bad(f"digest {digest!r:.80} is not a SHA-256 hex digest") from None
+        if lora_name != expected_name:
+            raise _bad(f"lora_name {lora_name!r} is not the managed name of {token.version} ({expected_name})")
+        if plan.digest != digest or manifest_digest(plan) != digest:
+            raise Refused(400, "STAGE_DIGEST", f"the bucket plan does not describe digest {str(digest)[:12]}")
+        transport = dict(body.get("transport") or {"kind": "http"})
+        kind = transport.get("kind", "http")
+        if kind not in ("http", "shm", "torch"):
+            raise _bad(f"unknown transport {kind!r}")
+        load = body.get("load", "dir")
+        if load not in LOAD_FORMS:
+            raise _bad(f"unknown load form {load!r}; one of {LOAD_FORMS}")
+        if load == "tensors" or kind == "torch":
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                raise _refuse(f"{kind} transport / {load} load needs torch in the engine process") from None
+        adapters = self.hooks.adapters()
+        if lora_name in adapters:
+            raise _refuse(f"{lora_name} is already loaded")
+        limit = self.hooks.max_loaded_loras()
+        if limit is not None and len(adapters) >= int(limit):
+            raise _refuse(f"no free LoRA slot ({len(adapters)} of {limit} loaded)", "STAGE_CAPACITY")
+        total = sum(b.nbytes for b in plan.buckets)
+        held = sum(a.held_bytes for a in self._attempts.values())
+        if self.max_stash_bytes is not None and held + total > self.max_stash_bytes:
+            raise _refuse(f"staging {total} bytes would exceed {self.max_stash_bytes} ({held} held)", "STAGE_CAPACITY")
+        attempt = _Attempt(token, lora_name, digest, plan, transport, load)
+        self._attempts[token] = attempt
+        if kind == "torch":
+            self._start_join(attempt)
+        return {"incarnation": self.incarnation, "duplicate": False}
+
+    # -- receive ----------------------------------------------------------------------------------
+    async def receive(self, params: Mapping[str, str], chunks: AsyncIterator[bytes] | None,
+                      length: int | None = None) -> tuple[int, dict[str, Any]]:
+        """A bucket: ``params`` carry the token (epoch, version_id, seq), ``index``, ``incarnation`` and
+        ``format``; ``chunks`` is the body (the bytes, or for shm/torch a small JSON object)."""
+        status, body = await self._answer(self._receive(params, chunks, length))
+        if status != 200 and chunks is not None:
+            await _drain(chunks)  # the caller's stream is read to its end whatever the answer
+        return status, body
+
+    async def _receive(self, params: Mapping[str, str], chunks, length) -> dict[str, Any]:
+        token = token_from_json(params)
+        if token in self._tombstones:
+            raise _refuse(f"attempt {token} was cleaned up here; late bucket refused", "STAGE_TOMBSTONE")
+        self._check_life(params.get("incarnation"))
+        try:
+            index = int(params.get("index", ""))
+        except ValueError:
+            raise _bad(f"bucket index {params.get('index')!r} is not an int") from None
+        fmt = params.get("format", "raw")
+        if fmt not in FORMATS:
+            raise _bad(f"unknown bucket format {fmt!r}")
+        attempt = self._live(token)
+        async with attempt.lock:
+            attempt = self._live(token)  # a cleanup may have come while we waited
+            if attempt.failed:
+                raise _refuse(f"attempt {token} failed here: {attempt.failed}", "STAGE_FAILED")
+            if not 0 <= index < len(attempt.plan.buckets):
+                raise _bad(f"bucket index {index} is not in the plan of {token}")
+            if index in attempt.buckets:  # duplicate: nothing stored twice, no second collective
+                if chunks is not None:
+                    await _drain(chunks)
+                return {"incarnation": self.incarnation, "duplicate": True}
+            if attempt.receipt is not None:
+                raise _refuse(f"attempt {token} is already loaded; bucket {index} is late")
+            bucket = attempt.plan.buckets[index]
+            shared = attempt.load == "tensors"
+            if fmt == "torch":
+                if attempt.transport.get("kind") != "torch":
+                    raise _bad(f"attempt {token} was begun for the {attempt.transport.get('kind')} transport")
+                control = json.loads(await _read_all(chunks, 1 << 16) or b"{}")
+                running = attempt.inflight.get(index)
+                if running is None:  # the collective runs outside the lock: a cleanup never waits for it
+                    running = attempt.inflight[index] = asyncio.ensure_future(self._collect(attempt, bucket, control))
+                    duplicate = False
+                else:  # a duplicate while the first runs: its outcome, never a second collective
+                    duplicate = True
+            elif fmt == "shm":
+                control = json.loads(await _read_all(chunks, 1 << 16) or b"{}")
+                buf, spans = await asyncio.to_thread(self._from_shm, bucket, control, shared)
+            elif fmt == "raw":
+                if length is not None and length != bucket.nbytes:
+                    raise _bad(f"bucket {index} has {bucket.nbytes} bytes in the plan, the body says {length}")
+                buf = Buffer(bucket.nbytes, shared)
+                await _fill(buf.view, chunks, f"bucket {index}")
+                spans = raw_spans(bucket)
+            else:  # a safetensors blob: its bytes in a buffer of their own size, entries found by header
+                if length is None or length > bucket.nbytes + (100 << 20):
+                    raise _bad("a safetensors bucket needs a Content-Length within its plan's size")
+                buf = Buffer(length, shared)
+                await _fill(buf.view, chunks, f"bucket {index}")
+                spans = safetensors_layout(buf.view, bucket)
+            if fmt != "torch":
+                return self._store(attempt, index, buf, spans)
+        answer = await asyncio.shield(running)  # it runs on even if this caller goes away
+        return {**answer, "duplicate": True} if duplicate else answer
+
+    async def _collect(self, attempt: _Attempt, bucket: Bucket, control: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            buf, spans = await self._broadcast(attempt, bucket, control)
+            return self._store(attempt, bucket.index, buf, spans)
+        finally:
+            attempt.inflight.pop(bucket.index, None)
+
+    def _store(self, attempt: _Attempt, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
+        """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
+        event loop); ``end`` waits for every check before anything is loaded."""
+        if attempt.token in self._tombstones:  # cleaned up while the bytes arrived: keep nothing
+            buf.close()
+            raise _refuse(f"attempt {attempt.token} was cleaned up while bucket {index} arrived", "STAGE_TOMBSTONE")
+        attempt.buckets[index] = (buf, spans)
+        check = asyncio.ensure_future(asyncio.to_thread(verify_spans, buf.view, spans, attempt.plan.buckets[index]))
+        check.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here; end raises it
+        attempt.verifying[index] = check
+        return {"incarnation": self.incarnation, "duplicate": False}
+
+    def _from_shm(self, bucket: Bucket, control: Mapping[str, Any], shared: bool) -> tuple[Buffer, list]:
+        name = control.get("name")
+        if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
+            raise _bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
+        path = os.path.join(self.shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as e:
+            raise _refuse(f"shared-memory bucket {name} cannot be opened here ({e.strerror}); is the publisher "
+                          "on this host?", "STAGE_SHM") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != bucket.nbytes:
+                raise _bad(f"shared-memory bucket {name} has {size} bytes, the plan says {bucket.nbytes}")
+            if shared or not size:  # tensors for SGLang's scheduler: the engine's own shared copy
+                buf, got = Buffer(bucket.nbytes, shared), 0
+                while got < size:
+                    n = os.readv(fd, [buf.view[got:]])
+                    if n <= 0:
+                        raise _bad(f"shared-memory bucket {name} ended after {got} of {size} bytes")
+                    got += n
+            else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file)
+                buf = Buffer(size, False, mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            return buf, raw_spans(bucket)
+        finally:
+            os.close(fd)
+
+    # -- torch.distributed ----------------------------------------------------------------------
+    def _start_join(self, attempt: _Attempt) -> None:
+        """Connect to the attempt's group store in the background (the publisher hosts it); the group
+        itself forms at the first bucket, when the publisher names the attempt's ranks."""
+        t = attempt.transport
+        try:
+            host, port = str(t["host"]), int(t["port"])
+            timeout = float(t.get("timeout", 60.0))
+            backend = t.get("backend", "gloo")
+            if backend not in ("gloo", "nccl") or not 0 < port < 65536 or not timeout > 0:
+                raise ValueError(f"backend {backend!r}, port {port}, timeout {timeout}")
+        except Exception as e:  # noqa: BLE001
+            self._attempts.pop(attempt.token, None)
+            raise _bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}") from None
+        done = threading.Event()
+        attempt.group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
+
+        def connect() -> None:
+            try:
+                import torch.distributed as dist
+
+                attempt.group["store"] = dist.TCPStore(host, port, None, False,
+                                                       timeout=datetime.timedelta(seconds=timeout))
+            except Exception as e:  # noqa: BLE001 - reported at the first bucket
+                attempt.group["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                done.set()
+
+        threading.Thread(target=connect, name=f"lorapub-store-{attempt.token}", daemon=True).start()
+
+    async def _broadcast(self, attempt: _Attempt, bucket: Bucket, control: Mapping[str, Any]) -> tuple[Buffer, list]:
+        group = attempt.group
+        if group is None:
+            raise _refuse(f"attempt {attempt.token} has no process group here (it failed or ended)", "STAGE_FAILED")
+        t = attempt.transport
+        timeout = float(t.get("timeout", 60.0))
+        try:
+            rank, world, src = int(control["rank"]), int(control["world_size"]), int(control.get("src", 0))
+            if not (0 < rank < world and 0 <= src < world and src != rank):
+                raise ValueError(f"rank {rank}, world {world}, src {src}")
+        except Exception as e:  # noqa: BLE001
+            raise _bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
+        if group["ranks"] not in (None, (rank, world, src)):
+            raise _bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
+        device = t.get("device", "cpu")
+        shared = attempt.load == "tensors"
+
+        def run() -> tuple[Buffer, list]:
+            import torch
+            import torch.distributed as dist
+
+            if not group["done"].wait(timeout):
+                raise TimeoutError(f"the group store was not reached within {timeout:g}s")
+            if group["error"]:
+                raise RuntimeError(f"reaching the group store failed: {group['error']}")
+            span = datetime.timedelta(seconds=timeout)
+            store = dist.PrefixStore(f"lorapub/{attempt.token}", group["store"])
+            group["prefixed"] = store
+            if group["pg"] is None:  # the group forms once, at the first bucket, with every party there
+                barrier(store, "join", world, timeout)
+                if t.get("backend", "gloo") == "gloo":
+                    group["pg"] = dist.ProcessGroupGloo(store, rank, world, span)
+                else:  # pragma: no cover - needs GPUs
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = span
+                    group["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
+                group["ranks"] = (rank, world, src)
+            buf = Buffer(bucket.nbytes, shared)
+            target = buf.tensor if buf.tensor is not None else torch.frombuffer(buf.view, dtype=torch.uint8)
+            if device != "cpu":  # pragma: no cover - NCCL receives on the GPU
+                target = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
+            opts.timeout = span
+            barrier(store, f"bucket-{bucket.index}", world, timeout)
+            group["pg"].broadcast([target], opts).wait()
+            if device != "cpu":  # pragma: no cover
+                buf.view[:] = memoryview(target.cpu().numpy()).cast("B")
+            return buf, raw_spans(bucket)
+
+        self.collectives += 1
+        try:
+            return await asyncio.to_thread(run)
+        except Refused as e:
+            attempt.failed = e.message
+            self._drop_group(attempt, f"{self.incarnation}: {e.message}")
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed collective fails the attempt here for good
+            attempt.failed = f"collective for bucket {bucket.index} failed: {type(e).__name__}: {e}"
+            self._drop_group(attempt, f"{self.incarnation}: {attempt.failed}")
+            raise Refused(409, "STAGE_COLLECTIVE", attempt.failed) from None
+
+    @staticmethod
+    def _drop_group(attempt: _Attempt, reason: str | None = None) -> None:
+        """Leave the attempt's group; with ``reason``, tell every party to stop waiting first."""
+        group, attempt.group = attempt.group, None
+        if group and reason and group.get("prefixed") is not None:
+            post_abort(group["prefixed"], reason)
+        if group:  # a process group's teardown joins its threads: never on the server's event loop
+            threading.Thread(target=group.clear, name="lorapub-group-teardown", daemon=True).start()
+
+    # -- end ----------------------------------------------------------------------------------------
+    async def end(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._answer(self._end(body))
+
+    async def _end(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise _bad("end takes a JSON object")
+        token = token_from_json(body.get("token"))
+        self._check_life(body.get("incarnation"))
+        attempt = self._live(token)
+        async with attempt.lock:
+            attempt = self._live(token)
+            if attempt.receipt is not None:  # a duplicate end: the same receipt, nothing loaded twice
+                return dict(attempt.receipt, duplicate=True)
+            if attempt.failed:
+                raise _refuse(f"attempt {token} failed here: {attempt.failed}", "STAGE_FAILED")
+            missing = [b.index for b in attempt.plan.buckets if b.index not in attempt.buckets]
+            if missing:
+                raise _refuse(f"buckets {missing[:8]} of {token} never arrived", "STAGE_INCOMPLETE")
+            try:  # every tensor's SHA-256, checked as its bucket arrived
+                await asyncio.gather(*attempt.verifying.values())
+            except Refused as e:
+                attempt.failed = e.message
+                raise
+            if manifest_digest(attempt.plan) != attempt.digest:
+                raise Refused(400, "STAGE_DIGEST", f"the staged manifest does not hash to {attempt.digest[:12]}")
+            adapters = self.hooks.adapters()
+            if attempt.lora_name in adapters:
+                raise _refuse(f"{attempt.lora_name} is already loaded (not by this attempt)")
+            if attempt.load == "dir":
+                folder = self._folder(token)
+                attempt.folder = folder
+                path = await asyncio.to_thread(self._write_peft_dir, attempt, folder)
+                error = await self.hooks.load_dir(attempt.lora_name, path)
+            else:
+                path = "__tensor__"
+                tensors = self._tensors(attempt)
+                checksums = {e.name: e.sha256 for b in attempt.plan.buckets for e in b.entries}
+                error = await self.hooks.load_tensors(attempt.lora_name, tensors, json.loads(attempt.plan.serving_config_json),
+                                                      checksums)
+            if error is not None:
+                raise _refuse(f"load of {attempt.lora_name} failed: {error}", "STAGE_LOAD")
+            entry = self.hooks.adapters().get(attempt.lora_name)
+            if entry is None or not entry.get("pinned"):
+                raise _refuse(f"{attempt.lora_name} is not registered pinned after its load", "STAGE_LOAD")
+            if token in self._tombstones:  # pragma: no cover - cleanup waits for this lock
+                raise _refuse(f"attempt {token} was cleaned up during its load", "STAGE_TOMBSTONE")
+            attempt.receipt = {"incarnation": self.incarnation, "lora_name": attempt.lora_name, "digest": attempt.digest,
+                               "lora_id": entry.get("lora_id"), "lora_path": entry.get("lora_path", path),
+                               "load": attempt.load}
+            self._release_buckets(attempt)  # the engine holds the adapter now; the staged bytes are not needed
+            self._drop_group(attempt)
+            return dict(attempt.receipt, duplicate=False)
+
+    def _ordered(self, attempt: _Attempt):
+        for bucket in attempt.plan.buckets:
+            buf, spans = attempt.buckets[bucket.index]
+            for (start, end), e in zip(spans, bucket.entries):
+                yield e, buf, buf.view[start:end], start
+
+    def _write_peft_dir(self, attempt: _Attempt, folder: str) -> str:
+        path = os.path.join(folder, "adapter")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(path)
+        entries = [e for b in attempt.plan.buckets for e in b.entries]
+        with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+            f.write(safetensors_header(entries))
+            for _, _, view, _ in self._ordered(attempt):
+                f.write(view)
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            f.write(attempt.plan.serving_config_json)
+        return path
+
+    def _tensors(self, attempt: _Attempt) -> dict[str, Any]:
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in SAFETENSORS_DTYPES}
+        out = {}
+        for e, buf, view, start in self._ordered(attempt):
+            if buf.tensor is not None:  # a view of the shared bucket tensor: no copy
+                raw = buf.tensor[start : start + e.nbytes]
+            else:
+                raw = torch.frombuffer(view, dtype=torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
+            out[e.name] = raw.view(dtypes[e.dtype]).reshape(e.shape)
+        return out
+
+    # -- cleanup / release ----------------------------------------------------------------------------
+    async def cleanup(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Tombstone the attempt (always, whatever life it names: a tombstone only refuses), wait for
+        its in-flight operation, free its stash. Answers whether it had loaded (the caller unloads)."""
+        return await self._answer(self._cleanup(body))
+
+    async def _cleanup(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise _bad("cleanup takes a JSON object")
+        token = token_from_json(body.get("token"))
+        self._tombstones.add(token)  # from now on begin / bucket / end of it are refused
+        attempt = self._attempts.get(token)
+        loaded = None
+        if attempt is not None:
+            async with attempt.lock:
+                loaded = attempt.receipt
+                self._free(attempt)
+        return {"incarnation": self.incarnation, "loaded": loaded}
+
+    async def release(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """After ``lora_name`` was unloaded (reclaimed): free what its attempt still keeps here."""
+        return await self._answer(self._release(body))
+
+    async def _release(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        name = body.get("lora_name") if isinstance(body, Mapping) else None
+        if not isinstance(name, str):
+            raise _bad("release takes {\"lora_name\": ...}")
+        if name in self.hooks.adapters():
+            raise _refuse(f"{name} is still loaded; unload it first")
+        freed = []
+        for attempt in [a for a in self._attempts.values() if a.lora_name == name]:
+            async with attempt.lock:
+                self._free(attempt)
+                self._tombstones.add(attempt.token)
+                freed.append(str(attempt.token))
+        return {"incarnation": self.incarnation, "freed": freed}
+
+    @staticmethod
+    def _release_buckets(attempt: _Attempt) -> None:
+        for check in attempt.verifying.values():
+            check.cancel()
+        attempt.verifying.clear()
+        for buf, _ in attempt.buckets.values():
+            buf.close()
+        attempt.buckets.clear()
+
+    def _free(self, attempt: _Attempt) -> None:
+        self._release_buckets(attempt)
+        self._drop_group(attempt, None if attempt.receipt else f"{self.incarnation}: attempt {attempt.token} cleaned up")
+        if attempt.folder is not None:
+            shutil.rmtree(attempt.folder, ignore_errors=True)
+        else:
+            shutil.rmtree(self._folder(attempt.token), ignore_errors=True)
+        self._attempts.pop(attempt.token, None)
+
+
+# -- body streams -------------------------------------------------------------------------------------
+async def _fill(view: memoryview, chunks: AsyncIterator[bytes] | None, what: str) -> None:
+    """Read the body into ``view``: exactly its size, no more, no less."""
+    got = 0
+    if chunks is not None:
+        async for chunk in chunks:
+            n = len(chunk)
+            if got + n > len(view):
+                raise _bad(f"{what} is longer than its {len(view)} bytes")
+            view[got : got + n] = chunk
+            got += n
+    if got != len(view):
+        raise _bad(f"{what} ended after {got} of {len(view)} bytes")
+
+
+async def _read_all(chunks: AsyncIterator[bytes] | None, limit: int) -> bytes:
+    out = bytearray()
+    if chunks is not None:
+        async for chunk in chunks:
+            out += chunk
+            if len(out) > limit:
+                raise _bad(f"a control body longer than {limit} bytes")
+    return bytes(out)
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    try:
+        async for _ in chunks:
+            pass
+    except Exception:  # noqa: BLE001 - already consumed, or the client went away
+        pass
+
+
+# -- SGLang's TokenizerManager as the engine ------------------------------------------------------
+class SGLangHooks:
+    """The patched SGLang server's TokenizerManager as :class:`EngineHooks` (``tm`` is read at each
+    call: the server creates it after the routes are added). The request classes are SGLang's own,
+    taken from the globals of the methods that use them."""
+
+    def __init__(self, tokenizer_manager: Callable[[], Any], serialize: Callable[[Any], bytes] | None = None) -> None:
+        self._tm = tokenizer_manager
+        self._serialize = serialize
+
+    def adapters(self) -> dict[str, dict[str, Any]]:
+        return {name: {"lora_id": ref.lora_id, "pinned": bool(ref.pinned), "lora_path": ref.lora_path}
+                for name, ref in self._tm().lora_registry.get_all_adapters().items()}
+
+    def max_loaded_loras(self) -> int | None:
+        return max_loaded_loras(self._tm())
+
+    async def load_dir(self, lora_name: str, path: str) -> str | None:
+        tm = self._tm()
+        request = type(tm).load_lora_adapter.__globals__["LoadLoRAAdapterReqInput"]
+        result = await tm.load_lora_adapter(request(lora_name=lora_name, lora_path=path, pinned=True), None)
+        return None if result.success else str(result.error_message)
+
+    async def load_tensors(self, lora_name: str, tensors: dict[str, Any], config: dict[str, Any],
+                           checksums: dict[str, str]) -> str | None:
+        tm = self._tm()
+        request = type(tm).load_lora_adapter_from_tensors.__globals__["LoadLoRAAdapterFromTensorsReqInput"]
+        serialize = self._serialize
+        if serialize is None:  # SGLang's own: what Engine.load_lora_adapter_from_tensors sends each TP rank
+            from sglang.srt.utils import MultiprocessingSerializer
+
+            serialize = MultiprocessingSerializer.serialize
+        ranks = int(getattr(getattr(tm, "server_args", None), "tp_size", 1) or 1)
+        payload = await asyncio.to_thread(serialize, tensors)
+        kwargs = dict(lora_name=lora_name, config_dict=config, serialized_named_tensors=[payload] * ranks, pinned=True)
+        if "expected_checksums" in getattr(request, "__struct_fields__", getattr(request, "__dataclass_fields__", ())):
+            kwargs["expected_checksums"] = checksums  # every TP rank re-checks each tensor's SHA-256
+        result = await tm.load_lora_adapter_from_tensors(request(**kwargs), None)
+        return None if result.success else str(result.error_message)
+
+
+def max_loaded_loras(tm: Any) -> Any:
+    get_lora = type(tm)._resolve_lora_path.__globals__.get("get_lora")
+    if get_lora is not None:  # 0.5.23 keeps LoRA settings in their own config
+        return get_lora().max_loaded_loras
+    return tm.server_args.max_loaded_loras
+
+
+def for_server(tokenizer_manager: Callable[[], Any], incarnation: str) -> EngineStaging:
+    """The staging of a patched SGLang server (both forms of the patch build it this way)."""
+    return EngineStaging(SGLangHooks(tokenizer_manager), incarnation=incarnation)
+
+
+async def starlette_receive(staging: EngineStaging, request: Any) -> tuple[int, dict[str, Any]]:
+    """A bucket from a Starlette/FastAPI request (SGLang's server): streamed, never buffered twice."""
+    length = request.headers.get("content-length")
+    return await staging.receive(dict(request.query_params), request.stream(),
+                                 int(length) if length and length.isdigit() else None)
+
+
+async def starlette_json(request: Any) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        return None

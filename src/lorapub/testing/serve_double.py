@@ -1,0 +1,97 @@
+"""A contract double (with lorapub's engine-side staging) in a process of its own, for tests and
+benchmarks that need the engine outside the publisher's process.
+
+    python -m lorapub.testing.serve_double NAME STASH_DIR [SHM_DIR]
+
+prints ``URL <engine url> <control url>`` once serving and runs until its standard input closes.
+The control server (a second port; never part of SGLang's contract) has:
+
+* ``POST /inject`` — a fault into the double: ``{"op", "mode", "delay", "status"}``;
+* ``POST /sink/http`` — reads the body into a buffer of its size and drops it (the raw HTTP limit);
+* ``POST /sink/shm`` — ``{"path"}``: copies a shared-memory file into a buffer (the raw IPC limit);
+* ``POST /sink/gloo`` — ``{"host", "port", "rank", "world_size", "sizes", "timeout"}``: joins a gloo
+  group and receives one broadcast per size from rank 0 (the raw collective limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import mmap
+import os
+import sys
+
+from aiohttp import web
+
+from lorapub.testing.sglang_double import SGLangDouble
+
+
+def _gloo_sink(body: dict) -> int:
+    import torch
+    import torch.distributed as dist
+
+    span = datetime.timedelta(seconds=float(body.get("timeout", 60)))
+    store = dist.TCPStore(body["host"], int(body["port"]), None, False, timeout=span)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(body.get("prefix", "raw"), store), int(body["rank"]),
+                               int(body["world_size"]), span)
+    total = 0
+    for size in body["sizes"]:
+        t = torch.empty(int(size), dtype=torch.uint8)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        pg.broadcast([t], opts).wait()
+        total += t.numel()
+    return total
+
+
+async def main(name: str, stash: str, shm: str | None) -> None:
+    double = SGLangDouble(name, decode_delay=0.001)
+    double.stash_root, double.shm_dir = stash, shm
+    await double.start()
+
+    async def inject(request: web.Request) -> web.Response:
+        body = await request.json()
+        double.inject(body["op"], body.get("mode", "error"), delay=body.get("delay", 0.0), status=body.get("status", 500))
+        return web.json_response({"ok": True})
+
+    async def sink_http(request: web.Request) -> web.Response:
+        view, got = memoryview(bytearray(request.content_length or 0)), 0
+        async for chunk in request.content.iter_chunked(1 << 20):
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+        return web.json_response({"bytes": got})
+
+    def shm_read(path: str) -> int:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = bytearray(size)
+            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+                memoryview(buf)[:] = m
+        return size
+
+    async def sink_shm(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"bytes": await asyncio.to_thread(shm_read, body["path"])})
+
+    async def sink_gloo(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"bytes": await asyncio.to_thread(_gloo_sink, body)})
+
+    app = web.Application(client_max_size=1 << 40)
+    app.router.add_post("/inject", inject)
+    app.router.add_post("/sink/http", sink_http)
+    app.router.add_post("/sink/shm", sink_shm)
+    app.router.add_post("/sink/gloo", sink_gloo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    control = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    print(f"URL {double.url} {control}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    await runner.cleanup()
+    await double.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None))

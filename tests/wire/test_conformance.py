@@ -1,0 +1,31 @@
+"""The engine-side-staging adapter passes the EngineAdmin conformance suite on every transport
+(against the contract double, which runs the same staging code as lorapub's SGLang patch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, TorchDistributed
+from lorapub.testing import check_engine_admin
+from lorapub.testing.conformance import CHECKS
+from lorapub.testing.sglang_double import SGLangWireUnderTest
+
+
+def transports(tmp_path):
+    return {
+        "http-dir": lambda: HTTPBytes(),
+        "http-tensors": lambda: HTTPBytes(load="tensors"),
+        "shm": lambda: SameHostIPC(shm_dir=str(tmp_path)),
+        "gloo": lambda: TorchDistributed(timeout=10.0),
+    }
+
+
+@pytest.mark.parametrize("kind", ["http-dir", "http-tensors", "shm", "gloo"])
+async def test_wire_engine_passes_the_conformance_suite(kind, tmp_path):
+    make = transports(tmp_path / "shm")[kind]
+    (tmp_path / "shm").mkdir()
+
+    async def factory():
+        return await SGLangWireUnderTest.start(str(tmp_path / "engine-disk"), transport=make(), request_timeout=2.0)
+
+    assert await check_engine_admin(factory) == [c.__name__ for c in CHECKS]

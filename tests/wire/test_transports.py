@@ -1,0 +1,206 @@
+"""Publication through a Deployment over each wire transport, engines staging inside themselves.
+
+Two contract doubles run lorapub's engine-side staging (the code the SGLang patch runs); the
+publisher sends each bucket its transport's way. What each test proves is in its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, TorchDistributed
+from lorapub.core.version import VersionState
+from lorapub.errors import InvalidInput
+from lorapub.runtime.deployment import Deployment
+from lorapub.runtime.publisher import PublicationFailed, engines_source_factory
+from lorapub.runtime.snapshot import InlineBucketSource
+from lorapub.sglang_patch import engine_staging
+from lorapub.testing import SGLangDouble
+from lorapub.testing.fixtures import lora_snapshot
+from tests.e2e.conftest import FAST
+
+GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
+KINDS = ["http", "http-tensors", "shm", "gloo"]
+
+
+def make_transport(kind: str, shm_dir: str):
+    return {
+        "http": lambda: HTTPBytes(),
+        "http-tensors": lambda: HTTPBytes(load="tensors"),
+        "shm": lambda: SameHostIPC(shm_dir=shm_dir),
+        "gloo": lambda: TorchDistributed(timeout=10.0),
+    }[kind]()
+
+
+class Recorder:
+    """What reached each engine's staging (format of every bucket)."""
+
+    def __init__(self, double: SGLangDouble) -> None:
+        self.formats: list[str] = []
+        real = double.staging.receive
+
+        async def receive(params, chunks, length=None):
+            self.formats.append(params.get("format"))
+            return await real(params, chunks, length)
+
+        double.staging.receive = receive
+
+
+@pytest.fixture
+async def wired(tmp_path, request):
+    kind = request.param
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    doubles = []
+    for name in ("e0", "e1"):
+        d = SGLangDouble(name)
+        d.stash_root, d.shm_dir = str(tmp_path / f"{name}-disk"), str(shm)
+        doubles.append(await d.start())
+    transport = make_transport(kind, str(shm))
+    engines = {d.name: SGLangWireEngine(d.name, d.url, transport=transport, probe_timeout=10) for d in doubles}
+    recorders = {d.name: Recorder(d) for d in doubles}
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10).start()
+    yield kind, dep, {d.name: d for d in doubles}, recorders, shm
+    await dep.settle()
+    await dep.close()
+    for e in engines.values():
+        await e.close()
+    for d in doubles:
+        await d.stop()
+
+
+EXPECTED_FORMAT = {"http": "raw", "http-tensors": "raw", "shm": "shm", "gloo": "torch"}
+
+
+async def no_files(folder, timeout: float = 5.0) -> bool:
+    """Shared-memory bucket files are removed off the event loop: wait for it (bounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while list(folder.iterdir()):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def staged(double: SGLangDouble) -> dict:
+    return double.staging.report()
+
+
+@pytest.mark.parametrize("wired", KINDS, indirect=True)
+async def test_publish_serve_and_reclaim_free_every_stash(wired):
+    kind, dep, doubles, recorders, shm = wired
+    a = await dep.publish(lora_snapshot(1), "A")
+    plan = lora_snapshot(1).plan(8 << 10)
+    for name, d in doubles.items():
+        assert recorders[name].formats == [EXPECTED_FORMAT[kind]] * len(plan.buckets)  # each bucket once, its way
+        assert a.lora_name in d.registered() and d.lora_registry.get_all_adapters()[a.lora_name].pinned
+        assert staged(d)["bytes"] == 0  # after the load the engine keeps no staged bytes
+    if kind == "gloo":
+        assert all(staged(d)["collectives"] == len(plan.buckets) for d in doubles.values())
+    session = dep.session("s1")
+    first = await session.generate(GEN)
+    b = await dep.publish(lora_snapshot(2), "B")
+    again = await session.generate(GEN)
+    assert again["output_ids"] == first["output_ids"]  # the session stays on A's exact content
+    await session.close()
+    await dep.settle()
+    assert (await dep.state()).versions[a.version].state is VersionState.RECLAIMED
+    for d in doubles.values():
+        assert a.lora_name not in d.registered()
+        assert all(x["lora_name"] != a.lora_name for x in staged(d)["attempts"].values())  # A's stash freed
+        assert not os.path.exists(os.path.join(d.staging.stash_root, "1-A-a1"))
+    assert await no_files(shm)  # every shared-memory bucket file was removed
+    assert b.receipt is not None
+
+
+@pytest.mark.parametrize("wired", KINDS, indirect=True)
+async def test_a_bucket_refused_by_one_engine_fails_clean_and_frees_every_stash(wired):
+    kind, dep, doubles, recorders, shm = wired
+    doubles["e1"].inject("bucket", "error", status=500)
+    with pytest.raises(PublicationFailed):
+        await dep.publish(lora_snapshot(3), "C")
+    state = await dep.state()
+    key = next(k for k in state.versions if k.version_id == "C")
+    assert state.versions[key].state is VersionState.FAILED_CLEAN
+    for d in doubles.values():
+        report = staged(d)
+        assert report["attempts"] == {} and report["bytes"] == 0 and report["tombstones"] == 1
+        assert not any(n.startswith("relax_policy_lora@1-C") for n in d.registered())
+    assert await no_files(shm)
+    # the same id and snapshot publish afresh (a new attempt; the old one stays refused)
+    report = await dep.publish(lora_snapshot(3), "C")
+    assert report.receipt is not None
+
+
+@pytest.mark.parametrize("wired", ["http"], indirect=True)
+async def test_bytes_that_do_not_match_the_manifest_are_refused_before_any_load(wired):
+    _, dep, doubles, _, _ = wired
+
+    class Corrupt:
+        carries_bytes = True
+
+        def __init__(self, snapshot, plan):
+            self.inner = InlineBucketSource(snapshot, plan)
+
+        async def send(self, token, index, engines):
+            await self.inner.send(token, index, engines)
+
+        def payload(self, token, index):
+            blob = bytearray(self.inner.payload(token, index))
+            blob[-1] ^= 0xFF  # one flipped bit in the last tensor
+            return bytes(blob)
+
+    dep.publisher.source_factory = Corrupt
+    with pytest.raises(PublicationFailed, match="SHA-256"):
+        await dep.publish(lora_snapshot(4), "D")
+    for d in doubles.values():
+        assert [e for e in d.events if e[0] == "load"] == []
+        assert staged(d)["attempts"] == {}
+
+
+async def test_engines_with_one_transport_choose_the_publishers_bucket_source(tmp_path):
+    t = HTTPBytes()
+    e0 = SGLangWireEngine("e0", "http://127.0.0.1:1", transport=t)
+    e1 = SGLangWireEngine("e1", "http://127.0.0.1:2", transport=t)
+    assert engines_source_factory({"e0": e0, "e1": e1}) == t.bucket_source_factory
+    other = SGLangWireEngine("e1", "http://127.0.0.1:2", transport=HTTPBytes())
+    with pytest.raises(InvalidInput, match="different bucket transports"):
+        engines_source_factory({"e0": e0, "e1": other})
+
+    class Plain:
+        name = "e2"
+
+    assert engines_source_factory({"e2": Plain()}) is InlineBucketSource
+
+
+async def test_a_duplicate_torch_receive_starts_no_second_collective(tmp_path):
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+
+    d = SGLangDouble("e0")
+    d.stash_root = str(tmp_path / "disk")
+    await d.start()
+    transport = TorchDistributed(timeout=10.0)
+    engine = SGLangWireEngine("e0", d.url, transport=transport, probe_timeout=10)
+    try:
+        snapshot = lora_snapshot(8, layers=1, hidden=16, rank=2)
+        plan = snapshot.plan(256)
+        source = transport.bucket_source_factory(snapshot, plan)
+        key = VersionKey(1, "T")
+        token = AttemptToken(key, 1)
+        inc = await engine.incarnation()
+        await engine.begin(SendBegin("e0", inc, token, lora_name_for(key, snapshot.digest), snapshot.digest, plan))
+        # the source's half and two receives of the same bucket at once (a duplicate in flight)
+        results = await asyncio.gather(source.send(token, 0, ("e0",)), engine.receive_bucket(token, 0, b""),
+                                       engine.receive_bucket(token, 0, b""))
+        assert results[1:] == [inc, inc]
+        assert await engine.receive_bucket(token, 0, b"") == inc  # and once more after it finished
+        await source.send(token, 0, ("e0",))  # a duplicate send joins nothing either
+        assert d.staging.collectives == 1 and source.broadcasts == 1
+        assert d.staging.report()["attempts"][str(token)]["buckets"] == [0]
+    finally:
+        await engine.close()
+        await d.stop()
