@@ -556,6 +556,59 @@ class Run:
                                                         "tool_output_len", "max_new_tokens", "tool_latency")},
                 "runs": runs, "compare": compare(runs)}
 
+    async def wire(self) -> dict:
+        """The adapter's bytes over the wire into the patched servers (engine-side staging): for
+        each transport, publish A's snapshot as a new version to E0/E1 and compare both engines'
+        outputs with A loaded from disk on U (within eps); the stash is freed after reclaim."""
+        from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine
+
+        out: dict = {}
+        transports = {"http_bytes_dir": HTTPBytes(load="dir"), "http_bytes_tensors": HTTPBytes(load="tensors"),
+                      "same_host_ipc_tensors": SameHostIPC()}
+        base = await self.baseline("A", self.prompt)
+        for epoch, (label, transport) in enumerate(transports.items(), start=10):
+            for e in (self.E0, self.E1):  # a fresh epoch: what earlier runs left loaded leaves first
+                for name in list((await self.http.state(e.url))["adapters"]):
+                    await self.http.unload(e.url, name, reclaim_id=f"teardown-{name}")
+            engines = {n: SGLangWireEngine(n, s.url, transport=transport, probe_timeout=60)
+                       for n, s in (("e0", self.E0), ("e1", self.E1))}
+            row: dict = {}
+            try:
+                dep = await Deployment(engines, epoch=epoch, deadlines=DEADLINES, bucket_cap_bytes=64 << 10,
+                                       reconcile_interval=None).start()
+                t0 = time.monotonic()
+                pub = await dep.publish(self.snaps["A"], "W")
+                row["publish_ms"] = round((time.monotonic() - t0) * 1000, 1)
+                row["phases_ms"] = {p: round(v * 1000, 1) for p, v in pub.phases.items()}
+                diffs = {}
+                for n, srv_ in (("e0", self.E0), ("e1", self.E1)):
+                    await self.http.flush(srv_.url)
+                    status, body = await self.http.generate(srv_.url, self.prompt, pub.lora_name)
+                    assert status == 200, (status, body)
+                    diffs[n] = max_diff(vec(body), base)
+                row["diff_vs_disk_loaded_A"] = diffs
+                row["within_eps"] = all(d <= self.eps for d in diffs.values())
+                row["stash_after_publish"] = {n: (await self.http.state(s_.url)).get("staging")
+                                              for n, s_ in (("e0", self.E0), ("e1", self.E1))}
+                await dep.publish(self.snaps["B"], "W2")  # W retires unbound: reclaimed
+                await dep.settle()
+                await dep.reconcile()
+                state = await dep.state()
+                row["W_after"] = next(v.state.value for v in state.versions.values() if v.key.version_id == "W")
+                row["stash_after_reclaim"] = {n: (await self.http.state(s_.url)).get("staging")
+                                              for n, s_ in (("e0", self.E0), ("e1", self.E1))}
+                row["W_stash_freed"] = all(
+                    st is not None and not any(k.split("#")[0] == f"{epoch}-W" for k in st.get("attempts", {}))
+                    for st in row["stash_after_reclaim"].values())
+                await dep.close()
+            except BaseException as e:
+                row["error"] = "".join(traceback.format_exception(e))[-2000:]
+            finally:
+                for eng in engines.values():
+                    await eng.close()
+            out[label] = row
+        return out
+
     async def router(self) -> dict:
         """Behind the real SGLang router (cache_aware), as Relax deploys it: generations go to
         the router with each session's exact lora_path; publication and reclaim go to the
@@ -706,6 +759,8 @@ class Run:
                 await self.section("patch_behaviour", self.patch_behaviour())
                 if "C2" in self.pubs:
                     await self.section("online", self.online())
+                if os.environ.get("LORAPUB_GPU_WIRE"):
+                    await self.section("wire", self.wire())
                 if os.environ.get("LORAPUB_GPU_ROUTER"):
                     await self.section("router", self.router())
         finally:
@@ -821,6 +876,12 @@ def verdicts(r: dict) -> dict[str, bool]:
             and "B" in run.get("publication", {}).get("version", "")
         v["router: cached-token ratio reported per version, A reclaimed after"] = all(
             x.get("cached_token_ratio") is not None for x in pv.values()) and rt.get("A_after_run") == "RECLAIMED"
+    if s.get("wire") is not None or os.environ.get("LORAPUB_GPU_WIRE"):
+        w = s.get("wire") or {}
+        v["wire: HTTP bytes and same-host IPC staged in the engine, numerics within eps of a disk-loaded copy"] = \
+            len(w) == 3 and all(x.get("within_eps") for x in w.values())
+        v["wire: W reclaimed after, stashes freed"] = len(w) == 3 and all(
+            x.get("W_after") == "RECLAIMED" and x.get("W_stash_freed") for x in w.values())
     v["no section raised"] = not r.get("errors")
     return v
 

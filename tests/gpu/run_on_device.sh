@@ -18,6 +18,7 @@ fi
 # Fixtures with the image's own transformers and peft (the bundle's transformers serves SGLang).
 env -u PYTHONPATH python3 -c "from tests.gpu.fixtures import build_all; print(build_all('/tmp/fx'))" || exit 5
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+export LORAPUB_GPU_WIRE=${LORAPUB_GPU_WIRE-1}  # the wire-transport section (engine-side staging)
 export LORAPUB_GPU_FIXTURES=/tmp/fx LORAPUB_GPU_REPORT="$OUT/report.json"
 echo "setup $(( $(date +%s) - S )) s"
 timeout "${LORAPUB_GPU_BUDGET_S:-500}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rA 2>&1 | tail -40
