@@ -366,7 +366,15 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(key=sessions)
     def open_session(self, key):
         result = self.try_apply(R.OpenSession(key))
-        assert isinstance(result, SessionClosed) == (key in self.closed or self.state.sessions[key].state is SessionState.CLOSING)
+        record = self.state.sessions.get(key)
+        beyond = key.born is not None and key.born < self.now - WINDOW
+        if record is None:  # refused without a record: born before the window (its tombstone may be gone)
+            assert beyond and getattr(result, "code", None) == "SESSION_EXPIRED", result
+            return
+        ended = key in self.closed or key in self.expired or record.state in (SessionState.CLOSING, SessionState.EXPIRED)
+        assert isinstance(result, LorapubError) == ended, result
+        if isinstance(result, LorapubError):
+            assert result.code in ("SESSION_CLOSED", "SESSION_EXPIRED"), result
 
     @rule(key=sessions, lost_reply=st.booleans())
     def bind_first(self, key, lost_reply):
