@@ -199,7 +199,8 @@ class FaultMachine(RuleBasedStateMachine):
                     if not isinstance(self.attempt(s.close()), LorapubError):
                         break
         self.now += TTL * 2  # crashed workers' leases run out
-        for _ in range(8):
+        self.run(self.dep.settle())  # background reclaims end within their deadline (a stalled unload too)
+        for _ in range(12):
             health = self.run(self.dep.reconcile())
             if health.healthy and not self.local.state.reclaimable():
                 break
