@@ -115,7 +115,28 @@ def _json_text(body: Any, what: str) -> str:
         raise InvalidInput(f"{what} is not JSON ({e}); nothing was sent") from None
 
 
-class SGLangHTTP:
+class OwnedHTTPSession:
+    """An aiohttp session given by the caller (never closed here) or made lazily and owned."""
+
+    _http: aiohttp.ClientSession | None
+    _own_http: bool
+
+    def _use_http(self, http: aiohttp.ClientSession | None) -> None:
+        self._http = http
+        self._own_http = http is None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
+    async def close(self) -> None:
+        if self._own_http and self._http is not None:
+            await self._http.close()
+
+
+class SGLangHTTP(OwnedHTTPSession):
     """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`.
 
     ``api_key`` and ``admin_api_key`` are the server's ``--api-key`` and ``--admin-api-key``.
@@ -142,8 +163,7 @@ class SGLangHTTP:
         self.base_url = _check_url(base_url)
         if http is not None and not isinstance(http, aiohttp.ClientSession):
             raise InvalidInput(f"http must be an aiohttp.ClientSession or None, got {type(http).__name__}")
-        self._http = http
-        self._own_http = http is None
+        self._use_http(http)
         self.request_timeout = _check_timeout("request_timeout", request_timeout)
         self.probe_timeout = _check_timeout("probe_timeout", probe_timeout)
         self.require_patch = bool(require_patch)
@@ -153,16 +173,6 @@ class SGLangHTTP:
     def __repr__(self) -> str:
         keys = [k for k, v in (("api_key", self._api_key), ("admin_api_key", self._admin_api_key)) if v]
         return f"{type(self).__name__}({self.name!r}, {self.base_url!r}, keys={'+'.join(keys) or 'none'})"
-
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
-        return self._http
-
-    async def close(self) -> None:
-        if self._own_http and self._http is not None:
-            await self._http.close()
 
     def _authorization(self, admin: bool) -> dict[str, str]:
         key = (self._admin_api_key or self._api_key) if admin else self._api_key

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import attrs
 
-from lorapub.adapters.sglang_http import _MISSING_MARKERS, SGLangEngine, _message
+from lorapub.adapters.sglang_http import _MISSING_MARKERS, OwnedHTTPSession, SGLangEngine, _message
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
 
 log = logging.getLogger("lorapub.router")
@@ -115,7 +115,7 @@ class RouterWorker:
     load: int
 
 
-class SGLangRouter:
+class SGLangRouter(OwnedHTTPSession):
     """The SGLang router's HTTP API: worker management and ``/generate``.
 
     Admin calls (list/add/remove) time out after ``admin_timeout``; a generation after
@@ -133,21 +133,10 @@ class SGLangRouter:
         api_key: str | None = None,
     ) -> None:
         self.base_url = normalize_url(base_url)
-        self._http = http
-        self._own_http = http is None
+        self._use_http(http)
         self.request_timeout = request_timeout
         self.admin_timeout = admin_timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
-        return self._http
-
-    async def close(self) -> None:
-        if self._own_http and self._http is not None:
-            await self._http.close()
 
     async def request(self, method: str, path: str, *, json_body=None, timeout: float | None) -> tuple[int, Any]:
         try:
