@@ -38,7 +38,7 @@ def diff_patched_root(release: str, tmp_path) -> str:
     root = root_of(release)
     copy = tmp_path / "sglang"
     for rel in (*targets.RELEASES[release].touched_files, "srt/utils/common.py", "srt/utils/aio_rwlock.py",
-                "srt/lora/lora_registry.py", "_version.py"):
+                "srt/lora/lora_registry.py", "srt/lora/lora_manager.py", "_version.py"):
         dst = copy / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(root, rel), dst)
@@ -263,7 +263,7 @@ def test_command_line_checks_and_applies_all_or_nothing(release, tmp_path):
     shutil.copytree(root_of(release), pristine, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     out = subprocess.run([*run, "check", "--root", str(pristine)], capture_output=True, text=True)
     count = len(diffs.diff_files(release))
-    assert count == {"0.5.17": 3, "0.5.23": 4}[release]
+    assert count == {"0.5.17": 4, "0.5.23": 5}[release]
     assert out.returncode == 0 and f"SGLang {release} verified; {count} patches apply" in out.stdout, out.stderr
     out = subprocess.run([*run, "apply", "--root", str(pristine)], capture_output=True, text=True)
     assert out.returncode == 0 and f"applied {count} patches for SGLang {release}" in out.stdout, out.stderr
@@ -281,6 +281,8 @@ def test_shipped_0523_staging_diff_is_the_runtime_routes():
     rendered = diffs.render_0523(root_of("0.5.23"))
     shipped = {os.path.basename(p): open(p).read() for p in diffs.diff_files("0.5.23")}
     assert rendered[diffs.STAGING_0523] == shipped[diffs.STAGING_0523]
+    hook = diffs.PREPARED_LOAD["0.5.23"]
+    assert rendered[hook] == shipped[hook]
 
 
 @pytest.mark.parametrize("release", RELEASES)

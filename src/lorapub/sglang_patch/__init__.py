@@ -74,15 +74,23 @@ def apply(
     managed_prefix: str = MANAGED_PREFIX,
     app: Any = None,
     add_state_route: bool = True,
+    prepare_loads: bool = True,
 ) -> Any:
     """Patch ``tokenizer_manager_cls`` (default: SGLang's TokenizerManager) in place. Idempotent.
 
     ``root`` is the ``sglang`` package folder the class was loaded from (default: the
-    installed one); its code decides the release.
+    installed one); its code decides the release. ``prepare_loads`` (patching SGLang's own class):
+    SGLang's schedulers start with :mod:`lorapub.sglang_patch.prepared_load`, so an adapter load
+    is prepared off the scheduler thread and never stops decoding.
     """
     release = detect(root)
     if tokenizer_manager_cls is None:
         from sglang.srt.managers.tokenizer_manager import TokenizerManager as tokenizer_manager_cls
+
+        if prepare_loads:
+            from lorapub.sglang_patch.prepared_load import route_schedulers
+
+            route_schedulers()
     if getattr(tokenizer_manager_cls, PATCH_MARK, None):
         return tokenizer_manager_cls
     if release.version == "0.5.23":

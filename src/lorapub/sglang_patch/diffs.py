@@ -86,6 +86,7 @@ def render_0517(root: str) -> dict[str, str]:
             ).stdout
         stem = os.path.splitext(os.path.basename(rel))[0].replace("_", "-")
         out[f"{n:04d}-{stem}.diff"] = diff
+    out.update(render_prepared_load(root))
     return out
 
 
@@ -134,7 +135,29 @@ def render_0523(root: str) -> dict[str, str]:
         pending, pending + '        "staging": _LORAPUB_STAGING.report(),\n')
     after = insert_before(after, '@app.api_route("/open_session", methods=["GET", "POST"])\n', HTTP_STAGING_BLOCK,
                           HTTP_FILE)
-    return {STAGING_0523: _unified(HTTP_FILE, before, after)}
+    return {STAGING_0523: _unified(HTTP_FILE, before, after), **render_prepared_load(root)}
 
 
-__all__ = ["SUPPORTED", "already_applied", "apply_diffs", "diff_files", "render_0517", "render_0523"]
+#: The scheduler hook of :mod:`lorapub.sglang_patch.prepared_load`, the same in every release:
+#: appended to SGLang's ``scheduler.py``, it runs in every scheduler process that imports it.
+SCHEDULER_HOOK = """
+
+# lorapub: adapter loads prepared off the scheduler thread (lorapub/sglang_patch/prepared_load.py)
+from lorapub.sglang_patch import prepared_load as _lorapub_prepared_load  # noqa: E402
+
+_lorapub_prepared_load.install(Scheduler)
+"""
+PREPARED_LOAD = {"0.5.17": "0004-scheduler-prepared-load.diff", "0.5.23": "0005-scheduler-prepared-load.diff"}
+
+
+def render_prepared_load(root: str) -> dict[str, str]:
+    """The scheduler-hook diff of the release at ``root`` (file name -> text)."""
+    from lorapub.sglang_patch.targets import SCHEDULER_FILE
+
+    version = detect(root).version
+    with open(os.path.join(root, SCHEDULER_FILE)) as f:
+        before = f.read()
+    return {PREPARED_LOAD[version]: _unified(SCHEDULER_FILE, before, before + SCHEDULER_HOOK)}
+
+
+__all__ = ["SUPPORTED", "already_applied", "apply_diffs", "diff_files", "render_0517", "render_0523", "render_prepared_load"]

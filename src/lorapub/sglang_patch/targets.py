@@ -20,6 +20,8 @@ from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
 TM_FILE = "srt/managers/tokenizer_manager.py"
 MIXIN_FILE = "srt/managers/tokenizer_control_mixin.py"
 HTTP_FILE = "srt/entrypoints/http_server.py"
+SCHEDULER_FILE = "srt/managers/scheduler.py"
+LORA_MANAGER_FILE = "srt/lora/lora_manager.py"
 TM = "TokenizerManager"
 MIXIN = "TokenizerControlMixin"
 
@@ -33,7 +35,7 @@ class Release:
     version: str
     # (file, class, function) -> sha256 of the function's source text in that release
     fingerprints: dict[tuple[str, str, str], str]
-    touched_files: tuple[str, ...] = (TM_FILE, MIXIN_FILE, HTTP_FILE)
+    touched_files: tuple[str, ...] = (TM_FILE, MIXIN_FILE, HTTP_FILE, SCHEDULER_FILE)
     # the text a diff-patched file carries, so an applied patch is recognised
     applied_marker: tuple[str, str] = (MIXIN_FILE, "LORAPUB_MANAGED_PREFIX")
 
@@ -60,6 +62,13 @@ RELEASES: dict[str, Release] = {
                 "40a0c6ea0f6463c098e79f05c4f48a24081aa53794266f821b4ba477ff993e5e",
             (MIXIN_FILE, MIXIN, "load_lora_adapter"):
                 "056532175533ab931e681a3acf826e1c624bb42a69af6d24785ee37343f44a70",
+            # relied on unchanged by prepared_load: the load the scheduler runs, its weight read
+            (SCHEDULER_FILE, "Scheduler", "load_lora_adapter"):
+                "d728ebacda58c9d328944a7baebf1b8d181577fb7c72f7ab3c1d15c10b7f8be4",
+            (LORA_MANAGER_FILE, "LoRAManager", "_load_lora_adapter"):
+                "63364d7ea493dbbb04bff9aedee97a358451a47d5a56478a28b1f8d19ce75571",
+            (LORA_MANAGER_FILE, "LoRAManager", "load_lora_weights"):
+                "a143735cf64cff227fb352bc539b5cb55bc67728454afe1d4320099f84ea16dc",
         },
     ),
     "0.5.23": Release(
@@ -75,6 +84,12 @@ RELEASES: dict[str, Release] = {
                 "1b96d090c7dfc432b1497083e4a5c48756142059d1f0583f99afbef859bd6bac",
             (MIXIN_FILE, MIXIN, "load_lora_adapter"):
                 "e96d92b277cf95f38cb8b4eda91672608d8e33561b44616dfc25ff96d39cb928",
+            (SCHEDULER_FILE, "Scheduler", "load_lora_adapter"):
+                "920b86878acade658f20718e165d920394bdb65105c45f96de7372adcc54d9d1",
+            (LORA_MANAGER_FILE, "LoRAManager", "_load_lora_adapter"):
+                "17dbc3acd7f987278437be5bfe645a7973aa466a65f0aaa7425569cc925e542a",
+            (LORA_MANAGER_FILE, "LoRAManager", "load_lora_weights"):
+                "7ad5ad02b5c660eeb07a18fb32e3c9e00c6f8a8a42c2d5a61f8ceb38f131db17",
         },
     ),
 }

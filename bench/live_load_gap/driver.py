@@ -1,0 +1,147 @@
+"""GPU-machine driver: build the random 4B-like Qwen3 + adapters, boot two SGLang servers side by side
+(stock ``sglang.launch_server``, and the same server through ``python -m lorapub.sglang_patch launch``,
+lorapub's runtime patch with its prepared loads), then measure each in turn with gap_bench.py while the
+other idles. Run with the image's python, no PYTHONPATH.
+Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 560), STALL_SITE (the
+SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (e.g. "patched,unpatched")."""
+import asyncio, json, os, signal, subprocess, sys, time, urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import gap_bench  # noqa: E402
+
+T0 = time.time()
+DEADLINE = T0 + float(os.environ.get("STALL_TOTAL_S", "560"))
+OUT = os.environ.get("OUT", "/tmp/out")
+ROOT = os.environ.get("STALL_ROOT", "/tmp/m")
+PRESET = os.environ.get("STALL_PRESET", "4b")
+os.makedirs(OUT, exist_ok=True)
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def env_site():
+    site = os.environ.get("STALL_SITE", "/tmp/site")
+    src = os.environ.get("LORAPUB_SRC", os.path.join(HERE, "..", "..", "src"))
+    e = dict(os.environ, PYTHONPATH=f"{site}:{os.path.abspath(src)}", PYTHONUNBUFFERED="1")
+    return e
+
+
+# 1) model + adapters (image transformers/peft)
+env_img = dict(os.environ); env_img.pop("PYTHONPATH", None)
+if not os.path.exists(f"{ROOT}/B32/adapter_model.safetensors"):
+    r = subprocess.run([sys.executable, f"{HERE}/build_model.py", ROOT, PRESET], env=env_img,
+                       capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).splitlines():
+        if line.startswith("BUILD") or "Error" in line or "error" in line[:80]:
+            print(line[:3000], flush=True)
+    if r.returncode != 0:
+        print((r.stdout + r.stderr)[-4000:]); sys.exit(2)
+log("model built")
+
+COMMON = ["--model-path", f"{ROOT}/base", "--enable-lora", "--max-loras-per-batch", "3",
+          "--max-loaded-loras", "3", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
+          "gate_proj", "up_proj", "down_proj", "--max-lora-rank", "64", "--skip-tokenizer-init",
+          "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+          "--dtype", "bfloat16", "--max-total-tokens", "65536", "--mem-fraction-static", "0.42",
+          "--random-seed", "0", "--host", "127.0.0.1", "--cuda-graph-backend-prefill", "disabled",
+          "--cuda-graph-max-bs-decode", "64"]
+SERVERS = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launch_server"]},
+           "patched": {"port": 30001, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"]}}
+
+
+def launch(name, graphs=True):
+    s = SERVERS[name]
+    cmd = [sys.executable, *s["entry"], *COMMON, "--port", str(s["port"]), *s["extra"]]
+    if not graphs:
+        cmd += ["--cuda-graph-backend-decode", "disabled"]
+    s["cmd"] = " ".join(cmd[3:])
+    s["graphs"] = graphs
+    s["logf"] = open(f"{OUT}/server_{name}.log", "a")
+    s["logf"].write(f"\n==== launch graphs={graphs} at {time.time() - T0:.1f}s: {s['cmd']}\n"); s["logf"].flush()
+    s["proc"] = subprocess.Popen(cmd, env=env_site(), stdout=s["logf"], stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    s["t_launch"] = time.time()
+    s.pop("ready", None)
+
+
+def kill(name):
+    p = SERVERS[name].get("proc")
+    if p and p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM); time.sleep(2); os.killpg(p.pid, signal.SIGKILL)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def healthy(port):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health_generate", timeout=5) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+launch("unpatched"); time.sleep(3); launch("patched")
+boot_deadline = min(DEADLINE - 150, T0 + 430)
+while time.time() < boot_deadline and not all("ready" in s for s in SERVERS.values()):
+    for name, s in SERVERS.items():
+        if "ready" in s:
+            continue
+        if s["proc"].poll() is not None:
+            log(f"{name} died rc={s['proc'].returncode} graphs={s['graphs']}")
+            if s["graphs"]:
+                launch(name, graphs=False)
+            else:
+                s["ready"] = None
+            continue
+        if healthy(s["port"]):
+            s["ready"] = round(time.time() - s["t_launch"], 1)
+            log(f"{name} ready after {s['ready']} s (graphs={s['graphs']})")
+    time.sleep(2)
+def gpu_mem():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return repr(e)
+
+
+smi = gpu_mem()
+log("boot done", {n: (s.get("ready"), s["graphs"]) for n, s in SERVERS.items()}, "gpu mem", smi)
+
+results = {}
+order = os.environ.get("STALL_ORDER", "unpatched,patched").split(",")
+for k, name in enumerate(order):
+    s = SERVERS[name]
+    if not s.get("ready"):
+        log(f"skip {name}: not ready"); continue
+    other = [n for n in order if n != name]
+    dl = DEADLINE - (75 if k == 0 and other and SERVERS[other[0]].get("ready") else 8)
+    os.environ["STALL_DEADLINE"] = str(dl)
+    log(f"bench {name} (deadline in {dl - time.time():.0f}s)")
+    try:
+        res = asyncio.run(gap_bench.Bench(f"http://127.0.0.1:{s['port']}", name).run(
+            ROOT, 3, 2, f"{OUT}/{name}", dl))
+        res["info"]["server"] = {"cmd": s["cmd"], "graphs": s["graphs"], "boot_s": s["ready"]}
+        with open(f"{OUT}/{name}.json", "w") as f:
+            json.dump(res, f, indent=1)
+        results[name] = res
+        summ = {k2: {kk: v[kk] for kk in ("max_gap_ms", "itl_max_ms", "latency_ms", "status")}
+                for k2, v in res["summary"].items()}
+        log(f"RESULT {name} n_errors={res['info']['n_errors']} events={res['info']['n_events']} "
+            f"chunks/tokens={res['info']['chunks_per_token_check']}")
+        for k2, v in summ.items():
+            print("   ", k2, json.dumps(v), flush=True)
+        if res["info"]["errors"]:
+            print("    errors:", res["info"]["errors"][:5], flush=True)
+    except Exception as e:  # noqa: BLE001
+        import traceback; traceback.print_exc()
+        log(f"bench {name} failed: {e!r}")
+    log(f"gpu mem after {name}: {gpu_mem()}")
+    kill(name)
+for name in SERVERS:
+    kill(name)
+log("end")

@@ -1,0 +1,22 @@
+#!/bin/bash
+# Decode gaps on live SGLang while an adapter is loaded: stock server beside lorapub's patched one.
+# On a GPU machine, from the checkout root, with the SGLang bundle as .sgl/ and lorapub's extra wheels
+# as .whl/ (see tests/gpu/run_on_device.sh):   bash bench/live_load_gap/run.sh
+# Builds a 4B-shaped random Qwen3 and 264 MB r=64 adapters (A, B, B32 = B in fp32), boots both
+# servers, measures each in turn (3 loads of B, 2 of B32, each against a 3 s control), then prints
+# the summary. About 330 s on one H200 plus machine start; results (JSON, event logs) in $OUT.
+set -u -o pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+S=$(date +%s)
+SGL=${LORAPUB_SGL_DIR:-.sgl}
+mkdir -p /tmp/site && xz -dc -T0 "$SGL/site.tar.xz" | tar -x -C /tmp/site || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 4
+export LORAPUB_SRC="$PWD/src" STALL_SITE=/tmp/site
+env -u PYTHONPATH PYTHONUNBUFFERED=1 STALL_TOTAL_S=$((${LORAPUB_GAP_BUDGET_S:-565} - ($(date +%s) - S))) \
+  timeout $((${LORAPUB_GAP_BUDGET_S:-565} + 15)) python3 "$here/driver.py"
+rc=$?
+python3 "$here/summarize.py" "$OUT" | tee "$OUT/summary.txt"
+for f in "$OUT"/server_*.log; do [ -f "$f" ] && gzip -f "$f"; done
+echo "total $(( $(date +%s) - S )) s, driver rc $rc"
+exit $rc

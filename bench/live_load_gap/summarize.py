@@ -1,0 +1,48 @@
+"""Summarise the device results (OUT folder with {unpatched,patched}.json and *_events.txt.gz).
+'action gap' = longest interval with no token on any stream that STARTS between the HTTP call and
+its response (the stall the call caused, one decode step included). 'window max' = longest gap
+ending inside the 3 s window (what the lorapub goal compares with the control).
+Usage: python summarize.py RESULTS_DIR"""
+import gzip, json, os, statistics, sys
+
+d = sys.argv[1]
+med = statistics.median
+for name in ("unpatched", "patched"):
+    p = os.path.join(d, f"{name}.json")
+    if not os.path.exists(p):
+        continue
+    r = json.load(open(p))
+    ts = sorted(float(l.split()[0]) for l in gzip.open(os.path.join(d, f"{name}_events.txt.gz"), "rt"))
+    gaps = [(ts[i - 1], ts[i] - ts[i - 1]) for i in range(1, len(ts))]
+    rows = {}
+    for w in r["windows"]:
+        key = (w["variant"], w["kind"])
+        e = rows.setdefault(key, {"win": [], "act": [], "lat": []})
+        e["win"].append(w["merged_max_gap_ms"])
+        if "latency_ms" in w:
+            a, b = w["t0"], w["t0"] + w["latency_ms"] / 1e3
+            e["act"].append(round(max(g for s, g in gaps if a <= s <= b) * 1e3, 1))
+            e["lat"].append(w["latency_ms"])
+        if "old_latency_ms" in w:
+            e.setdefault("old", []).append(w["old_latency_ms"])
+    ctl = {v: med(rows[(v, "control")]["win"]) for v in ("B", "B32") if (v, "control") in rows}
+    print(f"## {name}  (ITL p50 {med(w['itl_p50_ms'] for w in r['windows'])} ms, "
+          f"{r['info']['streams']} streams, errors {r['info']['n_errors']})")
+    print("| adapter | phase | HTTP latency ms (each) | action gap ms (each) | window max gap ms (each) | "
+          "median window max | control median | excess |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (v, k), e in rows.items():
+        m = med(e["win"])
+        print(f"| {v} | {k} | {e['lat'] or '-'} | {e['act'] or '-'} | {e['win']} | {m} | {ctl[v]} | "
+              f"{round(m - ctl[v], 1):+} |")
+    # whole publication = load window + first_use window, per rep
+    for v in ("B", "B32"):
+        if (v, "load") in rows:
+            pub = [max(x, y) for x, y in zip(rows[(v, "load")]["win"], rows[(v, "first_use")]["win"])]
+            print(f"publication {v}: max gap over load+first_use windows {pub}, median {med(pub)}, "
+                  f"control {ctl[v]}, excess {round(med(pub) - ctl[v], 1):+}")
+        if (v, "first_use") in rows and rows[(v, "first_use")].get("old"):
+            new, old = rows[(v, "first_use")]["lat"], rows[(v, "first_use")]["old"]
+            print(f"first request {v}: new version {new} ms, same request on the old version {old} ms, "
+                  f"median new - old {round(med(new) - med(old), 1):+} ms")
+    print()

@@ -1,0 +1,283 @@
+"""Adapter loads that never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
+
+Stock SGLang (0.5.17 and 0.5.23) loads an adapter on the scheduler thread, so a load stops every
+running decode twice: once while the scheduler reads the adapter into host memory (tens to hundreds
+of ms for an adapter of a few hundred MB) and once at the first batch that uses it, which pins the
+host tensors and copies them to the device before the forward pass.
+
+With this patch the scheduler hands a folder load (``load_lora_adapter``, what lorapub's engine-side
+staging and SGLang's ``/load_lora_adapter`` route send) to one background thread of its own process,
+which
+
+1. reads and normalises the adapter with SGLang's own code (``LoRAManager.load_lora_weights``, run
+   against a private view of the manager, so no shared state is touched),
+2. packs every tensor into one pinned host buffer and copies it to one device buffer on a side
+   stream, and waits for that copy; the adapter's tensors become views of the device buffer.
+
+The scheduler keeps running batches meanwhile. Each loop iteration it polls; a finished
+preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
+release's own follow-up such as 0.5.23's KV-event names), with the weights taken from the prepared
+adapter instead of disk, and the stock reply goes to the tokenizer manager then. The first batch that
+uses the adapter copies device to device into its memory-pool slot (no pinning, no host copy).
+
+A preparation that fails (unreadable folder, device memory) changes nothing: SGLang's own load then
+runs as before and answers with its own error. Only single-GPU schedulers take this path (tp, pp and
+dp of 1): with several ranks every rank would have to swap the adapter in on the same iteration;
+they keep SGLang's own blocking load, as do tensor loads (``load_lora_adapter_from_tensors``).
+``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: the adapter's weights stay on the device
+(once more than the pool slot) until it is unloaded.
+
+Both forms of lorapub's patch install this the same way: the runtime form starts SGLang's
+schedulers through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of
+SGLang's ``scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import logging
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+ENV = "LORAPUB_SGLANG_PREPARE"
+MARK = "__lorapub_prepared_load__"
+#: While a preparation runs, the GIL is handed over this often (s), so the scheduler thread never
+#: waits long for it behind the preparing thread's Python steps (CPython's default is 5 ms).
+SWITCH_INTERVAL = 0.0005
+_ALIGN = 256  # every tensor's view starts on a 256-byte boundary of the shared buffers
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class Preparer:
+    """One scheduler's preparations, in the order their loads arrived (one worker thread)."""
+
+    def __init__(self, scheduler: Any, manager: Any) -> None:
+        import torch
+
+        self.scheduler = scheduler
+        self.manager = manager
+        self.device = manager.device
+        self.on_cuda = getattr(self.device, "type", self.device) == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-prepare",
+                                                          initializer=_lower_priority)
+        self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any]]] = []
+        self._interval: float | None = None
+
+    # -- scheduler thread ------------------------------------------------------------------------
+    def submit(self, recv_req: Any, stock: Callable[..., Any]) -> bool:
+        """Take ``recv_req`` (its reply comes later from :meth:`poll`); False: load it the stock way."""
+        lora_id = getattr(recv_req, "lora_id", None)
+        if lora_id is None or lora_id in self.manager.loras or any(r.lora_id == lora_id for r, _, _ in self.pending):
+            return False
+        ref = recv_req.to_ref()
+        if not self.pending and self._interval is None:
+            self._interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))
+        self.pending.append((recv_req, self.pool.submit(self._prepare, ref), stock))
+        return True
+
+    def poll(self) -> None:
+        """Install every finished preparation, in arrival order, and send its reply."""
+        while self.pending and self.pending[0][1].done():
+            recv_req, future, stock = self.pending.pop(0)
+            prepared = self.manager.__dict__.setdefault("_lorapub_prepared", {})
+            try:
+                prepared[recv_req.lora_id] = future.result()
+            except Exception as e:  # SGLang's own load runs instead and answers with its own error
+                logger.warning("lorapub: preparing %s failed (%s); loading it on the scheduler thread",
+                               recv_req.lora_name, e)
+            try:
+                output = stock(self.scheduler, recv_req)
+            finally:
+                prepared.pop(recv_req.lora_id, None)
+            _send(self.scheduler, output, recv_req)
+        if not self.pending and self._interval is not None:
+            sys.setswitchinterval(self._interval)
+            self._interval = None
+
+    # -- preparing thread --------------------------------------------------------------------------
+    def read_config(self, ref: Any) -> Any:
+        from sglang.srt.lora.lora_config import LoRAConfig
+
+        return LoRAConfig(ref.lora_path, base_vocab_size=self.manager.base_hf_config.vocab_size)
+
+    def _prepare(self, ref: Any) -> Any:
+        import torch
+
+        manager = self.manager
+        view = copy.copy(manager)  # SGLang's own reading code, against private dicts
+        view.configs = {ref.lora_id: self.read_config(ref)}
+        view.loras = {}
+        type(manager).load_lora_weights.__wrapped__(view, ref)
+        adapter = view.loras[ref.lora_id]
+        if not self.on_cuda:  # host-only engines (tests): the read is what moves off the scheduler
+            return adapter
+        slots = [(d, name, t) for d in _weight_dicts(adapter) for name, t in d.items()]
+        spans, total = [], 0
+        for _, _, t in slots:
+            size = t.numel() * t.element_size()
+            spans.append((total, size))
+            total += -(-size // _ALIGN) * _ALIGN
+        if total == 0:
+            return adapter
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        for (_, _, t), (start, size) in zip(slots, spans):
+            host[start:start + size].view(t.dtype).view(t.shape).copy_(t)
+        # Device blocks freed by an earlier unload return to this stream's pool: wait for every
+        # kernel queued before this preparation, so none can still read what this copy overwrites.
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.stream):
+            dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+            dev.copy_(host, non_blocking=True)
+        self.stream.synchronize()
+        for (d, name, t), (start, size) in zip(slots, spans):
+            d[name] = dev[start:start + size].view(t.dtype).view(t.shape)
+        return adapter
+
+
+def _weight_dicts(adapter: Any) -> list[dict]:
+    return [layer.weights for layer in adapter.layers] + [
+        d for d in (getattr(adapter, "embedding_layers", None), getattr(adapter, "added_tokens_embeddings", None))
+        if d]
+
+
+def _lower_priority() -> None:
+    try:  # the preparing thread yields the CPU to the scheduler thread (Linux: per-thread nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+def _send(scheduler: Any, output: Any, recv_req: Any) -> None:
+    send = getattr(scheduler, "send_control_output", None)  # 0.5.23
+    if send is not None:
+        send(output, recv_req)
+    elif getattr(scheduler, "rust_server", None) is not None:  # 0.5.17, as process_input_requests does
+        scheduler.rust_server.push_control_output(recv_req, output)
+    else:
+        scheduler.ipc_channels.send_to_tokenizer.send_output(output, recv_req)
+
+
+def _preparer(scheduler: Any) -> Preparer | None:
+    """This scheduler's preparer, or None where the stock load must run."""
+    found = scheduler.__dict__.get("_lorapub_preparer", False)
+    if found is not False:
+        return found
+    preparer = None
+    try:
+        manager = scheduler.tp_worker.model_runner.lora_manager
+        args = scheduler.server_args
+        single = all(int(getattr(args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
+        if enabled() and single and manager is not None and getattr(manager.device, "type", manager.device) == "cuda":
+            preparer = Preparer(scheduler, manager)
+    except Exception as e:  # pragma: no cover - depends on the server's shape
+        logger.warning("lorapub: adapter loads keep SGLang's own path (%s)", e)
+    scheduler.__dict__["_lorapub_preparer"] = preparer
+    return preparer
+
+
+def install(scheduler_cls: Any = None, manager_cls: Any = None) -> None:
+    """Patch SGLang's Scheduler and LoRAManager classes in this process. Idempotent."""
+    if scheduler_cls is None:
+        from sglang.srt.managers.scheduler import Scheduler as scheduler_cls
+    if manager_cls is None:
+        from sglang.srt.lora.lora_manager import LoRAManager as manager_cls
+    if not getattr(manager_cls, MARK, False):
+        _install_weights(manager_cls)
+    if getattr(scheduler_cls, MARK, False):
+        return
+    stock_load = scheduler_cls.load_lora_adapter
+    stock_process = scheduler_cls.process_input_requests
+
+    def load_lora_adapter(self, recv_req):
+        preparer = _preparer(self)
+        if preparer is not None and preparer.submit(recv_req, stock_load):
+            return None  # answered by poll() once the adapter is ready
+        return stock_load(self, recv_req)
+
+    def process_input_requests(self, recv_reqs):
+        result = stock_process(self, recv_reqs)
+        preparer = self.__dict__.get("_lorapub_preparer")
+        if preparer:
+            preparer.poll()
+        return result
+
+    for fn, stock in ((load_lora_adapter, stock_load), (process_input_requests, stock_process)):
+        fn.__wrapped__ = stock
+        fn.__doc__ = stock.__doc__
+        setattr(scheduler_cls, fn.__name__, fn)
+    _wrap_idle_sleep(scheduler_cls)
+    setattr(scheduler_cls, MARK, True)
+
+
+def _install_weights(manager_cls: Any) -> None:
+    stock_weights = manager_cls.load_lora_weights
+
+    def load_lora_weights(self, lora_ref):
+        """SGLang's weight read, served by a prepared adapter of the same id and config when there is one."""
+        adapter = self.__dict__.get("_lorapub_prepared", {}).pop(lora_ref.lora_id, None)
+        config = self.configs.get(lora_ref.lora_id)
+        if adapter is None or config is None or config.hf_config != adapter.config.hf_config:
+            return stock_weights(self, lora_ref)
+        adapter.config = config  # the config object SGLang's own load just built and validated
+        self.loras[lora_ref.lora_id] = adapter
+        return None
+
+    load_lora_weights.__wrapped__ = stock_weights
+    manager_cls.load_lora_weights = load_lora_weights
+    setattr(manager_cls, MARK, True)
+
+
+def _wrap_idle_sleep(scheduler_cls: Any) -> None:
+    # An idle scheduler sleeps on its sockets (up to 1 s); a finished preparation must not wait.
+    stock_sleep = getattr(scheduler_cls, "maybe_sleep_on_idle", None)
+    if stock_sleep is None:  # pragma: no cover - both supported releases have it
+        return
+
+    def maybe_sleep_on_idle(self):
+        preparer = self.__dict__.get("_lorapub_preparer")
+        if preparer and preparer.pending:  # wake as soon as the oldest preparation ends
+            concurrent.futures.wait([preparer.pending[0][1]], timeout=0.005)
+            return None
+        return stock_sleep(self)
+
+    maybe_sleep_on_idle.__wrapped__ = stock_sleep
+    scheduler_cls.maybe_sleep_on_idle = maybe_sleep_on_idle
+
+
+def run_scheduler_process(*args: Any, **kwargs: Any) -> Any:
+    """SGLang's scheduler process entry with this patch installed (runtime form; spawn-safe)."""
+    from sglang.srt.managers import scheduler
+
+    install(scheduler.Scheduler)
+    return scheduler.run_scheduler_process(*args, **kwargs)
+
+
+def route_schedulers(engine_cls: Any = None, stock_entry: Any = None) -> None:
+    """Runtime form, in the server process: start SGLang's schedulers through
+    :func:`run_scheduler_process` (SGLang's own entry, unless a caller passed its own)."""
+    if engine_cls is None:
+        from sglang.srt.entrypoints.engine import Engine as engine_cls
+    if getattr(engine_cls, MARK, False):
+        return
+    if stock_entry is None:
+        from sglang.srt.managers.scheduler import run_scheduler_process as stock_entry
+
+    stock = engine_cls.__dict__["_launch_subprocesses"].__func__
+
+    def _launch_subprocesses(cls, *args, **kwargs):
+        if kwargs.get("run_scheduler_process_func", stock_entry) is stock_entry:
+            kwargs["run_scheduler_process_func"] = run_scheduler_process
+        return stock(cls, *args, **kwargs)
+
+    engine_cls._launch_subprocesses = classmethod(_launch_subprocesses)
+    setattr(engine_cls, MARK, True)

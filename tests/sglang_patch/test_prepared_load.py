@@ -1,0 +1,242 @@
+"""The scheduler side of lorapub's patch: an adapter load is read off the scheduler thread, installed by
+the release's own load path on a later loop iteration, and answered then; anything it cannot take keeps
+SGLang's own blocking load. The classes here follow the control flow of SGLang's Scheduler and
+LoRAManager (``load_lora_adapter`` -> ``_load_lora_adapter`` -> ``load_lora_weights``); the config is read
+by SGLang's own ``LoRAConfig`` from a real PEFT folder. On the GPU the same code is measured against
+live SGLang (``bench/live_load_gap.py``)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from lorapub.sglang_patch import prepared_load
+
+pytest.importorskip("torch")
+
+
+class Config:
+    def __init__(self, path):
+        self.path = path
+        self.hf_config = {"r": 8, "path": path}
+
+
+class Adapter:
+    def __init__(self, uid, config):
+        self.uid, self.config, self.read_by = uid, config, threading.current_thread().name
+
+
+class Manager:
+    """SGLang's LoRAManager load path, reduced to what the patch relies on."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.configs, self.loras, self.lora_refs = {}, {}, {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_read = set()
+
+    def _load_lora_adapter(self, ref):
+        try:
+            self.configs[ref.lora_id] = Config(ref.lora_path)
+            self.load_lora_weights(ref)
+            self.lora_refs[ref.lora_id] = ref
+        except Exception as e:
+            self.configs.pop(ref.lora_id, None)
+            return {"success": False, "error": str(e), "lora_id": ref.lora_id}
+        return {"success": True, "lora_id": ref.lora_id, "by": threading.current_thread().name}
+
+    def load_lora_weights(self, ref):
+        assert self.gate.wait(5)
+        if ref.lora_path in self.fail_read:
+            raise OSError(f"cannot read {ref.lora_path}")
+        self.loras[ref.lora_id] = Adapter(ref.lora_id, self.configs[ref.lora_id])
+
+    def unload(self, lora_id):
+        del self.loras[lora_id], self.configs[lora_id], self.lora_refs[lora_id]
+
+
+class Req:
+    def __init__(self, lora_id, path=None):
+        self.lora_id, self.lora_name, self.lora_path, self.pinned = lora_id, f"name-{lora_id}", path or f"/p/{lora_id}", True
+
+    def to_ref(self):
+        return types.SimpleNamespace(lora_id=self.lora_id, lora_name=self.lora_name, lora_path=self.lora_path,
+                                     pinned=self.pinned)
+
+
+class Scheduler:
+    """SGLang's Scheduler dispatch: a control request's reply is sent when the handler returns one."""
+
+    def __init__(self, manager, tp_size=1):
+        self.tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(lora_manager=manager))
+        self.server_args = types.SimpleNamespace(tp_size=tp_size, pp_size=1, dp_size=1)
+        self.sent, self.slept = [], 0
+
+    def load_lora_adapter(self, recv_req):
+        return self.tp_worker.model_runner.lora_manager._load_lora_adapter(recv_req.to_ref())
+
+    def process_input_requests(self, recv_reqs):
+        for req in recv_reqs:
+            out = self.load_lora_adapter(req)
+            if out is not None:
+                self.send_control_output(out, req)
+
+    def send_control_output(self, output, recv_req):
+        self.sent.append((recv_req.lora_id, output))
+
+    def maybe_sleep_on_idle(self):
+        self.slept += 1
+
+
+@pytest.fixture
+def classes():
+    scheduler_cls = type("Scheduler", (Scheduler,), {})
+    manager_cls = type("Manager", (Manager,), {})
+    prepared_load.install(scheduler_cls, manager_cls)
+    return scheduler_cls, manager_cls
+
+
+def preparing(classes, **kw):
+    scheduler_cls, manager_cls = classes
+    manager = manager_cls()
+    scheduler = scheduler_cls(manager, **kw)
+    preparer = prepared_load.Preparer(scheduler, manager)
+    preparer.read_config = lambda ref: Config(ref.lora_path)
+    scheduler.__dict__["_lorapub_preparer"] = preparer
+    return scheduler, manager, preparer
+
+
+def run_until(scheduler, n, *, loops=2000):
+    for _ in range(loops):
+        scheduler.process_input_requests([])
+        scheduler.maybe_sleep_on_idle()
+        if len(scheduler.sent) >= n:
+            return
+    raise AssertionError(f"only {len(scheduler.sent)} of {n} replies were sent")
+
+
+def test_the_read_runs_off_the_scheduler_thread_and_the_reply_waits_for_the_install(classes):
+    scheduler, manager, preparer = preparing(classes)
+    manager.gate.clear()  # the read blocks: the scheduler must keep looping
+    scheduler.process_input_requests([Req("a")])
+    for _ in range(50):
+        scheduler.process_input_requests([])
+        scheduler.maybe_sleep_on_idle()
+    assert scheduler.sent == [] and "a" not in manager.loras and "a" not in manager.lora_refs
+    assert scheduler.slept == 0  # an idle scheduler does not sleep on its sockets while a load prepares
+    manager.gate.set()
+    run_until(scheduler, 1)
+    [(lora_id, out)] = scheduler.sent
+    assert lora_id == "a" and out["success"]
+    assert out["by"] == threading.current_thread().name  # SGLang's own bookkeeping on the scheduler thread
+    adapter = manager.loras["a"]
+    assert adapter.read_by.startswith("lorapub-prepare")  # the weights are the prepared ones
+    assert adapter.config is manager.configs["a"]  # bound to the config SGLang's load validated
+    assert manager.__dict__["_lorapub_prepared"] == {} and preparer.pending == []
+    slept = scheduler.slept
+    scheduler.maybe_sleep_on_idle()
+    assert scheduler.slept == slept + 1  # nothing pending: the stock idle sleep again
+
+
+def test_replies_keep_the_order_loads_arrived_in(classes):
+    scheduler, manager, _ = preparing(classes)
+    scheduler.process_input_requests([Req("a"), Req("b"), Req("c")])
+    run_until(scheduler, 3)
+    assert [lora_id for lora_id, _ in scheduler.sent] == ["a", "b", "c"]
+    assert all(out["success"] for _, out in scheduler.sent)
+
+
+def test_a_failed_read_falls_back_to_the_stock_load_and_its_own_error(classes):
+    scheduler, manager, _ = preparing(classes)
+    manager.fail_read.add("/p/bad")
+    scheduler.process_input_requests([Req("bad", "/p/bad"), Req("ok")])
+    run_until(scheduler, 2)
+    (bad_id, bad), (ok_id, ok) = scheduler.sent
+    assert (bad_id, ok_id) == ("bad", "ok")
+    assert not bad["success"] and "cannot read /p/bad" in bad["error"]
+    assert "bad" not in manager.loras and "bad" not in manager.configs
+    assert ok["success"] and manager.loras["ok"].read_by.startswith("lorapub-prepare")
+
+
+def test_a_changed_config_is_read_again_by_the_stock_path(classes):
+    scheduler, manager, preparer = preparing(classes)
+    stale = Config("/p/a")
+    stale.hf_config = {"r": 16}
+    preparer.read_config = lambda ref: stale
+    scheduler.process_input_requests([Req("a")])
+    run_until(scheduler, 1)
+    assert scheduler.sent[0][1]["success"]
+    assert manager.loras["a"].read_by == threading.current_thread().name  # not the prepared copy
+
+
+def test_an_id_already_loaded_or_already_preparing_keeps_the_stock_path(classes):
+    scheduler, manager, preparer = preparing(classes)
+    manager.gate.clear()
+    req = Req("a")
+    assert preparer.submit(req, type(scheduler).load_lora_adapter.__wrapped__)
+    assert not preparer.submit(Req("a"), type(scheduler).load_lora_adapter.__wrapped__)
+    manager.gate.set()
+    run_until(scheduler, 1)
+    assert not preparer.submit(Req("a"), type(scheduler).load_lora_adapter.__wrapped__)
+
+
+def test_only_single_gpu_cuda_schedulers_prepare(classes, monkeypatch):
+    scheduler_cls, manager_cls = classes
+    cpu = scheduler_cls(manager_cls())
+    assert prepared_load._preparer(cpu) is None  # host device: SGLang's own load
+    out = cpu.load_lora_adapter(Req("a"))
+    assert out["success"] and out["by"] == threading.current_thread().name
+    manager = manager_cls()
+    manager.device = types.SimpleNamespace(type="cuda")
+    assert prepared_load._preparer(scheduler_cls(manager, tp_size=2)) is None
+    monkeypatch.setenv(prepared_load.ENV, "0")
+    assert prepared_load._preparer(scheduler_cls(manager)) is None
+
+
+def test_the_switch_interval_is_shortened_only_while_preparing(classes):
+    import sys
+
+    scheduler, manager, _ = preparing(classes)
+    before = sys.getswitchinterval()
+    manager.gate.clear()
+    scheduler.process_input_requests([Req("a")])
+    assert sys.getswitchinterval() == pytest.approx(min(before, prepared_load.SWITCH_INTERVAL))
+    manager.gate.set()
+    run_until(scheduler, 1)
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_install_is_idempotent(classes):
+    scheduler_cls, manager_cls = classes
+    before = (dict(vars(scheduler_cls)), dict(vars(manager_cls)))
+    prepared_load.install(scheduler_cls, manager_cls)
+    assert (dict(vars(scheduler_cls)), dict(vars(manager_cls))) == before
+
+
+def test_schedulers_start_through_the_patched_entry_unless_the_caller_chose_one():
+    def stock_entry(*a, **k):
+        raise AssertionError("never called here")
+
+    def own_entry(*a, **k):
+        raise AssertionError("never called here")
+
+    seen = []
+
+    class Engine:
+        @classmethod
+        def _launch_subprocesses(cls, server_args=None, run_scheduler_process_func=None, **kw):
+            seen.append(run_scheduler_process_func)
+
+    prepared_load.route_schedulers(Engine, stock_entry)
+    prepared_load.route_schedulers(Engine, stock_entry)  # idempotent
+    Engine._launch_subprocesses(server_args=1, run_scheduler_process_func=stock_entry)
+    Engine._launch_subprocesses(server_args=1, run_scheduler_process_func=own_entry)
+    assert seen == [prepared_load.run_scheduler_process, own_entry]
+    import pickle
+
+    # spawn pickles the entry by reference: it must be importable in the child
+    assert pickle.loads(pickle.dumps(prepared_load.run_scheduler_process)) is prepared_load.run_scheduler_process
