@@ -74,9 +74,9 @@ class Trainer:
         return peft_lora_state_dict(self.step)
 
 
-def relax_args(tmp_path, *, enabled: bool) -> argparse.Namespace:
+def relax_args(tmp_path, *, enabled: bool, transport: str | None = None) -> argparse.Namespace:
     parser = add_arguments(argparse.ArgumentParser())
-    argv = [ARGUMENT] if enabled else []
+    argv = ([ARGUMENT] if enabled else []) + (["--lora-publication-transport", transport] if transport else [])
     args = parser.parse_args(argv + ["--lora-publication-stash-dir", str(tmp_path / "stash"),
                                      "--lora-publication-epoch", "7", "--lora-publication-registry", ""])
     # Relax's own LoRA arguments (relax/utils/megatron_peft_utils.py reads these attributes)
@@ -113,10 +113,10 @@ class Relax:
         return next(d for d in self.doubles if lora_id in d.loaded)
 
 
-async def make_relax(tmp_path, *, enabled: bool) -> Relax:
+async def make_relax(tmp_path, *, enabled: bool, transport: str | None = None) -> Relax:
     doubles = [await SGLangDouble("e0").start(), await SGLangDouble("e1").start()]
     urls = [d.url for d in doubles]
-    args = relax_args(tmp_path, enabled=enabled)
+    args = relax_args(tmp_path, enabled=enabled, transport=transport)
     registry = None
     options: dict[str, Any] = {}
     if enabled:
@@ -172,6 +172,32 @@ def events_since(relax: Relax, marks: list[int]) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------------
 # versioned publication on
 # ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", [None, "shared-dir"])
+async def test_adapter_bytes_reach_the_engines_over_http_unless_a_shared_dir_is_chosen(tmp_path, transport):
+    from lorapub.adapters.sglang_http import SGLangEngine
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+
+    relax = await make_relax(tmp_path, enabled=True, transport=transport)
+    try:
+        await relax.update_weights()
+        a = relax.device.reports[-1]
+        record = await relax.register("s1")
+        out = await turn(relax, "s1", [1, 2, 3])
+        assert record.lora.lora_path == a.lora_name and out["lora_id"]
+        engines = relax.shard_pub._built_engines
+        stash = tmp_path / "stash"
+        staged = [p for p in stash.rglob("*") if p.is_file()] if stash.exists() else []
+        if transport is None:  # the default: each engine stages the bytes itself, nothing shared on disk
+            assert engines and all(type(e) is SGLangWireEngine for e in engines)
+            assert staged == []
+            assert all(d.staging.report()["attempts"] for d in relax.doubles)
+        else:
+            assert engines and all(type(e) is SGLangEngine for e in engines)
+            assert staged  # the version's folder the engines read
+    finally:
+        await teardown(relax)
 
 
 async def test_first_generation_binds_and_tool_turns_reuse_the_bound_lora_path(relax_on):
@@ -541,5 +567,6 @@ def test_the_hooks_use_only_lorapubs_public_face():
                 names |= {a.name for a in node.names}
         elif isinstance(node, ast.Import):
             modules |= {a.name for a in node.names if a.name.startswith("lorapub")}
-    assert modules <= {"lorapub", "lorapub.adapters.sglang_http", "lorapub.adapters.ray_registry"}, modules
+    assert modules <= {"lorapub", "lorapub.adapters.sglang_http", "lorapub.adapters.sglang_wire",
+                       "lorapub.adapters.ray_registry"}, modules
     assert names <= set(lorapub.__all__), names

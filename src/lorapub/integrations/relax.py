@@ -55,6 +55,7 @@ __all__ = [
 ARGUMENT = "--enable-versioned-lora-publication"
 _DEST = "enable_versioned_lora_publication"
 _DEFAULT_REGISTRY = "relax_lora_publication"
+TRANSPORTS = ("http", "shared-dir")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")  # lorapub's rule for session and version ids
 
 WorkerUrls = Union[Sequence[str], Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]]
@@ -109,12 +110,24 @@ def add_arguments(parser):
         ),
     )
     parser.add_argument(
+        "--lora-publication-transport",
+        type=str,
+        choices=TRANSPORTS,
+        default="http",
+        help=(
+            "How adapter bytes reach the rollout engines. http (default): each version's buckets are sent over "
+            "HTTP into every engine, which stages, verifies and loads them itself (no shared storage). "
+            "shared-dir: versions are written to --lora-publication-stash-dir, which every engine must be able "
+            "to read."
+        ),
+    )
+    parser.add_argument(
         "--lora-publication-stash-dir",
         type=str,
         default=None,
         help=(
-            "Directory where adapter versions are staged for the rollout engines to load; every engine must be "
-            "able to read it (shared storage). Default: <--save>/lorapub, or /tmp/lorapub."
+            "With --lora-publication-transport shared-dir: the directory where adapter versions are staged for "
+            "the rollout engines to load (shared storage). Default: <--save>/lorapub, or /tmp/lorapub."
         ),
     )
     return parser
@@ -144,6 +157,10 @@ def validate_args(args: Any) -> None:
     if getattr(args, "lora_merge_mode", False):
         raise ValueError(f"{ARGUMENT} cannot version merged weights: drop --lora-merge-mode.")
     resolve_epoch(args)
+
+
+def _transport(args: Any) -> str:
+    return getattr(args, "lora_publication_transport", None) or "http"
 
 
 def _stash_dir(args: Any) -> str:
@@ -331,13 +348,18 @@ class RelaxLoraPublication:
             if inspect.isawaitable(urls):
                 urls = await urls
         from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin  # aiohttp: lazily
+        from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 
+        transport = HTTPBytes()  # one deployment sends every engine's buckets one way
         engines: dict[str, Any] = {}
         for url in sorted(set(urls or ())):
             name = engine_name(url)
-            engines[name] = (
-                SGLangEngine(name, url, _stash_dir(self.args)) if self.enabled else SGLangOverwriteAdmin(name, url)
-            )
+            if not self.enabled:
+                engines[name] = SGLangOverwriteAdmin(name, url)
+            elif _transport(self.args) == "http":  # the engines stage the bytes themselves
+                engines[name] = SGLangWireEngine(name, url, transport=transport)
+            else:
+                engines[name] = SGLangEngine(name, url, _stash_dir(self.args))
         self._built_engines = list(engines.values())
         return engines
 
