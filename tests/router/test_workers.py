@@ -172,3 +172,12 @@ async def test_before_the_watcher_notices_a_restart_requests_fail_with_a_version
     sent = [b for b in e1.received if b.get("rid") == "s-1"]
     assert 1 <= len(sent) <= 2 and all(b["lora_path"] == a.lora_name for b in sent)
     assert not [b for dbl in doubles.values() for b in dbl.received if b.get("lora_path") != a.lora_name]
+
+
+def test_a_shared_stash_dir_builds_stash_directory_engines(tmp_path):
+    from lorapub.adapters.sglang_http import SGLangEngine
+    from lorapub.adapters.sglang_router import SGLangRouter, WorkerWatcher
+
+    watcher = WorkerWatcher(SGLangRouter("http://127.0.0.1:9"), stash_dir=str(tmp_path))
+    engine = watcher.engine("http://127.0.0.1:30001")
+    assert type(engine) is SGLangEngine and engine is watcher.engine("http://127.0.0.1:30001")

@@ -417,7 +417,7 @@ class WorkerWatcher:
         self,
         router: SGLangRouter,
         *,
-        stash_dir: str,
+        stash_dir: str | None = None,
         heal: Heal | None = None,
         on_event: Callable[[WorkerEvent], Any] | None = None,
         names: Mapping[str, str] | None = None,
@@ -438,11 +438,7 @@ class WorkerWatcher:
         self.probe_failures = probe_failures
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._factory = engine_factory or (
-            lambda name, url: SGLangEngine(
-                name, url, stash_dir, probe_timeout=probe_timeout, request_timeout=request_timeout
-            )
-        )
+        self._factory = engine_factory or self._default_factory(stash_dir, probe_timeout, request_timeout)
         self.engines: dict[str, SGLangEngine] = {}  # name -> engine, every worker ever seen
         self.workers: dict[str, WorkerStatus] = {}  # url -> status
         self.events: list[WorkerEvent] = []
@@ -450,6 +446,17 @@ class WorkerWatcher:
         self._loop_task: asyncio.Task | None = None
         self._discovered = False
         self.last_error: str | None = None  # the last failure to list the router's workers
+
+    @staticmethod
+    def _default_factory(stash_dir: str | None, probe_timeout: float, request_timeout: float | None):
+        if stash_dir is not None:  # every worker reads one shared directory
+            return lambda name, url: SGLangEngine(
+                name, url, stash_dir, probe_timeout=probe_timeout, request_timeout=request_timeout)
+        from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
+
+        transport = HTTPBytes()  # no shared storage: the bytes go over HTTP into each worker
+        return lambda name, url: SGLangWireEngine(
+            name, url, transport=transport, probe_timeout=probe_timeout, request_timeout=request_timeout)
 
     # -- names and engines ------------------------------------------------------------
     def name_of(self, url: str) -> str:
