@@ -49,7 +49,8 @@ COMMON = ["--model-path", f"{ROOT}/base", "--enable-lora", "--max-loras-per-batc
           "--random-seed", "0", "--host", "127.0.0.1", "--cuda-graph-backend-prefill", "disabled",
           "--cuda-graph-max-bs-decode", "64"]
 SERVERS = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launch_server"]},
-           "patched": {"port": 30001, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"]}}
+           "patched": {"port": 30001, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                       "env": {"LORAPUB_SGLANG_PREPARE_TRACE": os.environ.get("LORAPUB_SGLANG_PREPARE_TRACE", "1")}}}
 
 
 def launch(name, graphs=True):
@@ -61,7 +62,7 @@ def launch(name, graphs=True):
     s["graphs"] = graphs
     s["logf"] = open(f"{OUT}/server_{name}.log", "a")
     s["logf"].write(f"\n==== launch graphs={graphs} at {time.time() - T0:.1f}s: {s['cmd']}\n"); s["logf"].flush()
-    s["proc"] = subprocess.Popen(cmd, env=env_site(), stdout=s["logf"], stderr=subprocess.STDOUT,
+    s["proc"] = subprocess.Popen(cmd, env=dict(env_site(), **s.get("env", {})), stdout=s["logf"], stderr=subprocess.STDOUT,
                                  start_new_session=True)
     s["t_launch"] = time.time()
     s.pop("ready", None)

@@ -240,3 +240,46 @@ def test_schedulers_start_through_the_patched_entry_unless_the_caller_chose_one(
 
     # spawn pickles the entry by reference: it must be importable in the child
     assert pickle.loads(pickle.dumps(prepared_load.run_scheduler_process)) is prepared_load.run_scheduler_process
+
+
+def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monkeypatch):
+    """The packing of ``_to_device`` (pinned chunks -> one device buffer), run on the host: tensors of
+    several dtypes and sizes, some spanning several chunks, come back equal, cast to the pool's dtype."""
+    import contextlib
+
+    import torch
+
+    class Event:
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(prepared_load, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    g = torch.Generator().manual_seed(0)
+    layers = [types.SimpleNamespace(weights={
+        "a": torch.randn(7, 13, generator=g, dtype=torch.float32),  # cast to the pool's bf16
+        "b": torch.randn(300, 5, generator=g).to(torch.bfloat16),  # spans several 1000-byte chunks
+        "c": torch.randn(1, generator=g).to(torch.bfloat16),
+        "t": torch.randn(9, 4, generator=g).to(torch.bfloat16).t(),  # not contiguous
+    }) for _ in range(3)]
+    adapter = types.SimpleNamespace(layers=layers, embedding_layers={"e": torch.arange(10, dtype=torch.int64)})
+    want = [{k: v.clone() for k, v in d.items()} for d in prepared_load._weight_dicts(adapter)]
+    preparer = prepared_load.Preparer.__new__(prepared_load.Preparer)
+    preparer.manager = types.SimpleNamespace(dtype=torch.bfloat16)
+    preparer.device, preparer.stream = "cpu", types.SimpleNamespace(synchronize=lambda: None)
+    preparer.chunks = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
+    total = preparer._to_device(adapter)
+    got = prepared_load._weight_dicts(adapter)
+    assert total >= sum(t.numel() * t.element_size() for d in got for t in d.values())
+    storages = {t.untyped_storage().data_ptr() for d in got for t in d.values()}
+    assert len(storages) == 1  # one buffer holds them all
+    for before, after in zip(want, got):
+        for name, t in before.items():
+            expect = t.to(torch.bfloat16) if t.is_floating_point() else t
+            assert after[name].dtype == expect.dtype and after[name].shape == expect.shape
+            assert torch.equal(after[name], expect), name

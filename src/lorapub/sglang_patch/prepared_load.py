@@ -40,6 +40,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ MARK = "__lorapub_prepared_load__"
 #: waits long for it behind the preparing thread's Python steps (CPython's default is 5 ms).
 SWITCH_INTERVAL = 0.0005
 _ALIGN = 256  # every tensor's view starts on a 256-byte boundary of the shared buffers
+#: Host-to-device copies go through two pinned chunks of this size (double-buffered).
+CHUNK_BYTES = 32 << 20
+TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"  # "1": log every garbage collection of 5 ms or more, with its time
 
 
 def enabled() -> bool:
@@ -71,6 +75,11 @@ class Preparer:
                                                           initializer=_lower_priority)
         self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any]]] = []
         self._interval: float | None = None
+        self.chunks: list[Any] | None = None
+        if self.on_cuda:  # before any batch runs (see _chunks)
+            self._chunks()
+        if os.environ.get(TRACE_ENV) == "1":
+            _trace_gc()
 
     # -- scheduler thread ------------------------------------------------------------------------
     def submit(self, recv_req: Any, stock: Callable[..., Any]) -> bool:
@@ -111,43 +120,104 @@ class Preparer:
         return LoRAConfig(ref.lora_path, base_vocab_size=self.manager.base_hf_config.vocab_size)
 
     def _prepare(self, ref: Any) -> Any:
-        import torch
-
+        t0 = time.perf_counter()
         manager = self.manager
         view = copy.copy(manager)  # SGLang's own reading code, against private dicts
         view.configs = {ref.lora_id: self.read_config(ref)}
         view.loras = {}
         type(manager).load_lora_weights.__wrapped__(view, ref)
         adapter = view.loras[ref.lora_id]
+        t1 = time.perf_counter()
         if not self.on_cuda:  # host-only engines (tests): the read is what moves off the scheduler
             return adapter
-        slots = [(d, name, t) for d in _weight_dicts(adapter) for name, t in d.items()]
-        spans, total = [], 0
-        for _, _, t in slots:
-            size = t.numel() * t.element_size()
-            spans.append((total, size))
-            total += -(-size // _ALIGN) * _ALIGN
+        moved = self._to_device(adapter)
+        t2 = time.perf_counter()
+        logger.info("lorapub: prepared %s off the scheduler thread in %.0f ms (read %.0f ms, to device %.0f ms, "
+                    "%.0f MB) at %.3f", ref.lora_name, 1e3 * (t2 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1),
+                    moved / 1e6, time.time())
+        return adapter
+
+    def _to_device(self, adapter: Any) -> int:
+        """Every tensor of ``adapter`` into one device buffer, through the fixed pinned chunks; returns bytes."""
+        import torch
+
+        pool_dtype = getattr(self.manager, "dtype", None)
+        slots, spans, total = [], [], 0
+        for d in _weight_dicts(adapter):
+            for name, t in d.items():
+                if isinstance(pool_dtype, torch.dtype) and t.is_floating_point() and t.dtype != pool_dtype:
+                    # the pool holds pool_dtype: cast once here, rounding to nearest even as the device cast would
+                    t = t.to(pool_dtype)
+                t = t.contiguous()
+                size = t.numel() * t.element_size()
+                slots.append((d, name, t))
+                spans.append((total, size))
+                total += -(-size // _ALIGN) * _ALIGN
         if total == 0:
-            return adapter
-        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        for (_, _, t), (start, size) in zip(slots, spans):
-            host[start:start + size].view(t.dtype).view(t.shape).copy_(t)
+            return 0
         # Device blocks freed by an earlier unload return to this stream's pool: wait for every
         # kernel queued before this preparation, so none can still read what this copy overwrites.
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(self.stream):
             dev = torch.empty(total, dtype=torch.uint8, device=self.device)
-            dev.copy_(host, non_blocking=True)
+        chunks = self._chunks()
+        pending: list[Any] = [None] * len(chunks)
+        k, i = 0, 0
+        for base in range(0, total, CHUNK_BYTES):
+            end = min(base + CHUNK_BYTES, total)
+            if pending[k] is not None:
+                pending[k].synchronize()  # the chunk's previous copy has left it
+            chunk = chunks[k]
+            while i < len(slots) and spans[i][0] < end:  # every tensor byte range overlapping [base, end)
+                start, size = spans[i]
+                lo, hi = max(start, base), min(start + size, end)
+                if hi > lo:
+                    flat = slots[i][2].reshape(-1).view(torch.uint8)
+                    chunk[lo - base:hi - base].copy_(flat[lo - start:hi - start])
+                if start + size > end:
+                    break  # the rest of this tensor goes into the next chunk
+                i += 1
+            with torch.cuda.stream(self.stream):
+                dev[base:end].copy_(chunk[:end - base], non_blocking=True)
+                pending[k] = torch.cuda.Event()
+                pending[k].record(self.stream)
+            k = (k + 1) % len(chunks)
         self.stream.synchronize()
         for (d, name, t), (start, size) in zip(slots, spans):
             d[name] = dev[start:start + size].view(t.dtype).view(t.shape)
-        return adapter
+        return total
+
+    def _chunks(self) -> list[Any]:
+        """Two pinned chunks, allocated once per scheduler: pinning host memory stalls the whole
+        process's CUDA calls, so it must not happen while batches run."""
+        if self.chunks is None:
+            import torch
+
+            self.chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        return self.chunks
 
 
 def _weight_dicts(adapter: Any) -> list[dict]:
     return [layer.weights for layer in adapter.layers] + [
         d for d in (getattr(adapter, "embedding_layers", None), getattr(adapter, "added_tokens_embeddings", None))
         if d]
+
+
+def _trace_gc() -> None:
+    import gc
+
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            took = time.perf_counter() - started[0]
+            if took >= 0.005:
+                logger.info("lorapub trace: gc generation %s took %.1f ms at %.3f", info.get("generation"),
+                            1e3 * took, time.time())
+
+    gc.callbacks.append(callback)
 
 
 def _lower_priority() -> None:
@@ -174,7 +244,7 @@ def _preparer(scheduler: Any) -> Preparer | None:
         return found
     preparer = None
     try:
-        manager = scheduler.tp_worker.model_runner.lora_manager
+        manager = getattr(scheduler.tp_worker.model_runner, "lora_manager", None)
         args = scheduler.server_args
         single = all(int(getattr(args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
         if enabled() and single and manager is not None and getattr(manager.device, "type", manager.device) == "cuda":
@@ -206,7 +276,7 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None) -> None:
 
     def process_input_requests(self, recv_reqs):
         result = stock_process(self, recv_reqs)
-        preparer = self.__dict__.get("_lorapub_preparer")
+        preparer = _preparer(self)  # made on the first loop iteration, before any batch runs
         if preparer:
             preparer.poll()
         return result
