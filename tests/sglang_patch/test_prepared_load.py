@@ -197,17 +197,32 @@ def test_only_single_gpu_cuda_schedulers_prepare(classes, monkeypatch):
     assert prepared_load._preparer(scheduler_cls(manager)) is None
 
 
-def test_the_switch_interval_is_shortened_only_while_preparing(classes):
-    import sys
+def test_a_peft_folder_is_read_exactly_as_safetensors_reads_it(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
 
-    scheduler, manager, _ = preparing(classes)
-    before = sys.getswitchinterval()
-    manager.gate.clear()
-    scheduler.process_input_requests([Req("a")])
-    assert sys.getswitchinterval() == pytest.approx(min(before, prepared_load.SWITCH_INTERVAL))
-    manager.gate.set()
-    run_until(scheduler, 1)
-    assert sys.getswitchinterval() == pytest.approx(before)
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(8, 16, generator=g).to(torch.bfloat16),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(16, 8, generator=g),
+        "odd": torch.randn(3, generator=g).to(torch.float16),  # leaves the next tensor unaligned
+        "after_odd": torch.randn(5, generator=g, dtype=torch.float64),
+        "ints": torch.arange(7, dtype=torch.int32),
+    }
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text("{}")
+    got = prepared_load.read_peft_folder(str(folder))
+    want = load_file(str(folder / "adapter_model.safetensors"))
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    # any other layout is left to SGLang's own reader
+    (folder / "extra.bin").write_bytes(b"x")
+    assert prepared_load.read_peft_folder(str(folder)) is None
+    assert prepared_load.read_peft_folder(str(tmp_path / "missing")) is None
+    assert prepared_load.read_peft_folder("org/hub-adapter") is None
 
 
 def test_install_is_idempotent(classes):

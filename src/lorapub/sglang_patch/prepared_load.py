@@ -38,7 +38,6 @@ import concurrent.futures
 import copy
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -47,9 +46,6 @@ logger = logging.getLogger(__name__)
 
 ENV = "LORAPUB_SGLANG_PREPARE"
 MARK = "__lorapub_prepared_load__"
-#: While a preparation runs, the GIL is handed over this often (s), so the scheduler thread never
-#: waits long for it behind the preparing thread's Python steps (CPython's default is 5 ms).
-SWITCH_INTERVAL = 0.0005
 _ALIGN = 256  # every tensor's view starts on a 256-byte boundary of the shared buffers
 #: Host-to-device copies go through two pinned chunks of this size (double-buffered).
 CHUNK_BYTES = 32 << 20
@@ -74,7 +70,6 @@ class Preparer:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-prepare",
                                                           initializer=_lower_priority)
         self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any]]] = []
-        self._interval: float | None = None
         self.chunks: list[Any] | None = None
         if self.on_cuda:  # before any batch runs (see _chunks)
             self._chunks()
@@ -88,9 +83,6 @@ class Preparer:
         if lora_id is None or lora_id in self.manager.loras or any(r.lora_id == lora_id for r, _, _ in self.pending):
             return False
         ref = recv_req.to_ref()
-        if not self.pending and self._interval is None:
-            self._interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))
         self.pending.append((recv_req, self.pool.submit(self._prepare, ref), stock))
         return True
 
@@ -109,9 +101,6 @@ class Preparer:
             finally:
                 prepared.pop(recv_req.lora_id, None)
             _send(self.scheduler, output, recv_req)
-        if not self.pending and self._interval is not None:
-            sys.setswitchinterval(self._interval)
-            self._interval = None
 
     # -- preparing thread --------------------------------------------------------------------------
     def read_config(self, ref: Any) -> Any:
@@ -125,7 +114,11 @@ class Preparer:
         view = copy.copy(manager)  # SGLang's own reading code, against private dicts
         view.configs = {ref.lora_id: self.read_config(ref)}
         view.loras = {}
-        type(manager).load_lora_weights.__wrapped__(view, ref)
+        tensors = read_peft_folder(ref.lora_path)
+        if tensors is None:  # not a plain PEFT folder: SGLang's own reader
+            type(manager).load_lora_weights.__wrapped__(view, ref)
+        else:  # the bytes read with the GIL released, then SGLang's own processing of them
+            type(manager).load_lora_weights_from_tensors(view, ref, tensors)
         adapter = view.loras[ref.lora_id]
         t1 = time.perf_counter()
         if not self.on_cuda:  # host-only engines (tests): the read is what moves off the scheduler
@@ -195,6 +188,61 @@ class Preparer:
 
             self.chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         return self.chunks
+
+
+_SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def read_peft_folder(path: Any) -> dict[str, Any] | None:
+    """The tensors of a local PEFT folder holding one ``adapter_model.safetensors`` (and no other
+    weight file), read into one host buffer with a single ``readinto`` (the GIL is released for the
+    whole read; SGLang's reader copies tensor by tensor holding it), as views of that buffer.
+    None for any other layout, which SGLang's own reader then handles."""
+    import json
+
+    import torch
+
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    names = os.listdir(path)
+    if "adapter_model.safetensors" not in names or any(
+            n != "adapter_model.safetensors" and (n.endswith((".safetensors", ".bin", ".pt")) or n.endswith(".index.json"))
+            for n in names):
+        return None
+    with open(os.path.join(path, "adapter_model.safetensors"), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= size - 8:
+            return None
+        header = json.loads(f.read(n))
+        data = torch.empty(size - 8 - n, dtype=torch.uint8)
+        view, got = memoryview(data.numpy()), 0
+        while got < len(view):
+            r = f.readinto(view[got:])
+            if not r:
+                return None
+            got += r
+    tensors = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = getattr(torch, _SAFETENSORS_DTYPES.get(meta.get("dtype"), ""), None)
+        if not isinstance(dtype, torch.dtype):
+            return None
+        start, end = meta["data_offsets"]
+        shape = meta["shape"]
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end - start != count * itemsize or end > len(data):
+            return None
+        raw = data[start:end] if start % itemsize == 0 else data[start:end].clone()
+        tensors[name] = raw.view(dtype).view(shape)
+    return tensors
 
 
 def _weight_dicts(adapter: Any) -> list[dict]:
