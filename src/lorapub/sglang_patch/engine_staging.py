@@ -16,9 +16,9 @@ was cleaned up (a **tombstone**), or for one never begun here is refused and rec
   SHA-256 of every tensor in it (off the event loop, beside the next bucket's transfer); ``end``
   waits for every check. A duplicate stores nothing and starts no second collective. Where the bytes
   land depends on the load form: a ``dir`` load receives each bucket straight into its place in the
-  adapter's safetensors file on the engine's disk (the folder is complete when the last bucket is),
-  a ``tensors`` load into shared memory SGLang's scheduler maps (for ``shm``: the publisher's own
-  pages, no copy). Transports: ``raw`` (HTTP body: the bucket's tensors
+  adapter's safetensors file on the engine's disk (an ``shm`` bucket is mapped, verified, then copied
+  there), so the folder is complete when the last bucket is checked; a ``tensors`` load into shared
+  memory SGLang's scheduler maps (for ``shm``: the publisher's own pages, no copy). Transports: ``raw`` (HTTP body: the bucket's tensors
   back to back in plan order), ``safetensors`` (HTTP body: a safetensors blob of the bucket),
   ``shm`` (same host: a shared-memory file the publisher wrote once for every engine), ``torch``
   (a torch.distributed broadcast from the publisher, gloo or NCCL, in a group begun here).
@@ -610,7 +610,8 @@ class EngineStaging:
     def _store(self, attempt: _Attempt, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
         """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
         event loop); a ``dir`` load's bucket that did not arrive in the adapter's file (a safetensors
-        blob) is copied there once verified. ``end`` waits for every check before anything is loaded."""
+        blob, or the publisher's shared-memory pages mapped here) is copied there once verified.
+        ``end`` waits for every check and copy before anything is loaded."""
         if attempt.token in self._tombstones:  # cleaned up while the bytes arrived: keep nothing
             buf.close()
             raise _refuse(f"attempt {attempt.token} was cleaned up while bucket {index} arrived", "STAGE_TOMBSTONE")
@@ -652,9 +653,7 @@ class EngineStaging:
                 buf = Buffer.shared_file(fd, size)
                 if buf is not None:
                     return buf, raw_spans(bucket)
-            if shared or not size or attempt.peft is not None:
-                # a dir load: into the adapter's file (read once, verified there, loaded from there);
-                # a torch without descriptor-backed storages: the engine's own shared copy
+            if shared or not size:  # a torch without descriptor-backed storages: the engine's own shared copy
                 buf, got = self._landing(attempt, bucket), 0
                 try:
                     while got < size:
@@ -665,7 +664,8 @@ class EngineStaging:
                 except BaseException:
                     buf.close()
                     raise
-            else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file)
+            else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file);
+                # a dir load copies them into the adapter's file once verified, beside the next bucket
                 buf = Buffer(size, False, mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
             return buf, raw_spans(bucket)
         finally:
