@@ -12,6 +12,9 @@ phase (first bucket sent to last bucket stored and verified on both engines), me
 ``--repeat`` publications, next to the raw limit measured in the same run between the same
 processes: the same buckets as plain HTTP POSTs into a discarding route (HTTP bytes), through
 /dev/shm files copied by the engines (same-host IPC), as raw gloo broadcasts (torch.distributed).
+Beside it, the whole publication: ``Deployment.publish()`` called to its return (the version
+committed on READY receipts from both engines: begin, transfer, the engines' verification and load,
+commit), median and minimum of the ``--repeat`` publications, with every phase's time.
 
 Publisher side, during every publication: peak RSS growth over the frozen snapshot (copies of the
 bytes beyond the snapshot itself; the snapshot is copy 1), bytes run through SHA-256 in this
@@ -257,7 +260,8 @@ async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> di
     deadlines = Deadlines(begin=60, bucket=300, end=600, cleanup=120, commit=10, reclaim=300)
     dep = await Deployment(engines, epoch=1, deadlines=deadlines, bucket_cap_bytes=args.bucket_mb << 20,
                            reconcile_interval=None).start()
-    out = {"kind": kind, "mbps": [], "raw": [], "lag": [], "busy": [], "gc": [], "copies": [], "hashed": [], "end": []}
+    out = {"kind": kind, "mbps": [], "raw": [], "lag": [], "busy": [], "gc": [], "copies": [], "hashed": [], "end": [],
+           "e2e": [], "phases": []}
     try:
         async with aiohttp.ClientSession() as http:
             snapshot = None
@@ -268,11 +272,15 @@ async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> di
                     base = _status("VmRSS")
                     reset_peak_rss()
                     with LoopLag() as lag:
-                        report = await dep.publish(snapshot, f"v{rep}")
+                        started = time.perf_counter()
+                        report = await dep.publish(snapshot, f"v{rep}")  # returns once committed
+                        e2e = time.perf_counter() - started
                     peak = _status("VmHWM")
                 await dep.settle()
                 out["mbps"].append(size / report.phases["transfer"] / MB)
                 out["end"].append(report.phases.get("end", 0.0))
+                out["e2e"].append(e2e)
+                out["phases"].append({k: round(v, 3) for k, v in report.phases.items()})
                 out["lag"].append(lag.worst)
                 out["busy"].append(lag.busy)
                 out["gc"].append(lag.gc)
@@ -327,7 +335,7 @@ async def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="layers of Qwen3-8B in the adapter (default 4)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket cap in MiB (lorapub's default: 64)")
-    parser.add_argument("--transports", default="http,shm,gloo")
+    parser.add_argument("--transports", default="http,shm,shm-dir,gloo")
     args = parser.parse_args()
     layers = LAYERS if args.full else args.layers
     state_dict = await asyncio.to_thread(qwen3_8b_lora, layers, 0)
@@ -341,20 +349,24 @@ async def main() -> None:
     med = statistics.median
     print()
     print("| transport | MB/s | raw limit MB/s | MB/s / raw | source copies (peak) | SHA-256 passes (source) "
-          "| worst loop stall: wall / loop busy / gc | end (load) s | stashes left (RECLAIMED, FAILED_CLEAN) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| publish() to committed READY on both engines s: median / min | end (load) s "
+          "| worst loop stall: wall / loop busy / gc | stashes left (RECLAIMED, FAILED_CLEAN) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     names = {"http": "HTTP bytes", "shm": "same-host IPC (/dev/shm, tensor load)",
              "shm-dir": "same-host IPC (/dev/shm, folder load)", "gloo": "torch.distributed (gloo)"}
     for r in results:
         ratio = med(r["mbps"]) / med(r["raw"])
         left = len(r["stashes_left"]) + len(r["shm_left"])
         print(f"| {names[r['kind']]} | {med(r['mbps']):.0f} | {med(r['raw']):.0f} | {ratio:.2f} | "
-              f"{max(r['copies']):.2f} | {max(r['hashed']):.2f} | {1000 * max(r['lag']):.1f} / {1000 * max(r['busy']):.1f} / {1000 * max(r['gc']):.1f} ms | "
-              f"{med(r['end']):.2f} | {left} ({r['reclaimed']} reclaimed, failed clean: {r['failed_clean']}) |")
+              f"{max(r['copies']):.2f} | {max(r['hashed']):.2f} | {med(r['e2e']):.2f} / {min(r['e2e']):.2f} | {med(r['end']):.2f} | "
+              f"{1000 * max(r['lag']):.1f} / {1000 * max(r['busy']):.1f} / {1000 * max(r['gc']):.1f} ms | {left} ({r['reclaimed']} reclaimed, failed clean: {r['failed_clean']}) |")
     print()
     for r in results:
         print(f"{r['kind']}: MB/s runs {[round(x) for x in r['mbps']]}, raw runs {[round(x) for x in r['raw']]}, "
-              f"stalls ms {[round(1000 * x, 1) for x in r['lag']]}, busy ms {[round(1000 * x, 1) for x in r['busy']]}")
+              f"publish s {[round(x, 2) for x in r['e2e']]}, stalls ms {[round(1000 * x, 1) for x in r['lag']]}, "
+              f"busy ms {[round(1000 * x, 1) for x in r['busy']]}")
+        for i, phases in enumerate(r["phases"]):
+            print(f"  {r['kind']} publication {i}: phases s {phases}")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,18 @@ was cleaned up (a **tombstone**), or for one never begun here is refused and rec
   digest describes (the manifest rebuilt from the plan hashes to the digest), that the name is not
   loaded and a LoRA slot is free; fixes the attempt, its transport and its load form.
 * ``receive``: stores bucket ``index`` once into a buffer of exactly the plan's size and verifies the
-  SHA-256 of every tensor in it (off the event loop) before it counts as stored; a duplicate stores
-  nothing and starts no second collective. Transports: ``raw`` (HTTP body: the bucket's tensors
+  SHA-256 of every tensor in it (off the event loop, beside the next bucket's transfer); ``end``
+  waits for every check. A duplicate stores nothing and starts no second collective. Where the bytes
+  land depends on the load form: a ``dir`` load receives each bucket straight into its place in the
+  adapter's safetensors file on the engine's disk (an ``shm`` bucket is mapped, verified, then copied
+  there), so the folder is complete when the last bucket is checked; a ``tensors`` load into shared
+  memory SGLang's scheduler maps (for ``shm``: the publisher's own pages, no copy). Transports: ``raw`` (HTTP body: the bucket's tensors
   back to back in plan order), ``safetensors`` (HTTP body: a safetensors blob of the bucket),
   ``shm`` (same host: a shared-memory file the publisher wrote once for every engine), ``torch``
   (a torch.distributed broadcast from the publisher, gloo or NCCL, in a group begun here).
 * ``end``: every bucket present and verified, the manifest digest checked again, then the fresh,
-  **pinned** load through the engine (``dir``: a PEFT directory on the engine's own disk, loaded
-  with ``load_lora_adapter``; ``tensors``: SGLang's own ``load_lora_adapter_from_tensors``, which
+  **pinned** load through the engine (``dir``: the PEFT directory on the engine's own disk, its
+  config added now, loaded with ``load_lora_adapter``; ``tensors``: SGLang's own ``load_lora_adapter_from_tensors``, which
   hands the tensors to the scheduler over SGLang's IPC, never touching disk). A duplicate ``end``
   answers the same receipt.
 * ``cleanup``: tombstones the attempt first, waits for its in-flight operation, frees the stash
@@ -211,6 +215,28 @@ def raw_spans(bucket: Bucket) -> list[tuple[int, int]]:
     return spans
 
 
+def _verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket, into: tuple[str, int] | None) -> None:
+    """Check the bucket (:func:`verify_spans`); then, with ``into`` (file, offset), copy its verified
+    tensors there, back to back in plan order, through a shared mapping of that file region (a
+    ``write`` into a disk file's page cache costs several times more here). The file is opened, never
+    created: a folder a cleanup removed stays removed."""
+    verify_spans(buf, spans, bucket)
+    if into is None:
+        return
+    path, at = into
+    try:
+        window = Buffer.file_window(path, at, bucket.nbytes)
+    except OSError as e:
+        raise _refuse(f"writing bucket {bucket.index} into the engine's folder failed: {e}", "STAGE_DISK") from None
+    try:
+        offset = 0
+        for start, end in spans:
+            window.view[offset : offset + end - start] = buf[start:end]
+            offset += end - start
+    finally:
+        window.close()
+
+
 def barrier(store: Any, key: str, world: int, timeout: float, abort_key: str = "abort") -> None:
     """Every party of a collective announces itself on the group's store and waits for all
     ``world`` of them (or an abort any party posts, or ``timeout``): a collective is entered only when
@@ -256,24 +282,66 @@ class EngineHooks(Protocol):
 
 
 class Buffer:
-    """A bucket's bytes on the engine: an anonymous mapping (pages are touched only when the bytes
-    arrive), a read-only mapping of a shared-memory bucket file (no copy at all), or a uint8 torch
-    tensor in shared memory when the load form hands tensors to SGLang's scheduler processes."""
+    """A bucket's bytes on the engine: an anonymous mapping, a read-only mapping of a shared-memory
+    bucket file (no copy at all), or a uint8 torch tensor in shared memory when the load form hands
+    tensors to SGLang's scheduler processes (for a shared-memory bucket file: the file's own pages,
+    mapped as a storage torch shares by file descriptor — again no copy).
 
-    def __init__(self, nbytes: int, shared: bool, mapping: mmap.mmap | None = None) -> None:
-        self.nbytes, self.tensor, self._map = nbytes, None, mapping
-        if mapping is not None:
-            self.view = memoryview(mapping)
+    ``populate``: fault the anonymous mapping's pages in at once (one kernel call instead of a fault
+    per page as the bytes arrive); only off the event loop, since the call takes the mapping's time."""
+
+    def __init__(self, nbytes: int, shared: bool, mapping: mmap.mmap | None = None, *, populate: bool = False,
+                 tensor: Any = None, skip: int = 0) -> None:
+        self.nbytes, self.tensor, self._map = nbytes, tensor, mapping
+        self.in_file = False  # the bytes land in the adapter's own file (a dir load's folder)
+        if tensor is not None:
+            self.view = memoryview(tensor.numpy()).cast("B")
+        elif mapping is not None:
+            self.view = memoryview(mapping)[skip : skip + nbytes] if skip else memoryview(mapping)
         elif shared:
             import torch
 
             self.tensor = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
             self.view = memoryview(self.tensor.numpy()).cast("B")
         elif nbytes:
-            self._map = mmap.mmap(-1, nbytes)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._map = mmap.mmap(-1, nbytes, flags=flags)
             self.view = memoryview(self._map)
         else:
             self.view = memoryview(bytearray(0))
+
+    @classmethod
+    def shared_file(cls, fd: int, nbytes: int) -> "Buffer | None":
+        """The open file ``fd`` (a shared-memory file, opened for reading and writing) as a uint8 tensor
+        whose storage torch shares by file descriptor: SGLang's scheduler maps the same pages. None
+        where this torch cannot (the caller copies instead)."""
+        import torch
+
+        make = getattr(torch.UntypedStorage, "_new_shared_fd_cpu", None)  # what torch's own fd sharing rebuilds with
+        if make is None or not nbytes:
+            return None
+        storage = make(fd, nbytes)  # keeps a duplicate of fd: the storage stays shareable after ours closes
+        return cls(nbytes, True, tensor=torch.empty(0, dtype=torch.uint8).set_(storage))
+
+    @classmethod
+    def file_window(cls, path: str, offset: int, nbytes: int) -> "Buffer":
+        """Bytes ``offset`` .. ``offset + nbytes`` of the existing file ``path``, mapped shared and
+        writable: what is received there is in the file (the page cache) at once, with no second copy
+        and no second allocation. Its disk blocks are reserved first (``posix_fallocate``): a full
+        disk is an ``OSError`` here, never a fault while the bytes arrive."""
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))  # never created: a removed folder stays removed
+        try:
+            if not nbytes:
+                return cls(0, False)
+            os.posix_fallocate(fd, offset, nbytes)
+            skip = offset % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(fd, nbytes + skip, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                                offset=offset - skip)
+        finally:
+            os.close(fd)
+        buf = cls(nbytes, False, mapping, skip=skip)
+        buf.in_file = True
+        return buf
 
     def close(self) -> None:
         """Give the memory back now (or, while a loaded tensor still views it, when that goes)."""
@@ -286,6 +354,12 @@ class Buffer:
             pass
 
 
+def close_all(buffers: list[Buffer]) -> None:
+    """Unmap many buckets (hundreds of MB: the kernel frees every page) off the event loop."""
+    if buffers:
+        threading.Thread(target=lambda: [b.close() for b in buffers], name="lorapub-stash-free", daemon=True).start()
+
+
 class _Attempt:
     def __init__(self, token: AttemptToken, lora_name: str, digest: str, plan: BucketPlan, transport: dict,
                  load: str) -> None:
@@ -295,6 +369,7 @@ class _Attempt:
         self.buckets: dict[int, tuple[Buffer, list[tuple[int, int]]]] = {}
         self.receipt: dict[str, Any] | None = None
         self.folder: str | None = None
+        self.peft: tuple[str, dict[int, int]] | None = None  # dir load: the safetensors file, bucket -> offset
         self.group: Any = None  # torch transport: the group's store and, once formed, its process group
         self.inflight: dict[int, asyncio.Future] = {}  # torch buckets whose collective is running
         self.verifying: dict[int, asyncio.Future] = {}  # SHA-256 checks running beside the next bucket
@@ -416,11 +491,39 @@ class EngineStaging:
         held = sum(a.held_bytes for a in self._attempts.values())
         if self.max_stash_bytes is not None and held + total > self.max_stash_bytes:
             raise _refuse(f"staging {total} bytes would exceed {self.max_stash_bytes} ({held} held)", "STAGE_CAPACITY")
+        if load == "dir":
+            header = safetensors_header([e for b in plan.buckets for e in b.entries])  # refuses a dtype it cannot store
         attempt = _Attempt(token, lora_name, digest, plan, transport, load)
         self._attempts[token] = attempt
         if kind == "torch":
             self._start_join(attempt)
+        if load == "dir":
+            try:
+                self._prepare_peft_file(attempt, header)
+            except OSError as e:
+                self._attempts.pop(token, None)
+                self._free(attempt)
+                raise _refuse(f"the engine cannot write {attempt.lora_name}'s folder: {e}", "STAGE_DISK") from None
         return {"incarnation": self.incarnation, "duplicate": False}
+
+    def _prepare_peft_file(self, attempt: _Attempt, header: bytes) -> None:
+        """A ``dir`` load's folder on the engine's disk: the safetensors file with its header, sized for
+        every tensor (a few KB of I/O here: the file is sparse until written). Each bucket is received
+        into its own region of it and verified there, so ``end`` only adds the config."""
+        folder = self._folder(attempt.token)
+        path = os.path.join(folder, "adapter")
+        shutil.rmtree(folder, ignore_errors=True)
+        attempt.folder = folder
+        os.makedirs(path)
+        file = os.path.join(path, "adapter_model.safetensors")
+        with open(file, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(b.nbytes for b in attempt.plan.buckets))
+        offsets, at = {}, len(header)
+        for b in attempt.plan.buckets:  # the file holds the plan's tensors back to back, in plan order
+            offsets[b.index] = at
+            at += b.nbytes
+        attempt.peft = (file, offsets)
 
     # -- receive ----------------------------------------------------------------------------------
     async def receive(self, params: Mapping[str, str], chunks: AsyncIterator[bytes] | None,
@@ -471,18 +574,26 @@ class EngineStaging:
                     duplicate = True
             elif fmt == "shm":
                 control = json.loads(await _read_all(chunks, 1 << 16) or b"{}")
-                buf, spans = await asyncio.to_thread(self._from_shm, bucket, control, shared)
+                buf, spans = await asyncio.to_thread(self._from_shm, attempt, bucket, control)
             elif fmt == "raw":
                 if length is not None and length != bucket.nbytes:
                     raise _bad(f"bucket {index} has {bucket.nbytes} bytes in the plan, the body says {length}")
-                buf = Buffer(bucket.nbytes, shared)
-                await _fill(buf.view, chunks, f"bucket {index}")
+                buf = await asyncio.to_thread(self._landing, attempt, bucket)
+                try:
+                    await _fill(buf.view, chunks, f"bucket {index}")
+                except BaseException:
+                    buf.close()
+                    raise
                 spans = raw_spans(bucket)
             else:  # a safetensors blob: its bytes in a buffer of their own size, entries found by header
                 if length is None or length > bucket.nbytes + (100 << 20):
                     raise _bad("a safetensors bucket needs a Content-Length within its plan's size")
-                buf = Buffer(length, shared)
-                await _fill(buf.view, chunks, f"bucket {index}")
+                buf = await asyncio.to_thread(Buffer, length, shared, populate=True)
+                try:
+                    await _fill(buf.view, chunks, f"bucket {index}")
+                except BaseException:
+                    buf.close()
+                    raise
                 spans = safetensors_layout(buf.view, bucket)
             if fmt != "torch":
                 return self._store(attempt, index, buf, spans)
@@ -498,23 +609,39 @@ class EngineStaging:
 
     def _store(self, attempt: _Attempt, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
         """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
-        event loop); ``end`` waits for every check before anything is loaded."""
+        event loop); a ``dir`` load's bucket that did not arrive in the adapter's file (a safetensors
+        blob, or the publisher's shared-memory pages mapped here) is copied there once verified.
+        ``end`` waits for every check and copy before anything is loaded."""
         if attempt.token in self._tombstones:  # cleaned up while the bytes arrived: keep nothing
             buf.close()
             raise _refuse(f"attempt {attempt.token} was cleaned up while bucket {index} arrived", "STAGE_TOMBSTONE")
         attempt.buckets[index] = (buf, spans)
-        check = asyncio.ensure_future(asyncio.to_thread(verify_spans, buf.view, spans, attempt.plan.buckets[index]))
+        bucket = attempt.plan.buckets[index]
+        into = None if attempt.peft is None or buf.in_file else (attempt.peft[0], attempt.peft[1][index])
+        check = asyncio.ensure_future(asyncio.to_thread(_verify_and_keep, buf.view, spans, bucket, into))
         check.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here; end raises it
         attempt.verifying[index] = check
         return {"incarnation": self.incarnation, "duplicate": False}
 
-    def _from_shm(self, bucket: Bucket, control: Mapping[str, Any], shared: bool) -> tuple[Buffer, list]:
+    def _landing(self, attempt: _Attempt, bucket: Bucket) -> Buffer:
+        """Where a bucket's bytes are received (off the event loop: this maps and reserves memory):
+        for a ``dir`` load its window of the adapter's file (received, verified and loaded in place);
+        for a ``tensors`` load shared tensor memory; else an anonymous mapping, populated at once."""
+        if attempt.peft is not None:
+            try:
+                return Buffer.file_window(attempt.peft[0], attempt.peft[1][bucket.index], bucket.nbytes)
+            except OSError as e:
+                raise _refuse(f"bucket {bucket.index} cannot be placed in the engine's folder: {e}", "STAGE_DISK") from None
+        return Buffer(bucket.nbytes, attempt.load == "tensors", populate=True)
+
+    def _from_shm(self, attempt: _Attempt, bucket: Bucket, control: Mapping[str, Any]) -> tuple[Buffer, list]:
+        shared = attempt.load == "tensors"
         name = control.get("name")
         if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
             raise _bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
         path = os.path.join(self.shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:  # read-write only where torch maps the file for SGLang's scheduler (it maps pages writable)
+            fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
         except OSError as e:
             raise _refuse(f"shared-memory bucket {name} cannot be opened here ({e.strerror}); is the publisher "
                           "on this host?", "STAGE_SHM") from None
@@ -522,14 +649,23 @@ class EngineStaging:
             size = os.fstat(fd).st_size
             if size != bucket.nbytes:
                 raise _bad(f"shared-memory bucket {name} has {size} bytes, the plan says {bucket.nbytes}")
-            if shared or not size:  # tensors for SGLang's scheduler: the engine's own shared copy
-                buf, got = Buffer(bucket.nbytes, shared), 0
-                while got < size:
-                    n = os.readv(fd, [buf.view[got:]])
-                    if n <= 0:
-                        raise _bad(f"shared-memory bucket {name} ended after {got} of {size} bytes")
-                    got += n
-            else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file)
+            if shared and size:  # tensors for SGLang's scheduler: the publisher's pages, shared by descriptor
+                buf = Buffer.shared_file(fd, size)
+                if buf is not None:
+                    return buf, raw_spans(bucket)
+            if shared or not size:  # a torch without descriptor-backed storages: the engine's own shared copy
+                buf, got = self._landing(attempt, bucket), 0
+                try:
+                    while got < size:
+                        n = os.readv(fd, [buf.view[got:]])
+                        if n <= 0:
+                            raise _bad(f"shared-memory bucket {name} ended after {got} of {size} bytes")
+                        got += n
+                except BaseException:
+                    buf.close()
+                    raise
+            else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file);
+                # a dir load copies them into the adapter's file once verified, beside the next bucket
                 buf = Buffer(size, False, mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
             return buf, raw_spans(bucket)
         finally:
@@ -580,7 +716,6 @@ class EngineStaging:
         if group["ranks"] not in (None, (rank, world, src)):
             raise _bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
         device = t.get("device", "cpu")
-        shared = attempt.load == "tensors"
 
         def run() -> tuple[Buffer, list]:
             import torch
@@ -602,7 +737,7 @@ class EngineStaging:
                     opts._timeout = span
                     group["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
                 group["ranks"] = (rank, world, src)
-            buf = Buffer(bucket.nbytes, shared)
+            buf = self._landing(attempt, bucket)
             target = buf.tensor if buf.tensor is not None else torch.frombuffer(buf.view, dtype=torch.uint8)
             if device != "cpu":  # pragma: no cover - NCCL receives on the GPU
                 target = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
@@ -665,10 +800,8 @@ class EngineStaging:
             adapters = self.hooks.adapters()
             if attempt.lora_name in adapters:
                 raise _refuse(f"{attempt.lora_name} is already loaded (not by this attempt)")
-            if attempt.load == "dir":
-                folder = self._folder(token)
-                attempt.folder = folder
-                path = await asyncio.to_thread(self._write_peft_dir, attempt, folder)
+            if attempt.load == "dir":  # the tensors are in the folder already (received and verified there)
+                path = await asyncio.to_thread(self._finish_peft_dir, attempt)
                 error = await self.hooks.load_dir(attempt.lora_name, path)
             else:
                 path = "__tensor__"
@@ -696,15 +829,10 @@ class EngineStaging:
             for (start, end), e in zip(spans, bucket.entries):
                 yield e, buf, buf.view[start:end], start
 
-    def _write_peft_dir(self, attempt: _Attempt, folder: str) -> str:
-        path = os.path.join(folder, "adapter")
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(path)
-        entries = [e for b in attempt.plan.buckets for e in b.entries]
-        with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
-            f.write(safetensors_header(entries))
-            for _, _, view, _ in self._ordered(attempt):
-                f.write(view)
+    @staticmethod
+    def _finish_peft_dir(attempt: _Attempt) -> str:
+        assert attempt.peft is not None
+        path = os.path.dirname(attempt.peft[0])
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             f.write(attempt.plan.serving_config_json)
         return path
@@ -764,8 +892,7 @@ class EngineStaging:
         for check in attempt.verifying.values():
             check.cancel()
         attempt.verifying.clear()
-        for buf, _ in attempt.buckets.values():
-            buf.close()
+        close_all([buf for buf, _ in attempt.buckets.values()])
         attempt.buckets.clear()
 
     def _free(self, attempt: _Attempt) -> None:

@@ -45,6 +45,10 @@ def _gloo_sink(body: dict) -> int:
 
 
 async def main(name: str, stash: str, shm: str | None) -> None:
+    try:  # an SGLang server has torch loaded before its first publication; so does this engine
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     double = SGLangDouble(name, decode_delay=0.001)
     double.stash_root, double.shm_dir = stash, shm
     await double.start()

@@ -29,6 +29,7 @@ import asyncio
 import functools
 import hashlib
 import importlib.util
+import mmap
 import os
 import sys
 import uuid
@@ -116,10 +117,16 @@ def _sglang_decide():
 
 
 def content_signature(path: str) -> str:
+    """SHA-256 of the adapter folder's files: every byte read, as a loader reads them (mapped, not
+    copied into a buffer of their own first)."""
     h = hashlib.sha256()
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         with open(os.path.join(path, name), "rb") as f:
-            h.update(f.read())
+            size = os.fstat(f.fileno()).st_size
+            if not size:
+                continue
+            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+                h.update(m)
     return h.hexdigest()
 
 
@@ -734,9 +741,11 @@ class _DoubleHooks:
             h = hashlib.sha256()
             for name in sorted(tensors):
                 raw = tensors[name].reshape(-1).view(torch.uint8).numpy()
-                if hashlib.sha256(raw).hexdigest() != checksums.get(name):
+                got = hashlib.sha256(raw).hexdigest()
+                if got != checksums.get(name):
                     raise ValueError(f"[LORA-CHECK] adapter sync MISMATCH: {name}")
-                h.update(name.encode() + b"\0" + raw.tobytes())
+                # the content's identity from each tensor's checked digest: one pass over the bytes
+                h.update(name.encode() + b"\0" + got.encode())
             h.update(engine_staging.json_bytes(config))
             return h.hexdigest()
 
