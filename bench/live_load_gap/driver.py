@@ -120,7 +120,7 @@ for k, name in enumerate(order):
     if not s.get("ready"):
         log(f"skip {name}: not ready"); continue
     other = [n for n in order if n != name]
-    dl = DEADLINE - (75 if k == 0 and other and SERVERS[other[0]].get("ready") else 8)
+    dl = DEADLINE - (75 if k == 0 and other and SERVERS[other[0]].get("ready") else 25)  # room for the numerics check
     os.environ["STALL_DEADLINE"] = str(dl)
     log(f"bench {name} (deadline in {dl - time.time():.0f}s)")
     try:
@@ -142,7 +142,64 @@ for k, name in enumerate(order):
         import traceback; traceback.print_exc()
         log(f"bench {name} failed: {e!r}")
     log(f"gpu mem after {name}: {gpu_mem()}")
-    kill(name)
+
+
+def numerics():
+    """Greedy outputs of A, B and B32 on both servers: a prepared load must serve exactly what
+    SGLang's own load serves (same token ids, same log-probs)."""
+    import random
+
+    async def run():
+        import aiohttp
+
+        rng = random.Random(5)
+        prompts = [[rng.randrange(1, 150000) for _ in range(64)] for _ in range(3)]
+        out = {}
+        async with aiohttp.ClientSession() as http:
+            for name, s in SERVERS.items():
+                if not s.get("ready") or s["proc"].poll() is not None:
+                    continue
+                url = f"http://127.0.0.1:{s['port']}"
+                for lora in ("B", "B32"):
+                    async with http.post(url + "/load_lora_adapter", json={
+                            "lora_name": lora, "lora_path": f"{ROOT}/{lora}", "pinned": True}) as r:
+                        assert r.status == 200, await r.text()
+                res = {}
+                for lora in ("A", "B", "B32"):
+                    for i, ids in enumerate(prompts):
+                        body = {"input_ids": ids, "lora_path": lora, "return_logprob": True,
+                                "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}}
+                        async with http.post(url + "/generate", json=body) as r:
+                            j = await r.json()
+                        res[f"{lora}#{i}"] = (j["output_ids"], [x[0] for x in j["meta_info"]["output_token_logprobs"]])
+                out[name] = res
+        return out
+
+    out = run_coro(run())
+    if len(out) < 2:
+        return {"skipped": f"servers answering: {sorted(out)}"}
+    a, b = out["unpatched"], out["patched"]
+    rows = {}
+    for key in a:
+        same_ids = a[key][0] == b[key][0]
+        diff = max(abs(x - y) for x, y in zip(a[key][1], b[key][1]))
+        rows[key] = {"same_token_ids": same_ids, "max_logprob_diff": diff}
+    return rows
+
+
+def run_coro(coro):
+    return asyncio.run(coro)
+
+
+try:
+    check = numerics()
+    results["numerics"] = check
+    log("NUMERICS patched vs unpatched (greedy, 16 tokens):", json.dumps(check))
+    with open(f"{OUT}/numerics.json", "w") as f:
+        json.dump(check, f, indent=1)
+except Exception as e:  # noqa: BLE001
+    import traceback; traceback.print_exc()
+    log(f"numerics failed: {e!r}")
 for name in SERVERS:
     kill(name)
 log("end")
