@@ -121,27 +121,32 @@ def _evict_caches() -> None:
 
 
 def forced(repeats: int) -> dict:
-    pauses = []
+    pauses, cpu = [], []
     for _ in range(repeats):
         _evict_caches()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         gc.collect(2)
         pauses.append(time.perf_counter() - t)
-    return {"min": min(pauses), "median": statistics.median(pauses), "tracked": len(gc.get_objects())}
+        cpu.append(time.thread_time() - c)
+    return {"min": min(pauses), "median": statistics.median(pauses), "fcpu": statistics.median(cpu),
+            "tracked": len(gc.get_objects())}
 
 
 class Pauses:
-    """Every collection CPython starts, timed (gc.callbacks), per generation."""
+    """Every collection CPython starts, timed (gc.callbacks), per generation: wall time, and
+    the CPU time of this thread (the wall time less what other processes took of the CPU)."""
 
     def __init__(self) -> None:
         self.by_gen: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        self._t = 0.0
+        self.cpu: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._t = self._c = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._t = time.perf_counter()
+            self._t, self._c = time.perf_counter(), time.thread_time()
         else:
             self.by_gen[info["generation"]].append(time.perf_counter() - self._t)
+            self.cpu[info["generation"]].append(time.thread_time() - self._c)
 
     def __enter__(self) -> "Pauses":
         gc.callbacks.append(self)
@@ -169,7 +174,7 @@ def run_commands(registry: LocalRegistry, clock: list[float], live: int, decisio
                 registry.apply(R.ExpireLeases())
                 expire.append(time.perf_counter() - t)
         wall = time.perf_counter() - started
-    return {"pauses": pauses.by_gen, "expire": expire, "wall": wall}
+    return {"pauses": pauses.by_gen, "auto_cpu": pauses.cpu, "expire": expire, "wall": wall}
 
 
 def bytes_per(build, n: int) -> float:
@@ -273,25 +278,32 @@ def main() -> None:
 
     print(f"\nbytes (tracemalloc): {per_live:,.0f} per live session, {per_tomb:,.0f} per tombstone; "
           f"previous representation (PMap of attrs records, control): {per_prev:,.0f} per live session")
-    print(f"\n{'scenario':<10}{'tracked objects':>17}{'forced gen-2 ms':>18}"
-          f"{'auto gen-2: n':>15}{'median ms':>11}{'max ms':>9}{'gen-0/1 max ms':>16}{'expire pass ms':>16}")
+    print("\nfull (generation-2) collections, ms: forced = gc.collect(2), min / median (cpu: median of this "
+          "thread's CPU time);\nautomatic = every one CPython started during the command run: count, median, "
+          "max (cpu: max)")
+    print(f"{'scenario':<10}{'tracked':>9}{'forced':>17}{'cpu':>7}{'auto n':>8}{'median':>8}{'max':>8}{'cpu':>7}"
+          f"{'young max':>11}{'expire pass':>13}")
     for name, r in rows.items():
-        line = f"{name:<10}{r['tracked']:>17,}{ms(r['min']) + ' / ' + ms(r['median']):>18}"
+        line = f"{name:<10}{r['tracked']:>9,}{ms(r['min']) + ' / ' + ms(r['median']):>17}{ms(r['fcpu']):>7}"
         if "pauses" in r:
-            g2 = r["pauses"][2]
+            g2, c2 = r["pauses"][2], r["auto_cpu"][2]
             young = r["pauses"][0] + r["pauses"][1]
-            line += (f"{len(g2):>15}{(ms(statistics.median(g2)) if g2 else '-'):>11}{(ms(max(g2)) if g2 else '-'):>9}"
-                     f"{(ms(max(young)) if young else '-'):>16}"
-                     f"{(ms(statistics.median(r['expire'])) if r['expire'] else '-'):>16}")
+            line += (f"{len(g2):>8}{(ms(statistics.median(g2)) if g2 else '-'):>8}{(ms(max(g2)) if g2 else '-'):>8}"
+                     f"{(ms(max(c2)) if c2 else '-'):>7}{(ms(max(young)) if young else '-'):>11}"
+                     f"{(ms(statistics.median(r['expire'])) if r['expire'] else '-'):>13}")
         print(line)
     for name in ("empty", "memory", "sqlite"):
         r = rows[name]
         extra = f", resume {r['resume']:.2f} s" if "resume" in r else ""
         print(f"{name}: {args.decisions:,} decisions in {r['wall']:.1f} s{extra}")
-    top = max(max(rows[s]["median"] for s in ("memory", "sqlite")),
-              max((max(rows[s]["pauses"][2]) for s in ("memory", "sqlite") if rows[s]["pauses"][2]), default=0.0))
+    worst = max(max(rows[s]["median"] for s in ("memory", "sqlite")),
+                max((max(rows[s]["pauses"][2]) for s in ("memory", "sqlite") if rows[s]["pauses"][2]), default=0.0))
+    worst_cpu = max(max(rows[s]["fcpu"] for s in ("memory", "sqlite")),
+                    max((max(rows[s]["auto_cpu"][2]) for s in ("memory", "sqlite") if rows[s]["auto_cpu"][2]),
+                        default=0.0))
     print(f"\nbar at {n:,} live sessions: gen-2 pause <= 20 ms (forced median and every automatic one) -- "
-          f"worst {top * 1e3:.2f} ms: {'pass' if top <= 0.020 else 'FAIL'}")
+          f"worst {worst * 1e3:.2f} ms wall ({'pass' if worst <= 0.020 else 'FAIL'}), "
+          f"{worst_cpu * 1e3:.2f} ms CPU ({'pass' if worst_cpu <= 0.020 else 'FAIL'})")
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 
