@@ -63,3 +63,17 @@ def test_the_quick_benchmark_prints_every_figure(tmp_path):
     assert len(online["load_average"]) == 2
     assert {"2 engines", "64 engines", "10 sessions", "10000 sessions"} <= set(figures["control_plane"])
     assert len(figures["bars"]) == 5
+
+
+MEMORY_BENCH = os.path.join(ROOT, "bench", "memory_bench.py")
+
+
+def test_the_quick_memory_benchmark_prints_every_figure():
+    """bench/memory_bench.py --quick runs and prints each scenario's row (no timing asserted)."""
+    done = subprocess.run([sys.executable, MEMORY_BENCH, "--quick"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = done.stdout
+    assert "per live session" in text and "per tombstone" in text
+    for row in ("empty", "pmap ctl", "memory", "sqlite"):
+        assert any(line.startswith(row) for line in text.splitlines()), row
+    assert "bar at 2,000 live sessions" in text

@@ -94,6 +94,12 @@ def new_nonce(now: float, entropy: str) -> str:
     return f"b{int(now)}-{entropy}"
 
 
+def born_of(nonce: str) -> int | None:
+    """The birth time a :func:`new_nonce` nonce carries; None for a nonce of the caller's own."""
+    m = _BORN_RE.fullmatch(nonce)
+    return int(m.group(1)) if m else None
+
+
 @attrs.frozen(order=True)
 class SessionKey:
     """A session lifecycle: the nonce separates two lifecycles that reuse one session id."""
@@ -111,8 +117,7 @@ class SessionKey:
     def born(self) -> int | None:
         """When the lifecycle began (wall-clock seconds), for nonces made by :func:`new_nonce`;
         None for a nonce of the caller's own (its tombstone is then kept for the epoch)."""
-        m = _BORN_RE.fullmatch(self.nonce)
-        return int(m.group(1)) if m else None
+        return born_of(self.nonce)
 
     def __str__(self) -> str:
         return f"{self.deployment_epoch}/{self.session_id}/{self.nonce}"

@@ -12,6 +12,7 @@ here); each has one transition function below of the same name in snake case.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping
 
 import attrs
@@ -57,6 +58,7 @@ from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, lora_name_for
 from lorapub.core.manifest import BucketPlan
 from lorapub.core.session import Binding, SessionRecord, SessionState
+from lorapub.core.session_table import SessionTable
 from lorapub.core.version import (
     SERVING,
     CommitReceipt,
@@ -95,6 +97,11 @@ def _frozen_map(value) -> PMap:
     return value if isinstance(value, PMap) else pmap(value)
 
 
+def _session_table(value) -> SessionTable:
+    # as _frozen_map: an existing table passes through; a mapping of records becomes one
+    return value if isinstance(value, SessionTable) else SessionTable(value)
+
+
 @attrs.frozen
 class RegistryState:
     epoch: int
@@ -102,7 +109,9 @@ class RegistryState:
     capacity: int = DEFAULT_CAPACITY
     versions: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # VersionKey -> Version
     attempts: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # AttemptToken -> Attempt
-    sessions: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # SessionKey -> SessionRecord
+    # SessionKey -> SessionRecord, held as atoms the garbage collector does not track, with
+    # the lease and tombstone indexes ExpireLeases reads (see lorapub.core.session_table)
+    sessions: SessionTable = attrs.field(factory=SessionTable, converter=_session_table)
     default: VersionKey | None = None
     default_revision: int = 0
     attempt_seq: int = 0
@@ -563,62 +572,89 @@ def close_and_release(state: RegistryState, key: SessionKey, now: float | None =
 
 def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome:
     """Drop CLOSED tombstones the caller knows can get no late message any more."""
-    sessions = state.sessions
-    dropped = 0
+    drop = {}
     for key in keys:
-        record = sessions.get(key)
+        record = state.sessions.get(key)
         if record is not None and record.state is SessionState.CLOSED:
-            sessions = sessions.remove(key)
-            dropped += 1
-    return Outcome(attrs.evolve(state, sessions=sessions), dropped)
+            drop[key] = None
+    return Outcome(attrs.evolve(state, sessions=state.sessions.remove_many(drop)), len(drop))
 
 
 def renew_leases(state: RegistryState, keys: Iterable[SessionKey], now: float | None = None) -> Outcome:
     """Renew the leases of live sessions; the reply names the sessions that are gone
     (expired or unknown here), so their worker refuses them locally too."""
     lease = _lease_until(state, now)
-    sessions = state.sessions
+    renewed = []
     gone = []
     for key in keys:
         _check_epoch(state, key.deployment_epoch, f"session {key}")
-        record = sessions.get(key)
+        record = state.sessions.get(key)
         if record is None or record.state is SessionState.EXPIRED:
             gone.append(key)
             continue
-        renewed = ses.leased(record, lease)
-        if renewed is not record:
-            sessions = sessions.set(key, renewed)
-    return Outcome(attrs.evolve(state, sessions=sessions), tuple(gone))
+        new = ses.leased(record, lease)
+        if new is not record:
+            renewed.append((key, new))
+    return Outcome(attrs.evolve(state, sessions=state.sessions.update(renewed)), tuple(gone))
 
 
 def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
-    """Sessions whose worker stopped renewing: EXPIRED tombstone, ref released once."""
+    """Sessions whose worker stopped renewing: EXPIRED tombstone, ref released once; and the
+    tombstones of sessions born before the window are forgotten.
+
+    The session table indexes leases by deadline and tombstones by birth, so a pass reads
+    only the sessions that are due: O(due · log n), not a scan of every session."""
     if now is None:
         return Outcome(state, 0)
-    versions, sessions = state.versions, state.sessions
+    if not math.isfinite(now):  # the indexes are ordered by finite times: read every record
+        return _expire_by_scan(state, now)
+    sessions = state.sessions
+    forget = [] if state.tombstone_window is None else sessions.tombstones_born_before(now - state.tombstone_window)
+    due = sessions.leases_due(now)
+    if not due and not forget:
+        return Outcome(state, 0)
+    versions = state.versions
     released: set[VersionKey] = set()
-    expired = forgotten = 0
+    expired = []
+    for key in due:
+        record, release = ses.expired(sessions[key])
+        expired.append((key, record))
+        if release is not None:
+            versions = versions.set(release, drop_session_ref(versions[release]))
+            released.add(release)
+    # the tombstones first: a session that expires in this pass is not forgotten in it
+    sessions = sessions.remove_many(forget).update(expired)
+    state = attrs.evolve(
+        state, versions=versions, sessions=sessions, expired_sessions=state.expired_sessions + len(expired),
+        forgotten_sessions=state.forgotten_sessions + len(forget),
+    )
+    return Outcome(state, len(expired), [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
+
+
+def _expire_by_scan(state: RegistryState, now: float) -> Outcome:
+    """``expire_leases`` reading every record (a clock reading that is not a finite number)."""
+    versions = state.versions
+    released: set[VersionKey] = set()
+    forget, expired = [], []
     for key, record in state.sessions.items():
         if record.state in ses.TOMBSTONES:
             if _beyond_window(state, key, now):
-                sessions = sessions.remove(key)
-                forgotten += 1
+                forget.append(key)
             continue
         if record.lease_until is None or record.lease_until >= now or record.state not in ses.LEASED:
             continue
         record, release = ses.expired(record)
-        sessions = sessions.set(key, record)
-        expired += 1
+        expired.append((key, record))
         if release is not None:
             versions = versions.set(release, drop_session_ref(versions[release]))
             released.add(release)
-    if not expired and not forgotten:
+    if not expired and not forget:
         return Outcome(state, 0)
     state = attrs.evolve(
-        state, versions=versions, sessions=sessions, expired_sessions=state.expired_sessions + expired,
-        forgotten_sessions=state.forgotten_sessions + forgotten,
+        state, versions=versions, sessions=state.sessions.remove_many(forget).update(expired),
+        expired_sessions=state.expired_sessions + len(expired), forgotten_sessions=state.forgotten_sessions + len(forget),
     )
-    return Outcome(state, expired, [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
+    return Outcome(state, len(expired), [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
 
 
 def authorize_dispatch(state: RegistryState, key: SessionKey) -> Binding:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import inspect
 import time
+
+import attrs
 from typing import Any, Callable, Mapping
 
 from lorapub.core import registry as R
 from lorapub.core.commands import Command, stamped
 from lorapub.core.registry import RegistryState, Result
+from lorapub.core.session_table import SessionTable
 from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreError
 from lorapub.ports import RegistryStore
 
@@ -75,6 +78,10 @@ class LocalRegistry:
                 f"registry store {where} holds deployment epoch {loaded.epoch}; this registry serves epoch "
                 f"{epoch}: refusing to resume it (use a new store for a new epoch)"
             )
+        elif not isinstance(loaded.sessions, SessionTable):
+            # a state an earlier release stored (its sessions a PMap of records): every field
+            # through its converter again gives today's representation of the same state
+            self._state = attrs.evolve(loaded)
         else:
             self._state = loaded
         self.transitions = 0

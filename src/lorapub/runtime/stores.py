@@ -35,6 +35,7 @@ from pyrsistent import PMap, pmap
 from lorapub.core import registry as R
 from lorapub.core.commands import Command
 from lorapub.core.registry import RegistryState
+from lorapub.core.session_table import SessionTable
 from lorapub.errors import LorapubError, StoreCorrupted, StoreError
 
 __all__ = ["FileStore", "SQLiteStore"]
@@ -167,13 +168,15 @@ _PARTS_PER_COLLECT = 8  # snapshot parts (each up to a few tens of kB) deleted p
 
 
 def _snapshot_parts(state: RegistryState, entries: int) -> Iterator[Any]:
-    """The state in slices: its maps emptied first, then ``entries`` map items per slice.
+    """The state in slices: its maps emptied first, then ``entries`` map items per slice
+    (the session table's items as its atoms: tuples of str/int/float, no objects to rebuild).
 
     The state is immutable, so iterating it across many later decisions is safe."""
-    maps = [f.name for f in attrs.fields(type(state)) if isinstance(getattr(state, f.name), PMap)]
+    maps = [f.name for f in attrs.fields(type(state)) if isinstance(getattr(state, f.name), (PMap, SessionTable))]
     yield attrs.evolve(state, **{name: pmap() for name in maps})
     for name in maps:
-        items = iter(getattr(state, name).items())
+        value = getattr(state, name)
+        items = iter(value.atoms() if isinstance(value, SessionTable) else value.items())
         while chunk := list(itertools.islice(items, entries)):
             yield (name, chunk)
 
@@ -366,7 +369,12 @@ class SQLiteStore:
         for part, record, checksum in rows[1:]:
             name, items = self._decode(f"snapshot {snap} part {part}", record, checksum, _key("part", snap, part))
             maps.setdefault(name, {}).update(items)
-        state = attrs.evolve(state, **{name: pmap(items) for name, items in maps.items()})
+        # every field through its converter again: a snapshot an earlier release wrote holds its
+        # sessions as a PMap of records, which becomes a session table here
+        state = attrs.evolve(state, **{
+            name: SessionTable.from_atoms(items.items()) if isinstance(getattr(state, name), SessionTable)
+            else pmap(items) for name, items in maps.items()
+        })
         epoch = db.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
         if epoch is None or int(epoch[0]) != state.epoch:
             raise StoreCorrupted(

@@ -1,0 +1,487 @@
+"""The registry's session records, kept where the garbage collector does not look.
+
+Why this is not a ``PMap`` of attrs records. CPython's cyclic collector walks every object
+it *tracks*, and a full (generation-2) collection walks all of them. An attrs slotted
+instance is always tracked, and so is every pyrsistent map node; a session held as a
+``SessionKey -> SessionRecord`` ``PMap`` costs four tracked objects (the key, the record,
+their pair, its bucket), scattered over the heap as sessions come and go, so a full
+collection at 100,000 live sessions walks about 400,000 of them at a cache miss or more
+each: hundreds of milliseconds (``bench/memory_bench.py``). The collector *untracks* an
+exact tuple as soon as it sees that everything in it is an atom (str, int, float, bool,
+None) or an untracked tuple, and then never visits it again nor reads through it.
+
+So a :class:`SessionTable` holds every session as plain tuples of atoms:
+
+* key: ``(deployment_epoch, session_id, nonce)``;
+* record: ``(state value, (epoch, version_id) or None, holds_ref, lease_until)``;
+* the map is a persistent hash array mapped trie (HAMT) whose nodes are tuples
+  ``(bitmap, k0, v0, k1, v1, ...)`` (a slot with key ``None`` holds a child node;
+  ``(-1, hash, k0, v0, ...)`` is a node of keys with one full hash): an update copies
+  the O(log32 n) nodes on one path and shares the rest, as pyrsistent does;
+* two sorted indexes, persistent too (a tuple of sorted chunks of entries): leases by
+  deadline ``(lease_until, key)`` for sessions a lease keeps alive, and tombstones by
+  birth ``(born, key)``, so an ``ExpireLeases`` pass reads only what is due:
+  O(due · log n + chunks) instead of a scan of every session.
+
+Every node, record, key and index entry is untracked once the collector has seen it (the
+first young collection after it was made); the table itself is one tracked object. A
+full collection then costs the same whatever the number of sessions.
+
+Reads hand out the same values as before — ``SessionKey`` and ``SessionRecord`` — made on
+the way out; the table is a read-only ``Mapping`` whose updates (:meth:`set`,
+:meth:`remove`, :meth:`update`) return a new table, like ``PMap``'s. Pickled, it is the
+list of its items (the trie's shape depends on this process's string hashes); it is
+rebuilt on load.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from lorapub.core.identity import SessionKey, VersionKey, born_of
+from lorapub.core.session import LEASED, TOMBSTONES, SessionRecord, SessionState
+
+__all__ = ["SessionTable"]
+
+_EMPTY_NODE = (0,)
+_MISSING = object()
+_HASH_MASK = (1 << 64) - 1
+_CHUNK = 256  # index entries per chunk (a chunk is split above twice this)
+
+_STATE_OF = {s.value: s for s in SessionState}
+_LEASED = frozenset(s.value for s in LEASED)
+_TOMBSTONES = frozenset(s.value for s in TOMBSTONES)
+
+
+# -- values <-> atoms ---------------------------------------------------------------------
+def _key_atoms(key: SessionKey) -> tuple:
+    return (key.deployment_epoch, key.session_id, key.nonce)
+
+
+# A version is held by many sessions: its atoms are made once and shared (and its key made
+# once on the way out). Both maps are caches of immutable values: a few entries an epoch.
+_VERSION_ATOMS: dict[VersionKey, tuple] = {}
+_VERSIONS: dict[tuple, VersionKey] = {}
+
+
+def _version_atoms(key: VersionKey | None) -> tuple | None:
+    if key is None:
+        return None
+    atoms = _VERSION_ATOMS.get(key)
+    if atoms is None:
+        if len(_VERSION_ATOMS) > 1024:
+            _VERSION_ATOMS.clear()
+        atoms = _VERSION_ATOMS[key] = (key.deployment_epoch, key.version_id)
+    return atoms
+
+
+def _version(atoms: tuple | None) -> VersionKey | None:
+    if atoms is None:
+        return None
+    key = _VERSIONS.get(atoms)
+    if key is None:
+        if len(_VERSIONS) > 1024:
+            _VERSIONS.clear()
+        key = _VERSIONS[atoms] = VersionKey(*atoms)
+    return key
+
+
+def _record_atoms(record: SessionRecord) -> tuple:
+    return (record.state.value, _version_atoms(record.version), record.holds_ref, record.lease_until)
+
+
+def _record(key: SessionKey, r: tuple) -> SessionRecord:
+    return SessionRecord(key, _STATE_OF[r[0]], _version(r[1]), r[2], r[3])
+
+
+def _lease_entry(k: tuple, r: tuple) -> tuple | None:
+    """The lease index entry of a record: a lease keeps its ref alive until ``lease_until``."""
+    lease = r[3]
+    if lease is None or r[0] not in _LEASED:
+        return None
+    # a NaN deadline is never ">= now": due at every pass, as -inf is
+    return (-math.inf if lease != lease else lease, k)
+
+
+def _tomb_entry(k: tuple, r: tuple) -> tuple | None:
+    if r[0] not in _TOMBSTONES:
+        return None
+    born = born_of(k[2])
+    return None if born is None else (born, k)
+
+
+# -- the trie ---------------------------------------------------------------------------------
+def _hash(k: tuple) -> int:
+    return hash(k) & _HASH_MASK
+
+
+def _lookup(node: tuple, h: int, key: tuple) -> Any:
+    shift = 0
+    while True:
+        bitmap = node[0]
+        if bitmap < 0:  # one full hash
+            for i in range(2, len(node), 2):
+                if node[i] == key:
+                    return node[i + 1]
+            return _MISSING
+        bit = 1 << ((h >> shift) & 31)
+        if not bitmap & bit:
+            return _MISSING
+        i = 2 * (bitmap & (bit - 1)).bit_count() + 1
+        k = node[i]
+        if k is None:
+            node, shift = node[i + 1], shift + 5
+        elif k == key:
+            return node[i + 1]
+        else:
+            return _MISSING
+
+
+def _pair(shift: int, h1: int, k1: tuple, v1: Any, h2: int, k2: tuple, v2: Any) -> tuple:
+    if h1 == h2:
+        return (-1, h1, k1, v1, k2, v2)
+    b1, b2 = (h1 >> shift) & 31, (h2 >> shift) & 31
+    if b1 == b2:
+        return (1 << b1, None, _pair(shift + 5, h1, k1, v1, h2, k2, v2))
+    if b1 < b2:
+        return ((1 << b1) | (1 << b2), k1, v1, k2, v2)
+    return ((1 << b1) | (1 << b2), k2, v2, k1, v1)
+
+
+def _assoc(node: tuple, shift: int, h: int, key: tuple, value: Any) -> tuple[tuple, bool]:
+    """``node`` with ``key -> value``; and whether the key is new."""
+    bitmap = node[0]
+    if bitmap < 0:
+        if h == node[1]:
+            for i in range(2, len(node), 2):
+                if node[i] == key:
+                    return node[:i + 1] + (value,) + node[i + 2:], False
+            return node + (key, value), True
+        # another hash reaches this node: it becomes a child of a bitmap node
+        return _assoc((1 << ((node[1] >> shift) & 31), None, node), shift, h, key, value)
+    bit = 1 << ((h >> shift) & 31)
+    i = 2 * (bitmap & (bit - 1)).bit_count() + 1
+    if not bitmap & bit:
+        return (bitmap | bit,) + node[1:i] + (key, value) + node[i:], True
+    k = node[i]
+    if k is None:
+        child, added = _assoc(node[i + 1], shift + 5, h, key, value)
+        return node[:i + 1] + (child,) + node[i + 2:], added
+    if k == key:
+        return node[:i + 1] + (value,) + node[i + 2:], False
+    child = _pair(shift + 5, _hash(k), k, node[i + 1], h, key, value)
+    return node[:i] + (None, child) + node[i + 2:], True
+
+
+def _without(node: tuple, shift: int, h: int, key: tuple) -> tuple | None:
+    """``node`` without ``key`` (``None`` when nothing is left); the caller checked it is there."""
+    bitmap = node[0]
+    if bitmap < 0:
+        for i in range(2, len(node), 2):
+            if node[i] == key:
+                rest = node[:i] + node[i + 2:]
+                return rest if len(rest) > 2 else None
+        raise KeyError(key)
+    bit = 1 << ((h >> shift) & 31)
+    i = 2 * (bitmap & (bit - 1)).bit_count() + 1
+    if node[i] is None:
+        child = _without(node[i + 1], shift + 5, h, key)
+        if child is None:
+            replacement: tuple = ()
+        elif len(child) == 4 and child[0] == -1:  # a one-key hash node: pulled up as a plain slot
+            replacement = (child[2], child[3])
+        elif len(child) == 3 and child[0] >= 0 and child[1] is not None:  # one plain slot: pulled up
+            replacement = (child[1], child[2])
+        else:
+            return node[:i + 1] + (child,) + node[i + 2:]
+    else:
+        replacement = ()
+    if not replacement:
+        bitmap &= ~bit
+        if not bitmap:
+            return None
+        return (bitmap,) + node[1:i] + node[i + 2:]
+    return node[:i] + replacement + node[i + 2:]
+
+
+def _items(root: tuple) -> Iterator[tuple]:
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        start = 2 if node[0] < 0 else 1
+        for i in range(start, len(node), 2):
+            k = node[i]
+            if k is None:
+                stack.append(node[i + 1])
+            else:
+                yield k, node[i + 1]
+
+
+def _build(entries: list[tuple], shift: int) -> tuple:
+    """A node of ``entries`` ``(hash, key, value)`` (distinct keys, at least one)."""
+    groups: dict[int, list[tuple]] = {}
+    for e in entries:
+        groups.setdefault((e[0] >> shift) & 31, []).append(e)
+    bitmap, slots = 0, []
+    for b in sorted(groups):
+        group = groups[b]
+        bitmap |= 1 << b
+        if len(group) == 1:
+            slots += (group[0][1], group[0][2])
+        elif all(e[0] == group[0][0] for e in group):
+            node = [-1, group[0][0]]
+            for e in group:
+                node += (e[1], e[2])
+            slots += (None, tuple(node))
+        else:
+            slots += (None, _build(group, shift + 5))
+    return (bitmap, *slots)
+
+
+# -- the sorted indexes: (chunks, maxes), chunks a tuple of sorted tuples -----------------------
+_NO_INDEX: tuple = ((), ())
+
+
+def _index_of(entries: list[tuple]) -> tuple:
+    entries.sort()
+    chunks = tuple(tuple(entries[i:i + _CHUNK]) for i in range(0, len(entries), _CHUNK))
+    return chunks, tuple(c[-1] for c in chunks)
+
+
+def _index_add(index: tuple, entries: list[tuple]) -> tuple:
+    if not entries:
+        return index
+    chunks, maxes = index
+    if not chunks:
+        return _index_of(entries)
+    last = len(chunks) - 1
+    groups: dict[int, list[tuple]] = {}
+    for e in entries:
+        groups.setdefault(min(bisect_left(maxes, e), last), []).append(e)
+    chunks_, maxes_ = list(chunks), list(maxes)
+    for j in sorted(groups, reverse=True):
+        group = groups[j]
+        if len(group) < 8:  # a few entries: binary insertion
+            merged = list(chunks[j])
+            for e in group:
+                insort(merged, e)
+        else:  # many (a batch of renewals): one merge of two sorted runs
+            merged = sorted(chunks[j] + tuple(group))
+        if len(merged) <= 2 * _CHUNK:
+            pieces = [tuple(merged)]
+        else:
+            pieces = [tuple(merged[i:i + _CHUNK]) for i in range(0, len(merged), _CHUNK)]
+        chunks_[j:j + 1] = pieces
+        maxes_[j:j + 1] = [p[-1] for p in pieces]
+    return tuple(chunks_), tuple(maxes_)
+
+
+def _index_drop(index: tuple, entries: list[tuple]) -> tuple:
+    """``index`` without ``entries`` (each is in it)."""
+    if not entries:
+        return index
+    chunks, maxes = index
+    groups: dict[int, list[tuple]] = {}
+    for e in entries:
+        groups.setdefault(bisect_left(maxes, e), []).append(e)
+    chunks_, maxes_ = list(chunks), list(maxes)
+    for j in sorted(groups, reverse=True):
+        chunk = list(chunks[j])
+        for e in sorted(groups[j], reverse=True):
+            i = bisect_left(chunk, e)
+            if i == len(chunk) or chunk[i] != e:
+                raise AssertionError(f"session index out of step: {e!r} is not in it")
+            del chunk[i]
+        if chunk:
+            if len(chunk) < _CHUNK // 4 and j + 1 < len(chunks_) and len(chunks_[j + 1]) < _CHUNK:
+                # a small chunk joins its next one: chunks stay few as entries leave
+                chunk += chunks_[j + 1]
+                chunks_[j:j + 2] = [tuple(chunk)]
+                maxes_[j:j + 2] = [chunk[-1]]
+            else:
+                chunks_[j] = tuple(chunk)
+                maxes_[j] = chunk[-1]
+        else:
+            del chunks_[j], maxes_[j]
+    return tuple(chunks_), tuple(maxes_)
+
+
+def _index_below(index: tuple, bound: float) -> list[tuple]:
+    """Entries whose first item is < ``bound``, in order."""
+    chunks, maxes = index
+    probe = (bound,)  # sorts before every (bound, key): strictly below
+    j = bisect_left(maxes, probe)
+    due = [e for chunk in chunks[:j] for e in chunk]
+    if j < len(chunks):
+        chunk = chunks[j]
+        due += chunk[:bisect_left(chunk, probe)]
+    return due
+
+
+def _index_entries(index: tuple) -> list[tuple]:
+    return [e for chunk in index[0] for e in chunk]
+
+
+# -- the table ------------------------------------------------------------------------------------
+class SessionTable(Mapping):
+    """``SessionKey -> SessionRecord``, persistent, with a lease index and a tombstone index."""
+
+    __slots__ = ("_root", "_size", "_leases", "_tombs")
+
+    def __init__(self, records: Mapping[SessionKey, SessionRecord] | None = None) -> None:
+        raw = [] if records is None else [(_key_atoms(k), _record_atoms(r)) for k, r in records.items()]
+        self._fill(raw)
+
+    def _fill(self, raw: list[tuple]) -> None:
+        self._root = _build([(_hash(k), k, r) for k, r in raw], 0) if raw else _EMPTY_NODE
+        self._size = len(raw)
+        self._leases = _index_of([e for e in (_lease_entry(k, r) for k, r in raw) if e is not None])
+        self._tombs = _index_of([e for e in (_tomb_entry(k, r) for k, r in raw) if e is not None])
+        if len(self._leases[0]) == 0:
+            self._leases = _NO_INDEX
+        if len(self._tombs[0]) == 0:
+            self._tombs = _NO_INDEX
+
+    @classmethod
+    def from_atoms(cls, raw: Iterable[tuple]) -> "SessionTable":
+        """A table of ``(key atoms, record atoms)`` pairs, as :meth:`atoms` gives them."""
+        table = cls.__new__(cls)
+        table._fill(list(raw))
+        return table
+
+    def atoms(self) -> Iterator[tuple]:
+        """Every ``(key atoms, record atoms)`` pair (what a snapshot stores)."""
+        return _items(self._root)
+
+    def __reduce__(self):
+        return (SessionTable.from_atoms, (list(self.atoms()),))
+
+    # -- reads -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, key: SessionKey) -> SessionRecord:
+        found = self.get(key, _MISSING)
+        if found is _MISSING:
+            raise KeyError(key)
+        return found
+
+    def get(self, key: SessionKey, default: Any = None) -> Any:
+        if not isinstance(key, SessionKey):
+            return default
+        k = _key_atoms(key)
+        r = _lookup(self._root, _hash(k), k)
+        return default if r is _MISSING else _record(key, r)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, SessionKey):
+            return False
+        k = _key_atoms(key)
+        return _lookup(self._root, _hash(k), k) is not _MISSING
+
+    def __iter__(self) -> Iterator[SessionKey]:
+        for k, _ in _items(self._root):
+            yield SessionKey(*k)
+
+    def items(self):  # type: ignore[override]
+        return [(key, _record(key, r)) for key, r in ((SessionKey(*k), r) for k, r in _items(self._root))]
+
+    def values(self):  # type: ignore[override]
+        return [v for _, v in self.items()]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if isinstance(other, SessionTable):
+            return self._size == other._size and dict(self.atoms()) == dict(other.atoms())
+        if isinstance(other, Mapping):
+            return len(self) == len(other) and dict(self.items()) == dict(other.items())
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.atoms()))
+
+    def __repr__(self) -> str:
+        return f"SessionTable({len(self)} sessions)"
+
+    # -- the indexes -------------------------------------------------------------------------
+    def leases_due(self, now: float) -> list[SessionKey]:
+        """Sessions a lease keeps alive whose ``lease_until < now``, soonest first."""
+        return [SessionKey(*k) for _, k in _index_below(self._leases, now)]
+
+    def tombstones_born_before(self, cutoff: float) -> list[SessionKey]:
+        """Tombstones of sessions whose nonce says they were born before ``cutoff``."""
+        return [SessionKey(*k) for _, k in _index_below(self._tombs, cutoff)]
+
+    def index_entries(self) -> tuple[list[tuple], list[tuple]]:
+        """The lease and tombstone indexes, as sorted lists (for tests)."""
+        return _index_entries(self._leases), _index_entries(self._tombs)
+
+    # -- updates: a new table --------------------------------------------------------------
+    def set(self, key: SessionKey, record: SessionRecord) -> "SessionTable":
+        return self.update(((key, record),))
+
+    def update(self, pairs: Iterable[tuple[SessionKey, SessionRecord]]) -> "SessionTable":
+        """A new table with every ``key -> record`` of ``pairs`` set (the last one of a key wins)."""
+        return self._change([(_key_atoms(k), _record_atoms(r)) for k, r in pairs], ())
+
+    def remove(self, key: SessionKey) -> "SessionTable":
+        if key not in self:
+            raise KeyError(key)
+        return self._change((), (_key_atoms(key),))
+
+    def remove_many(self, keys: Iterable[SessionKey]) -> "SessionTable":
+        """A new table without ``keys`` (keys it does not hold are skipped)."""
+        return self._change((), [_key_atoms(k) for k in keys])
+
+    def _change(self, sets, removes) -> "SessionTable":
+        root, size = self._root, self._size
+        lease_drop: list = []
+        lease_add: dict = {}
+        tomb_drop: list = []
+        tomb_add: dict = {}
+        for k, r in sets:
+            h = _hash(k)
+            old = _lookup(root, h, k)
+            if old is not _MISSING:
+                if old == r:
+                    continue
+                _step(lease_drop, lease_add, _lease_entry(k, old), _lease_entry(k, r))
+                _step(tomb_drop, tomb_add, _tomb_entry(k, old), _tomb_entry(k, r))
+            else:
+                _step(lease_drop, lease_add, None, _lease_entry(k, r))
+                _step(tomb_drop, tomb_add, None, _tomb_entry(k, r))
+            root, added = _assoc(root, 0, h, k, r)
+            size += added
+        for k in removes:
+            h = _hash(k)
+            old = _lookup(root, h, k)
+            if old is _MISSING:
+                continue
+            _step(lease_drop, lease_add, _lease_entry(k, old), None)
+            _step(tomb_drop, tomb_add, _tomb_entry(k, old), None)
+            root = _without(root, 0, h, k) or _EMPTY_NODE
+            size -= 1
+        if root is self._root:
+            return self
+        table = SessionTable.__new__(SessionTable)
+        table._root, table._size = root, size
+        table._leases = _index_add(_index_drop(self._leases, lease_drop), list(lease_add))
+        table._tombs = _index_add(_index_drop(self._tombs, tomb_drop), list(tomb_add))
+        return table
+
+
+def _step(drop: list, add: dict, old: tuple | None, new: tuple | None) -> None:
+    """Record an index entry changing from ``old`` to ``new`` (either may be None)."""
+    if old == new:
+        return
+    if old is not None:
+        if old in add:  # set twice in one update: its first entry never reached the index
+            del add[old]
+        else:
+            drop.append(old)
+    if new is not None:
+        add[new] = None
