@@ -3,6 +3,7 @@
 
     python3 bench/run.py            # 3 interleaved rounds; engines in processes of their own, CPU only
     python3 bench/run.py --quick    # a smoke run (small, one round): its figures are not the documented ones
+    python3 bench/run.py --plot docs/benchmarks-timeline.png   # also the timeline plot (needs the bench extra)
     python3 bench/run.py --engine-url U0 --engine-url U1 --stash-dir /shared   # real patched SGLang servers
 
 Part 1 runs one seeded agentic workload against two engines in three strategies — a control
@@ -10,6 +11,8 @@ that publishes nothing, the baseline (lorapub's switch off: pause, flush, overwr
 adapter name) and lorapub (immutable versions published beside the live ones) — repeated in
 interleaved rounds, and prints every figure as median [min–max] over the rounds, relative to
 the control; the method is printed with the figures. Part 2 measures the registry's decisions alone.
+With ``--plot PATH`` it also draws one round's completions per engine over time, a panel per
+strategy, with the publications marked (matplotlib: ``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
+import itertools
 import json
 import math
 import os
@@ -24,6 +29,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +53,7 @@ ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
 FULL = dict(rounds=3, sessions=150, publications=3, cadence=0.25, load_delay=0.25)
 QUICK = dict(rounds=1, sessions=16, publications=1, cadence=0.1, load_delay=0.05)
+PLOT_BIN = 0.05  # seconds: the timeline counts completions per bin of this width
 
 
 # -- part 1: online publication ----------------------------------------------------------
@@ -129,7 +136,7 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(), bucket_cap_bytes=64 << 10,
                            stash_dir=stash)
         bootstrap = await dep.publish(lora_snapshot(1000), "v0")  # before any session exists
-        windows, publications, deferred, sessions = [], [], 0, []
+        windows, pauses, publications, deferred, sessions = [], [], [], 0, []
         loaded = [] if isinstance(bootstrap, float) else [bootstrap.lora_name]
         # the trainer builds snapshots in its own process; here they are ready before the run
         snapshots = {i: lora_snapshot(1000 + i) for i in range(1, n_publications + 1)}
@@ -146,7 +153,9 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
                     continue
                 t1 = time.monotonic()
                 windows.append((t0, t1))
-                if not isinstance(report, float):
+                if isinstance(report, float):  # the old path returns how long generation stood paused, up to t1
+                    pauses.append((t1 - report, t1))
+                else:
                     loaded.append(report.lora_name)
                 publications.append((t1 - t0, {} if isinstance(report, float) else dict(report.phases)))
 
@@ -197,7 +206,90 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         if publications and publications[0][1] else {},
         "published": len(publications),
         "deferred": deferred,
+        "timeline": timeline(result, windows, pauses),
     }
+
+
+def timeline(result: WorkloadResult, windows: list, pauses: list) -> dict:
+    """A run's completions and publications in seconds since its workload started: each
+    engine's completion instants (sorted), each publication's [start, end] as the publisher
+    saw it and, for the old path, each pause of generation [start, end]."""
+    t0 = result.started
+    completions: dict[str, list[float]] = {}
+    for r in result.ok:
+        completions.setdefault(r.engine or "?", []).append(r.ended - t0)
+    return {
+        "completions": {e: sorted(ts) for e, ts in sorted(completions.items())},
+        "publications": [[a - t0, b - t0] for a, b in windows],
+        "pauses": [[a - t0, b - t0] for a, b in pauses],
+    }
+
+
+def representative_round(rounds: list[dict]) -> int:
+    """The index of the median round by the share of the baseline's excess stall that lorapub
+    removes (the lower middle one for an even count; rounds without the figure sort last)."""
+    order = sorted(range(len(rounds)), key=lambda i: (math.isnan(rounds[i]["derived"]["removed"]),
+                                                       rounds[i]["derived"]["removed"]))
+    return order[(len(order) - 1) // 2]
+
+
+def binned(run_timelines: dict[str, dict], bin_s: float = PLOT_BIN) -> dict:
+    """Completions per engine per ``bin_s`` bin for each strategy's timeline, over one horizon
+    (the last completion of any of them), so the panels share their bins."""
+    last = max((ts[-1] for tl in run_timelines.values() for ts in tl["completions"].values() if ts), default=0.0)
+    n_bins = max(1, math.floor(last / bin_s) + 1)
+    counts = {}
+    for strategy, tl in run_timelines.items():
+        counts[strategy] = {}
+        for engine, ts in tl["completions"].items():
+            row = [0] * n_bins
+            for t in ts:
+                row[min(n_bins - 1, max(0, math.floor(t / bin_s)))] += 1
+            counts[strategy][engine] = row
+    return {"bin": bin_s, "bins": n_bins, "counts": counts}
+
+
+STRATEGY_TITLES = {"control": "control (nothing published)", "baseline": "baseline (pause / flush / overwrite)",
+                   "lorapub": "lorapub (versions beside the live ones)"}
+
+
+def write_plot(path: str, plot: dict, title: str) -> None:
+    """The timeline as a PNG: a panel per strategy (shared axes), a line per engine of its
+    completions per bin, the publications shaded and the old path's pauses hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    bin_s, n_bins = plot["bin"], plot["bins"]
+    edges = [i * bin_s for i in range(n_bins + 1)]
+    strategies = list(plot["counts"])
+    fig, axes = plt.subplots(len(strategies), 1, sharex=True, sharey=True, figsize=(10, 2.3 * len(strategies) + 1.6))
+    colors = ("tab:blue", "tab:green", "tab:purple", "tab:brown")
+    handles: dict = {}
+    for ax, strategy in zip(axes, strategies):
+        for (engine, row), color in zip(plot["counts"][strategy].items(), itertools.cycle(colors)):
+            handles.setdefault(f"engine {engine}", ax.stairs(row, edges, color=color, linewidth=1.6))
+        marks = plot["marks"][strategy]
+        for a, b in marks["publications"]:
+            handles.setdefault("publication (publish call, start to end)",
+                               ax.axvspan(a, b, color="0.55", alpha=0.25, linewidth=0))
+        for a, b in marks["pauses"]:
+            handles.setdefault("generation paused (old path)",
+                               ax.axvspan(a, b, facecolor="none", edgecolor="tab:red", hatch="///", linewidth=0.8))
+        n = sum(sum(row) for row in plot["counts"][strategy].values())
+        ax.set_title(f"{STRATEGY_TITLES.get(strategy, strategy)}: {n} requests completed", fontsize=10, loc="left")
+        ax.set_ylabel(f"completed / {bin_s * 1e3:g} ms")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("time since the workload started (s)")
+    axes[-1].set_xlim(0, n_bins * bin_s)
+    fig.suptitle(title, fontsize=11)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def derived(run: dict[str, dict]) -> dict:
@@ -318,7 +410,18 @@ async def part1(args) -> tuple[dict, dict]:
         "0 mixed-version sessions with lorapub, every round": all(run["lorapub"]["mixed"] == 0 for run in rounds),
         "lorapub's excess stall below the baseline's (median of the rounds)": dv["removed"]["median"] > 0,
     }
-    figures = {"load_average": [load, os.getloadavg()[0]], "rounds": rounds, "summary": summary}
+    shown = representative_round(rounds)
+    plot = binned({s: rounds[shown][s]["timeline"] for s in STRATEGIES})
+    plot["round"] = shown + 1
+    plot["marks"] = {s: {k: rounds[shown][s]["timeline"][k] for k in ("publications", "pauses")} for s in STRATEGIES}
+    figures = {"load_average": [load, os.getloadavg()[0]], "rounds": rounds, "summary": summary, "timeline": plot}
+    if args.plot:
+        title = (f"Completed requests per engine, round {shown + 1} of {args.rounds} (the median by share removed): "
+                 f"{spec.sessions} agentic sessions every {spec.arrival_interval * 1e3:g} ms, "
+                 f"{spec.turns[0]}-{spec.turns[1]} tool turns, seed {spec.seed}; {args.publications} publication(s), "
+                 f"adapter load {args.load_delay * 1e3:g} ms")
+        write_plot(args.plot, plot, "\n".join(textwrap.wrap(title, 110)))
+        print(f"timeline plot (round {shown + 1}): {args.plot}")
     return bars, figures
 
 
@@ -413,7 +516,14 @@ async def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw Part 1's timeline (completions per engine over time, one round) to this PNG; "
+                             "needs matplotlib (pip install -e '.[bench]')")
     args = parser.parse_args()
+    if args.plot and args.skip_online:
+        parser.error("--plot draws Part 1: it cannot go with --skip-online")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)")
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
