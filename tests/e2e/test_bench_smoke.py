@@ -1,5 +1,6 @@
-"""bench/run.py --quick runs end to end and prints every figure it promises (their values are
-the benchmark's business, not a test's: no timing is asserted here)."""
+"""bench/run.py --quick runs end to end, prints every figure it promises and draws its timeline
+plot (the figures' values are the benchmark's business, not a test's: no timing is asserted
+here). The plot needs matplotlib: the ``bench`` extra, which .ci/install installs."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def load_bench():
 bench = load_bench()
 
 
-def test_the_quick_benchmark_prints_every_figure(tmp_path):
-    out = tmp_path / "figures.json"
+def test_the_quick_benchmark_prints_every_figure_and_draws_its_timeline(tmp_path):
+    out, png = tmp_path / "figures.json", tmp_path / "timeline.png"
     done = subprocess.run(
-        [sys.executable, SCRIPT, "--quick", "--json", str(out)],
+        [sys.executable, SCRIPT, "--quick", "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -63,6 +64,30 @@ def test_the_quick_benchmark_prints_every_figure(tmp_path):
     assert len(online["load_average"]) == 2
     assert {"2 engines", "64 engines", "10 sessions", "10000 sessions"} <= set(figures["control_plane"])
     assert len(figures["bars"]) == 5
+
+    # The timeline plot: a real PNG, and its data are the run's completions, every one in a bin.
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert len(data) > 20_000  # three panels of lines, labels and a legend, not an empty canvas
+    assert "timeline plot (round 1)" in text
+    plot = online["timeline"]
+    assert plot["round"] == 1 and plot["bin"] == bench.PLOT_BIN
+    assert set(plot["counts"]) == set(bench.STRATEGIES)
+    for strategy in bench.STRATEGIES:
+        run = round_[strategy]
+        counts = plot["counts"][strategy]
+        assert set(counts) == {"e0", "e1"}  # one line per engine
+        assert all(len(row) == plot["bins"] for row in counts.values())
+        assert sum(map(sum, counts.values())) == run["requests"] - run["failed"]
+        completions = run["timeline"]["completions"]
+        assert {e: len(ts) for e, ts in completions.items()} == {e: sum(row) for e, row in counts.items()}
+        assert all(0 <= t < plot["bins"] * plot["bin"] for ts in completions.values() for t in ts)
+    marks = plot["marks"]
+    assert marks["control"] == {"publications": [], "pauses": []}
+    assert len(marks["baseline"]["publications"]) == len(marks["baseline"]["pauses"]) == 1
+    assert len(marks["lorapub"]["publications"]) == 1 and marks["lorapub"]["pauses"] == []
+    (start, end), ((pause_start, pause_end),) = marks["baseline"]["publications"][0], marks["baseline"]["pauses"]
+    assert start <= pause_start < pause_end <= end  # the pause lies inside its publication
 
 
 MEMORY_BENCH = os.path.join(ROOT, "bench", "memory_bench.py")
