@@ -36,6 +36,7 @@ rebuilt on load.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Mapping
@@ -62,31 +63,23 @@ def _key_atoms(key: SessionKey) -> tuple:
 
 
 # A version is held by many sessions: its atoms are made once and shared (and its key made
-# once on the way out). Both maps are caches of immutable values: a few entries an epoch.
-_VERSION_ATOMS: dict[VersionKey, tuple] = {}
-_VERSIONS: dict[tuple, VersionKey] = {}
+# once on the way out). Both caches hold immutable values: a few entries an epoch.
+@functools.lru_cache(maxsize=1024)
+def _shared_version_atoms(key: VersionKey) -> tuple:
+    return (key.deployment_epoch, key.version_id)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_version(atoms: tuple) -> VersionKey:
+    return VersionKey(*atoms)
 
 
 def _version_atoms(key: VersionKey | None) -> tuple | None:
-    if key is None:
-        return None
-    atoms = _VERSION_ATOMS.get(key)
-    if atoms is None:
-        if len(_VERSION_ATOMS) > 1024:
-            _VERSION_ATOMS.clear()
-        atoms = _VERSION_ATOMS[key] = (key.deployment_epoch, key.version_id)
-    return atoms
+    return None if key is None else _shared_version_atoms(key)
 
 
 def _version(atoms: tuple | None) -> VersionKey | None:
-    if atoms is None:
-        return None
-    key = _VERSIONS.get(atoms)
-    if key is None:
-        if len(_VERSIONS) > 1024:
-            _VERSIONS.clear()
-        key = _VERSIONS[atoms] = VersionKey(*atoms)
-    return key
+    return None if atoms is None else _shared_version(atoms)
 
 
 def _record_atoms(record: SessionRecord) -> tuple:
