@@ -53,14 +53,15 @@ def tm_class(request, tmp_path):
     return harness.build(diff_patched_root(release, tmp_path), release)
 
 
-def bf16_snapshot(seed: int) -> Snapshot:
+def bf16_snapshot(seed: int, *, layers: int = 2, hidden: int = 32) -> Snapshot:
+    """A seeded rank-4 PEFT adapter on q/v as bf16 torch tensors (what SGLang's tensor load takes)."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for layer in range(2):
+    for layer in range(layers):
         for m in ("q_proj", "v_proj"):
             p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            sd[f"{p}.lora_A.weight"] = (torch.randn(4, 32, generator=g) * 0.05).to(torch.bfloat16)
-            sd[f"{p}.lora_B.weight"] = (torch.randn(32, 4, generator=g) * 0.05).to(torch.bfloat16)
+            sd[f"{p}.lora_A.weight"] = (torch.randn(4, hidden, generator=g) * 0.05).to(torch.bfloat16)
+            sd[f"{p}.lora_B.weight"] = (torch.randn(hidden, 4, generator=g) * 0.05).to(torch.bfloat16)
     return Snapshot(sd, peft_config(4))
 
 

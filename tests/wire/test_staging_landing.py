@@ -21,9 +21,10 @@ import pytest
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
-from lorapub.testing.fixtures import peft_config
 
 torch = pytest.importorskip("torch")
+
+from tests.sglang_patch.test_engine_staging import bf16_snapshot  # noqa: E402
 LIFE = "life-1"
 
 
@@ -58,14 +59,7 @@ class Hooks:
 
 
 def snapshot(seed: int) -> Snapshot:
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for layer in range(3):
-        for m in ("q_proj", "v_proj"):
-            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            sd[f"{p}.lora_A.weight"] = (torch.randn(4, 64, generator=g) * 0.05).to(torch.bfloat16)
-            sd[f"{p}.lora_B.weight"] = (torch.randn(64, 4, generator=g) * 0.05).to(torch.bfloat16)
-    return Snapshot(sd, peft_config(4))
+    return bf16_snapshot(seed, layers=3, hidden=64)  # several 1 KiB buckets
 
 
 def begin_body(snap: Snapshot, load: str, kind: str = "http"):
