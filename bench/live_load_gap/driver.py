@@ -176,7 +176,7 @@ def numerics():
                 out[name] = res
         return out
 
-    out = run_coro(run())
+    out = asyncio.run(run())
     if len(out) < 2:
         return {"skipped": f"servers answering: {sorted(out)}"}
     a, b = out["unpatched"], out["patched"]
@@ -186,10 +186,6 @@ def numerics():
         diff = max(abs(x - y) for x, y in zip(a[key][1], b[key][1]))
         rows[key] = {"same_token_ids": same_ids, "max_logprob_diff": diff}
     return rows
-
-
-def run_coro(coro):
-    return asyncio.run(coro)
 
 
 try:
