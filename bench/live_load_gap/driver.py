@@ -1,9 +1,11 @@
 """GPU-machine driver: build the random 4B-like Qwen3 + adapters, boot two SGLang servers side by side
 (stock ``sglang.launch_server``, and the same server through ``python -m lorapub.sglang_patch launch``,
 lorapub's runtime patch with its prepared loads), then measure each in turn with gap_bench.py while the
-other idles. Run with the image's python, no PYTHONPATH.
+others idle. Run with the image's python, no PYTHONPATH.
 Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 560), STALL_SITE (the
-SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (e.g. "patched,unpatched")."""
+SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (which servers, in
+measuring order: "unpatched,patched" by default; "patched-switch" is the patched server with a 100 us GIL
+switch interval while a preparation runs)."""
 import asyncio, json, os, signal, subprocess, sys, time, urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,12 +47,18 @@ COMMON = ["--model-path", f"{ROOT}/base", "--enable-lora", "--max-loras-per-batc
           "--max-loaded-loras", "3", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
           "gate_proj", "up_proj", "down_proj", "--max-lora-rank", "64", "--skip-tokenizer-init",
           "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-          "--dtype", "bfloat16", "--max-total-tokens", "65536", "--mem-fraction-static", "0.42",
+          "--dtype", "bfloat16", "--max-total-tokens", "65536", "--mem-fraction-static", None,
           "--random-seed", "0", "--host", "127.0.0.1", "--cuda-graph-backend-prefill", "disabled",
           "--cuda-graph-max-bs-decode", "64"]
-SERVERS = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launch_server"]},
-           "patched": {"port": 30001, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
-                       "env": {"LORAPUB_SGLANG_PREPARE_TRACE": os.environ.get("LORAPUB_SGLANG_PREPARE_TRACE", "1")}}}
+TRACE = {"LORAPUB_SGLANG_PREPARE_TRACE": os.environ.get("LORAPUB_SGLANG_PREPARE_TRACE", "1")}
+KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launch_server"]},
+         "patched": {"port": 30001, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"], "env": TRACE},
+         "patched-switch": {"port": 30002, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                            "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_SWITCH_US="100")}}
+ORDER = os.environ.get("STALL_ORDER", "unpatched,patched").split(",")
+SERVERS = {name: KNOWN[name] for name in ORDER}
+# the servers share the GPU: their static memory together stays at 84 % (KV is capped by --max-total-tokens)
+COMMON[COMMON.index(None)] = f"{min(0.42, 0.84 / len(SERVERS)):.2f}"
 
 
 def launch(name, graphs=True):
@@ -85,9 +93,12 @@ def healthy(port):
         return False
 
 
-launch("unpatched"); time.sleep(3); launch("patched")
+for k, name in enumerate(ORDER):
+    if k:
+        time.sleep(3)
+    launch(name)
 # keep about 70 s per measured server (and 20 s for the numerics check) after the boot
-boot_deadline = min(DEADLINE - 70 * len(os.environ.get("STALL_ORDER", "unpatched,patched").split(",")) - 20, T0 + 430)
+boot_deadline = min(DEADLINE - 70 * len(ORDER) - 20, T0 + 430)
 while time.time() < boot_deadline and not all("ready" in s for s in SERVERS.values()):
     for name, s in SERVERS.items():
         if "ready" in s:
@@ -115,13 +126,12 @@ smi = gpu_mem()
 log("boot done", {n: (s.get("ready"), s["graphs"]) for n, s in SERVERS.items()}, "gpu mem", smi)
 
 results = {}
-order = os.environ.get("STALL_ORDER", "unpatched,patched").split(",")
-for k, name in enumerate(order):
+for k, name in enumerate(ORDER):
     s = SERVERS[name]
     if not s.get("ready"):
         log(f"skip {name}: not ready"); continue
-    other = [n for n in order if n != name]
-    dl = DEADLINE - (75 if k == 0 and other and SERVERS[other[0]].get("ready") else 25)  # room for the numerics check
+    later = sum(1 for n in ORDER[k + 1:] if SERVERS[n].get("ready"))
+    dl = DEADLINE - 70 * later - 25  # room for the servers after this one and for the numerics check
     os.environ["STALL_DEADLINE"] = str(dl)
     log(f"bench {name} (deadline in {dl - time.time():.0f}s)")
     try:
@@ -163,7 +173,7 @@ def numerics():
                 url = f"http://127.0.0.1:{s['port']}"
                 for lora in ("B", "B32"):
                     async with http.post(url + "/load_lora_adapter", json={
-                            "lora_name": lora, "lora_path": f"{ROOT}/{lora}", "pinned": True}) as r:
+                            "lora_name": lora, "lora_path": f"{ROOT}/{lora}", "pinned": False}) as r:
                         assert r.status == 200, await r.text()
                 res = {}
                 for lora in ("A", "B", "B32"):
@@ -177,14 +187,15 @@ def numerics():
         return out
 
     out = asyncio.run(run())
-    if len(out) < 2:
+    if "unpatched" not in out or len(out) < 2:
         return {"skipped": f"servers answering: {sorted(out)}"}
-    a, b = out["unpatched"], out["patched"]
+    a = out.pop("unpatched")
     rows = {}
-    for key in a:
-        same_ids = a[key][0] == b[key][0]
-        diff = max(abs(x - y) for x, y in zip(a[key][1], b[key][1]))
-        rows[key] = {"same_token_ids": same_ids, "max_logprob_diff": diff}
+    for name, b in out.items():  # each patched server against the stock one
+        for key in a:
+            same_ids = a[key][0] == b[key][0]
+            diff = max(abs(x - y) for x, y in zip(a[key][1], b[key][1]))
+            rows[f"{name}:{key}" if len(out) > 1 else key] = {"same_token_ids": same_ids, "max_logprob_diff": diff}
     return rows
 
 

@@ -4,7 +4,8 @@
 # as .whl/ (see tests/gpu/run_on_device.sh):   bash bench/live_load_gap/run.sh
 # Builds a 4B-shaped random Qwen3 and 264 MB r=64 adapters (A, B, B32 = B in fp32), boots both
 # servers, measures each in turn (3 loads of B, 2 of B32, each against a 3 s control), then prints
-# the summary. About 330 s on one H200 plus machine start; results (JSON, event logs) in $OUT.
+# the summary. About 400 s on one H200 plus machine start; in $OUT: summary.txt and results.tgz (JSON per
+# server, token events, server logs and their lorapub lines).
 set -u -o pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,6 +18,8 @@ env -u PYTHONPATH PYTHONUNBUFFERED=1 STALL_TOTAL_S=$((${LORAPUB_GAP_BUDGET_S:-56
   timeout $((${LORAPUB_GAP_BUDGET_S:-565} + 15)) python3 "$here/driver.py"
 rc=$?
 python3 "$here/summarize.py" "$OUT" | tee "$OUT/summary.txt"
-for f in "$OUT"/server_*.log; do [ -f "$f" ] && gzip -f "$f"; done
+for f in "$OUT"/server_*.log; do [ -f "$f" ] && grep -a "lorapub" "$f" > "${f%.log}.lorapub.txt"; done
+# everything but the summary in one archive (JSON per server, token events, server logs)
+(cd "$OUT" && tar -czf results.tgz --remove-files $(ls | grep -v -e '^summary.txt$' -e '^results.tgz$'))
 echo "total $(( $(date +%s) - S )) s, driver rc $rc"
 exit $rc

@@ -1,4 +1,4 @@
-"""Summarise the device results (OUT folder with {unpatched,patched}.json and *_events.txt.gz).
+"""Summarise the device results (OUT folder with one NAME.json and NAME_events.txt.gz per server).
 'action gap' = longest interval with no token on any stream that STARTS between the HTTP call and
 its response (the stall the call caused, one decode step included). 'window max' = longest gap
 ending inside the 3 s window (what the lorapub goal compares with the control).
@@ -7,10 +7,10 @@ import gzip, json, os, statistics, sys
 
 d = sys.argv[1]
 med = statistics.median
-for name in ("unpatched", "patched"):
+names = sorted((f[:-5] for f in os.listdir(d) if f.endswith(".json") and f != "numerics.json"),
+               key=lambda n: (n != "unpatched", n))
+for name in names:
     p = os.path.join(d, f"{name}.json")
-    if not os.path.exists(p):
-        continue
     r = json.load(open(p))
     ts = sorted(float(l.split()[0]) for l in gzip.open(os.path.join(d, f"{name}_events.txt.gz"), "rt"))
     gaps = [(ts[i - 1], ts[i] - ts[i - 1]) for i in range(1, len(ts))]

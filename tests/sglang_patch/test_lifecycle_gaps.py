@@ -37,8 +37,9 @@ def root_of(release: str) -> str:
 def diff_patched_root(release: str, tmp_path) -> str:
     root = root_of(release)
     copy = tmp_path / "sglang"
-    for rel in (*targets.RELEASES[release].touched_files, "srt/utils/common.py", "srt/utils/aio_rwlock.py",
-                "srt/lora/lora_registry.py", "srt/lora/lora_manager.py", "_version.py"):
+    fingerprinted = {rel for rel, _, _ in targets.RELEASES[release].fingerprints}
+    for rel in sorted({*targets.RELEASES[release].touched_files, *fingerprinted, "srt/utils/common.py",
+                       "srt/utils/aio_rwlock.py", "srt/lora/lora_registry.py", "_version.py"}):
         dst = copy / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(root, rel), dst)

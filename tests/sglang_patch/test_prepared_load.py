@@ -92,11 +92,51 @@ class Scheduler:
         self.slept += 1
 
 
+class Pool:
+    """SGLang's LoRAMemoryPool as the slot fill sees it: per-layer buffers with one row per slot, and a fill
+    that writes an adapter's weights into the rank-sized part of a slot and zeroes modules it lacks."""
+
+    max_loras_per_batch = 3
+
+    def __init__(self, layers=2, max_r=4, hidden=6):
+        import torch
+
+        self.pin_memory_available = True
+        self.A_buffer = {m: [torch.zeros(3, max_r, hidden) for _ in range(layers)] for m in ("qkv_proj", "o_proj")}
+        self.B_buffer = {m: [torch.zeros(3, hidden, max_r) for _ in range(layers)] for m in ("qkv_proj", "o_proj")}
+        self.embedding_A_buffer, self.embedding_B_buffer, self.new_embeddings_buffer = {}, {}, {}
+        self.lm_head_A_buffer = {"lm_head": torch.zeros(3, max_r, hidden)}
+        self.lm_head_B_buffer = {}
+        self.fills = []  # (uid, slot, whether it may pin host memory)
+
+    def load_lora_weight_to_buffer(self, uid, buffer_id, lora_adapter, lora_modules, embed, lm_head):
+        self.fills.append((uid, buffer_id, self.pin_memory_available))
+        r = lora_adapter.config.r
+        for layer_id, layer in enumerate(lora_adapter.layers):
+            for module, bufs in self.A_buffer.items():
+                a, b = layer.weights.get(f"{module}.lora_A"), layer.weights.get(f"{module}.lora_B")
+                for view, w in ((bufs[layer_id][buffer_id][:r], a),
+                                (self.B_buffer[module][layer_id][buffer_id][:, :r], b)):
+                    view.zero_() if w is None else view.copy_(w)
+        self.lm_head_A_buffer["lm_head"][buffer_id][:r].copy_(lora_adapter.embedding_layers["lm_head.lora_A"])
+
+
+def lora(r=2, seed=0, layers=2, hidden=6):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    weights = [{"qkv_proj.lora_A": torch.randn(r, hidden, generator=g), "qkv_proj.lora_B": torch.randn(hidden, r, generator=g)}
+               for _ in range(layers)]  # no o_proj: its slot part must be zeroed
+    return types.SimpleNamespace(uid=f"u{seed}", config=types.SimpleNamespace(r=r),
+                                 layers=[types.SimpleNamespace(weights=w) for w in weights],
+                                 embedding_layers={"lm_head.lora_A": torch.randn(r, hidden, generator=g)})
+
+
 @pytest.fixture
 def classes():
     scheduler_cls = type("Scheduler", (Scheduler,), {})
     manager_cls = type("Manager", (Manager,), {})
-    prepared_load.install(scheduler_cls, manager_cls)
+    prepared_load.install(scheduler_cls, manager_cls, type("Pool", (Pool,), {}))
     return scheduler_cls, manager_cls
 
 
@@ -227,9 +267,73 @@ def test_a_peft_folder_is_read_exactly_as_safetensors_reads_it(tmp_path):
 
 def test_install_is_idempotent(classes):
     scheduler_cls, manager_cls = classes
-    before = (dict(vars(scheduler_cls)), dict(vars(manager_cls)))
-    prepared_load.install(scheduler_cls, manager_cls)
-    assert (dict(vars(scheduler_cls)), dict(vars(manager_cls))) == before
+    pool_cls = type("Pool", (Pool,), {})
+    prepared_load.install(scheduler_cls, manager_cls, pool_cls)
+    before = (dict(vars(scheduler_cls)), dict(vars(manager_cls)), dict(vars(pool_cls)))
+    prepared_load.install(scheduler_cls, manager_cls, pool_cls)
+    assert (dict(vars(scheduler_cls)), dict(vars(manager_cls)), dict(vars(pool_cls))) == before
+
+
+def slots(pool, slot):
+    return [b[slot].clone() for b in prepared_load._slot_buffers(pool)]
+
+
+def test_a_slot_image_fills_a_slot_exactly_as_sglangs_own_fill_and_touches_nothing_else():
+    import torch
+
+    pool_cls = type("Pool", (Pool,), {})
+    prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
+    pool, twin = pool_cls(), pool_cls()
+    for p in (pool, twin):  # an earlier adapter's weights are still in every slot
+        for b in prepared_load._slot_buffers(p):
+            b.fill_(7.0)
+    adapter = lora(r=2, seed=1)
+    manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}])
+    image = prepared_load.build_slot_image(manager, adapter)
+    assert image is not None
+    assert pool.fills == [("u1", 0, False)]  # SGLang's own fill ran once, on a copy, never pinning
+    assert all(torch.equal(b, torch.full_like(b, 7.0)) for b in prepared_load._slot_buffers(pool))  # pool untouched
+    adapter.__dict__[prepared_load.IMAGE_ATTR] = image
+    others = slots(pool, 0), slots(pool, 2)
+
+    pool.load_lora_weight_to_buffer("u1", 1, adapter, [{}, {}], None, None)  # the first batch's fill
+    assert pool.fills == [("u1", 0, False)]  # served by the image, not by SGLang's per-weight fill
+    type(twin).load_lora_weight_to_buffer.__wrapped__(twin, "u1", 1, adapter, [{}, {}], None, None)
+    r = adapter.config.r
+    for got, want in zip(slots(pool, 1), slots(twin, 1)):
+        # every part SGLang's fill writes is equal; the part beyond the rank, which the kernels never read,
+        # holds zeros instead of the previous adapter's weights
+        if got.shape[-1] == 6:  # A buffers: rank rows
+            assert torch.equal(got[:r], want[:r]) and not got[r:].any()
+        else:  # B buffers: rank columns
+            assert torch.equal(got[:, :r], want[:, :r]) and not got[:, r:].any()
+    assert not pool.A_buffer["o_proj"][0][1].any() and not pool.B_buffer["o_proj"][1][1].any()  # zeroed as SGLang does
+    assert [torch.equal(a, b) for a, b in zip(others[0] + others[1], slots(pool, 0) + slots(pool, 2))] == [True] * (
+        2 * len(others[0]))  # the other slots are untouched
+
+
+def test_a_slot_fill_without_a_fitting_image_is_sglangs_own():
+    pool_cls = type("Pool", (Pool,), {})
+    prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
+    pool, other = pool_cls(), pool_cls()
+    plain = lora(seed=2)
+    pool.load_lora_weight_to_buffer("u2", 0, plain, [{}, {}], None, None)
+    assert pool.fills == [("u2", 0, True)]  # no image: SGLang's own fill
+    imaged = lora(seed=3)
+    imaged.__dict__[prepared_load.IMAGE_ATTR] = prepared_load.build_slot_image(
+        types.SimpleNamespace(memory_pool=other, lora_modules=[{}, {}]), imaged)
+    pool.load_lora_weight_to_buffer("u3", 1, imaged, [{}, {}], None, None)
+    assert pool.fills[-1] == ("u3", 1, True)  # an image made for another pool is not used
+    other.A_buffer["qkv_proj"] = [b.clone() for b in other.A_buffer["qkv_proj"]]
+    other.load_lora_weight_to_buffer("u3", 1, imaged, [{}, {}], None, None)
+    assert other.fills[-1] == ("u3", 1, True)  # nor one whose pool buffers were replaced
+    odd = pool_cls()
+    odd.lm_head_A_buffer = {"lm_head": odd.lm_head_A_buffer["lm_head"][:2]}  # not one row per slot
+    assert prepared_load.build_slot_image(types.SimpleNamespace(memory_pool=odd, lora_modules=[{}, {}]), lora()) is None
+    broken = lora(seed=4)
+    del broken.embedding_layers["lm_head.lora_A"]  # SGLang's fill refuses it: no image, the first batch reports it
+    assert prepared_load.build_slot_image(types.SimpleNamespace(memory_pool=pool_cls(), lora_modules=[{}, {}]),
+                                          broken) is None
 
 
 def test_schedulers_start_through_the_patched_entry_unless_the_caller_chose_one():

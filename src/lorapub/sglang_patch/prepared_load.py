@@ -34,10 +34,12 @@ SGLang's ``scheduler.py``.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -49,7 +51,11 @@ MARK = "__lorapub_prepared_load__"
 _ALIGN = 256  # every tensor's view starts on a 256-byte boundary of the shared buffers
 #: Host-to-device copies go through two pinned chunks of this size (double-buffered).
 CHUNK_BYTES = 32 << 20
-TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"  # "1": log every garbage collection of 5 ms or more, with its time
+#: "1": log every garbage collection of 5 ms or more, the scheduler's loop iterations while a preparation
+#: runs (beside as long a stretch before it), and each memory-pool slot fill, with their times.
+TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"
+#: GIL switch interval (microseconds) while a preparation runs; unset: the interpreter's own (5 ms).
+SWITCH_ENV = "LORAPUB_SGLANG_PREPARE_SWITCH_US"
 
 
 def enabled() -> bool:
@@ -69,27 +75,47 @@ class Preparer:
         self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-prepare",
                                                           initializer=_lower_priority)
-        self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any]]] = []
+        # (request, its preparation, the stock load, when it was submitted)
+        self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any], float]] = []
         self.chunks: list[Any] | None = None
         if self.on_cuda:  # before any batch runs (see _chunks)
             self._chunks()
-        if os.environ.get(TRACE_ENV) == "1":
+        self.trace = os.environ.get(TRACE_ENV) == "1"
+        self.ticks: collections.deque = collections.deque(maxlen=8192)  # (perf_counter, iteration seconds)
+        if self.trace:
             _trace_gc()
+        switch = os.environ.get(SWITCH_ENV)
+        self.switch_s = int(switch) / 1e6 if switch else None
+        self.saved_switch: float | None = None
+
+    def tick(self) -> None:
+        """One scheduler loop iteration ended (trace only)."""
+        now = time.perf_counter()
+        self.ticks.append((now, now - self.ticks[-1][0] if self.ticks else -1.0))
 
     # -- scheduler thread ------------------------------------------------------------------------
     def submit(self, recv_req: Any, stock: Callable[..., Any]) -> bool:
         """Take ``recv_req`` (its reply comes later from :meth:`poll`); False: load it the stock way."""
         lora_id = getattr(recv_req, "lora_id", None)
-        if lora_id is None or lora_id in self.manager.loras or any(r.lora_id == lora_id for r, _, _ in self.pending):
+        if lora_id is None or lora_id in self.manager.loras or any(p[0].lora_id == lora_id for p in self.pending):
             return False
         ref = recv_req.to_ref()
-        self.pending.append((recv_req, self.pool.submit(self._prepare, ref), stock))
+        if self.switch_s is not None and self.saved_switch is None:
+            self.saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_s)
+        self.pending.append((recv_req, self.pool.submit(self._prepare, ref), stock, time.perf_counter()))
         return True
 
     def poll(self) -> None:
         """Install every finished preparation, in arrival order, and send its reply."""
         while self.pending and self.pending[0][1].done():
-            recv_req, future, stock = self.pending.pop(0)
+            recv_req, future, stock, submitted = self.pending.pop(0)
+            if not self.pending and self.saved_switch is not None:
+                sys.setswitchinterval(self.saved_switch)
+                self.saved_switch = None
+            if self.trace:
+                self._log_iterations(recv_req.lora_name, submitted)
+            t0 = time.perf_counter()
             prepared = self.manager.__dict__.setdefault("_lorapub_prepared", {})
             try:
                 prepared[recv_req.lora_id] = future.result()
@@ -101,6 +127,24 @@ class Preparer:
             finally:
                 prepared.pop(recv_req.lora_id, None)
             _send(self.scheduler, output, recv_req)
+            if self.trace:
+                logger.info("lorapub trace: installed %s on the scheduler thread in %.1f ms at %.3f",
+                            recv_req.lora_name, 1e3 * (time.perf_counter() - t0), time.time())
+
+    def _log_iterations(self, name: str, since: float) -> None:
+        """The scheduler's loop iterations while ``name`` was prepared, beside as long a stretch before."""
+        now = time.perf_counter()
+        span = now - since
+
+        def stats(lo: float, hi: float) -> str:
+            its = sorted(dt for t, dt in self.ticks if lo < t <= hi and dt >= 0)
+            if not its:
+                return "none"
+            return (f"n={len(its)} max {1e3 * its[-1]:.1f} ms p90 {1e3 * its[int(0.9 * (len(its) - 1))]:.1f} ms "
+                    f"p50 {1e3 * its[len(its) // 2]:.1f} ms")
+
+        logger.info("lorapub trace: scheduler iterations while preparing %s (%.0f ms): %s; before: %s",
+                    name, 1e3 * span, stats(since, now), stats(since - span, since))
 
     # -- preparing thread --------------------------------------------------------------------------
     def read_config(self, ref: Any) -> Any:
@@ -115,6 +159,7 @@ class Preparer:
         view.configs = {ref.lora_id: self.read_config(ref)}
         view.loras = {}
         tensors = read_peft_folder(ref.lora_path)
+        t_bytes = time.perf_counter()
         if tensors is None:  # not a plain PEFT folder: SGLang's own reader
             type(manager).load_lora_weights.__wrapped__(view, ref)
         else:  # the bytes read with the GIL released, then SGLang's own processing of them
@@ -123,11 +168,19 @@ class Preparer:
         t1 = time.perf_counter()
         if not self.on_cuda:  # host-only engines (tests): the read is what moves off the scheduler
             return adapter
+        host = [dict(d) for d in _weight_dicts(adapter)]
         moved = self._to_device(adapter)
         t2 = time.perf_counter()
-        logger.info("lorapub: prepared %s off the scheduler thread in %.0f ms (read %.0f ms, to device %.0f ms, "
-                    "%.0f MB) at %.3f", ref.lora_name, 1e3 * (t2 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1),
-                    moved / 1e6, time.time())
+        image = build_slot_image(manager, adapter, self.stream)
+        if image is not None:  # the image serves every slot fill; the weights stay in host memory, as SGLang keeps them
+            for d, h in zip(_weight_dicts(adapter), host):
+                d.update(h)
+            adapter.__dict__[IMAGE_ATTR] = image
+        t3 = time.perf_counter()
+        logger.info("lorapub: prepared %s off the scheduler thread in %.0f ms (read %.0f ms of which bytes %.0f ms, "
+                    "to device %.0f ms, slot image %.0f ms, %.0f MB) at %.3f", ref.lora_name, 1e3 * (t3 - t0),
+                    1e3 * (t1 - t0), 1e3 * (t_bytes - t0), 1e3 * (t2 - t1),
+                    1e3 * (t3 - t2) if image is not None else float("nan"), moved / 1e6, time.time())
         return adapter
 
     def _to_device(self, adapter: Any) -> int:
@@ -188,6 +241,127 @@ class Preparer:
 
             self.chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         return self.chunks
+
+
+#: The memory pool's per-slot buffers (slot first), as both supported releases name them.
+SLOT_BUFFERS = ("A_buffer", "B_buffer", "embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer",
+                "lm_head_B_buffer", "new_embeddings_buffer")
+IMAGE_ATTR = "_lorapub_slot_image"
+
+
+def _slot_buffers(pool: Any) -> list[Any] | None:
+    """Every tensor of ``pool`` that has one row per slot, in a fixed order; None for another layout."""
+    import torch
+
+    slots = getattr(pool, "max_loras_per_batch", None)
+    found = []
+    for attr in SLOT_BUFFERS:
+        buffers = getattr(pool, attr, None)
+        if not isinstance(buffers, dict):
+            return None
+        for value in buffers.values():
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != slots:
+                    return None
+                found.append(t)
+    return found
+
+
+class SlotImage:
+    """What SGLang's first batch would write into a memory-pool slot for one adapter, on the device.
+
+    Built off the scheduler thread by running SGLang's own ``load_lora_weight_to_buffer`` against a copy
+    of the pool whose buffers have a single slot; a fill is then one ``torch._foreach_copy_`` from the
+    image into the slot (a few hundred microseconds on the scheduler thread instead of the tens of
+    milliseconds SGLang's per-weight Python takes)."""
+
+    def __init__(self, pool: Any, buffers: list[Any], flats: list[Any], sources: list[Any]) -> None:
+        self.pool, self.flats, self.sources = pool, flats, sources
+        self.dicts = (pool.A_buffer, pool.B_buffer)
+        self.first = _first_buffer(pool)
+        self.views = [[b[slot] for b in buffers] for slot in range(buffers[0].shape[0])]  # made once, here
+
+    def fits(self, pool: Any, buffer_id: int) -> bool:
+        """Still the pool (and the very buffers) this image was made for."""
+        if pool is not self.pool or not 0 <= buffer_id < len(self.views):
+            return False
+        return (pool.A_buffer is self.dicts[0] and pool.B_buffer is self.dicts[1]
+                and _first_buffer(pool) is self.first)
+
+    def fill(self, buffer_id: int) -> None:
+        import torch
+
+        torch._foreach_copy_(self.views[buffer_id], self.sources, non_blocking=True)
+        if self.flats[0].device.type == "cuda":  # an unload must not hand the image's blocks out while this copy reads them
+            stream = torch.cuda.current_stream(self.flats[0].device)
+            for flat in self.flats:
+                flat.record_stream(stream)
+
+
+def _first_buffer(pool: Any) -> Any:
+    value = next(iter(pool.A_buffer.values()), None)
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
+def build_slot_image(manager: Any, adapter: Any, stream: Any = None) -> SlotImage | None:
+    """``adapter``'s slot image for ``manager``'s memory pool, or None (the pool's layout is not known,
+    or SGLang's own fill refused the adapter: its first batch then runs SGLang's fill, as stock)."""
+    import contextlib
+
+    import torch
+
+    pool = getattr(manager, "memory_pool", None)
+    buffers = _slot_buffers(pool) if pool is not None else None
+    if not buffers:
+        return None
+    stock = type(pool).load_lora_weight_to_buffer
+    while getattr(stock, MARK, False):  # SGLang's own fill, under lorapub's wrappers
+        stock = stock.__wrapped__
+    context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    try:
+        with context:
+            by_dtype: dict[Any, list[Any]] = {}
+            for b in buffers:
+                by_dtype.setdefault(b.dtype, []).append(b)
+            flats = {dtype: torch.zeros(sum(b[0].numel() for b in group), dtype=dtype, device=group[0].device)
+                     for dtype, group in by_dtype.items()}
+            offsets = dict.fromkeys(flats, 0)
+            images = []
+            for b in buffers:
+                n, at = b[0].numel(), offsets[b.dtype]
+                images.append(flats[b.dtype][at:at + n].view((1, *b.shape[1:])))
+                offsets[b.dtype] = at + n
+            scratch = copy.copy(pool)  # SGLang's own fill, writing slot 0 of one-slot buffers
+            it = iter(images)
+            for attr in SLOT_BUFFERS:
+                setattr(scratch, attr, {k: type(v)(next(it) for _ in v) if isinstance(v, (list, tuple)) else next(it)
+                                        for k, v in getattr(pool, attr).items()})
+            scratch.pin_memory_available = False  # pinning here would stall the scheduler's CUDA calls
+            stock(scratch, adapter.uid, 0, adapter, manager.lora_modules, getattr(manager, "embed_tokens_module", None),
+                  getattr(manager, "lm_head_module", None))
+        if stream is not None:
+            stream.synchronize()
+    except Exception as e:  # noqa: BLE001 - SGLang's own fill at the first batch reports it, as stock
+        logger.info("lorapub: no slot image for %s (%s); its first batch fills the slot the stock way",
+                    getattr(adapter, "uid", "?"), e)
+        return None
+    return SlotImage(pool, buffers, list(flats.values()), [im[0] for im in images])
+
+
+def _install_slot_fill(pool_cls: Any) -> None:
+    stock = pool_cls.load_lora_weight_to_buffer
+
+    def load_lora_weight_to_buffer(self, uid, buffer_id, lora_adapter, *args, **kwargs):
+        """SGLang's slot fill, served by the adapter's slot image when it has one for this pool."""
+        image = getattr(lora_adapter, "__dict__", {}).get(IMAGE_ATTR) if lora_adapter is not None else None
+        if image is not None and image.fits(self, buffer_id):
+            return image.fill(buffer_id)
+        return stock(self, uid, buffer_id, lora_adapter, *args, **kwargs)
+
+    load_lora_weight_to_buffer.__wrapped__ = stock
+    setattr(load_lora_weight_to_buffer, MARK, True)
+    pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
+    setattr(pool_cls, MARK, True)
 
 
 _SAFETENSORS_DTYPES = {
@@ -268,6 +442,23 @@ def _trace_gc() -> None:
     gc.callbacks.append(callback)
 
 
+def _trace_slot_fills(pool_cls: Any) -> None:
+    """Log how long the scheduler thread spends filling a memory-pool slot (an adapter's first batch)."""
+    stock = pool_cls.load_lora_weight_to_buffer
+
+    def load_lora_weight_to_buffer(self, uid, buffer_id, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return stock(self, uid, buffer_id, *args, **kwargs)
+        finally:
+            logger.info("lorapub trace: slot %s filled with %s in %.1f ms at %.3f", buffer_id, uid,
+                        1e3 * (time.perf_counter() - t0), time.time())
+
+    load_lora_weight_to_buffer.__wrapped__ = stock
+    setattr(load_lora_weight_to_buffer, MARK, True)
+    pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
+
+
 def _lower_priority() -> None:
     try:  # the preparing thread yields the CPU to the scheduler thread (Linux: per-thread nice)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -303,12 +494,18 @@ def _preparer(scheduler: Any) -> Preparer | None:
     return preparer
 
 
-def install(scheduler_cls: Any = None, manager_cls: Any = None) -> None:
-    """Patch SGLang's Scheduler and LoRAManager classes in this process. Idempotent."""
+def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = None) -> None:
+    """Patch SGLang's Scheduler, LoRAManager and LoRAMemoryPool classes in this process. Idempotent."""
     if scheduler_cls is None:
         from sglang.srt.managers.scheduler import Scheduler as scheduler_cls
     if manager_cls is None:
         from sglang.srt.lora.lora_manager import LoRAManager as manager_cls
+    if pool_cls is None:
+        from sglang.srt.lora.mem_pool import LoRAMemoryPool as pool_cls
+    if not getattr(pool_cls, MARK, False):
+        _install_slot_fill(pool_cls)
+        if os.environ.get(TRACE_ENV) == "1":
+            _trace_slot_fills(pool_cls)
     if not getattr(manager_cls, MARK, False):
         _install_weights(manager_cls)
     if getattr(scheduler_cls, MARK, False):
@@ -326,6 +523,8 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None) -> None:
         result = stock_process(self, recv_reqs)
         preparer = _preparer(self)  # made on the first loop iteration, before any batch runs
         if preparer:
+            if preparer.trace:
+                preparer.tick()
             preparer.poll()
         return result
 

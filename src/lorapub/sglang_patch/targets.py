@@ -22,6 +22,8 @@ MIXIN_FILE = "srt/managers/tokenizer_control_mixin.py"
 HTTP_FILE = "srt/entrypoints/http_server.py"
 SCHEDULER_FILE = "srt/managers/scheduler.py"
 LORA_MANAGER_FILE = "srt/lora/lora_manager.py"
+MEM_POOL_FILE = "srt/lora/mem_pool.py"
+POOL = "LoRAMemoryPool"
 TM = "TokenizerManager"
 MIXIN = "TokenizerControlMixin"
 
@@ -69,6 +71,11 @@ RELEASES: dict[str, Release] = {
                 "63364d7ea493dbbb04bff9aedee97a358451a47d5a56478a28b1f8d19ce75571",
             (LORA_MANAGER_FILE, "LoRAManager", "load_lora_weights"):
                 "a143735cf64cff227fb352bc539b5cb55bc67728454afe1d4320099f84ea16dc",
+            # ... and the slot fill its slot images replay, with the pool's slot buffers it names
+            (MEM_POOL_FILE, POOL, "load_lora_weight_to_buffer"):
+                "b09e9e460b105624e757f3f8e61d6e8ec9a6c77108d2323763a9437c54a23e30",
+            (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
+                "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
         },
     ),
     "0.5.23": Release(
@@ -90,6 +97,10 @@ RELEASES: dict[str, Release] = {
                 "17dbc3acd7f987278437be5bfe645a7973aa466a65f0aaa7425569cc925e542a",
             (LORA_MANAGER_FILE, "LoRAManager", "load_lora_weights"):
                 "7ad5ad02b5c660eeb07a18fb32e3c9e00c6f8a8a42c2d5a61f8ceb38f131db17",
+            (MEM_POOL_FILE, POOL, "load_lora_weight_to_buffer"):
+                "f8c86078e6b20444af0238b5d6b498b2e0a895a0c905134c23fe8be44b79d1f0",
+            (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
+                "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
         },
     ),
 }
