@@ -11,21 +11,22 @@ which
 
 1. reads and normalises the adapter with SGLang's own code (``LoRAManager.load_lora_weights``, run
    against a private view of the manager, so no shared state is touched),
-2. packs every tensor into one pinned host buffer and copies it to one device buffer on a side
-   stream, and waits for that copy; the adapter's tensors become views of the device buffer.
+2. packs every tensor into fixed pinned chunks and copies them to one device buffer on a side stream,
+3. builds the adapter's slot image from it: what SGLang's own per-weight slot fill would write into a
+   memory-pool slot (:class:`SlotImage`); the weights then stay in host memory, as SGLang keeps them.
 
 The scheduler keeps running batches meanwhile. Each loop iteration it polls; a finished
 preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
 release's own follow-up such as 0.5.23's KV-event names), with the weights taken from the prepared
-adapter instead of disk, and the stock reply goes to the tokenizer manager then. The first batch that
-uses the adapter copies device to device into its memory-pool slot (no pinning, no host copy).
+adapter instead of disk, and the stock reply goes to the tokenizer manager then. A batch that needs
+the adapter in a slot fills it from the image with one device-to-device ``_foreach_copy_``.
 
 A preparation that fails (unreadable folder, device memory) changes nothing: SGLang's own load then
 runs as before and answers with its own error. Only single-GPU schedulers take this path (tp, pp and
 dp of 1): with several ranks every rank would have to swap the adapter in on the same iteration;
 they keep SGLang's own blocking load, as do tensor loads (``load_lora_adapter_from_tensors``).
-``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: the adapter's weights stay on the device
-(once more than the pool slot) until it is unloaded.
+``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: each adapter's slot image stays on the
+device (one pool slot) until it is unloaded.
 
 Both forms of lorapub's patch install this the same way: the runtime form starts SGLang's
 schedulers through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of
