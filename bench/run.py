@@ -128,6 +128,8 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         urls = args.engine_url
     else:
         urls, procs = await start_engines(args)
+    engines: dict = {}
+    dep = None
     try:
         if enabled:
             engines = {f"e{i}": SGLangEngine(f"e{i}", u, args.stash_dir or stash) for i, u in enumerate(urls)}
@@ -183,9 +185,11 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
                         await e.reclaim(name, f"bench-end-of-run-{epoch}")
                 elif FIXED_LORA_NAME in await e.loaded_adapters():
                     await e.unload_adapter(FIXED_LORA_NAME)
+    finally:
+        if dep is not None:
+            await dep.close()  # first: its reconciler would reopen an engine's HTTP session after close
         for e in engines.values():
             await e.close()
-    finally:
         await stop_engines(procs)
         shutil.rmtree(stash, ignore_errors=True)
     stalls = [longest_stall(result, w) for w in windows]

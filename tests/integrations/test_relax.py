@@ -446,22 +446,25 @@ async def test_the_wire_guard_refuses_a_record_that_would_change_version(tmp_pat
 
     pub = RelaxLoraPublication(relax_args(tmp_path, enabled=True), engines={"e0": Engine()})
     await pub.start()
-    guarded = pub.deployment.engines["e0"]
+    try:
+        guarded = pub.deployment.engines["e0"]
 
-    class Flipping:  # a session that (wrongly) changes version mid-life
-        names = iter(["relax_policy_lora@7-a-0", "relax_policy_lora@7-a-0", "relax_policy_lora@7-b-1"])
+        class Flipping:  # a session that (wrongly) changes version mid-life
+            names = iter(["relax_policy_lora@7-a-0", "relax_policy_lora@7-a-0", "relax_policy_lora@7-b-1"])
 
-        async def generate(self, payload):
-            return await guarded.generate({**payload, "lora_path": next(self.names)})
+            async def generate(self, payload):
+                return await guarded.generate({**payload, "lora_path": next(self.names)})
 
-    record = relax_lora.RelaxLoraSession("s", Flipping())
-    await pub.generate(record, {"input_ids": [1]})
-    await pub.generate(record, {"input_ids": [1]})
-    with pytest.raises(relax_lora.BindingChanged) as changed:
+        record = relax_lora.RelaxLoraSession("s", Flipping())
         await pub.generate(record, {"input_ids": [1]})
-    assert changed.value.code == "BINDING_CHANGED" and isinstance(changed.value, lorapub.LorapubError)
-    assert Engine.sent == ["relax_policy_lora@7-a-0"] * 2  # the third request never left
-    assert record.lora_path == "relax_policy_lora@7-a-0" and record.requests == 2
+        await pub.generate(record, {"input_ids": [1]})
+        with pytest.raises(relax_lora.BindingChanged) as changed:
+            await pub.generate(record, {"input_ids": [1]})
+        assert changed.value.code == "BINDING_CHANGED" and isinstance(changed.value, lorapub.LorapubError)
+        assert Engine.sent == ["relax_policy_lora@7-a-0"] * 2  # the third request never left
+        assert record.lora_path == "relax_policy_lora@7-a-0" and record.requests == 2
+    finally:
+        await pub.aclose()
 
 
 # ------------------------------------------------------------------------------------------------

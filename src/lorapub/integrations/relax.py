@@ -374,11 +374,12 @@ class RelaxLoraPublication:
         return RayRegistry.create(f"{name}-{self.epoch}", self.epoch, incarnations)
 
     async def aclose(self) -> None:
-        """Shard shutdown: release every record not yet released, wait for reclaims, close engines."""
+        """Shard shutdown: release every record not yet released, close the deployment (it waits
+        for reclaims and stops its background tasks), close engines."""
         if self._open:
             await asyncio.gather(*(self.release(record) for record in list(self._open)), return_exceptions=True)
         if self.deployment is not None:
-            await self.deployment.settle()
+            await self.deployment.close()
         for engine in self._built_engines:
             await engine.close()
         self._built_engines = []

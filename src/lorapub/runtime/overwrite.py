@@ -173,3 +173,7 @@ class OverwriteDeployment:
 
     async def settle(self) -> None:
         return None
+
+    async def close(self) -> None:
+        """Nothing runs in the background; here so that either deployment closes the same way."""
+        return None
