@@ -29,4 +29,4 @@ FAST = Deadlines(begin=2, bucket=2, end=2, cleanup=2, commit=1, reclaim=5)
 async def deployment(engines, tmp_path):
     d = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path)).start()
     yield d
-    await d.settle()
+    await d.close()  # waits for reclaims and stops the background tasks
