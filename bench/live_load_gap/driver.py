@@ -5,7 +5,8 @@ others idle. Run with the image's python, no PYTHONPATH.
 Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 560), STALL_SITE (the
 SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (which servers, in
 measuring order: "unpatched,patched" by default; "patched-switch" is the patched server with a 100 us GIL
-switch interval while a preparation runs)."""
+switch interval while a preparation runs, "patched-image" the patched server building slot images).
+With "unpatched" among them, a numerics check compares every other server's greedy outputs with it."""
 import asyncio, json, os, signal, subprocess, sys, time, urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +55,9 @@ TRACE = {"LORAPUB_SGLANG_PREPARE_TRACE": os.environ.get("LORAPUB_SGLANG_PREPARE_
 KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launch_server"]},
          "patched": {"port": 30001, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"], "env": TRACE},
          "patched-switch": {"port": 30002, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
-                            "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_SWITCH_US="100")}}
+                            "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_SWITCH_US="100")},
+         "patched-image": {"port": 30003, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                           "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")}}
 ORDER = os.environ.get("STALL_ORDER", "unpatched,patched").split(",")
 SERVERS = {name: KNOWN[name] for name in ORDER}
 # the servers share the GPU: their static memory together stays at 84 % (KV is capped by --max-total-tokens)

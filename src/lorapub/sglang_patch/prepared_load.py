@@ -12,21 +12,25 @@ which
 1. reads and normalises the adapter with SGLang's own code (``LoRAManager.load_lora_weights``, run
    against a private view of the manager, so no shared state is touched),
 2. packs every tensor into fixed pinned chunks and copies them to one device buffer on a side stream,
-3. builds the adapter's slot image from it: what SGLang's own per-weight slot fill would write into a
-   memory-pool slot (:class:`SlotImage`); the weights then stay in host memory, as SGLang keeps them.
+3. with ``LORAPUB_SGLANG_SLOT_IMAGE=1``, builds the adapter's slot image from it: what SGLang's own
+   per-weight slot fill would write into a memory-pool slot (:class:`SlotImage`); the weights then
+   stay in host memory, as SGLang keeps them. Off by default: building it runs that per-weight
+   Python beside the scheduler thread, which lengthened decode gaps during the load more than the
+   image saves at the first batch (measured live, docs/gpu-acceptance.md).
 
 The scheduler keeps running batches meanwhile. Each loop iteration it polls; a finished
 preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
 release's own follow-up such as 0.5.23's KV-event names), with the weights taken from the prepared
 adapter instead of disk, and the stock reply goes to the tokenizer manager then. A batch that needs
-the adapter in a slot fills it from the image with one device-to-device ``_foreach_copy_``.
+the adapter in a slot fills it device to device: from the image with one ``_foreach_copy_`` where
+there is one, else with SGLang's own fill from the adapter's device tensors.
 
 A preparation that fails (unreadable folder, device memory) changes nothing: SGLang's own load then
 runs as before and answers with its own error. Only single-GPU schedulers take this path (tp, pp and
 dp of 1): with several ranks every rank would have to swap the adapter in on the same iteration;
 they keep SGLang's own blocking load, as do tensor loads (``load_lora_adapter_from_tensors``).
-``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: each adapter's slot image stays on the
-device (one pool slot) until it is unloaded.
+``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: each adapter's weights (or its slot
+image, one pool slot) stay on the device until it is unloaded.
 
 Both forms of lorapub's patch install this the same way: the runtime form starts SGLang's
 schedulers through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of
@@ -56,7 +60,10 @@ CHUNK_BYTES = 32 << 20
 #: runs (beside as long a stretch before it), and each memory-pool slot fill, with their times.
 TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"
 #: GIL switch interval (microseconds) while a preparation runs; unset: the interpreter's own (5 ms).
+#: Measured live as worse than the default; kept to reproduce that measurement.
 SWITCH_ENV = "LORAPUB_SGLANG_PREPARE_SWITCH_US"
+#: "1": build each adapter's slot image while preparing (off by default: see docs/sglang-patch.md).
+IMAGE_ENV = "LORAPUB_SGLANG_SLOT_IMAGE"
 
 
 def enabled() -> bool:
@@ -88,6 +95,7 @@ class Preparer:
         switch = os.environ.get(SWITCH_ENV)
         self.switch_s = int(switch) / 1e6 if switch else None
         self.saved_switch: float | None = None
+        self.slot_images = os.environ.get(IMAGE_ENV) == "1"
 
     def tick(self) -> None:
         """One scheduler loop iteration ended (trace only)."""
@@ -172,7 +180,7 @@ class Preparer:
         host = [dict(d) for d in _weight_dicts(adapter)]
         moved = self._to_device(adapter)
         t2 = time.perf_counter()
-        image = build_slot_image(manager, adapter, self.stream)
+        image = build_slot_image(manager, adapter, self.stream) if self.slot_images else None
         if image is not None:  # the image serves every slot fill; the weights stay in host memory, as SGLang keeps them
             for d, h in zip(_weight_dicts(adapter), host):
                 d.update(h)
