@@ -142,6 +142,13 @@ class StoreCorrupted(StoreError):
     code = "STORE_CORRUPTED"
 
 
+class EngineClosed(LorapubError):
+    """An engine adapter was used after ``close()``; nothing was sent (it would open a connection
+    pool that nothing closes)."""
+
+    code = "ENGINE_CLOSED"
+
+
 class AlreadyStarted(LorapubError):
     """``start()`` on an object that is already running (live sessions would be dropped)."""
 

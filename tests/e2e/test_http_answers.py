@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from lorapub.adapters.sglang_http import MAX_ENGINE_TEXT, SGLangEngine, SGLangHTTP, SGLangOverwriteAdmin
-from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
+from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown
 
 
 @pytest.fixture
@@ -158,3 +158,17 @@ def test_constructors_refuse_bad_arguments_with_invalid_input(cls, kwargs, named
 def test_sglang_engine_refuses_a_bad_stash_dir(stash):
     with pytest.raises(InvalidInput, match="stash_dir"):
         SGLangEngine("e0", "http://127.0.0.1:30000", stash)
+
+
+@pytest.mark.parametrize("cls", [SGLangHTTP, SGLangOverwriteAdmin])
+async def test_a_closed_adapter_refuses_to_send_and_opens_no_new_session(scripted, cls):
+    answers, client = scripted
+    answers["/generate"] = (200, '{"text": "ok", "meta_info": {}}', JSON)
+    c = client(cls)
+    await c.close()
+    http = c.client if cls is SGLangOverwriteAdmin else c
+    before = http._http
+    with pytest.raises(EngineClosed) as e:
+        await http.generate(GEN)
+    assert e.value.code == "ENGINE_CLOSED" and "nothing was sent" in e.value.message
+    assert http._http is before  # no fresh aiohttp session that nothing would close

@@ -544,8 +544,9 @@ class Run:
         await dep.settle()
         state = await dep.state()
         runs["lorapub"]["A_after_run"] = next(v.state.value for v in state.versions.values() if v.key.version_id == "A")
-        legacy = await deploy({n: SGLangOverwriteAdmin(n, s.url) for n, s in (("e0", self.E0), ("e1", self.E1))},
-                              epoch=3, enabled=False, stash_dir=os.path.join(self.root, "legacy"))
+        admins = {n: SGLangOverwriteAdmin(n, s.url) for n, s in (("e0", self.E0), ("e1", self.E1))}
+        legacy = await deploy(admins, epoch=3, enabled=False, stash_dir=os.path.join(self.root, "legacy"))
+        self.to_close += [dep, legacy, *(e.inner for e in engines.values()), *admins.values()]
         await legacy.publish(self.snaps["A"], "A")
         # the fixed name serves whatever was loaded last: its version is the publisher's update count
         runs["switch_off"] = await self.one_run(spec, legacy.session, engines, publish=lambda: legacy.publish(self.snaps["B"], "B"),
@@ -734,6 +735,7 @@ class Run:
         self.E1 = srv.start("e1", self.paths["base"], 30200, out_dir, patched=True, env=env, context_length=CONTEXT)
         self.U = srv.start("u", self.paths["base"], 30300, out_dir, patched=False, env=env, context_length=CONTEXT)
         all_servers = [self.E0, self.E1, self.U]
+        self.to_close: list = []  # deployments (stopped first), then the engines they drove
         try:
             await srv.wait_healthy(all_servers)
             self.report["boot_s"] = {s.name: round(s.boot_s, 1) for s in all_servers}
@@ -745,6 +747,7 @@ class Run:
                 self.engines = self.fresh_engines("scenario")
                 self.dep = await Deployment(self.engines, epoch=1, stash_dir=os.path.join(self.root, "stash"),
                                             deadlines=DEADLINES, bucket_cap_bytes=64 << 10).start()
+                self.to_close += [self.dep, *(e.inner for e in self.engines.values())]
                 self.pubs = {"A": await self.dep.publish(self.snaps["A"], "A")}
                 self.names = {"A": self.pubs["A"].lora_name}
                 self.prompt = tokens(self.rng, PROMPT_LEN)
@@ -764,6 +767,11 @@ class Run:
                 if os.environ.get("LORAPUB_GPU_ROUTER"):
                     await self.section("router", self.router())
         finally:
+            for obj in sorted(self.to_close, key=lambda o: not hasattr(o, "settle")):  # deployments first
+                try:
+                    await asyncio.wait_for(obj.close(), 30)
+                except Exception as e:  # noqa: BLE001 - the report is what matters now
+                    print(f"closing {obj!r} failed: {e!r}", flush=True)
             self.report["servers_alive_at_end"] = {s.name: s.alive() for s in all_servers}
             srv.stop(all_servers)
         return self.report

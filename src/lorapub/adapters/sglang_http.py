@@ -34,7 +34,7 @@ from lorapub.adapters.staging import Staging
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
-from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
+from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
@@ -120,6 +120,7 @@ class OwnedHTTPSession:
 
     _http: aiohttp.ClientSession | None
     _own_http: bool
+    _closed: bool = False
 
     def _use_http(self, http: aiohttp.ClientSession | None) -> None:
         self._http = http
@@ -127,11 +128,14 @@ class OwnedHTTPSession:
 
     @property
     def http(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise EngineClosed(f"{self!r} was closed; nothing was sent")
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession()
         return self._http
 
     async def close(self) -> None:
+        self._closed = True
         if self._own_http and self._http is not None:
             await self._http.close()
 
