@@ -186,12 +186,14 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
                 elif FIXED_LORA_NAME in await e.loaded_adapters():
                     await e.unload_adapter(FIXED_LORA_NAME)
     finally:
-        if dep is not None:
-            await dep.close()  # first: its reconciler would reopen an engine's HTTP session after close
-        for e in engines.values():
-            await e.close()
-        await stop_engines(procs)
-        shutil.rmtree(stash, ignore_errors=True)
+        try:
+            if dep is not None:
+                await dep.close()  # first: its reconciler would still call the engines
+            for e in engines.values():
+                await e.close()
+        finally:  # the engine processes go whatever closing raised
+            await stop_engines(procs)
+            shutil.rmtree(stash, ignore_errors=True)
     stalls = [longest_stall(result, w) for w in windows]
     cached_after = [result.cached_ratio(a, b + 0.1) for a, b in windows]  # turns around each publication
     nan = float("nan")

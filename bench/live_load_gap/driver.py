@@ -29,6 +29,8 @@ def env_site():
     site = os.environ.get("STALL_SITE", "/tmp/site")
     src = os.environ.get("LORAPUB_SRC", os.path.join(HERE, "..", "..", "src"))
     e = dict(os.environ, PYTHONPATH=f"{site}:{os.path.abspath(src)}", PYTHONUNBUFFERED="1")
+    for variant_knob in ("LORAPUB_SGLANG_SLOT_IMAGE", "LORAPUB_SGLANG_PREPARE_SWITCH_US"):
+        e.pop(variant_knob, None)  # only the server variant that names it gets it
     return e
 
 
@@ -58,7 +60,10 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
                             "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_SWITCH_US="100")},
          "patched-image": {"port": 30003, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                            "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")}}
-ORDER = os.environ.get("STALL_ORDER", "unpatched,patched").split(",")
+ORDER = list(dict.fromkeys(n.strip() for n in os.environ.get("STALL_ORDER", "unpatched,patched").split(",") if n.strip()))
+unknown = [n for n in ORDER if n not in KNOWN]
+if unknown:
+    sys.exit(f"STALL_ORDER names unknown servers {unknown}; known: {sorted(KNOWN)}")
 SERVERS = {name: KNOWN[name] for name in ORDER}
 # the servers share the GPU: their static memory together stays at 84 % (KV is capped by --max-total-tokens)
 COMMON[COMMON.index(None)] = f"{min(0.42, 0.84 / len(SERVERS)):.2f}"

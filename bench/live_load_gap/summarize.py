@@ -7,7 +7,8 @@ import gzip, json, os, statistics, sys
 
 d = sys.argv[1]
 med = statistics.median
-names = sorted((f[:-5] for f in os.listdir(d) if f.endswith(".json") and f != "numerics.json"),
+names = sorted((f[:-5] for f in os.listdir(d) if f.endswith(".json") and f != "numerics.json"
+                and os.path.exists(os.path.join(d, f[:-5] + "_events.txt.gz"))),  # one per measured server
                key=lambda n: (n != "unpatched", n))
 for name in names:
     p = os.path.join(d, f"{name}.json")

@@ -142,9 +142,9 @@ class StoreCorrupted(StoreError):
     code = "STORE_CORRUPTED"
 
 
-class EngineClosed(LorapubError):
-    """An engine adapter was used after ``close()``; nothing was sent (it would open a connection
-    pool that nothing closes)."""
+class EngineClosed(EngineError):
+    """An engine adapter was used after ``close()``: a definite failure, nothing was sent (sending
+    would open a connection pool that nothing closes)."""
 
     code = "ENGINE_CLOSED"
 

@@ -278,9 +278,10 @@ def slots(pool, slot):
     return [b[slot].clone() for b in prepared_load._slot_buffers(pool)]
 
 
-def test_a_slot_image_fills_a_slot_exactly_as_sglangs_own_fill_and_touches_nothing_else():
+def test_a_slot_image_fills_a_slot_as_sglangs_own_fill_does_and_touches_nothing_else(monkeypatch):
     import torch
 
+    monkeypatch.setenv(prepared_load.IMAGE_ENV, "1")
     pool_cls = type("Pool", (Pool,), {})
     prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
     pool, twin = pool_cls(), pool_cls()
@@ -312,7 +313,8 @@ def test_a_slot_image_fills_a_slot_exactly_as_sglangs_own_fill_and_touches_nothi
         2 * len(others[0]))  # the other slots are untouched
 
 
-def test_a_slot_fill_without_a_fitting_image_is_sglangs_own():
+def test_a_slot_fill_without_a_fitting_image_is_sglangs_own(monkeypatch):
+    monkeypatch.setenv(prepared_load.IMAGE_ENV, "1")
     pool_cls = type("Pool", (Pool,), {})
     prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
     pool, other = pool_cls(), pool_cls()
@@ -407,5 +409,14 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
 def test_slot_images_are_built_only_when_asked_for(classes, monkeypatch):
     _, _, preparer = preparing(classes)
     assert not preparer.slot_images  # measured live: the build costs more during the load than it saves
+    pool_cls = type("Pool", (Pool,), {})
+    prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
+    assert pool_cls.load_lora_weight_to_buffer is Pool.load_lora_weight_to_buffer  # SGLang's own, untouched
     monkeypatch.setenv(prepared_load.IMAGE_ENV, "1")
     assert preparing(classes)[2].slot_images
+
+
+@pytest.mark.parametrize("raw, seconds", [("200", 0.0002), ("0", None), ("-5", None), ("fast", None), ("", None)])
+def test_a_bad_switch_interval_is_ignored_not_fatal(monkeypatch, raw, seconds):
+    monkeypatch.setenv(prepared_load.SWITCH_ENV, raw)
+    assert prepared_load._switch_interval() == seconds

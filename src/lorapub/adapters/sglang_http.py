@@ -132,6 +132,7 @@ class OwnedHTTPSession:
             raise EngineClosed(f"{self!r} was closed; nothing was sent")
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession()
+            self._own_http = True  # made here (also after a caller closed theirs): closed here
         return self._http
 
     async def close(self) -> None:

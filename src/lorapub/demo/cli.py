@@ -141,6 +141,7 @@ async def demo(args) -> int:
     for dbl in doubles:
         print(f"  {dbl.name}: loads {sum(1 for e in dbl.events if e[0] == 'load')}, physical unloads {len(dbl.physical_unloads)}, "
               f"implicit reloads {sum(1 for e in dbl.events if e[0] == 'implicit_reload')}, pauses {sum(1 for e in dbl.events if e[0] == 'pause')}")
+    await dep.close()  # first: its reconciler and reclaims still call the engines
     for e in engines.values():
         await e.close()
     for dbl in doubles:

@@ -14,7 +14,8 @@ which
 2. packs every tensor into fixed pinned chunks and copies them to one device buffer on a side stream,
 3. with ``LORAPUB_SGLANG_SLOT_IMAGE=1``, builds the adapter's slot image from it: what SGLang's own
    per-weight slot fill would write into a memory-pool slot (:class:`SlotImage`); the weights then
-   stay in host memory, as SGLang keeps them. Off by default: building it runs that per-weight
+   stay in host memory, as SGLang keeps them (a fill the image does not fit then pins them, as
+   SGLang does). Off by default: building it runs that per-weight
    Python beside the scheduler thread, which lengthened decode gaps during the load more than the
    image saves at the first batch (measured live, docs/gpu-acceptance.md).
 
@@ -22,8 +23,8 @@ The scheduler keeps running batches meanwhile. Each loop iteration it polls; a f
 preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
 release's own follow-up such as 0.5.23's KV-event names), with the weights taken from the prepared
 adapter instead of disk, and the stock reply goes to the tokenizer manager then. A batch that needs
-the adapter in a slot fills it device to device: from the image with one ``_foreach_copy_`` where
-there is one, else with SGLang's own fill from the adapter's device tensors.
+the adapter in a slot fills it: from the image with one ``_foreach_copy_`` where there is one, else
+with SGLang's own fill (device to device from the prepared weights when images are off).
 
 A preparation that fails (unreadable folder, device memory) changes nothing: SGLang's own load then
 runs as before and answers with its own error. Only single-GPU schedulers take this path (tp, pp and
@@ -92,8 +93,7 @@ class Preparer:
         self.ticks: collections.deque = collections.deque(maxlen=8192)  # (perf_counter, iteration seconds)
         if self.trace:
             _trace_gc()
-        switch = os.environ.get(SWITCH_ENV)
-        self.switch_s = int(switch) / 1e6 if switch else None
+        self.switch_s = _switch_interval()
         self.saved_switch: float | None = None
         self.slot_images = os.environ.get(IMAGE_ENV) == "1"
 
@@ -177,7 +177,7 @@ class Preparer:
         t1 = time.perf_counter()
         if not self.on_cuda:  # host-only engines (tests): the read is what moves off the scheduler
             return adapter
-        host = [dict(d) for d in _weight_dicts(adapter)]
+        host = [dict(d) for d in _weight_dicts(adapter)] if self.slot_images else []
         moved = self._to_device(adapter)
         t2 = time.perf_counter()
         image = build_slot_image(manager, adapter, self.stream) if self.slot_images else None
@@ -277,7 +277,8 @@ def _slot_buffers(pool: Any) -> list[Any] | None:
 
 
 class SlotImage:
-    """What SGLang's first batch would write into a memory-pool slot for one adapter, on the device.
+    """What SGLang's first batch writes into a memory-pool slot for one adapter, on the device (zeros
+    where that fill leaves the slot's earlier contents: past the rank, and modules a layer lacks).
 
     Built off the scheduler thread by running SGLang's own ``load_lora_weight_to_buffer`` against a copy
     of the pool whose buffers have a single slot; a fill is then one ``torch._foreach_copy_`` from the
@@ -370,7 +371,6 @@ def _install_slot_fill(pool_cls: Any) -> None:
     load_lora_weight_to_buffer.__wrapped__ = stock
     setattr(load_lora_weight_to_buffer, MARK, True)
     pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
-    setattr(pool_cls, MARK, True)
 
 
 _SAFETENSORS_DTYPES = {
@@ -468,6 +468,21 @@ def _trace_slot_fills(pool_cls: Any) -> None:
     pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
 
 
+def _switch_interval() -> float | None:
+    """``SWITCH_ENV`` in seconds; None when unset or not a positive integer (logged)."""
+    raw = os.environ.get(SWITCH_ENV)
+    if not raw:
+        return None
+    try:
+        us = int(raw)
+    except ValueError:
+        us = 0
+    if us <= 0:
+        logger.warning("lorapub: %s=%r is not a positive number of microseconds; ignored", SWITCH_ENV, raw)
+        return None
+    return us / 1e6
+
+
 def _lower_priority() -> None:
     try:  # the preparing thread yields the CPU to the scheduler thread (Linux: per-thread nice)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -511,10 +526,12 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
         from sglang.srt.lora.lora_manager import LoRAManager as manager_cls
     if pool_cls is None:
         from sglang.srt.lora.mem_pool import LoRAMemoryPool as pool_cls
-    if not getattr(pool_cls, MARK, False):
-        _install_slot_fill(pool_cls)
+    if not getattr(pool_cls, MARK, False):  # opt-in: otherwise SGLang's own method, untouched
+        if os.environ.get(IMAGE_ENV) == "1":
+            _install_slot_fill(pool_cls)
         if os.environ.get(TRACE_ENV) == "1":
             _trace_slot_fills(pool_cls)
+        setattr(pool_cls, MARK, True)
     if not getattr(manager_cls, MARK, False):
         _install_weights(manager_cls)
     if getattr(scheduler_cls, MARK, False):
