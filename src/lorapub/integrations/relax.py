@@ -208,7 +208,7 @@ def error_result(exc: LorapubError) -> dict[str, Any]:
     """A typed lorapub error in the shape of Relax's ``_openai_error_result`` (code kept as is)."""
     status = {
         "NO_PUBLISHED_VERSION": 503, "VERSION_MISSING": 503, "VERSION_RECLAIMING": 503, "ENGINE_UNAVAILABLE": 503,
-        "SESSION_CLOSED": 404, "SESSION_EXPIRED": 404, "OUTCOME_UNKNOWN": 504,
+        "SESSION_CLOSED": 404, "SESSION_EXPIRED": 404, "OUTCOME_UNKNOWN": 504, "ENGINE_CLOSED": 503,
     }.get(exc.code, 500)
     return {
         "_http_status": status,
