@@ -169,11 +169,14 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         gc.collect()
         gc.freeze()
         gc.disable()
+        publisher = asyncio.create_task(cadence())
         try:
-            publisher = asyncio.create_task(cadence())
             result = await run_workload(spec, session)
             await publisher
         finally:
+            if not publisher.done():  # the workload raised: no publication outlives its run
+                publisher.cancel()
+                await asyncio.gather(publisher, return_exceptions=True)
             gc.enable()
             gc.unfreeze()
         if enabled:

@@ -225,6 +225,13 @@ _DISPATCHING: contextvars.ContextVar["RelaxLoraSession | None"] = contextvars.Co
 )
 
 
+async def _cancel_leftover_tasks() -> None:
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+
+
 def _failed(task: asyncio.Task | None) -> bool:
     return task is not None and task.done() and (task.cancelled() or task.exception() is not None)
 
@@ -493,6 +500,9 @@ class BlockingRelaxLoraPublication:
         try:
             self._run(self.publication.aclose())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            try:  # nothing may outlive the loop as a destroyed pending task, even when aclose() failed
+                self._run(_cancel_leftover_tasks())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
