@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
+import tempfile
 import time
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -20,7 +22,6 @@ from lorapub.ports import OverwriteAdmin
 from lorapub.runtime.snapshot import Snapshot
 
 FIXED_LORA_NAME = LORA_NAME_PREFIX
-DEFAULT_STASH_DIR = "/tmp/lorapub-legacy"
 
 
 def _typed(engine: str, op: str, error: BaseException) -> LorapubError:
@@ -158,7 +159,10 @@ class OverwriteDeployment:
             if not isinstance(stash_dir, str) or not stash_dir or "\x00" in stash_dir:
                 raise InvalidInput(f"stash_dir must be a directory path, got {stash_dir!r}")
         self.engines = dict(engines)
-        self.publisher = OverwritePublisher(self.engines, stash_dir or DEFAULT_STASH_DIR)
+        # No stash_dir given: a private directory of this deployment (0700, unpredictable name),
+        # removed by close(); a fixed shared path under /tmp could be pre-created by anyone.
+        self._own_stash = tempfile.mkdtemp(prefix="lorapub-legacy-") if stash_dir is None else None
+        self.publisher = OverwritePublisher(self.engines, stash_dir or self._own_stash)
         self._round_robin = itertools.count()
 
     async def start(self) -> "OverwriteDeployment":
@@ -175,5 +179,7 @@ class OverwriteDeployment:
         return None
 
     async def close(self) -> None:
-        """Nothing runs in the background; here so that either deployment closes the same way."""
-        return None
+        """Nothing runs in the background; removes the private stash directory if it made one."""
+        if self._own_stash is not None:
+            await asyncio.to_thread(shutil.rmtree, self._own_stash, True)
+            self._own_stash = None
