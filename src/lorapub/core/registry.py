@@ -610,46 +610,36 @@ def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
         return _expire_by_scan(state, now)
     sessions = state.sessions
     forget = [] if state.tombstone_window is None else sessions.tombstones_born_before(now - state.tombstone_window)
-    due = sessions.leases_due(now)
+    return _expire(state, sessions.leases_due(now), forget)
+
+
+def _expire_by_scan(state: RegistryState, now: float) -> Outcome:
+    """``expire_leases`` choosing from every record what the indexes choose (a clock reading that
+    is not a finite number)."""
+    due, forget = [], []
+    for key, record in state.sessions.items():
+        if record.state in ses.TOMBSTONES:
+            if _beyond_window(state, key, now):
+                forget.append(key)
+        elif record.lease_until is not None and not record.lease_until >= now and record.state in ses.LEASED:
+            due.append(key)  # "not >=": a NaN deadline is due at once
+    return _expire(state, due, forget)
+
+
+def _expire(state: RegistryState, due: list[SessionKey], forget: list[SessionKey]) -> Outcome:
+    """Expire the leases ``due`` (each releases its ref once) and forget the tombstones ``forget``."""
     if not due and not forget:
         return Outcome(state, 0)
     versions = state.versions
     released: set[VersionKey] = set()
     expired = []
     for key in due:
-        record, release = ses.expired(sessions[key])
+        record, release = ses.expired(state.sessions[key])
         expired.append((key, record))
         if release is not None:
             versions = versions.set(release, drop_session_ref(versions[release]))
             released.add(release)
     # the tombstones first: a session that expires in this pass is not forgotten in it
-    sessions = sessions.remove_many(forget).update(expired)
-    state = attrs.evolve(
-        state, versions=versions, sessions=sessions, expired_sessions=state.expired_sessions + len(expired),
-        forgotten_sessions=state.forgotten_sessions + len(forget),
-    )
-    return Outcome(state, len(expired), [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
-
-
-def _expire_by_scan(state: RegistryState, now: float) -> Outcome:
-    """``expire_leases`` reading every record (a clock reading that is not a finite number)."""
-    versions = state.versions
-    released: set[VersionKey] = set()
-    forget, expired = [], []
-    for key, record in state.sessions.items():
-        if record.state in ses.TOMBSTONES:
-            if _beyond_window(state, key, now):
-                forget.append(key)
-            continue
-        if record.lease_until is None or record.lease_until >= now or record.state not in ses.LEASED:
-            continue
-        record, release = ses.expired(record)
-        expired.append((key, record))
-        if release is not None:
-            versions = versions.set(release, drop_session_ref(versions[release]))
-            released.add(release)
-    if not expired and not forget:
-        return Outcome(state, 0)
     state = attrs.evolve(
         state, versions=versions, sessions=state.sessions.remove_many(forget).update(expired),
         expired_sessions=state.expired_sessions + len(expired), forgotten_sessions=state.forgotten_sessions + len(forget),

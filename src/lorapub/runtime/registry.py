@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 import time
+from typing import Any, Callable, Mapping
 
 import attrs
-from typing import Any, Callable, Mapping
 
 from lorapub.core import registry as R
 from lorapub.core.commands import Command, stamped
