@@ -420,3 +420,15 @@ def test_slot_images_are_built_only_when_asked_for(classes, monkeypatch):
 def test_a_bad_switch_interval_is_ignored_not_fatal(monkeypatch, raw, seconds):
     monkeypatch.setenv(prepared_load.SWITCH_ENV, raw)
     assert prepared_load._switch_interval() == seconds
+
+
+def test_the_trace_reports_the_iterations_that_ended_while_a_load_was_prepared(classes, caplog, monkeypatch):
+    _, _, preparer = preparing(classes)
+    preparer.ticks.extend([0.0, 0.010, 0.020, 0.050, 0.060, 0.100])  # iterations of 10, 10, 30, 10, 40 ms
+    caplog.set_level("INFO", logger=prepared_load.logger.name)
+    with monkeypatch.context() as m:
+        m.setattr(prepared_load.time, "perf_counter", lambda: 0.100)
+        preparer._log_iterations("B", since=0.050)  # prepared from 50 to 100 ms; before: 0 to 50 ms
+    [line] = [r.getMessage() for r in caplog.records if "scheduler iterations" in r.getMessage()]
+    assert "while preparing B (50 ms): n=2 max 40.0 ms" in line
+    assert "before: n=3 max 30.0 ms" in line

@@ -90,7 +90,7 @@ class Preparer:
         if self.on_cuda:  # before any batch runs (see _chunks)
             self._chunks()
         self.trace = os.environ.get(TRACE_ENV) == "1"
-        self.ticks: collections.deque = collections.deque(maxlen=8192)  # (perf_counter, iteration seconds)
+        self.ticks: collections.deque = collections.deque(maxlen=8192)  # perf_counter at each iteration's end
         if self.trace:
             _trace_gc()
         self.switch_s = _switch_interval()
@@ -99,8 +99,7 @@ class Preparer:
 
     def tick(self) -> None:
         """One scheduler loop iteration ended (trace only)."""
-        now = time.perf_counter()
-        self.ticks.append((now, now - self.ticks[-1][0] if self.ticks else -1.0))
+        self.ticks.append(time.perf_counter())
 
     # -- scheduler thread ------------------------------------------------------------------------
     def submit(self, recv_req: Any, stock: Callable[..., Any]) -> bool:
@@ -145,8 +144,10 @@ class Preparer:
         now = time.perf_counter()
         span = now - since
 
-        def stats(lo: float, hi: float) -> str:
-            its = sorted(dt for t, dt in self.ticks if lo < t <= hi and dt >= 0)
+        ends = list(self.ticks)
+
+        def stats(lo: float, hi: float) -> str:  # the iterations that ended in (lo, hi]
+            its = sorted(t - prev for prev, t in zip(ends, ends[1:]) if lo < t <= hi)
             if not its:
                 return "none"
             return (f"n={len(its)} max {1e3 * its[-1]:.1f} ms p90 {1e3 * its[int(0.9 * (len(its) - 1))]:.1f} ms "
