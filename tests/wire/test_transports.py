@@ -166,9 +166,29 @@ async def test_engines_with_one_transport_choose_the_publishers_bucket_source(tm
     e0 = SGLangWireEngine("e0", "http://127.0.0.1:1", transport=t)
     e1 = SGLangWireEngine("e1", "http://127.0.0.1:2", transport=t)
     assert engines_source_factory({"e0": e0, "e1": e1}) == t.bucket_source_factory
-    other = SGLangWireEngine("e1", "http://127.0.0.1:2", transport=HTTPBytes())
+    # engines built with the default transport each hold their own HTTPBytes(): one way of sending
+    defaults = {n: SGLangWireEngine(n, f"http://127.0.0.1:{i + 1}") for i, n in enumerate(("e0", "e1"))}
+    factory = engines_source_factory(defaults)
+    assert factory == defaults["e0"].bucket_source_factory and factory.__self__ == HTTPBytes()
+    assert engines_source_factory({"e0": e0, "e1": SGLangWireEngine("e1", "http://127.0.0.1:2")}) \
+        == t.bucket_source_factory
+    for other in (HTTPBytes(load="tensors"), SameHostIPC(shm_dir=str(tmp_path))):
+        with pytest.raises(InvalidInput, match="different bucket transports"):
+            engines_source_factory({"e0": e0, "e1": SGLangWireEngine("e1", "http://127.0.0.1:2", transport=other)})
+    shm = {n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=SameHostIPC(shm_dir=str(tmp_path))) for n in ("e0", "e1")}
+    assert engines_source_factory(shm).__self__.shm_dir == str(tmp_path)
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
     with pytest.raises(InvalidInput, match="different bucket transports"):
-        engines_source_factory({"e0": e0, "e1": other})
+        engines_source_factory({"e0": shm["e0"], "e1": SGLangWireEngine(
+            "e1", "http://127.0.0.1:2", transport=SameHostIPC(shm_dir=str(other_dir)))})
+    # a torch.distributed transport keeps its attempts' sources: two instances are two ways
+    torch_engines = {n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=TorchDistributed()) for n in ("e0", "e1")}
+    with pytest.raises(InvalidInput, match="different bucket transports"):
+        engines_source_factory(torch_engines)
+    shared = TorchDistributed()
+    assert engines_source_factory({n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=shared)
+                                   for n in ("e0", "e1")}).__self__ is shared
 
     class Plain:
         name = "e2"

@@ -95,6 +95,17 @@ class HTTPBytes:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(load={self.load!r})"
 
+    def _value(self) -> tuple:
+        return (type(self), self.load)
+
+    # Stateless: two made with the same options are the same transport (engines built with the
+    # default each get their own instance, and still form one deployment).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HTTPBytes) and self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
     def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:
         return {"kind": self.kind}
 
@@ -244,6 +255,12 @@ class SameHostIPC(HTTPBytes):
             raise InvalidInput(f"shm_dir must be an existing folder, got {shm_dir!r}")
         self.shm_dir = shm_dir
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shm_dir={self.shm_dir!r}, load={self.load!r})"
+
+    def _value(self) -> tuple:
+        return (type(self), self.load, self.shm_dir)
+
     def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> ShmBucketSource:
         return ShmBucketSource(snapshot, plan, self.shm_dir)
 
@@ -268,6 +285,10 @@ class TorchDistributed(HTTPBytes):
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.host, self.backend, self.device, self.timeout = host, backend, device, float(timeout)
         self._sources: weakref.WeakValueDictionary[str, TorchBucketSource] = weakref.WeakValueDictionary()
+
+    # It tracks the sources it made (each attempt's group): one instance serves a deployment.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> "TorchBucketSource":
         source = TorchBucketSource(snapshot, plan, self)

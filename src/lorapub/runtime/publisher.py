@@ -91,11 +91,14 @@ def engines_source_factory(engines: Mapping[str, Any]) -> Callable[[Snapshot, An
     ``bucket_source_factory`` (a wire transport) must all declare the same one; engines that declare
     none take :class:`InlineBucketSource` (safetensors bytes per bucket)."""
     declared = {name: getattr(engine, "bucket_source_factory", None) for name, engine in engines.items()}
-    found = {f for f in declared.values() if f is not None}
+    found = [f for f in declared.values() if f is not None]
     if not found:
         return InlineBucketSource
-    if len(found) == 1 and all(f is not None for f in declared.values()):
-        return found.pop()
+    # A transport's factory is its bound method; two equal transports (HTTPBytes() made per engine,
+    # say) are one way of sending. A transport with per-process state equals only itself.
+    if len(found) == len(declared) and all(getattr(f, "__self__", f) == getattr(found[0], "__self__", found[0])
+                                           for f in found):
+        return found[0]
     raise InvalidInput(
         "the engines use different bucket transports; one deployment sends buckets one way: "
         + ", ".join(f"{n}: {getattr(f, '__self__', f)!r}" for n, f in sorted(declared.items()))
