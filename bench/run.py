@@ -5,6 +5,8 @@
     python3 bench/run.py --quick    # a smoke run (small, one round): its figures are not the documented ones
     python3 bench/run.py --plot docs/benchmarks-timeline.png   # also the timeline plot (needs the bench extra)
     python3 bench/run.py --engine-url U0 --engine-url U1 --stash-dir /shared   # real patched SGLang servers
+    python3 bench/run.py --engine-url U0 --engine-url U1 --transport http --adapter DIR   # ... bytes over HTTP,
+                                                       # publishing versions of the PEFT adapter in DIR
 
 Part 1 runs one seeded agentic workload against two engines in three strategies — a control
 that publishes nothing, the baseline (lorapub's switch off: pause, flush, overwrite one fixed
@@ -36,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
 from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin  # noqa: E402
+from lorapub.adapters.sglang_wire import SGLangWireEngine  # noqa: E402
 from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.attempt import ReadyLocal  # noqa: E402
 from lorapub.core.effects import SOURCE  # noqa: E402
@@ -48,6 +51,7 @@ from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from lorapub.runtime.registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
+from lorapub.runtime.snapshot import Snapshot  # noqa: E402
 
 ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
@@ -57,6 +61,35 @@ PLOT_BIN = 0.05  # seconds: the timeline counts completions per bin of this widt
 
 
 # -- part 1: online publication ----------------------------------------------------------
+_ADAPTER_VERSIONS: dict[int, Snapshot] = {}
+
+
+def version_snapshot(args, i: int) -> Snapshot:
+    """Publication ``i``'s adapter (0: the one every run starts from). By default a small seeded
+    PEFT adapter; with ``--adapter DIR``, the PEFT folder's tensors scaled by ``1 + i/64`` (its
+    shapes and dtypes, a digest of its own per version), built once per process: the trainer
+    builds snapshots in its own process, so no run pays for them."""
+    if not args.adapter:
+        return lora_snapshot(1000 + i)
+    if i not in _ADAPTER_VERSIONS:
+        from safetensors.torch import load_file
+
+        tensors = load_file(os.path.join(args.adapter, "adapter_model.safetensors"))
+        with open(os.path.join(args.adapter, "adapter_config.json")) as f:
+            config = json.load(f)
+        if isinstance(config.get("target_modules"), list):  # PEFT writes a set: one order for every version
+            config["target_modules"] = sorted(config["target_modules"])
+        config.pop("base_model_name_or_path", None)  # where the base was saved is no part of a version
+        _ADAPTER_VERSIONS[i] = Snapshot({k: (v * (1 + i / 64)).to(v.dtype) for k, v in tensors.items()}, config)
+    return _ADAPTER_VERSIONS[i]
+
+
+def lorapub_engine(args, name: str, url: str, stash: str):
+    if args.transport == "http":  # staged inside the engine: nothing shared between publisher and engines
+        return SGLangWireEngine(name, url)
+    return SGLangEngine(name, url, args.stash_dir or stash)
+
+
 async def start_engines(args) -> tuple[list[str], list[asyncio.subprocess.Process]]:
     """Two fresh engines, each in a process of its own, serving on loopback."""
     flags = ["--decode-delay", str(args.decode_delay), "--load-delay", str(args.load_delay),
@@ -132,16 +165,17 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     dep = None
     try:
         if enabled:
-            engines = {f"e{i}": SGLangEngine(f"e{i}", u, args.stash_dir or stash) for i, u in enumerate(urls)}
+            engines = {f"e{i}": lorapub_engine(args, f"e{i}", u, stash) for i, u in enumerate(urls)}
         else:
             engines = {f"e{i}": SGLangOverwriteAdmin(f"e{i}", u) for i, u in enumerate(urls)}
-        dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(), bucket_cap_bytes=64 << 10,
-                           stash_dir=stash)
-        bootstrap = await dep.publish(lora_snapshot(1000), "v0")  # before any session exists
+        # the small built-in adapter in several buckets; a real-sized one in lorapub's default buckets
+        buckets = {} if args.adapter else {"bucket_cap_bytes": 64 << 10}
+        dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(), stash_dir=stash, **buckets)
+        bootstrap = await dep.publish(version_snapshot(args, 0), "v0")  # before any session exists
         windows, pauses, publications, deferred, sessions = [], [], [], 0, []
         loaded = [] if isinstance(bootstrap, float) else [bootstrap.lora_name]
         # the trainer builds snapshots in its own process; here they are ready before the run
-        snapshots = {i: lora_snapshot(1000 + i) for i in range(1, n_publications + 1)}
+        snapshots = {i: version_snapshot(args, i) for i in range(1, n_publications + 1)}
 
         async def cadence():
             nonlocal deferred
@@ -349,7 +383,9 @@ ROWS = [  # (figure, key in a run's figures, unit, strategies it applies to)
 
 def method(args, spec: WorkloadSpec) -> str:
     if args.engine_url:
-        engines = f"the servers at {', '.join(args.engine_url)} (the same servers in every run)"
+        engines = (f"the servers at {', '.join(args.engine_url)} (the same servers in every run); lorapub's bytes "
+                   + ("over HTTP into the engine's own staging" if args.transport == "http"
+                      else "staged in a folder the engines read"))
     else:
         engines = (f"two SGLang contract doubles, each in a process of its own on loopback, fresh for every run: "
                    f"decode {args.decode_delay * 1e3:g} ms a token, prefill {args.prefill_per_token * 1e6:g} µs an "
@@ -360,8 +396,8 @@ def method(args, spec: WorkloadSpec) -> str:
         "method:",
         f"  engines: {engines}; the workload, the publisher and lorapub run in this process.",
         f"  workload: {spec.sessions} sessions arriving every {spec.arrival_interval * 1e3:g} ms, {spec.turns[0]}-{spec.turns[1]} "
-        f"tool turns, {spec.max_new_tokens} new tokens a turn, seed {spec.seed}; {args.publications} publications, "
-        f"each {args.cadence:g} s after the previous one ended.",
+        f"tool turns, {spec.max_new_tokens} new tokens a turn, {spec.tool_latency * 1e3:g} ms tool time, seed {spec.seed}; "
+        f"{args.publications} publications of {adapter_text(args)}, each {args.cadence:g} s after the previous one ended.",
         "  control: lorapub on, nothing published. baseline: lorapub's switch off (pause with abort, flush, unload +",
         "    load of the fixed name on every engine at once, continue; the agentic layer resends aborted requests).",
         "    lorapub: a new immutable version loaded, pinned, beside the live ones; sessions keep their version.",
@@ -375,9 +411,17 @@ def method(args, spec: WorkloadSpec) -> str:
     ])
 
 
+def adapter_text(args) -> str:
+    if not args.adapter:
+        return "a small seeded adapter (2 layers, q/v, r=8)"
+    snap = version_snapshot(args, 0)
+    nbytes = sum(e.nbytes for e in snap.manifest.tensors)
+    return f"the adapter in {args.adapter} ({len(snap.manifest.tensors)} tensors, {nbytes / 1e6:.0f} MB), rescaled per version"
+
+
 async def part1(args) -> tuple[dict, dict]:
     spec = WorkloadSpec(sessions=args.sessions, arrival_interval=args.arrival, turns=(3, 6), seed=args.seed,
-                        tool_latency=0.005, max_new_tokens=8)
+                        tool_latency=args.tool_latency, max_new_tokens=args.max_new_tokens)
     load = os.getloadavg()[0]
     print(f"== online publication: {args.rounds} round(s) of control, baseline, lorapub; "
           f"load average {load:.2f} on {os.cpu_count()} CPUs ==")
@@ -428,7 +472,7 @@ async def part1(args) -> tuple[dict, dict]:
         title = (f"Completed requests per engine, round {shown + 1} of {args.rounds} (the median by share removed): "
                  f"{spec.sessions} agentic sessions every {spec.arrival_interval * 1e3:g} ms, "
                  f"{spec.turns[0]}-{spec.turns[1]} tool turns, seed {spec.seed}; {args.publications} publication(s), "
-                 f"adapter load {args.load_delay * 1e3:g} ms")
+                 + ("live SGLang servers" if args.engine_url else f"adapter load {args.load_delay * 1e3:g} ms"))
         write_plot(args.plot, plot, "\n".join(textwrap.wrap(title, 110)))
         print(f"timeline plot (round {shown + 1}): {args.plot}")
     return bars, figures
@@ -510,7 +554,13 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: one small round, bars not judged")
     parser.add_argument("--engine-url", action="append", help="a real (patched) SGLang server; give two")
-    parser.add_argument("--stash-dir")
+    parser.add_argument("--stash-dir", help="with --transport folder: a folder the servers can read")
+    parser.add_argument("--transport", choices=("folder", "http"), default="folder",
+                        help="how lorapub's bytes reach real servers: a folder they read, or HTTP into the engine")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="publish versions of this PEFT folder (for real servers: it must fit their model)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="new tokens a turn")
+    parser.add_argument("--tool-latency", type=float, default=0.005, help="tool time between turns (s)")
     parser.add_argument("--rounds", type=int, help=f"control/baseline/lorapub rounds (default {FULL['rounds']})")
     parser.add_argument("--sessions", type=int, help=f"default {FULL['sessions']}")
     parser.add_argument("--arrival", type=float, default=0.01)
