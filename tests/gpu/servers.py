@@ -48,10 +48,14 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
 
-def server_args(model: str, port: int, *, max_lora_rank: int, context_length: int, mem_fraction: float) -> list[str]:
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def server_args(model: str, port: int, *, max_lora_rank: int, context_length: int, mem_fraction: float,
+                target_modules: tuple[str, ...] = ATTENTION_MODULES) -> list[str]:
     return [
         "--model-path", model, "--enable-lora", "--max-loras-per-batch", "3", "--max-loaded-loras", "3",
-        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "--max-lora-rank", str(max_lora_rank),
+        "--lora-target-modules", *target_modules, "--max-lora-rank", str(max_lora_rank),
         "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
         "--grammar-backend", "none", "--dtype", "bfloat16", "--context-length", str(context_length),
         "--max-total-tokens", "131072", "--mem-fraction-static", str(mem_fraction), "--random-seed", "0",
@@ -64,14 +68,16 @@ def server_args(model: str, port: int, *, max_lora_rank: int, context_length: in
 
 
 def start(name: str, model: str, port: int, out_dir: str, *, patched: bool, env: dict | None = None,
-          max_lora_rank: int = 8, context_length: int = 8192, mem_fraction: float = 0.2) -> Server:
+          max_lora_rank: int = 8, context_length: int = 8192, mem_fraction: float = 0.2,
+          target_modules: tuple[str, ...] = ATTENTION_MODULES) -> Server:
     log_path = os.path.join(out_dir, f"server-{name}.log")
     environ = dict(os.environ, **(env or {}))
     environ["PYTHONUNBUFFERED"] = "1"
     if not patched:
         environ["LORAPUB_SGLANG_PATCH"] = "observe"
     cmd = [sys.executable, "-m", "lorapub.sglang_patch", "launch",
-           *server_args(model, port, max_lora_rank=max_lora_rank, context_length=context_length, mem_fraction=mem_fraction)]
+           *server_args(model, port, max_lora_rank=max_lora_rank, context_length=context_length, mem_fraction=mem_fraction,
+                        target_modules=target_modules)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     return Server(name, port, patched, log_path, proc)
