@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import http as _http
 import json
+import logging
 import math
 import os
 import re
@@ -35,6 +36,8 @@ from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
+
+logger = logging.getLogger(__name__)
 
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
@@ -125,13 +128,22 @@ class OwnedHTTPSession:
     def _use_http(self, http: aiohttp.ClientSession | None) -> None:
         self._http = http
         self._own_http = http is None
+        limit = getattr(getattr(http, "connector", None), "limit", 0)
+        if limit:
+            logger.warning(
+                "%s: the aiohttp session it was given holds at most %d connections; generations and admin calls "
+                "share them, so with more generations in flight an admin call waits for one to end (and the old "
+                "path's pause can wait forever). Give it a session with aiohttp.TCPConnector(limit=0), or none.",
+                type(self).__name__, limit)
 
     @property
     def http(self) -> aiohttp.ClientSession:
         if self._closed:
             raise EngineClosed(f"{self!r} was closed; nothing was sent")
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
+            # No connection cap (aiohttp's default is 100): a rollout keeps hundreds of generations open
+            # on one engine, and an admin call must never queue behind them.
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             self._own_http = True  # made here (also after a caller closed theirs): closed here
         return self._http
 

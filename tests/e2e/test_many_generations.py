@@ -1,0 +1,82 @@
+"""More generations in flight than aiohttp's default connection pool (100) holds.
+
+A rollout keeps hundreds of generations open on one engine. Admin calls share the engine
+adapter's HTTP client with them, so a capped pool queues an admin call behind generations
+that wait for that very call: the old path pauses generation, the agentic layer resends the
+aborted requests, they wait out the pause holding every connection, and the flush that would
+end the pause never gets one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin
+from lorapub.runtime.deployment import Deployment, deploy
+from lorapub.testing import SGLangDouble, lora_snapshot
+from tests.e2e.conftest import FAST
+
+IN_FLIGHT = 250  # over twice aiohttp's default limit of 100 connections per session
+LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 80}}  # 80 steps of 25 ms: ~2 s
+
+
+@pytest.fixture
+async def slow_double():
+    d = await SGLangDouble("e0", decode_delay=0.025).start()
+    yield d
+    await d.stop()
+
+
+async def test_the_old_path_publishes_while_more_sessions_wait_out_its_pause_than_the_pool_holds(tmp_path):
+    double = await SGLangDouble("e0", decode_delay=0.025, stock=True).start()
+    admin = SGLangOverwriteAdmin("e0", double.url)
+    dep = await deploy({"e0": admin}, epoch=1, enabled=False, stash_dir=str(tmp_path))
+    try:
+        await dep.publish(lora_snapshot(1), "A")
+        sessions = [dep.session(f"s{i}") for i in range(IN_FLIGHT)]
+        turns = [asyncio.create_task(s.generate(dict(LONG))) for s in sessions]
+        await asyncio.sleep(0.3)  # all of them sent and decoding
+        await asyncio.wait_for(dep.publish(lora_snapshot(2), "B"), 10)  # aborts, resends, flush, overwrite
+        # the pause reached the engine while the turns ran (it waited for no connection), so it
+        # aborted more of them than the pool holds; their resends waited out the pause
+        assert sum(s.resumed for s in sessions) > 100
+        outs = await asyncio.wait_for(asyncio.gather(*turns), 30)
+        assert all(o["output_ids"] for o in outs) and not double.is_paused
+    finally:
+        await dep.close()
+        await admin.close()
+        await double.stop()
+
+
+async def test_lorapub_publishes_while_more_generations_are_in_flight_than_the_pool_holds(slow_double, tmp_path):
+    engines = {"e0": SGLangEngine("e0", slow_double.url, str(tmp_path / "stash"))}
+    dep = await Deployment(engines, epoch=1, deadlines=FAST).start()
+    try:
+        await dep.publish(lora_snapshot(1), "A")
+        sessions = [dep.session(f"s{i}") for i in range(IN_FLIGHT)]
+        turns = [asyncio.create_task(s.generate(dict(LONG))) for s in sessions]
+        await asyncio.sleep(0.3)  # all of them sent and decoding
+        await asyncio.wait_for(engines["e0"].incarnation(), 5)
+        assert not any(t.done() for t in turns), "an admin call waited for a generation to end"
+        await asyncio.wait_for(dep.publish(lora_snapshot(2), "B"), 5)
+        assert not any(t.done() for t in turns), "the publication waited for a generation to end"
+        outs = await asyncio.gather(*turns)
+        assert all(len(o["output_ids"]) == 80 for o in outs)
+        assert {s.binding.version.version_id for s in sessions} == {"A"}
+    finally:
+        await dep.close()
+        await engines["e0"].close()
+
+
+async def test_a_capped_session_given_by_the_caller_is_named_in_a_warning(caplog):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as capped, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as uncapped:
+        with caplog.at_level("WARNING", logger="lorapub.adapters.sglang_http"):
+            SGLangEngine("e0", "http://127.0.0.1:1", "/tmp", http=uncapped)
+            assert not caplog.records
+            SGLangEngine("e0", "http://127.0.0.1:1", "/tmp", http=capped)
+        assert [r.getMessage() for r in caplog.records if "holds at most 100 connections" in r.getMessage()]
