@@ -46,7 +46,7 @@ from lorapub.core.identity import SessionKey, VersionKey  # noqa: E402
 from lorapub.runtime.deployment import deploy  # noqa: E402
 from lorapub.runtime.overwrite import FIXED_LORA_NAME  # noqa: E402
 from lorapub.runtime.runner import Deadlines  # noqa: E402
-from lorapub.errors import CapacityError, PublicationBlocked  # noqa: E402
+from lorapub.errors import CapacityError, OutcomeUnknown, PublicationBlocked  # noqa: E402
 from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from lorapub.runtime.registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
@@ -149,6 +149,17 @@ def longest_stall(result: WorkloadResult, window: tuple[float, float] | None = N
     return longest
 
 
+async def retried(call, tries: int = 3):
+    """``call()`` again on an unknown outcome (a lost reply), as lorapub's reclaimer would."""
+    for attempt in range(tries):
+        try:
+            return await call()
+        except OutcomeUnknown:
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(0.5)
+
+
 async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     """One strategy on fresh engines (or, with --engine-url, the servers as the previous run
     left them: as it found them); the figures of that run (seconds, counts). Each run is a
@@ -219,7 +230,7 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
             for e in engines.values():
                 if enabled:
                     for name in loaded:  # reclaimed ones are gone already: an unload of them is a no-op
-                        await e.reclaim(name, f"bench-end-of-run-{epoch}")
+                        await retried(lambda: e.reclaim(name, f"bench-end-of-run-{epoch}"))
                 elif FIXED_LORA_NAME in await e.loaded_adapters():
                     await e.unload_adapter(FIXED_LORA_NAME)
     finally:

@@ -80,3 +80,21 @@ async def test_a_capped_session_given_by_the_caller_is_named_in_a_warning(caplog
             assert not caplog.records
             SGLangEngine("e0", "http://127.0.0.1:1", "/tmp", http=capped)
         assert [r.getMessage() for r in caplog.records if "holds at most 100 connections" in r.getMessage()]
+
+
+async def test_an_idle_connection_is_closed_before_the_server_would_close_it(slow_double, tmp_path):
+    """SGLang's HTTP server closes a connection idle for 5 s; a request sent on one it is closing
+    gets no answer (an unknown outcome), so the adapter's own session drops idle ones sooner."""
+    from lorapub.adapters.sglang_http import IDLE_CONNECTION_S
+
+    engine = SGLangEngine("e0", slow_double.url, str(tmp_path))
+    try:
+        await engine.incarnation()
+        connector = engine.client.http.connector
+        assert sum(len(c) for c in connector._conns.values()) == 1  # kept for reuse
+        await asyncio.sleep(3.5)  # under SGLang's 5 s (SGLANG_TIMEOUT_KEEP_ALIVE), over ours + aiohttp's 1 s ceiling
+        assert sum(len(c) for c in connector._conns.values()) == 0, "an idle connection outlived 3.5 s"
+        assert IDLE_CONNECTION_S <= 2.5
+        await engine.incarnation()  # a fresh connection answers
+    finally:
+        await engine.close()

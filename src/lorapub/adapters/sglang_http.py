@@ -38,6 +38,8 @@ from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, che
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 
 logger = logging.getLogger(__name__)
+#: How long an idle connection of an adapter's own session stays open: below SGLang's keep-alive (5 s).
+IDLE_CONNECTION_S = 2.0
 
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
@@ -142,8 +144,11 @@ class OwnedHTTPSession:
             raise EngineClosed(f"{self!r} was closed; nothing was sent")
         if self._http is None or self._http.closed:
             # No connection cap (aiohttp's default is 100): a rollout keeps hundreds of generations open
-            # on one engine, and an admin call must never queue behind them.
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # on one engine, and an admin call must never queue behind them. Idle connections close
+            # before the server closes them (SGLang's uvicorn after 5 s, SGLANG_TIMEOUT_KEEP_ALIVE):
+            # a request sent on a connection the server is closing gets no answer, an unknown outcome.
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S))
             self._own_http = True  # made here (also after a caller closed theirs): closed here
         return self._http
 
