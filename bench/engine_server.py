@@ -3,6 +3,7 @@
 
     python3 bench/engine_server.py NAME [--decode-delay S] [--load-delay S]
                                         [--prefill-per-token S] [--blocking-load]
+                                        [--install-stop S] [--first-use-stop S]
 
 bench/run.py starts one per engine and per run, so an engine's event loop, CPU and garbage
 collector are not the workload's (nor the other engine's). It prints ``URL <base url>`` once
@@ -29,6 +30,7 @@ async def serve(args: argparse.Namespace) -> None:
     double = await SGLangDouble(
         args.name, decode_delay=args.decode_delay, load_delay=args.load_delay,
         prefill_per_token=args.prefill_per_token, blocking_load=args.blocking_load,
+        install_stop=args.install_stop, first_use_stop=args.first_use_stop,
     ).start()
     gc.collect()
     gc.freeze()
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--prefill-per-token", type=float, default=0.0)
     parser.add_argument("--blocking-load", action="store_true")
+    parser.add_argument("--install-stop", type=float, default=0.0)
+    parser.add_argument("--first-use-stop", type=float, default=0.0)
     asyncio.run(serve(parser.parse_args()))
 
 

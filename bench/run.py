@@ -58,6 +58,17 @@ STRATEGIES = ("control", "baseline", "lorapub")
 FULL = dict(rounds=3, sessions=150, publications=3, cadence=0.25, load_delay=0.25)
 QUICK = dict(rounds=1, sessions=16, publications=1, cadence=0.1, load_delay=0.05)
 PLOT_BIN = 0.05  # seconds: the timeline counts completions per bin of this width
+#: How an engine's adapter load meets its decoding (--engine-model).
+ENGINE_MODELS = {
+    "stock": {"flags": ["--blocking-load"],
+              "text": "the load blocking that engine's batches (stock SGLang's scheduler loads between batches)"},
+    # lorapub's patched server as measured live (docs/gpu-acceptance.md, "Decode gaps during a load"):
+    # the install took 1-2 ms on the scheduler thread and the first batch's slot fill 8-16 ms.
+    "patched": {"flags": ["--install-stop", "0.002", "--first-use-stop", "0.012"],
+                "text": "the load running beside decoding, then every step stopped 2 ms to swap it in and 12 ms at the "
+                        "adapter's first step (lorapub's patched SGLang, as measured live)"},
+    "beside": {"flags": [], "text": "decoding going on beside a load, no stop at all"},
+}
 
 
 # -- part 1: online publication ----------------------------------------------------------
@@ -93,7 +104,7 @@ def lorapub_engine(args, name: str, url: str, stash: str):
 async def start_engines(args) -> tuple[list[str], list[asyncio.subprocess.Process]]:
     """Two fresh engines, each in a process of its own, serving on loopback."""
     flags = ["--decode-delay", str(args.decode_delay), "--load-delay", str(args.load_delay),
-             "--prefill-per-token", str(args.prefill_per_token)] + (["--blocking-load"] if args.blocking_load else [])
+             "--prefill-per-token", str(args.prefill_per_token)] + ENGINE_MODELS[args.engine_model]["flags"]
     procs = [await asyncio.create_subprocess_exec(sys.executable, ENGINE_SERVER, f"e{i}", *flags,
                                                   stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
              for i in range(2)]
@@ -401,8 +412,7 @@ def method(args, spec: WorkloadSpec) -> str:
         engines = (f"two SGLang contract doubles, each in a process of its own on loopback, fresh for every run: "
                    f"decode {args.decode_delay * 1e3:g} ms a token, prefill {args.prefill_per_token * 1e6:g} µs an "
                    f"uncached prompt token, adapter load {args.load_delay * 1e3:g} ms, "
-                   + ("the load blocking that engine's batches (SGLang's scheduler loads between batches)"
-                      if args.blocking_load else "decoding going on beside a load (--no-blocking-load)"))
+                   + f"{ENGINE_MODELS[args.engine_model]['text']} (--engine-model {args.engine_model})")
     return "\n".join([
         "method:",
         f"  engines: {engines}; the workload, the publisher and lorapub run in this process.",
@@ -580,8 +590,11 @@ async def main() -> int:
     parser.add_argument("--decode-delay", type=float, default=0.002)
     parser.add_argument("--load-delay", type=float,
                         help=f"simulated adapter load + GPU prep in seconds (default {FULL['load_delay']})")
-    parser.add_argument("--no-blocking-load", dest="blocking_load", action="store_false",
-                        help="let the doubles decode beside a load (SGLang does not)")
+    parser.add_argument("--engine-model", choices=sorted(ENGINE_MODELS), default="stock",
+                        help="how the doubles' adapter load meets decoding: stock SGLang (blocking, the default), "
+                             "lorapub's patched SGLang (beside, with the short stops measured live), or no stop at all")
+    parser.add_argument("--no-blocking-load", dest="engine_model", action="store_const", const="beside",
+                        help="the same as --engine-model beside")
     parser.add_argument("--prefill-per-token", type=float, default=20e-6, help="simulated prefill cost of an uncached token (s)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--skip-online", action="store_true")

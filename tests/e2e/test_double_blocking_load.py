@@ -39,3 +39,33 @@ async def test_a_generation_sent_during_a_load(adapter_dir, blocking):
         await asyncio.gather(load, return_exceptions=True)
         await admin.close()
         await double.stop()
+
+
+async def test_the_patched_model_decodes_beside_a_load_and_stops_only_to_swap_it_in_and_fill_its_slot(adapter_dir):
+    """lorapub's patched server as measured live: the load runs beside decoding; the swap-in
+    (``install_stop``) and the first step on the new adapter (``first_use_stop``) stop every request."""
+    double = await SGLangDouble("e0", load_delay=0.4, install_stop=0.3, first_use_stop=0.3).start()
+    admin = SGLangOverwriteAdmin("e0", double.url)
+    load = asyncio.create_task(admin.load_adapter("x", adapter_dir))
+    loop = asyncio.get_running_loop()
+    try:
+        await until(lambda: double.update_lock.locked())
+        t0 = loop.time()
+        assert (await admin.generate(GEN))["output_ids"]  # beside the load: no wait
+        assert loop.time() - t0 < 0.25 and not load.done()
+        await until(lambda: not double.not_loading.is_set(), timeout=5)  # the swap-in stops every step
+        t0 = loop.time()
+        assert (await admin.generate(GEN))["output_ids"]
+        assert loop.time() - t0 >= 0.1 and ("load", "x") in double.events
+        await load
+        t0 = loop.time()  # the adapter's first step waits for its slot to be filled
+        first, base = await asyncio.gather(admin.generate({**GEN, "lora_path": "x"}), admin.generate(GEN))
+        assert loop.time() - t0 >= 0.25 and first["output_ids"] and base["output_ids"]
+        t0 = loop.time()
+        assert (await admin.generate({**GEN, "lora_path": "x"}))["output_ids"]  # once only
+        assert loop.time() - t0 < 0.25 and double.not_loading.is_set()
+    finally:
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+        await admin.close()
+        await double.stop()

@@ -163,7 +163,11 @@ class SGLangDouble:
     ``blocking_load=True`` models SGLang's scheduler, which loads an adapter between batches:
     while a load runs (``load_delay``, an implicit reload included) no prefill or decode step
     starts on this engine; steps resume when the adapter is registered. Off (the default),
-    decoding goes on beside a load.
+    decoding goes on beside a load. ``install_stop`` and ``first_use_stop`` model lorapub's patched
+    server, whose load runs beside decoding (measured live: docs/gpu-acceptance.md): once the load
+    is done every step waits ``install_stop`` (the scheduler swapping the prepared adapter in), and
+    the first step that uses an adapter waits ``first_use_stop`` for every request (its memory-pool
+    slot being filled).
     """
 
     def __init__(
@@ -177,6 +181,8 @@ class SGLangDouble:
         load_delay: float = 0.0,
         prefill_per_token: float = 0.0,
         blocking_load: bool = False,
+        install_stop: float = 0.0,
+        first_use_stop: float = 0.0,
         stock: bool = False,
         api_key: str | None = None,
         admin_api_key: str | None = None,
@@ -195,6 +201,9 @@ class SGLangDouble:
         self.load_delay = load_delay  # simulated adapter load + GPU preparation time
         self.prefill_per_token = prefill_per_token  # uncached prompt tokens cost prefill time
         self.blocking_load = blocking_load  # a load holds this engine's batches (SGLang's scheduler)
+        self.install_stop = install_stop  # every step waits this long once a load is done
+        self.first_use_stop = first_use_stop  # ... and this long at an adapter's first step
+        self._slot_filled: set[str] = set()  # adapters whose first step ran
         self.faults: dict[str, Fault] = {}
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -216,8 +225,9 @@ class SGLangDouble:
         self.prefix_cache: dict[str, list[tuple[int, ...]]] = {}
         self.paused = asyncio.Event()
         self.paused.set()
-        self.not_loading = asyncio.Event()  # cleared while a blocking load holds the batches
+        self.not_loading = asyncio.Event()  # cleared while a blocking load (or a modelled stop) holds the batches
         self.not_loading.set()
+        self._holds = 0
         self.abort_gen = 0  # bumped by pause_generation(mode="abort"): running requests end aborted
         self.physical_unloads: list[str] = []
 
@@ -366,23 +376,44 @@ class SGLangDouble:
             }
         )
 
+    def _hold_steps(self) -> None:
+        self._holds += 1
+        self.not_loading.clear()
+
+    def _release_steps(self) -> None:
+        self._holds -= 1
+        if not self._holds:
+            self.not_loading.set()
+
+    async def _stop_steps(self, seconds: float) -> None:
+        """No prefill or decode step starts on this engine for ``seconds``."""
+        self._hold_steps()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._release_steps()
+
     async def _load(self, lora_name: str, lora_path: str, pinned: bool, signature: str | None = None) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
-        if self.blocking_load:  # callers hold update_lock: one load at a time
-            self.not_loading.clear()
+        blocking = self.blocking_load  # callers hold update_lock: one load at a time
+        if blocking:
+            self._hold_steps()
         try:
             if signature is None:  # from tensors: the caller computed it
                 signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
             if self.load_delay:
                 await asyncio.sleep(self.load_delay)
+            if self.install_stop:
+                await self._stop_steps(self.install_stop)
             ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
             await self.lora_registry.register(ref)  # "already exists" -> ValueError
             self.loaded[ref.lora_id] = signature
             self.ref_cache[lora_name] = ref
             self.events.append(("load", lora_name))
         finally:
-            self.not_loading.set()
+            if blocking:
+                self._release_steps()
         while self.lora_registry.num_registered_loras > self.max_loaded_loras:
             lru = await self.lora_registry.lru_lora_name(exclude_pinned=True)
             if lru is None:
@@ -551,6 +582,9 @@ class SGLangDouble:
                 await asyncio.sleep(self.prefill_per_token * (len(ids) - cached))
             seq = list(ids)
             logprobs = []
+            if self.first_use_stop and lora_id is not None and lora_id not in self._slot_filled:
+                self._slot_filled.add(lora_id)
+                await self._stop_steps(self.first_use_stop)
             for _ in range(max_new):
                 if gen != self.abort_gen:
                     await release_once()
