@@ -192,7 +192,9 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
             engines = {f"e{i}": SGLangOverwriteAdmin(f"e{i}", u) for i, u in enumerate(urls)}
         # the small built-in adapter in several buckets; a real-sized one in lorapub's default buckets
         buckets = {} if args.adapter else {"bucket_cap_bytes": 64 << 10}
-        dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(), stash_dir=stash, **buckets)
+        # the old path stages its folder where the servers read it: --stash-dir for real servers elsewhere
+        dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(),
+                           stash_dir=stash if enabled else (args.stash_dir or stash), **buckets)
         bootstrap = await dep.publish(version_snapshot(args, 0), "v0")  # before any session exists
         windows, pauses, publications, deferred, sessions = [], [], [], 0, []
         loaded = [] if isinstance(bootstrap, float) else [bootstrap.lora_name]
@@ -575,7 +577,8 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: one small round, bars not judged")
     parser.add_argument("--engine-url", action="append", help="a real (patched) SGLang server; give two")
-    parser.add_argument("--stash-dir", help="with --transport folder: a folder the servers can read")
+    parser.add_argument("--stash-dir", help="with real servers: a folder they can read (lorapub's folder transport "
+                                            "and the baseline's old path stage there; default a local temp folder)")
     parser.add_argument("--transport", choices=("folder", "http"), default="folder",
                         help="how lorapub's bytes reach real servers: a folder they read, or HTTP into the engine")
     parser.add_argument("--adapter", metavar="DIR",
@@ -590,7 +593,7 @@ async def main() -> int:
     parser.add_argument("--decode-delay", type=float, default=0.002)
     parser.add_argument("--load-delay", type=float,
                         help=f"simulated adapter load + GPU prep in seconds (default {FULL['load_delay']})")
-    parser.add_argument("--engine-model", choices=sorted(ENGINE_MODELS), default="stock",
+    parser.add_argument("--engine-model", choices=sorted(ENGINE_MODELS),
                         help="how the doubles' adapter load meets decoding: stock SGLang (blocking, the default), "
                              "lorapub's patched SGLang (beside, with the short stops measured live), or no stop at all")
     parser.add_argument("--no-blocking-load", dest="engine_model", action="store_const", const="beside",
@@ -603,6 +606,9 @@ async def main() -> int:
                         help="also draw Part 1's timeline (completions per engine over time, one round) to this PNG; "
                              "needs matplotlib (pip install -e '.[bench]')")
     args = parser.parse_args()
+    if args.engine_url and args.engine_model is not None:
+        parser.error("--engine-model shapes the doubles; real servers (--engine-url) behave as they do")
+    args.engine_model = args.engine_model or "stock"
     if args.plot and args.skip_online:
         parser.error("--plot draws Part 1: it cannot go with --skip-online")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

@@ -69,3 +69,22 @@ async def test_the_patched_model_decodes_beside_a_load_and_stops_only_to_swap_it
         await asyncio.gather(load, return_exceptions=True)
         await admin.close()
         await double.stop()
+
+
+async def test_a_stop_taken_before_a_restart_leaves_the_new_incarnation_stepping(adapter_dir):
+    double = await SGLangDouble("e0", first_use_stop=0.3).start()
+    admin = SGLangOverwriteAdmin("e0", double.url)
+    try:
+        await admin.load_adapter("x", adapter_dir)
+        first = asyncio.create_task(admin.generate({**GEN, "lora_path": "x"}))  # holds every step for 0.3 s
+        await until(lambda: not double.not_loading.is_set())
+        double.restart()  # the crash: the held request's release belongs to the old incarnation
+        await asyncio.gather(first, return_exceptions=True)
+        await admin.load_adapter("x", adapter_dir)
+        # a new first use: stop, release (a stuck gate would hold it forever)
+        assert (await asyncio.wait_for(admin.generate({**GEN, "lora_path": "x"}), 5))["output_ids"]
+        assert double.not_loading.is_set()
+        assert (await asyncio.wait_for(admin.generate(GEN), 2))["output_ids"]
+    finally:
+        await admin.close()
+        await double.stop()

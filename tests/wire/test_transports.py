@@ -189,6 +189,37 @@ async def test_engines_with_one_transport_choose_the_publishers_bucket_source(tm
     shared = TorchDistributed()
     assert engines_source_factory({n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=shared)
                                    for n in ("e0", "e1")}).__self__ is shared
+    # an embedder's transport (no `stateless` declaration) is one way only when it is one object,
+    # whatever its own equality says
+    class Mine(HTTPBytes):
+        stateless = False
+
+        def __init__(self, sources):
+            super().__init__()
+            self.sources = sources
+
+    a, b = Mine({}), Mine({})
+    assert a != b and Mine.__eq__(a, a)
+    with pytest.raises(InvalidInput, match="different bucket transports"):
+        engines_source_factory({"e0": SGLangWireEngine("e0", "http://127.0.0.1:1", transport=a),
+                                "e1": SGLangWireEngine("e1", "http://127.0.0.1:2", transport=b)})
+
+    class Plain2:
+        def __init__(self):
+            self.name = "e3"
+
+        def __eq__(self, other):
+            return True  # a loose equality of its own must not merge two transports
+
+        __hash__ = object.__hash__
+
+        def bucket_source_factory(self, snapshot, plan):
+            return None
+
+    with pytest.raises(InvalidInput, match="different bucket transports"):
+        engines_source_factory({"e0": Plain2(), "e1": Plain2()})
+    # /dev/shm and /dev/shm/ are one folder
+    assert SameHostIPC(shm_dir=str(tmp_path)) == SameHostIPC(shm_dir=str(tmp_path) + "/")
 
     class Plain:
         name = "e2"

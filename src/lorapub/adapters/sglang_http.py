@@ -38,7 +38,9 @@ from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, che
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 
 logger = logging.getLogger(__name__)
-#: How long an idle connection of an adapter's own session stays open: below SGLang's keep-alive (5 s).
+#: SGLang's HTTP server closes a connection idle this long (its SGLANG_TIMEOUT_KEEP_ALIVE default).
+SERVER_KEEP_ALIVE_S = 5.0
+#: How long an idle connection of an adapter's own session stays open: well below the server's.
 IDLE_CONNECTION_S = 2.0
 
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
@@ -130,13 +132,23 @@ class OwnedHTTPSession:
     def _use_http(self, http: aiohttp.ClientSession | None) -> None:
         self._http = http
         self._own_http = http is None
-        limit = getattr(getattr(http, "connector", None), "limit", 0)
+        connector = getattr(http, "connector", None)
+        if connector is None:
+            return
+        limit = getattr(connector, "limit", 0) or getattr(connector, "limit_per_host", 0)
         if limit:
             logger.warning(
                 "%s: the aiohttp session it was given holds at most %d connections; generations and admin calls "
                 "share them, so with more generations in flight an admin call waits for one to end (and the old "
                 "path's pause can wait forever). Give it a session with aiohttp.TCPConnector(limit=0), or none.",
                 type(self).__name__, limit)
+        idle = getattr(connector, "_keepalive_timeout", None)  # aiohttp's own attribute (default 15 s)
+        if not isinstance(idle, (int, float)) or idle >= SERVER_KEEP_ALIVE_S:
+            logger.warning(
+                "%s: the aiohttp session it was given keeps idle connections %s s; SGLang's server closes them "
+                "after %g s, and a request sent on one it is closing gets no answer (an unknown outcome). "
+                "Give it a session with aiohttp.TCPConnector(keepalive_timeout=%g), or none.",
+                type(self).__name__, idle, SERVER_KEEP_ALIVE_S, IDLE_CONNECTION_S)
 
     @property
     def http(self) -> aiohttp.ClientSession:

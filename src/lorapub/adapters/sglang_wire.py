@@ -86,6 +86,9 @@ class HTTPBytes:
     folder on its own disk and loads it) or ``"tensors"`` (SGLang's ``load_lora_adapter_from_tensors``)."""
 
     kind = "http"
+    #: No per-process state: instances made with the same options are one way of sending
+    #: (a subclass that keeps state of its own sets this False and equals only itself).
+    stateless = True
 
     def __init__(self, *, load: str = "dir") -> None:
         if load not in es.LOAD_FORMS:
@@ -98,13 +101,14 @@ class HTTPBytes:
     def _value(self) -> tuple:
         return (type(self), self.load)
 
-    # Stateless: two made with the same options are the same transport (engines built with the
-    # default each get their own instance, and still form one deployment).
+    # Engines built with the default each get their own instance and still form one deployment.
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, HTTPBytes) and self._value() == other._value()
+        if not (self.stateless and isinstance(other, HTTPBytes) and other.stateless):
+            return self is other
+        return self._value() == other._value()
 
     def __hash__(self) -> int:
-        return hash(self._value())
+        return hash(self._value()) if self.stateless else object.__hash__(self)
 
     def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:
         return {"kind": self.kind}
@@ -259,7 +263,7 @@ class SameHostIPC(HTTPBytes):
         return f"{type(self).__name__}(shm_dir={self.shm_dir!r}, load={self.load!r})"
 
     def _value(self) -> tuple:
-        return (type(self), self.load, self.shm_dir)
+        return (type(self), self.load, os.path.realpath(self.shm_dir))
 
     def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> ShmBucketSource:
         return ShmBucketSource(snapshot, plan, self.shm_dir)
@@ -287,8 +291,7 @@ class TorchDistributed(HTTPBytes):
         self._sources: weakref.WeakValueDictionary[str, TorchBucketSource] = weakref.WeakValueDictionary()
 
     # It tracks the sources it made (each attempt's group): one instance serves a deployment.
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
+    stateless = False
 
     def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> "TorchBucketSource":
         source = TorchBucketSource(snapshot, plan, self)

@@ -94,10 +94,14 @@ def engines_source_factory(engines: Mapping[str, Any]) -> Callable[[Snapshot, An
     found = [f for f in declared.values() if f is not None]
     if not found:
         return InlineBucketSource
-    # A transport's factory is its bound method; two equal transports (HTTPBytes() made per engine,
-    # say) are one way of sending. A transport with per-process state equals only itself.
-    if len(found) == len(declared) and all(getattr(f, "__self__", f) == getattr(found[0], "__self__", found[0])
-                                           for f in found):
+    # A transport's factory is its bound method. Transports that declare themselves stateless
+    # (HTTPBytes() made per engine, say) are one way of sending when equal; any other one only
+    # when it is the very same object (it may keep per-attempt state, as TorchDistributed does).
+    def same(a: Any, b: Any) -> bool:
+        a, b = getattr(a, "__self__", a), getattr(b, "__self__", b)
+        return a is b or (getattr(a, "stateless", False) is True and getattr(b, "stateless", False) is True and a == b)
+
+    if len(found) == len(declared) and all(same(f, found[0]) for f in found):
         return found[0]
     raise InvalidInput(
         "the engines use different bucket transports; one deployment sends buckets one way: "

@@ -376,29 +376,31 @@ class SGLangDouble:
             }
         )
 
-    def _hold_steps(self) -> None:
+    def _hold_steps(self) -> asyncio.Event:
+        """Stop every step until the matching :meth:`_release_steps`; returns this incarnation's gate."""
         self._holds += 1
         self.not_loading.clear()
+        return self.not_loading
 
-    def _release_steps(self) -> None:
+    def _release_steps(self, gate: asyncio.Event) -> None:
+        if gate is not self.not_loading:  # taken before a restart: that incarnation's gate is gone
+            return
         self._holds -= 1
         if not self._holds:
             self.not_loading.set()
 
     async def _stop_steps(self, seconds: float) -> None:
         """No prefill or decode step starts on this engine for ``seconds``."""
-        self._hold_steps()
+        gate = self._hold_steps()
         try:
             await asyncio.sleep(seconds)
         finally:
-            self._release_steps()
+            self._release_steps(gate)
 
     async def _load(self, lora_name: str, lora_path: str, pinned: bool, signature: str | None = None) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
-        blocking = self.blocking_load  # callers hold update_lock: one load at a time
-        if blocking:
-            self._hold_steps()
+        gate = self._hold_steps() if self.blocking_load else None  # callers hold update_lock: one load at a time
         try:
             if signature is None:  # from tensors: the caller computed it
                 signature = await asyncio.to_thread(content_signature, lora_path)  # raises on a bad path, like the real loader
@@ -412,8 +414,8 @@ class SGLangDouble:
             self.ref_cache[lora_name] = ref
             self.events.append(("load", lora_name))
         finally:
-            if blocking:
-                self._release_steps()
+            if gate is not None:
+                self._release_steps(gate)
         while self.lora_registry.num_registered_loras > self.max_loaded_loras:
             lru = await self.lora_registry.lru_lora_name(exclude_pinned=True)
             if lru is None:
