@@ -1,4 +1,4 @@
-"""Adapter loads that never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
+"""Adapter loads that (almost) never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
 
 Stock SGLang (0.5.17 and 0.5.23) loads an adapter on the scheduler thread, so a load stops every
 running decode twice: once while the scheduler reads the adapter into host memory (tens to hundreds
