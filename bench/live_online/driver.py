@@ -26,8 +26,10 @@ MODEL = os.environ.get("LIVE_ONLINE_MODEL", "/tmp/m")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A first run with 256 sessions and 32 new tokens a turn kept 128 requests per engine decoding in
 # lockstep at ~60 ms a step (rank-64 LoRA, no decode graphs): every run's longest no-progress gap
-# was one batch's 2-2.7 s, so a publication's stall could not show. Shorter turns, fewer sessions.
-WORKLOAD = ["--sessions", "128", "--arrival", "0.02", "--max-new-tokens", "8", "--tool-latency", "0.05"]
+# was one batch's 2-2.7 s, so a publication's stall could not show. Shorter turns and sessions spread
+# over ~6 s, so that each of the three publications (a 264 MB adapter: about a second each) lands
+# while sessions run.
+WORKLOAD = ["--sessions", "192", "--arrival", "0.03", "--max-new-tokens", "8", "--tool-latency", "0.05"]
 
 
 def build_model() -> None:
