@@ -160,15 +160,19 @@ class OverwriteDeployment:
                 raise InvalidInput(f"stash_dir must be a directory path, got {stash_dir!r}")
         self.engines = dict(engines)
         # No stash_dir given: a private directory of this deployment (0700, unpredictable name),
-        # removed by close(); a fixed shared path under /tmp could be pre-created by anyone.
-        self._own_stash = tempfile.mkdtemp(prefix="lorapub-legacy-") if stash_dir is None else None
-        self.publisher = OverwritePublisher(self.engines, stash_dir or self._own_stash)
+        # made at its first publication and removed by close(); a fixed shared path under /tmp could
+        # be pre-created by anyone, and one made here would outlive a deployment never closed.
+        self._private = stash_dir is None
+        self._own_stash: str | None = None
+        self.publisher = OverwritePublisher(self.engines, stash_dir or "")
         self._round_robin = itertools.count()
 
     async def start(self) -> "OverwriteDeployment":
         return self
 
     async def publish(self, snapshot: Snapshot, version_id: str) -> float:
+        if self._private and self._own_stash is None:
+            self._own_stash = self.publisher.stash_dir = tempfile.mkdtemp(prefix="lorapub-legacy-")
         return await self.publisher.publish(snapshot, version_id)
 
     def session(self, session_id: str, nonce: str | None = None) -> OverwriteSession:
