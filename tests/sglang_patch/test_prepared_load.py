@@ -326,7 +326,9 @@ def test_a_slot_fill_without_a_fitting_image_is_sglangs_own(monkeypatch):
         types.SimpleNamespace(memory_pool=other, lora_modules=[{}, {}]), imaged)
     pool.load_lora_weight_to_buffer("u3", 1, imaged, [{}, {}], None, None)
     assert pool.fills[-1] == ("u3", 1, True)  # an image made for another pool is not used
-    other.A_buffer["qkv_proj"] = [b.clone() for b in other.A_buffer["qkv_proj"]]
+    last = list(other.B_buffer)[-1]  # a buffer other than the first replaced in place in its dict
+    other.B_buffer[last] = [b.clone() for b in other.B_buffer[last]] if isinstance(
+        other.B_buffer[last], list) else other.B_buffer[last].clone()
     other.load_lora_weight_to_buffer("u3", 1, imaged, [{}, {}], None, None)
     assert other.fills[-1] == ("u3", 1, True)  # nor one whose pool buffers were replaced
     odd = pool_cls()

@@ -291,17 +291,16 @@ class SlotImage:
     milliseconds SGLang's per-weight Python takes)."""
 
     def __init__(self, pool: Any, buffers: list[Any], flats: list[Any], sources: list[Any]) -> None:
-        self.pool, self.flats, self.sources = pool, flats, sources
-        self.dicts = (pool.A_buffer, pool.B_buffer)
-        self.first = _first_buffer(pool)
+        self.pool, self.flats, self.sources, self.buffers = pool, flats, sources, buffers
         self.views = [[b[slot] for b in buffers] for slot in range(buffers[0].shape[0])]  # made once, here
 
     def fits(self, pool: Any, buffer_id: int) -> bool:
-        """Still the pool (and the very buffers) this image was made for."""
+        """Still the pool, and every one of the very buffers, this image was made for."""
         if pool is not self.pool or not 0 <= buffer_id < len(self.views):
             return False
-        return (pool.A_buffer is self.dicts[0] and pool.B_buffer is self.dicts[1]
-                and _first_buffer(pool) is self.first)
+        current = _slot_buffers(pool)  # one walk of a few hundred references, at an adapter's first batch
+        return current is not None and len(current) == len(self.buffers) and all(
+            a is b for a, b in zip(current, self.buffers))
 
     def fill(self, buffer_id: int) -> None:
         import torch
@@ -311,11 +310,6 @@ class SlotImage:
             stream = torch.cuda.current_stream(self.flats[0].device)
             for flat in self.flats:
                 flat.record_stream(stream)
-
-
-def _first_buffer(pool: Any) -> Any:
-    value = next(iter(pool.A_buffer.values()), None)
-    return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
 def build_slot_image(manager: Any, adapter: Any, stream: Any = None) -> SlotImage | None:
