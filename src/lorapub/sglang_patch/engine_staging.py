@@ -44,7 +44,9 @@ import json
 import mmap
 import os
 import re
+import logging
 import shutil
+import socket
 import tempfile
 import threading
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol
@@ -68,6 +70,9 @@ SAFETENSORS_DTYPES = {
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
 _CHUNK = 1 << 20
+#: Beside each life's stash folder, its claim: a file locked (flock) while that life's process runs.
+CLAIM_SUFFIX = ".claim"
+logger = logging.getLogger(__name__)
 
 
 class Refused(Exception):
@@ -399,6 +404,55 @@ class EngineStaging:
         self._attempts: dict[AttemptToken, _Attempt] = {}
         self._tombstones: set[AttemptToken] = set()
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
+        self._claim: int | None = None
+        self._claim_and_sweep(root)
+
+    def _claim_and_sweep(self, root: str) -> None:
+        """Claim this life's stash folder (a lock held as long as this process runs) and remove the
+        stash folders of earlier lives on this host whose process is gone (their lock is free): a
+        server killed without its shutdown leaves a folder the next life on the host frees. A folder
+        whose claim names another host (a shared root) or that has no claim is left alone."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: no claim, nothing swept
+            return
+        host = socket.gethostname()
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd = os.open(self.stash_root + CLAIM_SUFFIX, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            logger.warning("lorapub: cannot claim the stash folder %s (%s); earlier lives are not swept",
+                           self.stash_root, e)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, host.encode())
+        except OSError as e:
+            os.close(fd)
+            logger.warning("lorapub: the stash folder %s is claimed already (%s)", self.stash_root, e)
+            return
+        self._claim = fd
+        for name in os.listdir(root):
+            claim = os.path.join(root, name)
+            folder = claim[: -len(CLAIM_SUFFIX)]
+            if not name.endswith(CLAIM_SUFFIX) or folder == self.stash_root:
+                continue
+            try:
+                other = os.open(claim, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused: that life still runs
+                if os.pread(other, 4096, 0).decode(errors="replace") != host:
+                    continue  # another host's life (a shared root): its own host's next life frees it
+                shutil.rmtree(folder, ignore_errors=True)
+                os.unlink(claim)
+                logger.info("lorapub: freed the stash folder of an ended life: %s", folder)
+            except OSError:
+                continue
+            finally:
+                os.close(other)
 
     # -- introspection (the state route reports it) ------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -419,6 +473,13 @@ class EngineStaging:
         for attempt in list(self._attempts.values()):
             self._free(attempt)
         shutil.rmtree(self.stash_root, ignore_errors=True)
+        if self._claim is not None:
+            try:
+                os.unlink(self.stash_root + CLAIM_SUFFIX)
+            except OSError:
+                pass
+            os.close(self._claim)
+            self._claim = None
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_life(self, incarnation: Any) -> None:
@@ -987,8 +1048,13 @@ def max_loaded_loras(tm: Any) -> Any:
 
 
 def for_server(tokenizer_manager: Callable[[], Any], incarnation: str) -> EngineStaging:
-    """The staging of a patched SGLang server (both forms of the patch build it this way)."""
-    return EngineStaging(SGLangHooks(tokenizer_manager), incarnation=incarnation)
+    """The staging of a patched SGLang server (both forms of the patch build it this way). Its stash
+    is freed when the server's process exits normally; after a kill, by the next life on the host."""
+    import atexit
+
+    staging = EngineStaging(SGLangHooks(tokenizer_manager), incarnation=incarnation)
+    atexit.register(staging.close)
+    return staging
 
 
 async def starlette_receive(staging: EngineStaging, request: Any) -> tuple[int, dict[str, Any]]:

@@ -282,6 +282,9 @@ class SGLangDouble:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        staging = self.__dict__.pop("_staging", None)
+        if staging is not None:  # a server going away frees its stash, as the patched server's shutdown does
+            staging.close()
 
     # -- faults ----------------------------------------------------------------
     def inject(self, op: str, mode: str = "error", count: int = 1, delay: float = 0.0, status: int = 500) -> None:
