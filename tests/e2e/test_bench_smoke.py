@@ -102,3 +102,49 @@ def test_the_quick_memory_benchmark_prints_every_figure():
     for row in ("empty", "pmap ctl", "memory", "sqlite"):
         assert any(line.startswith(row) for line in text.splitlines()), row
     assert "bar at 2,000 live sessions" in text
+
+
+def test_the_quick_benchmark_against_real_servers_publishes_a_peft_folder_over_http_and_cleans_up(tmp_path):
+    """The --engine-url path (what runs against live SGLang), here against two contract doubles in
+    processes of their own: versions of a PEFT folder over HTTP into the engines' staging, the old
+    path beside it, and every run leaves the servers as it found them."""
+    import torch
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    g = torch.Generator().manual_seed(3)
+    save_file({f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight":
+               torch.randn((8, 64) if ab == "A" else (64, 8), generator=g).to(torch.bfloat16)
+               for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"],
+         "base_model_name_or_path": "/somewhere/base"}))
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    servers = [subprocess.Popen([sys.executable, "-m", "lorapub.testing.serve_double", f"e{i}", str(tmp_path / f"stash{i}")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    try:
+        urls = [s.stdout.readline().split()[1] for s in servers]
+        out = tmp_path / "figures.json"
+        done = subprocess.run(
+            [sys.executable, SCRIPT, "--quick", "--rounds", "2", "--engine-url", urls[0], "--engine-url", urls[1],
+             "--transport", "http", "--adapter", str(adapter), "--json", str(out)],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "lorapub's bytes over HTTP into the engine's own staging" in done.stdout
+        assert "(8 tensors, 0 MB)" in done.stdout
+        rounds = json.loads(out.read_text())["online"]["rounds"]
+        assert len(rounds) == 2 and all(r["lorapub"]["published"] == r["baseline"]["published"] == 1 for r in rounds)
+        assert all(r[s]["failed"] == 0 for r in rounds for s in bench.STRATEGIES)
+        import urllib.request
+
+        for url in urls:  # every run unloaded what it loaded: the servers serve no adapter now
+            with urllib.request.urlopen(url + "/v1/models") as r:
+                models = [m["id"] for m in json.loads(r.read())["data"]]
+            assert models == ["lorapub-tiny-qwen3"], models
+    finally:
+        for s in servers:
+            s.stdin.close()
+        for s in servers:
+            s.wait(timeout=30)
