@@ -148,3 +148,5 @@ def test_the_quick_benchmark_against_real_servers_publishes_a_peft_folder_over_h
             s.stdin.close()
         for s in servers:
             s.wait(timeout=30)
+    for i in range(2):  # each server freed its stash as it stopped: no folder, no claim
+        assert os.listdir(tmp_path / f"stash{i}") == [], os.listdir(tmp_path / f"stash{i}")

@@ -103,22 +103,18 @@ async def test_a_symlink_planted_in_the_stash_is_refused_not_followed(fakes, tmp
 async def test_without_a_stash_dir_each_deployment_writes_to_its_own_private_directory(fakes):
     import stat
 
-    import tempfile
-
-    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("lorapub-legacy-")}
     first, second, idle = OverwriteDeployment(fakes), OverwriteDeployment(fakes), OverwriteDeployment(fakes)
     await first.publish(lora_snapshot(1), "A")
     await second.publish(lora_snapshot(1), "A")
-    own = first.publisher.stash_dir
-    assert own != second.publisher.stash_dir  # not one predictable shared path
+    own, other = first.publisher.stash_dir, second.publisher.stash_dir
+    assert own != other  # not one predictable shared path
     assert stat.S_IMODE(os.stat(own).st_mode) == 0o700 and os.path.basename(own).startswith("lorapub-legacy-")
     loaded = [f.loaded[FIXED_LORA_NAME] for f in fakes.values()]
-    assert all(p.startswith(os.path.realpath(second.publisher.stash_dir) + os.sep) and os.path.isdir(p) for p in loaded)
+    assert all(p.startswith(os.path.realpath(other) + os.sep) and os.path.isdir(p) for p in loaded)
     await first.close()
     await second.close()
-    assert not os.path.exists(own) and not os.path.exists(second.publisher.stash_dir)  # removed on close
-    del idle  # one that never published (nor was closed) made no directory
-    assert {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("lorapub-legacy-")} == before
+    assert not os.path.exists(own) and not os.path.exists(other)  # removed on close
+    assert idle.publisher.stash_dir is None and idle.publisher.private_stash is None  # never published: none made
 
 
 async def test_adapter_directories_stay_inside_the_stash(fakes, tmp_path):

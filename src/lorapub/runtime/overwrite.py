@@ -32,9 +32,14 @@ def _typed(engine: str, op: str, error: BaseException) -> LorapubError:
 
 
 class OverwritePublisher:
-    def __init__(self, engines: Mapping[str, OverwriteAdmin], stash_dir: str, lora_name: str = FIXED_LORA_NAME) -> None:
+    def __init__(self, engines: Mapping[str, OverwriteAdmin], stash_dir: str | None,
+                 lora_name: str = FIXED_LORA_NAME) -> None:
         self.engines = dict(engines)
+        # None: a private directory (0700, unpredictable name) made at the first update and removed
+        # by release_private_stash(); a fixed shared path under /tmp could be pre-created by anyone,
+        # and one made at construction would outlive an owner never closed.
         self.stash_dir = stash_dir
+        self.private_stash: str | None = None
         self.lora_name = lora_name
         self.updates = 0
 
@@ -42,6 +47,8 @@ class OverwritePublisher:
         """Where this update's adapter is written: under ``<stash>/legacy``, named only from the
         update counter, a checked version id and the content digest (no caller text reaches a path)."""
         check_id("version_id", version_id)
+        if self.stash_dir is None:
+            self.stash_dir = self.private_stash = tempfile.mkdtemp(prefix="lorapub-legacy-")
         root = os.path.realpath(os.path.join(self.stash_dir, "legacy"))
         path = os.path.realpath(os.path.join(root, f"{self.updates:06d}-{version_id}-{snapshot.digest[:12]}"))
         if os.path.dirname(path) != root:  # a symlinked or otherwise escaping entry is refused, not followed
@@ -159,20 +166,13 @@ class OverwriteDeployment:
             if not isinstance(stash_dir, str) or not stash_dir or "\x00" in stash_dir:
                 raise InvalidInput(f"stash_dir must be a directory path, got {stash_dir!r}")
         self.engines = dict(engines)
-        # No stash_dir given: a private directory of this deployment (0700, unpredictable name),
-        # made at its first publication and removed by close(); a fixed shared path under /tmp could
-        # be pre-created by anyone, and one made here would outlive a deployment never closed.
-        self._private = stash_dir is None
-        self._own_stash: str | None = None
-        self.publisher = OverwritePublisher(self.engines, stash_dir or "")
+        self.publisher = OverwritePublisher(self.engines, stash_dir)  # None: its private directory
         self._round_robin = itertools.count()
 
     async def start(self) -> "OverwriteDeployment":
         return self
 
     async def publish(self, snapshot: Snapshot, version_id: str) -> float:
-        if self._private and self._own_stash is None:
-            self._own_stash = self.publisher.stash_dir = tempfile.mkdtemp(prefix="lorapub-legacy-")
         return await self.publisher.publish(snapshot, version_id)
 
     def session(self, session_id: str, nonce: str | None = None) -> OverwriteSession:
@@ -184,6 +184,7 @@ class OverwriteDeployment:
 
     async def close(self) -> None:
         """Nothing runs in the background; removes the private stash directory if it made one."""
-        if self._own_stash is not None:
-            await asyncio.to_thread(shutil.rmtree, self._own_stash, True)
-            self._own_stash = None
+        private = self.publisher.private_stash
+        if private is not None:
+            await asyncio.to_thread(shutil.rmtree, private, True)
+            self.publisher.stash_dir = self.publisher.private_stash = None

@@ -49,6 +49,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import weakref
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
@@ -70,9 +71,23 @@ SAFETENSORS_DTYPES = {
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
 _CHUNK = 1 << 20
-#: Beside each life's stash folder, its claim: a file locked (flock) while that life's process runs.
+#: Beside each life's stash folder, its claim: a file locked (flock) while that life's process runs,
+#: naming the running kernel (its boot id) whose locks make the claim mean anything.
 CLAIM_SUFFIX = ".claim"
 logger = logging.getLogger(__name__)
+#: Stash folders claimed by lives of this process (locks over some network filesystems do not
+#: exclude one process from itself).
+_LIVE_ROOTS: set[str] = set()
+
+
+def _claim_tag() -> str:
+    """Which lives' locks this process can read: those of the same running kernel (containers of one
+    machine included; another machine sharing the root, or this one before a reboot, never)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"lorapub-claim v1\nboot {f.read().strip()}\n"
+    except OSError:  # not Linux: the host name, and a root shared between machines is not swept safely
+        return f"lorapub-claim v1\nhost {socket.gethostname()}\n"
 
 
 class Refused(Exception):
@@ -405,47 +420,64 @@ class EngineStaging:
         self._tombstones: set[AttemptToken] = set()
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
         self._claim: int | None = None
+        self._pid = os.getpid()
         self._claim_and_sweep(root)
 
     def _claim_and_sweep(self, root: str) -> None:
         """Claim this life's stash folder (a lock held as long as this process runs) and remove the
-        stash folders of earlier lives on this host whose process is gone (their lock is free): a
-        server killed without its shutdown leaves a folder the next life on the host frees. A folder
-        whose claim names another host (a shared root) or that has no claim is left alone."""
+        stash folders of earlier lives under this running kernel whose process is gone (their lock is
+        free): a server killed without its shutdown leaves a folder the next life on the machine
+        frees. A folder whose claim names another kernel (another machine sharing the root, or this
+        one before a reboot), is not complete yet, or has no claim is left alone; so is every stash
+        root this process itself holds."""
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: no claim, nothing swept
             return
-        host = socket.gethostname()
+        tag = _claim_tag()
+        nofollow = getattr(os, "O_NOFOLLOW", 0)
         try:
             os.makedirs(root, exist_ok=True)
-            fd = os.open(self.stash_root + CLAIM_SUFFIX, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.stash_root + CLAIM_SUFFIX, os.O_RDWR | os.O_CREAT | nofollow, 0o600)
         except OSError as e:
             logger.warning("lorapub: cannot claim the stash folder %s (%s); earlier lives are not swept",
                            self.stash_root, e)
             return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, 0)
-            os.write(fd, host.encode())
         except OSError as e:
             os.close(fd)
-            logger.warning("lorapub: the stash folder %s is claimed already (%s)", self.stash_root, e)
+            logger.warning("lorapub: the stash folder %s is claimed by a running process (%s)", self.stash_root, e)
             return
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, tag.encode())
+        except OSError as e:  # claimed, but no sweeper will ever recognise it: freed at close only
+            logger.warning("lorapub: cannot write the claim of %s (%s)", self.stash_root, e)
         self._claim = fd
-        for name in os.listdir(root):
+        self._claim_finalizer = weakref.finalize(self, os.close, fd)  # a staging never closed still lets go
+        _LIVE_ROOTS.add(self.stash_root)
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return
+        for name in names:
             claim = os.path.join(root, name)
             folder = claim[: -len(CLAIM_SUFFIX)]
-            if not name.endswith(CLAIM_SUFFIX) or folder == self.stash_root:
+            if not name.endswith(CLAIM_SUFFIX) or folder in _LIVE_ROOTS:
                 continue
             try:
-                other = os.open(claim, os.O_RDWR)
+                other = os.open(claim, os.O_RDWR | nofollow)
             except OSError:
                 continue
             try:
+                # Read before locking: a claim still being made (empty) or another machine's is
+                # never locked here, so its owner's own lock cannot lose to this sweep.
+                if os.pread(other, 4096, 0).decode(errors="replace") != tag:
+                    continue
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused: that life still runs
-                if os.pread(other, 4096, 0).decode(errors="replace") != host:
-                    continue  # another host's life (a shared root): its own host's next life frees it
+                if os.pread(other, 4096, 0).decode(errors="replace") != tag:
+                    continue
                 shutil.rmtree(folder, ignore_errors=True)
                 os.unlink(claim)
                 logger.info("lorapub: freed the stash folder of an ended life: %s", folder)
@@ -469,17 +501,26 @@ class EngineStaging:
         }
 
     def close(self) -> None:
-        """Free every stash of this life (the server is going away)."""
-        for attempt in list(self._attempts.values()):
-            self._free(attempt)
-        shutil.rmtree(self.stash_root, ignore_errors=True)
-        if self._claim is not None:
-            try:
-                os.unlink(self.stash_root + CLAIM_SUFFIX)
-            except OSError:
-                pass
-            os.close(self._claim)
-            self._claim = None
+        """Free every stash of this life (the server is going away). Only in the process that made
+        it: a forked child that exits must not free its parent's live stash."""
+        if os.getpid() != self._pid:
+            return
+        try:
+            for attempt in list(self._attempts.values()):
+                try:
+                    self._free(attempt)
+                except Exception as e:  # noqa: BLE001 - the folder and the claim go whatever one attempt does
+                    logger.warning("lorapub: freeing %s at close failed: %s", attempt.token, e)
+        finally:
+            shutil.rmtree(self.stash_root, ignore_errors=True)
+            if self._claim is not None:
+                try:
+                    os.unlink(self.stash_root + CLAIM_SUFFIX)
+                except OSError:
+                    pass
+                self._claim_finalizer()  # closes the claim's descriptor: the lock goes with it
+                self._claim = None
+                _LIVE_ROOTS.discard(self.stash_root)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_life(self, incarnation: Any) -> None:
