@@ -48,8 +48,10 @@ async def main() -> int:
     t0 = time.monotonic()
     build_model()
     print(f"model built in {time.monotonic() - t0:.0f} s", flush=True)
+    # decode with CUDA graphs, as the decode-gap bench and production servers run (without them a
+    # decode step at 128 running requests took ~60 ms)
     engines = [srv.start(f"e{i}", os.path.join(MODEL, "base"), 30400 + 100 * i, OUT, patched=True, max_lora_rank=64,
-                         mem_fraction=0.40, target_modules=ALL_LINEAR) for i in range(2)]
+                         mem_fraction=0.40, target_modules=ALL_LINEAR, decode_graphs=True) for i in range(2)]
     try:
         await srv.wait_healthy(engines)
         warm = await srv.warm_up(engines, os.path.join(MODEL, "A"))

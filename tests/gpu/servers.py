@@ -52,14 +52,15 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def server_args(model: str, port: int, *, max_lora_rank: int, context_length: int, mem_fraction: float,
-                target_modules: tuple[str, ...] = ATTENTION_MODULES) -> list[str]:
+                target_modules: tuple[str, ...] = ATTENTION_MODULES, decode_graphs: bool = False) -> list[str]:
+    graphs = [] if decode_graphs else ["--cuda-graph-backend-decode", "disabled"]
     return [
         "--model-path", model, "--enable-lora", "--max-loras-per-batch", "3", "--max-loaded-loras", "3",
         "--lora-target-modules", *target_modules, "--max-lora-rank", str(max_lora_rank),
         "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
         "--grammar-backend", "none", "--dtype", "bfloat16", "--context-length", str(context_length),
         "--max-total-tokens", "131072", "--mem-fraction-static", str(mem_fraction), "--random-seed", "0",
-        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+        *graphs, "--cuda-graph-backend-prefill", "disabled",
         # lorapub's warm_up() below replaces SGLang's own warm-up request, which a short
         # SGLANG_REQ_RUNNING_TIMEOUT would kill while Triton compiles its first kernels.
         "--skip-server-warmup",
@@ -69,7 +70,7 @@ def server_args(model: str, port: int, *, max_lora_rank: int, context_length: in
 
 def start(name: str, model: str, port: int, out_dir: str, *, patched: bool, env: dict | None = None,
           max_lora_rank: int = 8, context_length: int = 8192, mem_fraction: float = 0.2,
-          target_modules: tuple[str, ...] = ATTENTION_MODULES) -> Server:
+          target_modules: tuple[str, ...] = ATTENTION_MODULES, decode_graphs: bool = False) -> Server:
     log_path = os.path.join(out_dir, f"server-{name}.log")
     environ = dict(os.environ, **(env or {}))
     environ["PYTHONUNBUFFERED"] = "1"
@@ -77,7 +78,7 @@ def start(name: str, model: str, port: int, out_dir: str, *, patched: bool, env:
         environ["LORAPUB_SGLANG_PATCH"] = "observe"
     cmd = [sys.executable, "-m", "lorapub.sglang_patch", "launch",
            *server_args(model, port, max_lora_rank=max_lora_rank, context_length=context_length, mem_fraction=mem_fraction,
-                        target_modules=target_modules)]
+                        target_modules=target_modules, decode_graphs=decode_graphs)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     return Server(name, port, patched, log_path, proc)
