@@ -4,6 +4,7 @@ so while a load runs no step of generation starts on that engine (the benchmark 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -19,21 +20,15 @@ async def adapter_dir(tmp_path):
     return await asyncio.to_thread(lora_snapshot(1).save_peft_dir, str(tmp_path / "a"))
 
 
-@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "beside"])
-async def test_a_generation_sent_during_a_load(adapter_dir, blocking):
-    double = await SGLangDouble("e0", load_delay=0.3 if blocking else 30.0, blocking_load=blocking,
-                                prefill_per_token=1e-6).start()
+@contextlib.asynccontextmanager
+async def loading(adapter_dir, **double_options):
+    """A double built with ``double_options``, its admin, and a load of ``x`` under way."""
+    double = await SGLangDouble("e0", **double_options).start()
     admin = SGLangOverwriteAdmin("e0", double.url)
     load = asyncio.create_task(admin.load_adapter("x", adapter_dir))
     try:
         await until(lambda: double.update_lock.locked())  # the load is under way
-        out = await admin.generate(GEN)
-        assert out["output_ids"]
-        if blocking:  # it waited: the adapter was registered before its first step
-            assert ("load", "x") in double.events and double.not_loading.is_set()
-            await load
-        else:  # it ran beside the load, which is still going
-            assert ("load", "x") not in double.events and not load.done()
+        yield double, admin, load
     finally:
         load.cancel()
         await asyncio.gather(load, return_exceptions=True)
@@ -41,15 +36,24 @@ async def test_a_generation_sent_during_a_load(adapter_dir, blocking):
         await double.stop()
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "beside"])
+async def test_a_generation_sent_during_a_load(adapter_dir, blocking):
+    async with loading(adapter_dir, load_delay=0.3 if blocking else 30.0, blocking_load=blocking,
+                       prefill_per_token=1e-6) as (double, admin, load):
+        out = await admin.generate(GEN)
+        assert out["output_ids"]
+        if blocking:  # it waited: the adapter was registered before its first step
+            assert ("load", "x") in double.events and double.not_loading.is_set()
+            await load
+        else:  # it ran beside the load, which is still going
+            assert ("load", "x") not in double.events and not load.done()
+
+
 async def test_the_patched_model_decodes_beside_a_load_and_stops_only_to_swap_it_in_and_fill_its_slot(adapter_dir):
     """lorapub's patched server as measured live: the load runs beside decoding; the swap-in
     (``install_stop``) and the first step on the new adapter (``first_use_stop``) stop every request."""
-    double = await SGLangDouble("e0", load_delay=0.4, install_stop=0.3, first_use_stop=0.3).start()
-    admin = SGLangOverwriteAdmin("e0", double.url)
-    load = asyncio.create_task(admin.load_adapter("x", adapter_dir))
     loop = asyncio.get_running_loop()
-    try:
-        await until(lambda: double.update_lock.locked())
+    async with loading(adapter_dir, load_delay=0.4, install_stop=0.3, first_use_stop=0.3) as (double, admin, load):
         t0 = loop.time()
         assert (await admin.generate(GEN))["output_ids"]  # beside the load: no wait
         assert loop.time() - t0 < 0.25 and not load.done()
@@ -64,11 +68,6 @@ async def test_the_patched_model_decodes_beside_a_load_and_stops_only_to_swap_it
         t0 = loop.time()
         assert (await admin.generate({**GEN, "lora_path": "x"}))["output_ids"]  # once only
         assert loop.time() - t0 < 0.25 and double.not_loading.is_set()
-    finally:
-        load.cancel()
-        await asyncio.gather(load, return_exceptions=True)
-        await admin.close()
-        await double.stop()
 
 
 async def test_a_stop_taken_before_a_restart_leaves_the_new_incarnation_stepping(adapter_dir):
