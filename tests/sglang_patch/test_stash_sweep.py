@@ -23,7 +23,7 @@ def leave_data(s: es.EngineStaging) -> str:
 
 def die(s: es.EngineStaging) -> None:
     """The process is gone: the kernel drops its lock (its descriptor closes); nothing else happens."""
-    s._claim_finalizer()
+    s._claim()
     s._claim = None
     es._LIVE_ROOTS.discard(s.stash_root)  # another process's life, as far as the next one can tell
 

@@ -41,10 +41,10 @@ import asyncio
 import datetime
 import hashlib
 import json
+import logging
 import mmap
 import os
 import re
-import logging
 import shutil
 import socket
 import tempfile
@@ -78,6 +78,7 @@ logger = logging.getLogger(__name__)
 #: Stash folders claimed by lives of this process (locks over some network filesystems do not
 #: exclude one process from itself).
 _LIVE_ROOTS: set[str] = set()
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _claim_tag() -> str:
@@ -349,7 +350,7 @@ class Buffer:
         writable: what is received there is in the file (the page cache) at once, with no second copy
         and no second allocation. Its disk blocks are reserved first (``posix_fallocate``): a full
         disk is an ``OSError`` here, never a fault while the bytes arrive."""
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))  # never created: a removed folder stays removed
+        fd = os.open(path, os.O_RDWR | _NOFOLLOW)  # never created: a removed folder stays removed
         try:
             if not nbytes:
                 return cls(0, False)
@@ -419,44 +420,50 @@ class EngineStaging:
         self._attempts: dict[AttemptToken, _Attempt] = {}
         self._tombstones: set[AttemptToken] = set()
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
-        self._claim: int | None = None
+        # Closes the claim's descriptor (its lock goes with it); also when a staging is never closed.
+        self._claim: weakref.finalize | None = None
         self._pid = os.getpid()
-        self._claim_and_sweep(root)
+        tag = _claim_tag()
+        if self._take_claim(root, tag):
+            self._sweep_ended_lives(root, tag)
 
-    def _claim_and_sweep(self, root: str) -> None:
-        """Claim this life's stash folder (a lock held as long as this process runs) and remove the
-        stash folders of earlier lives under this running kernel whose process is gone (their lock is
-        free): a server killed without its shutdown leaves a folder the next life on the machine
-        frees. A folder whose claim names another kernel (another machine sharing the root, or this
-        one before a reboot), is not complete yet, or has no claim is left alone; so is every stash
-        root this process itself holds."""
+    def _take_claim(self, root: str, tag: str) -> bool:
+        """Claim this life's stash folder: its claim file, locked as long as this process runs and
+        naming the running kernel. False where it cannot (then nothing is swept either)."""
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: no claim, nothing swept
-            return
-        tag = _claim_tag()
-        nofollow = getattr(os, "O_NOFOLLOW", 0)
+            return False
         try:
             os.makedirs(root, exist_ok=True)
-            fd = os.open(self.stash_root + CLAIM_SUFFIX, os.O_RDWR | os.O_CREAT | nofollow, 0o600)
+            fd = os.open(self.stash_root + CLAIM_SUFFIX, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
         except OSError as e:
             logger.warning("lorapub: cannot claim the stash folder %s (%s); earlier lives are not swept",
                            self.stash_root, e)
-            return
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             logger.warning("lorapub: the stash folder %s is claimed by a running process (%s)", self.stash_root, e)
-            return
+            return False
         try:
             os.ftruncate(fd, 0)
             os.write(fd, tag.encode())
         except OSError as e:  # claimed, but no sweeper will ever recognise it: freed at close only
             logger.warning("lorapub: cannot write the claim of %s (%s)", self.stash_root, e)
-        self._claim = fd
-        self._claim_finalizer = weakref.finalize(self, os.close, fd)  # a staging never closed still lets go
+        self._claim = weakref.finalize(self, os.close, fd)
         _LIVE_ROOTS.add(self.stash_root)
+        return True
+
+    def _sweep_ended_lives(self, root: str, tag: str) -> None:
+        """Remove the stash folders of earlier lives under this running kernel whose process is gone
+        (their lock is free): a server killed without its shutdown leaves a folder the next life on
+        the machine frees. A folder whose claim names another kernel (another machine sharing the
+        root, or this one before a reboot), is not complete yet, or has no claim is left alone; so is
+        every stash root this process itself holds."""
+        import fcntl
+
         try:
             names = os.listdir(root)
         except OSError:
@@ -467,7 +474,7 @@ class EngineStaging:
             if not name.endswith(CLAIM_SUFFIX) or folder in _LIVE_ROOTS:
                 continue
             try:
-                other = os.open(claim, os.O_RDWR | nofollow)
+                other = os.open(claim, os.O_RDWR | _NOFOLLOW)
             except OSError:
                 continue
             try:
@@ -476,8 +483,6 @@ class EngineStaging:
                 if os.pread(other, 4096, 0).decode(errors="replace") != tag:
                     continue
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused: that life still runs
-                if os.pread(other, 4096, 0).decode(errors="replace") != tag:
-                    continue
                 shutil.rmtree(folder, ignore_errors=True)
                 os.unlink(claim)
                 logger.info("lorapub: freed the stash folder of an ended life: %s", folder)
@@ -518,7 +523,7 @@ class EngineStaging:
                     os.unlink(self.stash_root + CLAIM_SUFFIX)
                 except OSError:
                     pass
-                self._claim_finalizer()  # closes the claim's descriptor: the lock goes with it
+                self._claim()  # closes the claim's descriptor: the lock goes with it
                 self._claim = None
                 _LIVE_ROOTS.discard(self.stash_root)
 
@@ -743,7 +748,7 @@ class EngineStaging:
             raise _bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
         path = os.path.join(self.shm_dir, name)
         try:  # read-write only where torch maps the file for SGLang's scheduler (it maps pages writable)
-            fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | _NOFOLLOW)
         except OSError as e:
             raise _refuse(f"shared-memory bucket {name} cannot be opened here ({e.strerror}); is the publisher "
                           "on this host?", "STAGE_SHM") from None
