@@ -55,6 +55,12 @@ class OverwritePublisher:
             raise InvalidInput(f"adapter directory {path} would leave the stash {root}")
         return path
 
+    def release_private_stash(self) -> None:
+        """Remove the private directory made at the first update, if any (blocking: run it in a thread)."""
+        if self.private_stash is not None:
+            shutil.rmtree(self.private_stash, True)
+            self.stash_dir = self.private_stash = None
+
     async def _each(self, op: str, call: Callable[[OverwriteAdmin], Awaitable[Any]]) -> list[LorapubError]:
         """``call`` on every engine at once; the typed failures (every engine is tried)."""
         names = list(self.engines)
@@ -184,7 +190,4 @@ class OverwriteDeployment:
 
     async def close(self) -> None:
         """Nothing runs in the background; removes the private stash directory if it made one."""
-        private = self.publisher.private_stash
-        if private is not None:
-            await asyncio.to_thread(shutil.rmtree, private, True)
-            self.publisher.stash_dir = self.publisher.private_stash = None
+        await asyncio.to_thread(self.publisher.release_private_stash)
