@@ -82,16 +82,14 @@ def version_snapshot(args, i: int) -> Snapshot:
     builds snapshots in its own process, so no run pays for them."""
     if not args.adapter:
         return lora_snapshot(1000 + i)
-    if i not in _ADAPTER_VERSIONS:
-        from safetensors.torch import load_file
+    if 0 not in _ADAPTER_VERSIONS:
+        from tests.gpu.fixtures import adapter_snapshot  # the PEFT folder as lorapub publishes it
 
-        tensors = load_file(os.path.join(args.adapter, "adapter_model.safetensors"))
-        with open(os.path.join(args.adapter, "adapter_config.json")) as f:
-            config = json.load(f)
-        if isinstance(config.get("target_modules"), list):  # PEFT writes a set: one order for every version
-            config["target_modules"] = sorted(config["target_modules"])
-        config.pop("base_model_name_or_path", None)  # where the base was saved is no part of a version
-        _ADAPTER_VERSIONS[i] = Snapshot({k: (v * (1 + i / 64)).to(v.dtype) for k, v in tensors.items()}, config)
+        _ADAPTER_VERSIONS[0] = adapter_snapshot(args.adapter)
+    if i not in _ADAPTER_VERSIONS:
+        base = _ADAPTER_VERSIONS[0]
+        _ADAPTER_VERSIONS[i] = Snapshot({n: (base.tensor(n) * (1 + i / 64)).to(base.tensor(n).dtype)
+                                         for n in base.tensor_names}, base.serving_config)
     return _ADAPTER_VERSIONS[i]
 
 
