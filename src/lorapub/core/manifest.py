@@ -6,6 +6,7 @@ frozen tensors, so digest and transfer are two views of one snapshot.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -110,7 +111,7 @@ class Manifest:
             }
         )
 
-    @property
+    @functools.cached_property  # computed once: a publication asks for it many times (~3 ms at 504 tensors)
     def digest(self) -> str:
         return hashlib.sha256(self.canonical().encode()).hexdigest()
 
