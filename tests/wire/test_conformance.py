@@ -14,13 +14,14 @@ from lorapub.testing.sglang_double import SGLangWireUnderTest
 def transports(tmp_path):
     return {
         "http-dir": lambda: HTTPBytes(),
+        "http-dir-loop": lambda: HTTPBytes(sender="loop"),
         "http-tensors": lambda: HTTPBytes(load="tensors"),
         "shm": lambda: SameHostIPC(shm_dir=str(tmp_path)),
         "gloo": lambda: TorchDistributed(timeout=10.0),
     }
 
 
-@pytest.mark.parametrize("kind", ["http-dir", "http-tensors", "shm", "gloo"])
+@pytest.mark.parametrize("kind", ["http-dir", "http-dir-loop", "http-tensors", "shm", "gloo"])
 async def test_wire_engine_passes_the_conformance_suite(kind, tmp_path):
     make = transports(tmp_path / "shm")[kind]
     (tmp_path / "shm").mkdir()

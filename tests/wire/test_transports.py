@@ -23,12 +23,13 @@ from lorapub.testing.fixtures import lora_snapshot
 from tests.e2e.conftest import FAST
 
 GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
-KINDS = ["http", "http-tensors", "shm", "gloo"]
+KINDS = ["http", "http-loop", "http-tensors", "shm", "gloo"]
 
 
 def make_transport(kind: str, shm_dir: str):
     return {
         "http": lambda: HTTPBytes(),
+        "http-loop": lambda: HTTPBytes(sender="loop"),
         "http-tensors": lambda: HTTPBytes(load="tensors"),
         "shm": lambda: SameHostIPC(shm_dir=shm_dir),
         "gloo": lambda: TorchDistributed(timeout=10.0),
@@ -72,7 +73,7 @@ async def wired(tmp_path, request):
         await d.stop()
 
 
-EXPECTED_FORMAT = {"http": "raw", "http-tensors": "raw", "shm": "shm", "gloo": "torch"}
+EXPECTED_FORMAT = {"http": "raw", "http-loop": "raw", "http-tensors": "raw", "shm": "shm", "gloo": "torch"}
 
 
 async def no_files(folder, timeout: float = 5.0) -> bool:
@@ -172,7 +173,7 @@ async def test_engines_with_one_transport_choose_the_publishers_bucket_source(tm
     assert factory == defaults["e0"].bucket_source_factory and factory.__self__ == HTTPBytes()
     assert engines_source_factory({"e0": e0, "e1": SGLangWireEngine("e1", "http://127.0.0.1:2")}) \
         == t.bucket_source_factory
-    for other in (HTTPBytes(load="tensors"), SameHostIPC(shm_dir=str(tmp_path))):
+    for other in (HTTPBytes(load="tensors"), HTTPBytes(sender="loop"), SameHostIPC(shm_dir=str(tmp_path))):
         with pytest.raises(InvalidInput, match="different bucket transports"):
             engines_source_factory({"e0": e0, "e1": SGLangWireEngine("e1", "http://127.0.0.1:2", transport=other)})
     shm = {n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=SameHostIPC(shm_dir=str(tmp_path))) for n in ("e0", "e1")}

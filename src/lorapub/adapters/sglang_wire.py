@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 
+from lorapub.adapters.body_sender import shared_sender
 from lorapub.adapters.sglang_http import SGLangAdminBase, SGLangHTTP
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
@@ -43,6 +44,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
 
+SENDERS = ("thread", "loop")  # where HTTPBytes' bodies are posted from (see HTTPBytes)
 CHUNK = 128 << 10  # a streamed body is written in slices of this size (views, never copies): small
 # slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
 
@@ -83,23 +85,32 @@ class RawBucket:
 
 class HTTPBytes:
     """Buckets as HTTP bodies (cross-host; the default). ``load``: ``"dir"`` (the engine writes a PEFT
-    folder on its own disk and loads it) or ``"tensors"`` (SGLang's ``load_lora_adapter_from_tensors``)."""
+    folder on its own disk and loads it) or ``"tensors"`` (SGLang's ``load_lora_adapter_from_tensors``).
+
+    ``sender``: ``"thread"`` (default) posts the bodies from lorapub's sender thread, with a
+    session of its own (:mod:`lorapub.adapters.body_sender`), so the socket sends of hundreds of
+    megabytes never run on the caller's event loop; ``"loop"`` posts them on the caller's loop
+    through the engine's own session (for a session whose settings, such as a proxy or a TLS
+    context, the bodies must use too).
+    """
 
     kind = "http"
     #: No per-process state: instances made with the same options are one way of sending
     #: (a subclass that keeps state of its own sets this False and equals only itself).
     stateless = True
 
-    def __init__(self, *, load: str = "dir") -> None:
+    def __init__(self, *, load: str = "dir", sender: str = "thread") -> None:
         if load not in es.LOAD_FORMS:
             raise InvalidInput(f"load must be one of {es.LOAD_FORMS}, got {load!r}")
-        self.load = load
+        if sender not in SENDERS:
+            raise InvalidInput(f"sender must be one of {SENDERS}, got {sender!r}")
+        self.load, self.sender = load, sender
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(load={self.load!r})"
+        return f"{type(self).__name__}(load={self.load!r}, sender={self.sender!r})"
 
     def _value(self) -> tuple:
-        return (type(self), self.load)
+        return (type(self), self.load, self.sender)
 
     # Engines built with the default each get their own instance and still form one deployment.
     def __eq__(self, other: object) -> bool:
@@ -552,10 +563,16 @@ class SGLangWireEngine(SGLangAdminBase):
             raise InvalidInput(f"{self.name}: a bucket payload is bytes or a wire bucket, got {type(payload).__name__}")
         stored = False
         try:
-            t = aiohttp.ClientTimeout(total=self.transfer_timeout)
-            async with self.client.http.post(self.base_url + es.BUCKET_ROUTE, params=params, data=data,
-                                             headers=headers, timeout=t) as r:
-                status, text = r.status, (await r.read()).decode("utf-8", errors="replace")
+            url = self.base_url + es.BUCKET_ROUTE
+            if isinstance(payload, RawBucket) and self.transport.sender == "thread":
+                self.client.http  # noqa: B018 - a closed engine refuses here, before anything is sent
+                status, raw = await shared_sender().post(url, params=params, headers=headers, body=data,
+                                                         timeout=self.transfer_timeout)
+            else:
+                t = aiohttp.ClientTimeout(total=self.transfer_timeout)
+                async with self.client.http.post(url, params=params, data=data, headers=headers, timeout=t) as r:
+                    status, raw = r.status, await r.read()
+            text = raw.decode("utf-8", errors="replace")
             incarnation = self._staged(es.BUCKET_ROUTE, status, es.json_or_text(text))["incarnation"]
             stored = True
             return incarnation
