@@ -18,9 +18,11 @@ commit), median and minimum of the ``--repeat`` publications, with every phase's
 
 Publisher side, during every publication: peak RSS growth over the frozen snapshot (copies of the
 bytes beyond the snapshot itself; the snapshot is copy 1), bytes run through SHA-256 in this
-process from the trainer's tensors to the commit (the snapshot's one pass), the longest stall of
-this process's event loop (a 1 ms sleeper's lateness), and whether every engine freed every stash
-of a RECLAIMED version and of a FAILED_CLEAN one.
+process from the trainer's tensors to the commit (the snapshot's one pass), how the caller's event
+loop fared (its thread's CPU time per publication, the longest single step it ran, wall and CPU,
+and a 1 ms sleeper's worst lateness: see ``LoopLag``), and whether every engine freed every stash
+of a RECLAIMED version and of a FAILED_CLEAN one. ``http-loop`` is HTTP bytes posted on the
+caller's loop (``HTTPBytes(sender="loop")``), beside the default sender thread.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,16 +80,24 @@ def config(tag: str) -> dict:
 
 # -- publisher-side probes ----------------------------------------------------------------------------
 class LoopLag:
-    """The longest time this event loop was unavailable: a task asks for 1 ms sleeps and records its
-    lateness (``worst``, wall clock) and, for the same interval, the CPU time the loop's thread spent
-    (``busy``: time lorapub's code held the loop; the rest of a late wake-up is the OS running other
-    processes on this machine's two cores, or another thread holding the GIL). Garbage-collector
-    pauses are recorded on their own (``gc``)."""
+    """How this event loop fared during a publication:
+
+    * ``worst``: the lateness of a task asking for 1 ms sleeps (wall clock: whatever kept the loop
+      from running it, this process's code or the OS running other processes on the machine's
+      cores, or another thread holding the GIL), with ``busy``, the CPU time the loop's thread
+      spent in that same interval (the kernel's loopback TCP work counts there too);
+    * ``step`` / ``step_cpu``: the longest single step the loop ran (one callback or task step:
+      the time it held the loop, wall and CPU; asyncio's own slow-callback measure);
+    * ``cpu``: all the CPU time the loop's thread spent from the publication's call to its return
+      (lorapub's work on the caller's loop, the socket sends it makes there included);
+    * ``gc``: the longest garbage-collector pause.
+    """
 
     def __init__(self) -> None:
-        self.worst = self.busy = self.gc = 0.0
+        self.worst = self.busy = self.gc = self.step = self.step_cpu = self.cpu = 0.0
         self._task = None
         self._gc_started = 0.0
+        self._run_step = asyncio.events.Handle._run
 
     def _gc(self, phase, info) -> None:
         if phase == "start":
@@ -104,16 +115,35 @@ class LoopLag:
                 self.worst = late
             self.busy = max(self.busy, time.thread_time() - cpu)
 
+    def _timed_steps(self):
+        lag, run, loop_thread = self, self._run_step, threading.current_thread()
+
+        def _run(handle):
+            if threading.current_thread() is not loop_thread:  # another thread's loop (lorapub's sender)
+                return run(handle)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return run(handle)
+            finally:
+                lag.step = max(lag.step, time.perf_counter() - wall)
+                lag.step_cpu = max(lag.step_cpu, time.thread_time() - cpu)
+
+        return _run
+
     def __enter__(self):
         import gc
 
         gc.callbacks.append(self._gc)
+        asyncio.events.Handle._run = self._timed_steps()
         self._task = asyncio.get_running_loop().create_task(self._run())
+        self._cpu0 = time.thread_time()
         return self
 
     def __exit__(self, *exc):
         import gc
 
+        self.cpu = time.thread_time() - self._cpu0
+        asyncio.events.Handle._run = self._run_step
         gc.callbacks.remove(self._gc)
         self._task.cancel()
 
@@ -252,7 +282,7 @@ async def raw_gloo(http, procs, blobs, rep: int) -> float:
 async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> dict:
     shm = tempfile.mkdtemp(prefix="lorapub-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     procs = [EngineProcess(f"e{i}", os.path.join(workdir, f"{kind}-e{i}"), shm) for i in range(2)]
-    transport = {"http": lambda: HTTPBytes(), "shm": lambda: SameHostIPC(shm_dir=shm),
+    transport = {"http": lambda: HTTPBytes(), "http-loop": lambda: HTTPBytes(sender="loop"), "shm": lambda: SameHostIPC(shm_dir=shm),
                  "shm-dir": lambda: SameHostIPC(shm_dir=shm, load="dir"),
                  "gloo": lambda: TorchDistributed(timeout=120.0)}[kind]()
     engines = {f"e{i}": SGLangWireEngine(f"e{i}", p.url, transport=transport, probe_timeout=300)
@@ -260,7 +290,7 @@ async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> di
     deadlines = Deadlines(begin=60, bucket=300, end=600, cleanup=120, commit=10, reclaim=300)
     dep = await Deployment(engines, epoch=1, deadlines=deadlines, bucket_cap_bytes=args.bucket_mb << 20,
                            reconcile_interval=None).start()
-    out = {"kind": kind, "mbps": [], "raw": [], "lag": [], "busy": [], "gc": [], "copies": [], "hashed": [], "end": [],
+    out = {"kind": kind, "mbps": [], "raw": [], "lag": [], "busy": [], "gc": [], "step": [], "step_cpu": [], "loop_cpu": [], "copies": [], "hashed": [], "end": [],
            "e2e": [], "phases": []}
     try:
         async with aiohttp.ClientSession() as http:
@@ -273,7 +303,8 @@ async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> di
                     reset_peak_rss()
                     with LoopLag() as lag:
                         started = time.perf_counter()
-                        report = await dep.publish(snapshot, f"v{rep}")  # returns once committed
+                        # a task of its own, so that its first step is timed too
+                        report = await asyncio.ensure_future(dep.publish(snapshot, f"v{rep}"))  # returns once committed
                         e2e = time.perf_counter() - started
                     peak = _status("VmHWM")
                 await dep.settle()
@@ -284,12 +315,15 @@ async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> di
                 out["lag"].append(lag.worst)
                 out["busy"].append(lag.busy)
                 out["gc"].append(lag.gc)
+                out["step"].append(lag.step)
+                out["step_cpu"].append(lag.step_cpu)
+                out["loop_cpu"].append(lag.cpu)
                 out["copies"].append(1 + max(0, peak - base) / size)
                 out["hashed"].append(hashed.bytes / size)
             plan = snapshot.plan(args.bucket_mb << 20)
             blobs = [b"".join(bytes(v) for v in RawBucket(snapshot, b).views()) for b in plan.buckets]
             for rep in range(args.repeat):
-                if kind == "http":
+                if kind.startswith("http"):
                     seconds = await raw_http(http, procs, blobs)
                 elif kind.startswith("shm"):
                     seconds = await raw_shm(http, procs, blobs, shm)
@@ -350,21 +384,24 @@ async def main() -> None:
     print()
     print("| transport | MB/s | raw limit MB/s | MB/s / raw | source copies (peak) | SHA-256 passes (source) "
           "| publish() to committed READY on both engines s: median / min | end (load) s "
-          "| worst loop stall: wall / loop busy / gc | stashes left (RECLAIMED, FAILED_CLEAN) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    names = {"http": "HTTP bytes", "shm": "same-host IPC (/dev/shm, tensor load)",
+          "| caller's loop: CPU per publication | longest loop step: wall / CPU | 1 ms sleeper late: wall / busy / gc "
+          "| stashes left (RECLAIMED, FAILED_CLEAN) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    names = {"http": "HTTP bytes", "http-loop": "HTTP bytes, posted on the caller's loop", "shm": "same-host IPC (/dev/shm, tensor load)",
              "shm-dir": "same-host IPC (/dev/shm, folder load)", "gloo": "torch.distributed (gloo)"}
     for r in results:
         ratio = med(r["mbps"]) / med(r["raw"])
         left = len(r["stashes_left"]) + len(r["shm_left"])
         print(f"| {names[r['kind']]} | {med(r['mbps']):.0f} | {med(r['raw']):.0f} | {ratio:.2f} | "
               f"{max(r['copies']):.2f} | {max(r['hashed']):.2f} | {med(r['e2e']):.2f} / {min(r['e2e']):.2f} | {med(r['end']):.2f} | "
+              f"{1000 * med(r['loop_cpu']):.0f} ms | {1000 * max(r['step']):.1f} / {1000 * max(r['step_cpu']):.1f} ms | "
               f"{1000 * max(r['lag']):.1f} / {1000 * max(r['busy']):.1f} / {1000 * max(r['gc']):.1f} ms | {left} ({r['reclaimed']} reclaimed, failed clean: {r['failed_clean']}) |")
     print()
     for r in results:
         print(f"{r['kind']}: MB/s runs {[round(x) for x in r['mbps']]}, raw runs {[round(x) for x in r['raw']]}, "
               f"publish s {[round(x, 2) for x in r['e2e']]}, stalls ms {[round(1000 * x, 1) for x in r['lag']]}, "
-              f"busy ms {[round(1000 * x, 1) for x in r['busy']]}")
+              f"busy ms {[round(1000 * x, 1) for x in r['busy']]}, loop CPU ms {[round(1000 * x) for x in r['loop_cpu']]}, "
+              f"longest step ms {[round(1000 * x, 1) for x in r['step']]} (CPU {[round(1000 * x, 1) for x in r['step_cpu']]})")
         for i, phases in enumerate(r["phases"]):
             print(f"  {r['kind']} publication {i}: phases s {phases}")
 
