@@ -369,7 +369,7 @@ async def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="layers of Qwen3-8B in the adapter (default 4)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket cap in MiB (lorapub's default: 64)")
-    parser.add_argument("--transports", default="http,shm,shm-dir,gloo")
+    parser.add_argument("--transports", default="http,http-loop,shm,shm-dir,gloo")
     args = parser.parse_args()
     layers = LAYERS if args.full else args.layers
     state_dict = await asyncio.to_thread(qwen3_8b_lora, layers, 0)

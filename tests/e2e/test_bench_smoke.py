@@ -153,3 +153,20 @@ def test_the_quick_benchmark_against_real_servers_publishes_a_peft_folder_over_h
             s.wait(timeout=30)
     for i in range(2):  # each server freed its stash as it stopped: no folder, no claim
         assert os.listdir(tmp_path / f"stash{i}") == [], os.listdir(tmp_path / f"stash{i}")
+
+
+def test_the_transport_benchmark_runs_every_transport_and_prints_the_callers_loop_figures():
+    """bench/transport_bench.py on one layer of the adapter: every transport publishes, fails
+    clean and leaves no stash; each row carries the loop figures the bar is judged on."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "transport_bench.py"), "--layers", "1", "--repeat", "2"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert "longest loop step: wall / CPU" in rows[0] and "caller's loop: CPU per publication" in rows[0]
+    names = ["HTTP bytes", "HTTP bytes, posted on the caller's loop", "same-host IPC (/dev/shm, tensor load)",
+             "same-host IPC (/dev/shm, folder load)", "torch.distributed (gloo)"]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows[1:]] == names
+    for row in rows[1:]:
+        assert row.endswith("| 0 (1 reclaimed, failed clean: True) |"), row  # no stash left, failure cleaned
