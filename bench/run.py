@@ -466,14 +466,15 @@ async def part1(args) -> tuple[dict, dict]:
     summary = {s: {key: spread([run[s][key] for run in rounds]) for _, key, _, _ in ROWS} for s in STRATEGIES}
     summary["derived"] = {key: spread([run["derived"][key] for run in rounds]) for key in rounds[0]["derived"]}
     dv = summary["derived"]
-    print(f"\n{'figure':42}{'control':>24}{'baseline':>26}{'lorapub':>26}")
+    widths = (27, 29, 29)  # a cell never runs into its neighbour: "[min–max]" of two 5-digit figures fits
+    print(f"\n{'figure':42}" + "".join(f" {c:>{w}}" for c, w in zip(("control", "baseline", "lorapub"), widths)))
     for name, key, unit, applies in ROWS:
         cells = [fmt(summary[s][key], unit) if s in applies else "—" for s in STRATEGIES]
-        print(f"{name:42}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (24, 26, 26))))
+        print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     for name, key, unit in (("excess no-progress gap over control", "gap", "ms"),
                             ("excess request latency p99 over control", "p99", "ms")):
         cells = ["—", fmt(dv[f"baseline_excess_{key}"], unit), fmt(dv[f"lorapub_excess_{key}"], unit)]
-        print(f"{name:42}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (24, 26, 26))))
+        print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     per_round = ", ".join(f"{run['derived']['removed'] * 100:.0f} %" for run in rounds)
     print(f"\nshare of the baseline's excess stall that lorapub removes: {fmt(dv['removed'], '%')} (per round: {per_round})")
     phases = [run["lorapub"]["phases"] for run in rounds if run["lorapub"]["phases"]]
