@@ -21,8 +21,13 @@ from lorapub.testing.fixtures import lora_snapshot
 from tests.e2e.conftest import FAST
 
 
-@pytest.mark.parametrize("sender", ["thread", "loop"])
-async def test_bucket_bodies_are_read_on_the_sender_thread_or_the_callers_loop(sender, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sender,given_session,where", [
+    ("auto", False, "thread"), ("thread", False, "thread"), ("loop", False, "loop"),
+    ("auto", True, "loop"),  # the caller's session (its TLS context, proxy...) carries every request
+    ("thread", True, "thread"),
+])
+async def test_bucket_bodies_are_read_on_the_sender_thread_or_the_callers_loop(sender, given_session, where,
+                                                                                 tmp_path, monkeypatch):
     threads: set[str] = set()
     views = sglang_wire.RawBucket.views
 
@@ -35,7 +40,8 @@ async def test_bucket_bodies_are_read_on_the_sender_thread_or_the_callers_loop(s
     double = SGLangDouble("e0")
     double.stash_root = str(tmp_path / "disk")
     await double.start()
-    engine = SGLangWireEngine("e0", double.url, transport=HTTPBytes(sender=sender), probe_timeout=10)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2)) if given_session else None
+    engine = SGLangWireEngine("e0", double.url, transport=HTTPBytes(sender=sender), probe_timeout=10, http=http)
     dep = await Deployment({"e0": engine}, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10).start()
     try:
         report = await dep.publish(lora_snapshot(3), "v1")
@@ -44,15 +50,17 @@ async def test_bucket_bodies_are_read_on_the_sender_thread_or_the_callers_loop(s
     finally:
         await dep.close()
         await engine.close()
+        if http is not None:
+            await http.close()
         await double.stop()
     caller = threading.current_thread().name
-    assert threads == ({"lorapub-body-sender"} if sender == "thread" else {caller})
+    assert threads == ({"lorapub-body-sender"} if where == "thread" else {caller})
 
 
 def test_sender_must_be_thread_or_loop():
     with pytest.raises(InvalidInput, match="sender must be one of"):
         HTTPBytes(sender="process")
-    assert HTTPBytes() == HTTPBytes(sender="thread") != HTTPBytes(sender="loop")
+    assert HTTPBytes() == HTTPBytes(sender="auto") != HTTPBytes(sender="thread") != HTTPBytes(sender="loop")
 
 
 @pytest.fixture
@@ -147,15 +155,69 @@ async def test_a_forked_child_posts_through_a_sender_thread_of_its_own(slow_serv
     status, raw = await asyncio.to_thread(out.get, True, 30)
     await asyncio.to_thread(child.join, 30)
     assert (status, raw) == (201, b'{"bytes": 5, "q": "child", "auth": null}') and child.exitcode == 0
+    # the child (its post, its exit) left the parent's sender alone: its kept-alive connection
+    # still answers (closing it in the child took it out of the epoll set both share)
+    assert (await shared_sender().post(url + "/echo", params={}, headers={}, body=b"22", timeout=5))[0] == 201
 
 
 async def test_a_closed_sender_starts_again_on_the_next_post(slow_server):
     url, _ = slow_server
     sender = BodySender()
     assert (await sender.post(url + "/echo", params={}, headers={}, body=b"1", timeout=10))[0] == 201
-    first = sender._thread
+    first = sender._worker
     await asyncio.to_thread(sender.close)
-    assert not first.is_alive()
+    assert not first.thread.is_alive() and first.http.closed
     assert (await sender.post(url + "/echo", params={}, headers={}, body=b"22", timeout=10))[0] == 201
-    assert sender._thread is not first and sender._thread.is_alive()
+    assert sender._worker is not first and sender._worker.thread.is_alive()
     await asyncio.to_thread(sender.close)
+
+
+async def test_closing_the_sender_ends_a_post_in_flight_with_a_connection_error(slow_server):
+    url, ended = slow_server
+    sender = BodySender()
+    post = asyncio.ensure_future(sender.post(url + "/slow", params={}, headers={}, body=chunks(BIG), timeout=None))
+    await asyncio.sleep(0.3)
+    await asyncio.to_thread(sender.close)
+    with pytest.raises(aiohttp.ClientConnectionError, match="closed during the post"):
+        await asyncio.wait_for(post, 10)  # never left waiting on a stopped loop
+    assert await asyncio.wait_for(ended.get(), 10) == "aborted"
+
+
+async def test_posts_racing_close_each_answer_or_fail_typed(slow_server):
+    """Posts from several threads while the sender is closed again and again: every post returns
+    or raises aiohttp's own error; none is left waiting, and no session is left open."""
+    url, _ = slow_server
+    sender = BodySender()
+    workers: list = []
+
+    async def post_many() -> list[str]:
+        outcomes = []
+        for _ in range(30):
+            try:
+                status, _ = await asyncio.wait_for(
+                    sender.post(url + "/echo", params={}, headers={}, body=b"x" * 1000, timeout=10), 15)
+                outcomes.append(str(status))
+            except aiohttp.ClientError as e:
+                outcomes.append(type(e).__name__)
+            workers.append(sender._worker)
+        return outcomes
+
+    def closer(stop: threading.Event) -> None:
+        while not stop.is_set():
+            sender.close()
+
+    stop = threading.Event()
+    closing = threading.Thread(target=closer, args=(stop,))
+    closing.start()
+    try:
+        results = await asyncio.gather(*(asyncio.to_thread(asyncio.run, post_many()) for _ in range(3)))
+    finally:
+        stop.set()
+        closing.join()
+        sender.close()
+    outcomes = [o for r in results for o in r]
+    assert len(outcomes) == 90 and "201" in outcomes
+    assert set(outcomes) <= {"201", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError"}, set(outcomes)
+    for worker in {id(w): w for w in workers if w is not None}.values():
+        worker.thread.join(10)
+        assert not worker.thread.is_alive() and (worker.http is None or worker.http.closed)

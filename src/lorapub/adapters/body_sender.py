@@ -3,24 +3,30 @@ caller's event loop.
 
 A 349 MB adapter is thousands of socket writes per engine. On the caller's loop each is a step of
 that loop (asyncio's ``_write_ready``: on loopback the kernel also runs the receiver's TCP work in
-the sender's time), measured at 5-17 ms on a busy two-core machine, while the rollout's generations
-and tool calls wait behind it. Here the writes run on one daemon thread with an event loop and an
-aiohttp session of its own; the socket calls release the GIL, so the caller's loop keeps running
-while the bytes go out. The caller awaits the post as usual: its result, its errors (aiohttp's and
-asyncio's own, so the engine adapter maps them as before) and its cancellation (cancelling the
-caller's await cancels the post in the thread) cross over through
-:func:`asyncio.run_coroutine_threadsafe`.
+the sender's time), measured at 21-30 ms wall on a busy two-core machine, while the rollout's
+generations and tool calls wait behind it. Here the writes run on one daemon thread with an event
+loop and an aiohttp session of its own; the socket calls release the GIL, so the caller's loop
+keeps running while the bytes go out. The caller awaits the post as usual: its result, its errors
+(aiohttp's and asyncio's own, so the engine adapter maps them as before) and its cancellation
+(cancelling the caller's await cancels the post in the thread; the caller's await returns at
+once, and a bucket the engine still stores after that belongs to an attempt the caller is
+ending) cross over through :func:`asyncio.run_coroutine_threadsafe`.
 
-One sender serves the whole process (:func:`shared_sender`); it starts on first use, starts again
-in a forked child (a thread does not survive ``fork``), and closes its session at exit.
+One sender serves the whole process (:func:`shared_sender`). Its thread starts on first use; a
+forked child starts its own (the parent's thread does not exist there, and the parent's loop and
+connections are left untouched: closing them in the child would remove the parent's sockets from
+the epoll set the two share). :meth:`BodySender.close` (at exit) ends every post still running
+with a connection error, closes the session and stops the thread; a later post starts a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import os
 import threading
+import weakref
 from typing import Any, AsyncIterable, Mapping
 
 import aiohttp
@@ -28,82 +34,140 @@ import aiohttp
 from lorapub.adapters.sglang_http import IDLE_CONNECTION_S
 
 
+class _Stopped(Exception):
+    """The worker was stopped before the post could be handed to it."""
+
+
+class _Worker:
+    """One thread, its event loop and its session (made on that loop, closed on it)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.http: aiohttp.ClientSession | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        # Posts handed over before the loop runs wait in its queue: the caller never waits here.
+        self.thread = threading.Thread(target=self._serve, name="lorapub-body-sender", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                self.loop.run_until_complete(self._drain())
+            finally:
+                self.loop.close()
+
+    async def _drain(self) -> None:
+        # Stopped: every post still here ends (its caller sees a connection error), then the session
+        # and any body generator are closed on this loop, so nothing is left pending or unclosed.
+        tasks = [t for t in asyncio.all_tasks(self.loop) if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.http is not None:
+            await self.http.close()
+        # A closed transport with unsent bytes waits to send them before it drops its socket, and
+        # this loop is about to close: abort every transport of it (all are this worker's), so the
+        # servers see the posts end now, not when the sockets are collected. asyncio's selector
+        # loops keep them in ``_transports``; another loop's are dropped when collected.
+        for transport in list(getattr(self.loop, "_transports", {}).values()):
+            if transport is not None:
+                transport.abort()  # also one already closing, still waiting to flush
+        for _ in range(3):  # the aborts' connection_lost callbacks run in the next iterations
+            await asyncio.sleep(0)
+        await self.loop.shutdown_asyncgens()
+
+    async def post(self, url: str, params: Mapping[str, str], headers: Mapping[str, str], body: Any,
+                   timeout: float | None) -> tuple[int, bytes]:  # runs on this worker's loop
+        if self.http is None:
+            # The engine adapters' own connection rules: no cap; idle connections dropped before
+            # SGLang's server drops them.
+            self.http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S))
+        async with self.http.post(url, params=params, data=body, headers=headers,
+                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status, await r.read()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        with self._lock:
+            if self._stopped:
+                raise _Stopped
+            # Queued before any stop below: the post starts, and a later stop cancels it.
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
+
+
+_ORPHANED: list[_Worker] = []  # a parent's workers, as a forked child inherited them: never touched
+_SENDERS: weakref.WeakSet[BodySender] = weakref.WeakSet()
+
+
 class BodySender:
     """Posts request bodies from its own thread and event loop; see the module."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._http: aiohttp.ClientSession | None = None
-        self._thread: threading.Thread | None = None
-        self._pid = 0
+        self._worker: _Worker | None = None
+        _SENDERS.add(self)
 
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._pid != os.getpid() or not self._thread.is_alive():
-                ready = threading.Event()
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=self._serve, args=(loop, ready), name="lorapub-body-sender",
-                                          daemon=True)
-                thread.start()
-                ready.wait()
-                # a session of a parent's (or a stopped) loop is never reused
-                self._loop, self._thread, self._pid, self._http = loop, thread, os.getpid(), None
-            return self._loop
-
-    def _serve(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
-        asyncio.set_event_loop(loop)
-        loop.call_soon(ready.set)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
-
-    async def _session(self) -> aiohttp.ClientSession:  # runs on the sender's loop
-        if self._http is None or self._http.closed:
-            # The same connection rules as the engine adapters' own sessions (no cap; idle
-            # connections dropped before SGLang's server drops them).
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S))
-        return self._http
-
-    async def _post(self, url: str, params: Mapping[str, str], headers: Mapping[str, str], body: Any,
-                    timeout: float | None) -> tuple[int, bytes]:
-        http = await self._session()
-        async with http.post(url, params=params, data=body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            return r.status, await r.read()
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the parent may have held it while forking
+        if self._worker is not None:
+            _ORPHANED.append(self._worker)
+            self._worker = None
 
     async def post(self, url: str, *, params: Mapping[str, str], headers: Mapping[str, str],
                    body: AsyncIterable[Any] | bytes, timeout: float | None) -> tuple[int, bytes]:
         """POST ``body`` to ``url`` from the sender's thread: ``(status, raw reply)``.
 
         ``body`` is consumed on the sender's thread (an async iterable is iterated there); it must
-        not be used by the caller meanwhile. Raises what aiohttp raises.
+        not be used by the caller meanwhile. Raises what aiohttp raises; a post ended by
+        :meth:`close` raises :class:`aiohttp.ClientConnectionError` (its outcome is unknown).
         """
-        loop = self._running_loop()
-        future = asyncio.run_coroutine_threadsafe(self._post(url, params, headers, body, timeout), loop)
-        return await asyncio.wrap_future(future)
+        while True:
+            with self._lock:
+                if self._worker is None:
+                    self._worker = _Worker()
+                worker = self._worker
+            coro = worker.post(url, params, headers, body, timeout)
+            try:
+                future = worker.submit(coro)
+                break
+            except _Stopped:  # closed in between: the next turn starts a new worker
+                coro.close()
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller was cancelled (the post was cancelled with it)
+            raise aiohttp.ClientConnectionError("lorapub's body sender was closed during the post") from None
 
     def close(self) -> None:
-        """Close the session and stop the thread (at exit; a later post starts a new one)."""
+        """End every post still running, close the session and stop the thread. A later post starts
+        a new one."""
         with self._lock:
-            loop, thread, http = self._loop, self._thread, self._http
-            self._loop = self._thread = self._http = None
-            if loop is None or self._pid != os.getpid() or thread is None or not thread.is_alive():
-                return
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
-        async def _close() -> None:
-            if http is not None:
-                await http.close()
 
-        try:
-            asyncio.run_coroutine_threadsafe(_close(), loop).result(timeout=5)
-        except Exception:  # at exit: nothing left to tell
-            pass
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=5)
+def _after_fork_in_child() -> None:
+    for sender in list(_SENDERS):
+        sender._after_fork_in_child()
 
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _SHARED = BodySender()
 atexit.register(_SHARED.close)

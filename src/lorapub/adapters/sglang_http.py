@@ -164,6 +164,11 @@ class OwnedHTTPSession:
             self._own_http = True  # made here (also after a caller closed theirs): closed here
         return self._http
 
+    @property
+    def owns_http(self) -> bool:
+        """Whether the session is lorapub's own (False: the caller's, with the caller's settings)."""
+        return self._own_http
+
     async def close(self) -> None:
         self._closed = True
         if self._own_http and self._http is not None:

@@ -44,7 +44,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
 
-SENDERS = ("thread", "loop")  # where HTTPBytes' bodies are posted from (see HTTPBytes)
+SENDERS = ("auto", "thread", "loop")  # where HTTPBytes' bodies are posted from (see HTTPBytes)
 CHUNK = 128 << 10  # a streamed body is written in slices of this size (views, never copies): small
 # slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
 
@@ -87,11 +87,12 @@ class HTTPBytes:
     """Buckets as HTTP bodies (cross-host; the default). ``load``: ``"dir"`` (the engine writes a PEFT
     folder on its own disk and loads it) or ``"tensors"`` (SGLang's ``load_lora_adapter_from_tensors``).
 
-    ``sender``: ``"thread"`` (default) posts the bodies from lorapub's sender thread, with a
+    ``sender``: where the bodies are posted from. ``"thread"``: lorapub's sender thread, with a
     session of its own (:mod:`lorapub.adapters.body_sender`), so the socket sends of hundreds of
-    megabytes never run on the caller's event loop; ``"loop"`` posts them on the caller's loop
-    through the engine's own session (for a session whose settings, such as a proxy or a TLS
-    context, the bodies must use too).
+    megabytes never run on the caller's event loop. ``"loop"``: the caller's loop, through the
+    engine's session. ``"auto"`` (default): the thread, unless the engine was given an aiohttp
+    session of the caller's (whose settings, such as a TLS context or a proxy, every request to
+    that engine then keeps).
     """
 
     kind = "http"
@@ -99,7 +100,7 @@ class HTTPBytes:
     #: (a subclass that keeps state of its own sets this False and equals only itself).
     stateless = True
 
-    def __init__(self, *, load: str = "dir", sender: str = "thread") -> None:
+    def __init__(self, *, load: str = "dir", sender: str = "auto") -> None:
         if load not in es.LOAD_FORMS:
             raise InvalidInput(f"load must be one of {es.LOAD_FORMS}, got {load!r}")
         if sender not in SENDERS:
@@ -564,8 +565,7 @@ class SGLangWireEngine(SGLangAdminBase):
         stored = False
         try:
             url = self.base_url + es.BUCKET_ROUTE
-            if isinstance(payload, RawBucket) and self.transport.sender == "thread":
-                self.client.http  # noqa: B018 - a closed engine refuses here, before anything is sent
+            if isinstance(payload, RawBucket) and self._bodies_off_loop():
                 status, raw = await shared_sender().post(url, params=params, headers=headers, body=data,
                                                          timeout=self.transfer_timeout)
             else:
@@ -587,6 +587,11 @@ class SGLangWireEngine(SGLangAdminBase):
         finally:
             if isinstance(payload, ShmBucket):
                 payload.read_by(self.name, ok=stored)
+
+    def _bodies_off_loop(self) -> bool:
+        self.client.http  # noqa: B018 - a closed engine refuses here, before anything is sent
+        sender = self.transport.sender
+        return sender == "thread" or (sender == "auto" and self.client.owns_http)
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
         inc = await self._life(token)
