@@ -1,15 +1,19 @@
-"""Session transitions through the registry's Ray actor: batched vs one call per command.
+"""Session transitions through the registry's Ray actor: batched vs one call per command, as
+callers and live sessions grow.
 
-Method: one local Ray cluster; a registry actor with version A published; C concurrent
-callers (asyncio tasks in one rollout process, 100 by default) each run a loop of
-BindFirst + CloseAndRelease on fresh session keys (two state transitions per loop) for
-a fixed number of transitions. The same workload runs with ``RayRegistry(batch=False)``
-(control: one actor call per command, as before) and ``batch=True`` (the commands of one
-event-loop turn share one actor call), alternating, each repeated; the table prints the
-median and the spread (min–max) of transitions/s, p50 and p99 per-command latency, and
-the number of actor calls. ``--durable`` puts the actor's registry on a SQLiteStore.
+Method: one local Ray cluster; a registry actor with version A published and N live (bound)
+sessions; C concurrent callers (asyncio tasks in one rollout process) each run a loop of
+BindFirst + CloseAndRelease on fresh session keys (two state transitions per loop) for a fixed
+number of transitions. The same workload runs with ``RayRegistry(batch=False)`` (control: one
+actor call per command, as before) and ``batch=True`` (the commands of one event-loop turn share
+one actor call), alternating, each repeated; the table prints the median and the spread
+(min–max) of transitions/s, p50 and p99 per-command latency, and the number of actor calls, for
+every caller count at the first live-session count, then for every live-session count at the
+last caller count (1/10/100 callers at 1,000 sessions; 1,000/10,000/100,000 sessions at 100
+callers by default). ``--durable`` puts the actor's registry on a SQLiteStore.
 
-    python3 bench/registry_bench.py [--callers 100] [--transitions 6000] [--repeats 3] [--durable]
+    python3 bench/registry_bench.py [--callers 1,10,100] [--live 1000,10000,100000]
+                                    [--transitions 6000] [--repeats 3] [--durable]
 """
 
 from __future__ import annotations
@@ -77,30 +81,59 @@ def fmt(values: list[float], unit: str = "") -> str:
     return f"{statistics.median(values):,.1f}{unit} ({min(values):,.1f}–{max(values):,.1f})"
 
 
-async def main(args) -> None:
-    store = tempfile.mktemp(suffix=".db") if args.durable else None
-    handle = RayRegistry.create("bench-registry", epoch=EPOCH, engines=ENGINES, store_path=store, call_timeout=120)
-    await publish_a(handle)
+async def fill(handle: RayRegistry, live: int, have: int) -> None:
+    """Bind sessions until ``live`` are live (they stay bound: the registry's size under test)."""
+    registry = RayRegistry(handle.actor, call_timeout=600, batch=True)
+    for start in range(have, live, 5000):  # one actor call per 5,000 (one event-loop turn each)
+        await asyncio.gather(*(registry.handle(BindFirst(SessionKey(EPOCH, f"live-{i}", "n")))
+                               for i in range(start, min(live, start + 5000))))
+
+
+async def measure(handle: RayRegistry, callers: int, args, tag: str) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {"one call per command (control)": [], "batched": []}
     for r in range(args.repeats):
         for label, batch in (("one call per command (control)", False), ("batched", True)):
             registry = RayRegistry(handle.actor, call_timeout=120, batch=batch)
-            runs[label].append(await workload(registry, args.callers, args.transitions, f"{r}-{batch}"))
-    print(f"{args.callers} callers, {runs['batched'][0]['n']} transitions per run, {args.repeats} repeats, "
+            runs[label].append(await workload(registry, callers, args.transitions, f"{tag}-{r}-{batch}"))
+    return runs
+
+
+async def main(args) -> None:
+    store = tempfile.mktemp(suffix=".db") if args.durable else None
+    handle = RayRegistry.create("bench-registry", epoch=EPOCH, engines=ENGINES, store_path=store, call_timeout=120)
+    await publish_a(handle)
+    callers, lives = args.callers, args.live
+    plan = [(lives[0], c) for c in callers] + [(n, callers[-1]) for n in lives[1:]]
+    print(f"{args.transitions} transitions per run, {args.repeats} repeats, "
           f"{'SQLiteStore' if args.durable else 'memory'} registry; median (min–max)")
-    print(f"{'':34} {'transitions/s':>28} {'p50 ms':>22} {'p99 ms':>22} {'actor calls':>12}")
-    for label, rs in runs.items():
-        print(f"{label:34} {fmt([x['tps'] for x in rs]):>28} {fmt([x['p50'] for x in rs]):>22} "
-              f"{fmt([x['p99'] for x in rs]):>22} {statistics.median([x['calls'] for x in rs]):>12,.0f}")
-    ratio = statistics.median([x["tps"] for x in runs["batched"]]) / statistics.median(
-        [x["tps"] for x in runs["one call per command (control)"]])
-    print(f"batched / control throughput: {ratio:.1f}x")
+    print(f"{'live sessions':>13} {'callers':>7}  {'':31} {'transitions/s':>28} {'p50 ms':>22} {'p99 ms':>22} "
+          f"{'actor calls':>12}")
+    have = 0
+    for live, c in plan:
+        await fill(handle, live, have)
+        have = max(have, live)
+        runs = await measure(handle, c, args, f"{live}-{c}")
+        for label, rs in runs.items():
+            print(f"{live:>13,} {c:>7}  {label:31} {fmt([x['tps'] for x in rs]):>28} {fmt([x['p50'] for x in rs]):>22} "
+                  f"{fmt([x['p99'] for x in rs]):>22} {statistics.median([x['calls'] for x in rs]):>12,.0f}", flush=True)
+        ratio = statistics.median([x["tps"] for x in runs["batched"]]) / statistics.median(
+            [x["tps"] for x in runs["one call per command (control)"]])
+        print(f"{'':>13} {'':>7}  batched / control throughput: {ratio:.1f}x", flush=True)
     ray.kill(handle.actor)
+
+
+def counts(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of positive counts, got {text!r}")
+    return values
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--callers", type=int, default=100)
+    parser.add_argument("--callers", type=counts, default=[1, 10, 100], help="caller counts (default 1,10,100)")
+    parser.add_argument("--live", type=counts, default=[1000, 10000, 100000],
+                        help="live sessions in the registry (default 1000,10000,100000)")
     parser.add_argument("--transitions", type=int, default=6000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--durable", action="store_true")

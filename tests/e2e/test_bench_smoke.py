@@ -170,3 +170,20 @@ def test_the_transport_benchmark_runs_every_transport_and_prints_the_callers_loo
     assert [r.split(" | ")[0].lstrip("| ") for r in rows[1:]] == names
     for row in rows[1:]:
         assert row.endswith("| 0 (1 reclaimed, failed clean: True) |"), row  # no stash left, failure cleaned
+
+
+def test_the_ray_registry_benchmark_prints_a_row_per_caller_count_and_size():
+    """bench/registry_bench.py, small: callers 1 and 10 at one size, then 10 callers at a larger
+    one; each row says its actor calls (one per command in the control, fewer batched)."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "registry_bench.py"), "--callers", "1,10", "--live", "50,200",
+         "--transitions", "200", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit() and "transitions per run" not in line]
+    sizes = [(r[0], r[1], "batched" if "batched" in r else "control") for r in rows]
+    assert sizes == [("50", "1", "control"), ("50", "1", "batched"), ("50", "10", "control"), ("50", "10", "batched"),
+                     ("200", "10", "control"), ("200", "10", "batched")], sizes
+    calls = [int(r[-1].replace(",", "")) for r in rows]
+    assert calls[2] == 200 and calls[3] < 200  # 10 callers: one call per command vs batched
