@@ -10,16 +10,21 @@ one actor call), alternating, each repeated; the table prints the median and the
 (min–max) of transitions/s, p50 and p99 per-command latency, and the number of actor calls, for
 every caller count at the first live-session count, then for every live-session count at the
 last caller count (1/10/100 callers at 1,000 sessions; 1,000/10,000/100,000 sessions at 100
-callers by default). ``--durable`` puts the actor's registry on a SQLiteStore.
+callers by default). With 100 or more callers a third strategy runs beside them: batched, with
+the actor's start-up objects put back in the collector (``gc.unfreeze()`` in the actor: the
+control of the freeze the actor does once it has opened its registry). Inside the actor every
+apply of its registry and every collection of its process is timed (through Ray's
+``__ray_call__``). ``--durable`` puts the actor's registry on a SQLiteStore.
 
     python3 bench/registry_bench.py [--callers 1,10,100] [--live 1000,10000,100000]
-                                    [--transitions 6000] [--repeats 3] [--durable]
+                                    [--transitions 6000] [--repeats 3] [--durable] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
@@ -89,12 +94,78 @@ async def fill(handle: RayRegistry, live: int, have: int) -> None:
                                for i in range(start, min(live, start + 5000))))
 
 
+# -- inside the actor (run there through Ray's __ray_call__) ----------------------------------------------
+def _instrument(actor) -> None:
+    """Time every command or batch the actor's registry applies and every collection its process runs."""
+    import gc as _gc
+
+    actor._bench = {"apply": [], "gc": [], "gc_started": 0.0}
+    registry = actor._registry()
+
+    def timed(inner):
+        def apply(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                actor._bench["apply"].append(time.perf_counter() - t)
+        return apply
+
+    registry.apply, registry.apply_many = timed(registry.apply), timed(registry.apply_many)
+
+    def on_gc(phase, info):
+        if phase == "start":
+            actor._bench["gc_started"] = time.perf_counter()
+        else:
+            actor._bench["gc"].append(time.perf_counter() - actor._bench["gc_started"])
+
+    _gc.callbacks.append(on_gc)
+
+
+def _take_timings(actor) -> tuple[float, float, float]:
+    """(median apply, longest apply, longest collection) in ms since the last call; then reset."""
+    apply, collections = actor._bench["apply"], actor._bench["gc"]
+    actor._bench["apply"], actor._bench["gc"] = [], []
+    return (statistics.median(apply) * 1e3 if apply else 0.0, max(apply, default=0.0) * 1e3,
+            max(collections, default=0.0) * 1e3)
+
+
+def _unfreeze(actor) -> int:
+    import gc as _gc
+
+    frozen = _gc.get_freeze_count()
+    _gc.unfreeze()  # the start-up objects back in the oldest generation: as before the freeze
+    return frozen
+
+
+def _freeze(actor) -> None:
+    import gc as _gc
+
+    _gc.collect()
+    _gc.freeze()
+
+
+UNFROZEN = "batched, actor not frozen (control)"
+
+
 async def measure(handle: RayRegistry, callers: int, args, tag: str) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {"one call per command (control)": [], "batched": []}
+    """Control, batched and, with 100 or more callers, batched with the actor's start-up objects
+    back in the collector (the freeze's control), interleaved, ``args.repeats`` times each."""
+    strategies = [("one call per command (control)", False, False), ("batched", True, False)]
+    if callers >= 100:
+        strategies.append((UNFROZEN, True, True))
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in strategies}
     for r in range(args.repeats):
-        for label, batch in (("one call per command (control)", False), ("batched", True)):
+        for label, batch, unfrozen in strategies:
+            if unfrozen:
+                await handle.actor.__ray_call__.remote(_unfreeze)
+            await handle.actor.__ray_call__.remote(_take_timings)
             registry = RayRegistry(handle.actor, call_timeout=120, batch=batch)
-            runs[label].append(await workload(registry, callers, args.transitions, f"{tag}-{r}-{batch}"))
+            run = await workload(registry, callers, args.transitions, f"{tag}-{r}-{len(runs[label])}-{batch}-{unfrozen}")
+            run["apply_p50"], run["apply_max"], run["gc_max"] = await handle.actor.__ray_call__.remote(_take_timings)
+            if unfrozen:
+                await handle.actor.__ray_call__.remote(_freeze)
+            runs[label].append(run)
     return runs
 
 
@@ -102,24 +173,33 @@ async def main(args) -> None:
     store = tempfile.mktemp(suffix=".db") if args.durable else None
     handle = RayRegistry.create("bench-registry", epoch=EPOCH, engines=ENGINES, store_path=store, call_timeout=120)
     await publish_a(handle)
+    await handle.actor.__ray_call__.remote(_instrument)
     callers, lives = args.callers, args.live
     plan = [(lives[0], c) for c in callers] + [(n, callers[-1]) for n in lives[1:]]
     print(f"{args.transitions} transitions per run, {args.repeats} repeats, "
           f"{'SQLiteStore' if args.durable else 'memory'} registry; median (min–max)")
-    print(f"{'live sessions':>13} {'callers':>7}  {'':31} {'transitions/s':>28} {'p50 ms':>22} {'p99 ms':>22} "
-          f"{'actor calls':>12}")
-    have = 0
+    print("actor: each call's apply inside the actor (a command, or a batch; median / longest of the run, ms) and the longest "
+          "collection of the actor's process (ms); median over the repeats")
+    print(f"{'live sessions':>13} {'callers':>7}  {'':36} {'transitions/s':>28} {'p50 ms':>22} {'p99 ms':>22} "
+          f"{'actor calls':>12} {'actor: apply / longest':>23} {'longest gc':>11}")
+    have, rows = 0, []
     for live, c in plan:
         await fill(handle, live, have)
         have = max(have, live)
         runs = await measure(handle, c, args, f"{live}-{c}")
         for label, rs in runs.items():
-            print(f"{live:>13,} {c:>7}  {label:31} {fmt([x['tps'] for x in rs]):>28} {fmt([x['p50'] for x in rs]):>22} "
-                  f"{fmt([x['p99'] for x in rs]):>22} {statistics.median([x['calls'] for x in rs]):>12,.0f}", flush=True)
+            med = lambda k: statistics.median([x[k] for x in rs])  # noqa: E731
+            rows.append({"live_sessions": live, "callers": c, "strategy": label, "runs": rs})
+            print(f"{live:>13,} {c:>7}  {label:36} {fmt([x['tps'] for x in rs]):>28} {fmt([x['p50'] for x in rs]):>22} "
+                  f"{fmt([x['p99'] for x in rs]):>22} {med('calls'):>12,.0f} "
+                  f"{med('apply_p50'):>12.1f} / {med('apply_max'):>6.1f} {med('gc_max'):>11.1f}", flush=True)
         ratio = statistics.median([x["tps"] for x in runs["batched"]]) / statistics.median(
             [x["tps"] for x in runs["one call per command (control)"]])
         print(f"{'':>13} {'':>7}  batched / control throughput: {ratio:.1f}x", flush=True)
     ray.kill(handle.actor)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"durable": args.durable, "transitions": args.transitions, "rows": rows}, f, indent=1)
 
 
 def counts(text: str) -> list[int]:
@@ -137,6 +217,7 @@ if __name__ == "__main__":
     parser.add_argument("--transitions", type=int, default=6000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--durable", action="store_true")
+    parser.add_argument("--json", help="also write every run's figures to this file")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

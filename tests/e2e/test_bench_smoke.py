@@ -172,18 +172,24 @@ def test_the_transport_benchmark_runs_every_transport_and_prints_the_callers_loo
         assert row.endswith("| 0 (1 reclaimed, failed clean: True) |"), row  # no stash left, failure cleaned
 
 
-def test_the_ray_registry_benchmark_prints_a_row_per_caller_count_and_size():
-    """bench/registry_bench.py, small: callers 1 and 10 at one size, then 10 callers at a larger
-    one; each row says its actor calls (one per command in the control, fewer batched)."""
+def test_the_ray_registry_benchmark_prints_a_row_per_caller_count_and_size(tmp_path):
+    """bench/registry_bench.py, small: callers 1 and 100 at one size, then 100 callers at a larger
+    one (with the actor-freeze control); every row prints, the control makes one actor call per
+    command and the batched runs fewer, and the actor's own apply and collections are timed."""
+    out = tmp_path / "registry.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "registry_bench.py"), "--callers", "1,10", "--live", "50,200",
-         "--transitions", "200", "--repeats", "1"],
+        [sys.executable, os.path.join(ROOT, "bench", "registry_bench.py"), "--callers", "1,100", "--live", "50,200",
+         "--transitions", "200", "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")),
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit() and "transitions per run" not in line]
-    sizes = [(r[0], r[1], "batched" if "batched" in r else "control") for r in rows]
-    assert sizes == [("50", "1", "control"), ("50", "1", "batched"), ("50", "10", "control"), ("50", "10", "batched"),
-                     ("200", "10", "control"), ("200", "10", "batched")], sizes
-    calls = [int(r[-1].replace(",", "")) for r in rows]
-    assert calls[2] == 200 and calls[3] < 200  # 10 callers: one call per command vs batched
+    rows = json.loads(out.read_text())["rows"]
+    control, batched, unfrozen = "one call per command (control)", "batched", "batched, actor not frozen (control)"
+    assert [(r["live_sessions"], r["callers"], r["strategy"]) for r in rows] == [
+        (50, 1, control), (50, 1, batched), (50, 100, control), (50, 100, batched), (50, 100, unfrozen),
+        (200, 100, control), (200, 100, batched), (200, 100, unfrozen)]
+    calls = {(r["live_sessions"], r["callers"], r["strategy"]): r["runs"][0]["calls"] for r in rows}
+    assert calls[(50, 100, control)] == 200 and calls[(50, 100, batched)] < 20
+    assert all(r["runs"][0]["apply_max"] > 0 for r in rows)  # timed inside the actor
+    printed = [line for line in done.stdout.splitlines() if "actor not frozen (control)" in line]
+    assert len(printed) == 2
