@@ -81,7 +81,7 @@ def apply(
     ``root`` is the ``sglang`` package folder the class was loaded from (default: the
     installed one); its code decides the release. ``prepare_loads`` (patching SGLang's own class):
     SGLang's schedulers start with :mod:`lorapub.sglang_patch.prepared_load`, so an adapter load
-    is prepared off the scheduler thread, which stops decoding only to swap it in (1-2 ms live).
+    is prepared off the scheduler thread, which stops decoding only to swap it in (1-8 ms live).
     """
     release = detect(root)
     if tokenizer_manager_cls is None:
