@@ -63,7 +63,8 @@ ENGINE_MODELS = {
     "stock": {"flags": ["--blocking-load"],
               "text": "the load blocking that engine's batches (stock SGLang's scheduler loads between batches)"},
     # lorapub's patched server as measured live (docs/gpu-acceptance.md, "Decode gaps during a load"):
-    # the install took 1-2 ms on the scheduler thread and the first batch's slot fill 8-16 ms.
+    # the install took 1-2 ms on the scheduler thread in runs 3 and 5 (1.5-7.7 ms in run 6) and the
+    # first batch's slot fill 8-16 ms: the model takes the first, the best case.
     "patched": {"flags": ["--install-stop", "0.002", "--first-use-stop", "0.012"],
                 "text": "the load running beside decoding, then every step stopped 2 ms to swap it in and 12 ms at the "
                         "adapter's first step (lorapub's patched SGLang, as measured live)"},
@@ -435,9 +436,9 @@ def method(args, spec: WorkloadSpec) -> str:
 def adapter_text(args) -> str:
     if not args.adapter:
         return "a small seeded adapter (2 layers, q/v, r=8)"
-    snap = version_snapshot(args, 0)
-    nbytes = sum(e.nbytes for e in snap.manifest.tensors)
-    return f"the adapter in {args.adapter} ({len(snap.manifest.tensors)} tensors, {nbytes / 1e6:.0f} MB), rescaled per version"
+    manifest = version_snapshot(args, 0).manifest
+    return (f"the adapter in {args.adapter} ({len(manifest.tensors)} tensors, {manifest.total_bytes / 1e6:.0f} MB), "
+            "rescaled per version")
 
 
 async def part1(args) -> tuple[dict, dict]:
