@@ -5,7 +5,9 @@ others idle. Run with the image's python, no PYTHONPATH.
 Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 560), STALL_SITE (the
 SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (which servers, in
 measuring order: "unpatched,patched" by default; "patched-switch" is the patched server with a 100 us GIL
-switch interval while a preparation runs, "patched-image" the patched server building slot images).
+switch interval while a preparation runs, "patched-image" the patched server building slot images,
+"patched-ungated" the patched server whose preparing thread does not step aside for prefill batches).
+STALL_REPS / STALL_REPS32: loads of B (default 3) and of B32 (default 2) per server.
 With "unpatched" among them, a numerics check compares every other server's greedy outputs with it."""
 import asyncio, json, os, signal, subprocess, sys, time, urllib.request
 
@@ -29,7 +31,7 @@ def env_site():
     site = os.environ.get("STALL_SITE", "/tmp/site")
     src = os.environ.get("LORAPUB_SRC", os.path.join(HERE, "..", "..", "src"))
     e = dict(os.environ, PYTHONPATH=f"{site}:{os.path.abspath(src)}", PYTHONUNBUFFERED="1")
-    for variant_knob in ("LORAPUB_SGLANG_SLOT_IMAGE", "LORAPUB_SGLANG_PREPARE_SWITCH_US"):
+    for variant_knob in ("LORAPUB_SGLANG_SLOT_IMAGE", "LORAPUB_SGLANG_PREPARE_SWITCH_US", "LORAPUB_SGLANG_PREPARE_GATE"):
         e.pop(variant_knob, None)  # only the server variant that names it gets it
     return e
 
@@ -59,7 +61,11 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
          "patched-switch": {"port": 30002, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                             "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_SWITCH_US="100")},
          "patched-image": {"port": 30003, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
-                           "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")}}
+                           "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")},
+         "patched-ungated": {"port": 30004, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                             "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="0")}}
+REPS, REPS32 = int(os.environ.get("STALL_REPS", "3")), int(os.environ.get("STALL_REPS32", "2"))
+PER_SERVER_S = 10 + 14.5 * (REPS + REPS32)  # warm-up, then two controls, load, first use, unload per repetition
 ORDER = list(dict.fromkeys(n.strip() for n in os.environ.get("STALL_ORDER", "unpatched,patched").split(",") if n.strip()))
 unknown = [n for n in ORDER if n not in KNOWN]
 if unknown:
@@ -105,8 +111,8 @@ for k, name in enumerate(ORDER):
     if k:
         time.sleep(3)
     launch(name)
-# keep about 70 s per measured server (and 20 s for the numerics check) after the boot
-boot_deadline = min(DEADLINE - 70 * len(ORDER) - 20, T0 + 430)
+# keep PER_SERVER_S per measured server (and 20 s for the numerics check) after the boot
+boot_deadline = min(DEADLINE - PER_SERVER_S * len(ORDER) - 20, T0 + 430)
 while time.time() < boot_deadline and not all("ready" in s for s in SERVERS.values()):
     for name, s in SERVERS.items():
         if "ready" in s:
@@ -139,12 +145,12 @@ for k, name in enumerate(ORDER):
     if not s.get("ready"):
         log(f"skip {name}: not ready"); continue
     later = sum(1 for n in ORDER[k + 1:] if SERVERS[n].get("ready"))
-    dl = DEADLINE - 70 * later - 25  # room for the servers after this one and for the numerics check
+    dl = DEADLINE - PER_SERVER_S * later - 25  # room for the servers after this one and for the numerics check
     os.environ["STALL_DEADLINE"] = str(dl)
     log(f"bench {name} (deadline in {dl - time.time():.0f}s)")
     try:
         res = asyncio.run(gap_bench.Bench(f"http://127.0.0.1:{s['port']}", name).run(
-            ROOT, 3, 2, f"{OUT}/{name}", dl))
+            ROOT, REPS, REPS32, f"{OUT}/{name}", dl))
         res["info"]["server"] = {"cmd": s["cmd"], "graphs": s["graphs"], "boot_s": s["ready"]}
         with open(f"{OUT}/{name}.json", "w") as f:
             json.dump(res, f, indent=1)

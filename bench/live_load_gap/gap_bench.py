@@ -1,6 +1,7 @@
 """Drive N concurrent streaming /generate requests on adapter A against a live SGLang server and
 measure the no-progress gap while /load_lora_adapter (B, pinned), the first request on B and
-/unload_lora_adapter run. Windows per repetition: control (nothing), load, first_use, unload.
+/unload_lora_adapter run. Windows per repetition: control and control_b (nothing; together as long as
+load and first_use together), load, first_use, unload.
 The first request on B is sent together with a request of the same shape on A (the old version):
 both latencies are recorded, so "the first request on the new version is no slower" is measured.
 Metrics per window: merged_max_gap_ms = longest interval with no token arriving on ANY stream
@@ -132,11 +133,14 @@ class Bench:
         windows = []
         plan = [("B", i) for i in range(reps)] + [("B32", i) for i in range(reps32)]
         for variant, rep in plan:
-            if deadline and time.time() + 4 * WIN + 4 > deadline:
+            if deadline and time.time() + 5 * WIN + 4 > deadline:
                 info["stopped_early_at"] = f"{variant}#{rep}"
                 break
-            c0 = pc(); await asyncio.sleep(WIN)
-            windows.append({"kind": "control", "variant": variant, "rep": rep, "t0": c0, "t1": pc()})
+            # two control windows as long as the load and first_use windows together: the publication's
+            # longest gap (over both) is compared with the control's over the same length of time
+            for kind in ("control", "control_b"):
+                c0 = pc(); await asyncio.sleep(WIN)
+                windows.append({"kind": kind, "variant": variant, "rep": rep, "t0": c0, "t1": pc()})
             st, txt, l0, l1 = await post(ctl, self.url + "/load_lora_adapter",
                                          {"lora_name": "B", "lora_path": f"{root}/{variant}", "pinned": True})
             end = max(l0 + WIN, l1 + 0.5); await asyncio.sleep(max(0.0, end - pc()))

@@ -3,7 +3,8 @@
 # On a GPU machine, from the checkout root, with the SGLang bundle as .sgl/ and lorapub's extra wheels
 # as .whl/ (see tests/gpu/run_on_device.sh):   bash bench/live_load_gap/run.sh
 # Builds a 4B-shaped random Qwen3 and 264 MB r=64 adapters (A, B, B32 = B in fp32), boots the
-# servers (STALL_ORDER, stock and patched by default), measures each in turn (3 loads of B, 2 of B32, each against a 3 s control), then prints
+# servers (STALL_ORDER, stock and patched by default), measures each in turn (STALL_REPS=3 loads of B, STALL_REPS32=2 of B32, each against a control as long as
+# its load and first use), then prints
 # the summary. About 400 s on one H200 plus machine start; in $OUT: summary.txt and results.tgz (JSON per
 # server, token events, server logs and their lorapub lines).
 set -u -o pipefail

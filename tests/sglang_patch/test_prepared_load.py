@@ -74,7 +74,7 @@ class Scheduler:
     def __init__(self, manager, tp_size=1):
         self.tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(lora_manager=manager))
         self.server_args = types.SimpleNamespace(tp_size=tp_size, pp_size=1, dp_size=1)
-        self.sent, self.slept = [], 0
+        self.sent, self.slept, self.ran = [], 0, []
 
     def load_lora_adapter(self, recv_req):
         return self.tp_worker.model_runner.lora_manager._load_lora_adapter(recv_req.to_ref())
@@ -90,6 +90,10 @@ class Scheduler:
 
     def maybe_sleep_on_idle(self):
         self.slept += 1
+
+    def run_batch(self, batch, *args):
+        self.ran.append(batch)
+        return "result"
 
 
 class Pool:
@@ -434,3 +438,132 @@ def test_the_trace_reports_the_iterations_that_ended_while_a_load_was_prepared(c
     [line] = [r.getMessage() for r in caplog.records if "scheduler iterations" in r.getMessage()]
     assert "while preparing B (50 ms): n=2 max 40.0 ms" in line
     assert "before: n=3 max 30.0 ms" in line
+
+
+class Mode:
+    def __init__(self, extend):
+        self.extend = extend
+
+    def is_extend(self):
+        return self.extend
+
+
+def batch(extend):
+    return types.SimpleNamespace(forward_mode=Mode(extend))
+
+
+def test_a_closed_gate_holds_the_preparing_step_until_the_scheduler_opens_it():
+    gate = prepared_load.PrefillGate(max_wait_s=5.0)
+    gate.close()
+    passed = threading.Event()
+    worker = threading.Thread(target=lambda: (gate.step(), passed.set()))
+    worker.start()
+    assert not passed.wait(0.2)  # the step waits while the scheduler prefills
+    gate.open()
+    assert passed.wait(5)
+    worker.join()
+    assert gate.waits == 1 and gate.timeouts == 0 and gate.waited_s >= 0.2
+    assert gate.reset().startswith("1 waits for prefills") and gate.waits == 0
+
+
+def test_back_to_back_prefills_delay_a_preparation_but_never_stop_it():
+    gate = prepared_load.PrefillGate(max_wait_s=0.02, slice_s=0.05)
+    gate.close()  # never opened again
+    t0 = prepared_load.time.perf_counter()
+    for _ in range(200):
+        gate.step()
+    took = prepared_load.time.perf_counter() - t0
+    # one wait per slice: after a timed-out wait the steps run for slice_s without looking
+    assert 1 <= gate.timeouts == gate.waits and took < 2.0
+    assert gate.timeouts <= 1 + took / 0.05
+
+
+def test_a_disabled_gate_never_waits():
+    gate = prepared_load.PrefillGate(enabled=False, max_wait_s=5.0)
+    gate.close()
+    gate.step()
+    assert gate.waits == 0
+
+
+def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes):
+    scheduler, manager, preparer = preparing(classes)
+    assert scheduler.run_batch(batch(True)) == "result"  # nothing pending: stays open
+    assert preparer.gate._open.is_set()
+    manager.gate.clear()  # the read blocks
+    scheduler.process_input_requests([Req("a")])
+    scheduler.run_batch(batch(False))  # a decode batch leaves it open
+    assert preparer.gate._open.is_set()
+    scheduler.run_batch(batch(True))
+    assert not preparer.gate._open.is_set()
+    scheduler.run_batch(types.SimpleNamespace())  # a batch without a mode this patch knows: unchanged
+    assert not preparer.gate._open.is_set()
+    scheduler.process_input_requests([])  # the next loop iteration
+    assert preparer.gate._open.is_set()
+    assert [type(b.forward_mode).__name__ if hasattr(b, "forward_mode") else None for b in scheduler.ran] == [
+        "Mode", "Mode", "Mode", None]  # every batch still ran, through SGLang's own run_batch
+    manager.gate.set()
+    run_until(scheduler, 1)
+
+
+def peft_folder(tmp_path, n=6):
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file({f"w{i}": torch.full((4,), float(i)) for i in range(n)}, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def test_sglangs_processing_of_a_peft_folder_takes_each_tensor_only_through_an_open_gate(classes, tmp_path):
+    class TensorManager(classes[1]):
+        def load_lora_weights_from_tensors(self, ref, tensors):
+            got = []
+            for name, t in tensors.items():  # as SGLang's initialize_weights_from_tensors walks them
+                got.append((name, t.clone()))
+            self.loras[ref.lora_id] = Adapter(ref.lora_id, self.configs[ref.lora_id])
+            self.loras[ref.lora_id].tensors = dict(got)
+
+    manager = TensorManager()
+    scheduler = classes[0](manager)
+    preparer = prepared_load.Preparer(scheduler, manager)
+    prefilling = threading.Event()
+    preparer.read_config = lambda ref: (prefilling.wait(5), Config(ref.lora_path))[1]
+    preparer.gate.max_wait_s = 10.0
+    steps, gate_step = [], preparer.gate.step
+    preparer.gate.step = lambda: (steps.append(threading.current_thread().name), gate_step())[1]
+    scheduler.__dict__["_lorapub_preparer"] = preparer
+    scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+    scheduler.run_batch(batch(True))  # the scheduler prefills: the gate is closed
+    prefilling.set()
+    future = preparer.pending[0][1]
+    assert not concurrent_wait(future, 0.3)  # the preparation waits at its first step
+    assert preparer.gate.waits == 0  # counted when the wait ends
+    scheduler.process_input_requests([])  # opens it
+    run_until(scheduler, 1)
+    [(_, out)] = scheduler.sent
+    assert out["success"]
+    import torch
+
+    assert {k: float(v[0]) for k, v in manager.loras["a"].tensors.items()} == {f"w{i}": float(i) for i in range(6)}
+    assert all(torch.equal(v, torch.full((4,), float(k[1:]))) for k, v in manager.loras["a"].tensors.items())
+    # one step per tensor read from the file and one per tensor handed to SGLang's processing
+    assert len(steps) == 12 and all(name.startswith("lorapub-prepare") for name in steps)
+
+
+def concurrent_wait(future, timeout):
+    import concurrent.futures
+
+    done, _ = concurrent.futures.wait([future], timeout=timeout)
+    return bool(done)
+
+
+def test_the_gate_can_be_turned_off(classes, monkeypatch):
+    monkeypatch.setenv(prepared_load.GATE_ENV, "0")
+    scheduler, manager, preparer = preparing(classes)
+    manager.gate.clear()
+    scheduler.process_input_requests([Req("a")])
+    scheduler.run_batch(batch(True))
+    assert preparer.gate._open.is_set()
+    manager.gate.set()
+    run_until(scheduler, 1)
