@@ -7,7 +7,7 @@ both latencies are recorded, so "the first request on the new version is no slow
 Metrics per window: merged_max_gap_ms = longest interval with no token arriving on ANY stream
 (gap ending inside the window); itl_max_ms = longest token-to-token interval within one request;
 tokens/s; completions. Usage: python gap_bench.py URL LABEL ADAPTER_ROOT OUT_PREFIX [reps] [reps32]"""
-import asyncio, gzip, json, os, random, statistics, sys, time
+import asyncio, gc, gzip, json, os, random, statistics, sys, time
 from bisect import bisect_left, bisect_right
 
 import aiohttp
@@ -127,6 +127,9 @@ class Bench:
             "input_ids": [random.randrange(1, 150000) for _ in range(PLEN)], "lora_path": "A",
             "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}}) for _ in range(8)])
         info["warm_status"] = [r[0] for r in rr]
+        # no collection in this process while it timestamps tokens: a full one over the hundreds of
+        # thousands of recorded events stalled the client 0.4-0.5 s, read as a gap on the server
+        gc.collect(); gc.freeze(); gc.disable()
         wall0, pc0 = time.time(), pc()
         tasks = [asyncio.create_task(self.worker(i, sess)) for i in range(STREAMS)]
         await asyncio.sleep(6.0)  # steady state
@@ -165,6 +168,7 @@ class Bench:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        gc.enable(); gc.unfreeze()
         await sess.close(); await ctl.close()
         self.analyse(windows)
         for w in windows:  # wall-clock for matching server logs
