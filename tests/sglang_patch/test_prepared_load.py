@@ -567,3 +567,22 @@ def test_the_gate_can_be_turned_off(classes, monkeypatch):
     assert preparer.gate._open.is_set()
     manager.gate.set()
     run_until(scheduler, 1)
+
+
+def test_a_slot_image_built_in_gate_steps_is_the_same_image(monkeypatch):
+    """Built on the preparing thread, SGLang's fill takes the adapter's layers one gate step at a time;
+    the image it leaves is the one built without steps."""
+    import torch
+
+    monkeypatch.setenv(prepared_load.IMAGE_ENV, "1")
+    pool_cls = type("Pool", (Pool,), {})
+    prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
+    pool = pool_cls()
+    adapter = lora(r=2, seed=3, layers=2)
+    manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}])
+    plain = prepared_load.build_slot_image(manager, adapter)
+    steps = []
+    stepped = prepared_load.build_slot_image(manager, adapter, step=lambda: steps.append(1))
+    assert len(steps) == len(adapter.layers)  # one per layer the fill took
+    assert [torch.equal(a, b) for a, b in zip(plain.sources, stepped.sources)] == [True] * len(plain.sources)
+    assert stepped.fits(pool, 1)

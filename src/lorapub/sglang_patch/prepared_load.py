@@ -268,7 +268,7 @@ class Preparer:
         host = [dict(d) for d in _weight_dicts(adapter)] if self.slot_images else []
         moved = self._to_device(adapter)
         t2 = time.perf_counter()
-        image = build_slot_image(manager, adapter, self.stream) if self.slot_images else None
+        image = build_slot_image(manager, adapter, self.stream, self.gate.step) if self.slot_images else None
         if image is not None:  # the image serves every slot fill; the weights stay in host memory, as SGLang keeps them
             for d, h in zip(_weight_dicts(adapter), host):
                 d.update(h)
@@ -399,9 +399,39 @@ class SlotImage:
                 flat.record_stream(stream)
 
 
-def build_slot_image(manager: Any, adapter: Any, stream: Any = None) -> SlotImage | None:
+class _SteppedLayers(list):
+    """An adapter's layers as SGLang's slot fill walks them: one gate step per layer it takes."""
+
+    def __init__(self, layers: Any, step: Callable[[], None]) -> None:
+        super().__init__(layers)
+        self._step = step
+
+    def __getitem__(self, index: Any) -> Any:
+        self._step()
+        return super().__getitem__(index)
+
+    def __iter__(self):  # type: ignore[override]
+        for layer in super().__iter__():
+            self._step()
+            yield layer
+
+
+class _SteppedAdapter:
+    """``adapter`` as SGLang's slot fill reads it, with :class:`_SteppedLayers`; all else is the adapter's."""
+
+    def __init__(self, adapter: Any, step: Callable[[], None]) -> None:
+        self._adapter = adapter
+        self.layers = _SteppedLayers(adapter.layers, step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
+
+
+def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
+                     step: Callable[[], None] | None = None) -> SlotImage | None:
     """``adapter``'s slot image for ``manager``'s memory pool, or None (the pool's layout is not known,
-    or SGLang's own fill refused the adapter: its first batch then runs SGLang's fill, as stock)."""
+    or SGLang's own fill refused the adapter: its first batch then runs SGLang's fill, as stock).
+    ``step`` is called before each layer SGLang's fill takes (the preparing thread's gate)."""
     import contextlib
 
     import torch
@@ -433,7 +463,8 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None) -> SlotImag
                 setattr(scratch, attr, {k: type(v)(next(it) for _ in v) if isinstance(v, (list, tuple)) else next(it)
                                         for k, v in getattr(pool, attr).items()})
             scratch.pin_memory_available = False  # pinning here would stall the scheduler's CUDA calls
-            stock(scratch, adapter.uid, 0, adapter, manager.lora_modules, getattr(manager, "embed_tokens_module", None),
+            read = adapter if step is None else _SteppedAdapter(adapter, step)
+            stock(scratch, adapter.uid, 0, read, manager.lora_modules, getattr(manager, "embed_tokens_module", None),
                   getattr(manager, "lm_head_module", None))
         if stream is not None:
             stream.synchronize()
