@@ -15,9 +15,10 @@ which
 3. with ``LORAPUB_SGLANG_SLOT_IMAGE=1``, builds the adapter's slot image from it: what SGLang's own
    per-weight slot fill would write into a memory-pool slot (:class:`SlotImage`); the weights then
    stay in host memory, as SGLang keeps them (a fill the image does not fit then pins them, as
-   SGLang does). Off by default: building it runs that per-weight
-   Python beside the scheduler thread, which lengthened decode gaps during the load more than the
-   image saves at the first batch (measured live, docs/gpu-acceptance.md).
+   SGLang does). Opt-in: measured live in one run with the gate below (docs/gpu-acceptance.md).
+
+Between its Python steps the thread waits while the scheduler thread launches a prefill batch
+(:class:`PrefillGate`): a prefill's eager kernel launches otherwise wait for the GIL it holds.
 
 The scheduler keeps running batches meanwhile. Each loop iteration it polls; a finished
 preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
