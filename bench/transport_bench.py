@@ -204,7 +204,9 @@ class _Counted:
 # -- engines in their own processes ----------------------------------------------------------------------
 class EngineProcess:
     def __init__(self, name: str, stash: str, shm: str) -> None:
-        env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src")}
+        # lorapub's source first, then whatever the caller's path already holds (a bundle's packages)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (os.path.join(REPO, "src"), os.environ.get("PYTHONPATH")) if p)}
         self.proc = subprocess.Popen([sys.executable, "-m", "lorapub.testing.serve_double", name, stash, shm],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         line = self.proc.stdout.readline().split()
