@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-import sys
 import threading
 import uuid
 import weakref
@@ -41,22 +40,12 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.runtime.snapshot import Snapshot, tensor_bytes
 from lorapub.sglang_patch import engine_staging as es
 
 SENDERS = ("auto", "thread", "loop")  # where HTTPBytes' bodies are posted from (see HTTPBytes)
 CHUNK = 128 << 10  # a streamed body is written in slices of this size (views, never copies): small
 # slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
-
-
-def _tensor_bytes(t: Any) -> memoryview:
-    """A read-only byte view of a frozen tensor's memory (no copy)."""
-    torch = sys.modules.get("torch")  # a torch tensor cannot exist unless torch was imported
-    if torch is not None and isinstance(t, torch.Tensor):
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-    import numpy as np
-
-    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8)).cast("B")
 
 
 class RawBucket:
@@ -71,7 +60,7 @@ class RawBucket:
 
     def views(self) -> Iterator[memoryview]:
         for entry in self.bucket.entries:
-            view = _tensor_bytes(self.snapshot.tensor(entry.name))
+            view = tensor_bytes(self.snapshot.tensor(entry.name))
             for start in range(0, len(view), CHUNK):
                 yield view[start : start + CHUNK]
 
@@ -398,7 +387,7 @@ class TorchBucketSource:
         flat = self._bufs[slot][: bucket.nbytes]
         out, offset = flat.numpy(), 0
         for entry in bucket.entries:  # numpy copies without the GIL: the caller's loop keeps running
-            view = _tensor_bytes(self.snapshot.tensor(entry.name))
+            view = tensor_bytes(self.snapshot.tensor(entry.name))
             np.copyto(out[offset : offset + len(view)], np.frombuffer(view, dtype=np.uint8))
             offset += len(view)
         return flat

@@ -70,12 +70,15 @@ def _is_torch(t: Any) -> bool:
     return _torch_tensor(t)
 
 
-def _raw_bytes(t: Any) -> bytes:
+def tensor_bytes(t: Any) -> memoryview:
+    """A read-only byte view of a frozen tensor's memory (no copy): what is hashed and what travels."""
     if _is_torch(t):
         import torch
 
-        return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return t.tobytes()
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    import numpy as np
+
+    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8)).cast("B")
 
 
 def _dtype(t: Any) -> str:
@@ -114,7 +117,7 @@ class Snapshot:
                 name=name,
                 dtype=_dtype(t),
                 shape=tuple(int(x) for x in t.shape),
-                nbytes=len(raw := _raw_bytes(t)),
+                nbytes=len(raw := tensor_bytes(t)),
                 sha256=hashlib.sha256(raw).hexdigest(),
             )
             for name, t in self._tensors.items()
