@@ -145,3 +145,24 @@ def test_big_endian_arrays_digest_like_the_same_values_in_native_order():
     values = peft_lora_state_dict(3, layers=1, hidden=8, rank=2)
     swapped = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in values.items()}
     assert Snapshot(swapped, peft_config(2)).digest == Snapshot(values, peft_config(2)).digest
+
+
+def test_tensors_of_any_stride_snapshot_like_their_contiguous_copies():
+    """A size-1 dim may keep any stride through ``.contiguous()``; the snapshot's copy is in standard
+    strides whatever the source's, so its bytes (and digest) are the values', not the layout's."""
+    torch = pytest.importorskip("torch")
+    odd = {"a": torch.arange(4.0)[::4], "b": torch.arange(12.0).reshape(3, 4).t(), "c": torch.tensor(True)}
+    plain = {k: v.clone(memory_format=torch.contiguous_format).reshape(v.shape) for k, v in odd.items()}
+    snap = Snapshot(odd, {"r": 2})
+    assert snap.digest == Snapshot(plain, {"r": 2}).digest
+    assert all(torch.equal(snap.tensor(k), plain[k]) for k in odd)
+
+
+def test_numpy_dtypes_safetensors_cannot_store_are_refused():
+    np = pytest.importorskip("numpy")
+    for dtype in (np.longdouble, np.clongdouble, np.complex128):
+        if np.dtype(dtype) == np.float64:
+            continue  # a platform whose long double is a double
+        with pytest.raises(InvalidInput, match="'x' has dtype"):
+            Snapshot({"x": np.zeros(3, dtype=dtype)}, {"r": 2})
+    Snapshot({"x": np.zeros(3, dtype=np.complex64), "y": np.zeros(2, dtype=np.uint16)}, {"r": 2})

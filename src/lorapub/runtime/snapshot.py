@@ -30,8 +30,9 @@ def _numpy_array(t: Any) -> bool:
     return np is not None and isinstance(t, np.ndarray)
 
 
-# numpy kinds with a fixed-size binary layout safetensors stores: bool, signed, unsigned, float, complex
-_NUMPY_KINDS = "biufc"
+# numpy (kind, itemsize) pairs safetensors stores: bool, signed and unsigned ints, float16/32/64,
+# complex64 (not long double or complex256, whose bytes carry platform padding)
+_NUMPY_DTYPES = {("b", 1), ("f", 2), ("f", 4), ("f", 8), ("c", 8)} | {(k, n) for k in "iu" for n in (1, 2, 4, 8)}
 
 
 def _check_tensor(name: str, t: Any) -> str:
@@ -45,8 +46,9 @@ def _check_tensor(name: str, t: Any) -> str:
             raise InvalidInput(f"tensor {name!r} is on the meta device and has no data")
         return "torch"
     if _numpy_array(t):
-        if t.dtype.kind not in _NUMPY_KINDS:
-            raise InvalidInput(f"tensor {name!r} has dtype {t.dtype}; only numeric and bool arrays are published")
+        if (t.dtype.kind, t.dtype.itemsize) not in _NUMPY_DTYPES:
+            raise InvalidInput(f"tensor {name!r} has dtype {t.dtype}; only bool, int/uint 8-64, float16/32/64 and "
+                               "complex64 arrays are published (what safetensors stores)")
         return "numpy"
     raise InvalidInput(f"tensor {name!r} is a {type(t).__name__} ({t!r:.60}), not a torch tensor or a numpy array")
 
@@ -54,7 +56,11 @@ def _check_tensor(name: str, t: Any) -> str:
 def _freeze(name: str, t: Any) -> Any:
     try:
         if _torch_tensor(t):
-            return t.detach().to("cpu", copy=True).contiguous()
+            import torch
+
+            # one copy, in standard strides whatever the source's (a size-1 dim may keep any stride
+            # through .contiguous(), which a byte view then refuses)
+            return torch.empty(tuple(t.shape), dtype=t.dtype).copy_(t.detach())
         import numpy as np
 
         a = np.array(t, copy=True, order="C")
@@ -75,10 +81,10 @@ def tensor_bytes(t: Any) -> memoryview:
     if _is_torch(t):
         import torch
 
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B").toreadonly()
     import numpy as np
 
-    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8)).cast("B")
+    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8)).cast("B").toreadonly()
 
 
 def _dtype(t: Any) -> str:
@@ -89,7 +95,8 @@ class Snapshot:
     """Immutable once built. ``manifest.digest`` is the version's content digest.
 
     Everything is checked here, before anything is sent to an engine: tensor names are
-    non-empty strings, every tensor is a dense torch tensor or a numeric numpy array (one
+    non-empty strings, every tensor is a dense torch tensor or a numpy array of a dtype safetensors
+    stores (bool, int/uint 8-64, float16/32/64, complex64; one
     kind per snapshot), and the serving config is plain JSON (no NaN, string keys). A
     violation is :class:`~lorapub.errors.InvalidInput` naming the offending key.
     """

@@ -88,12 +88,14 @@ class PrefillGate:
     iteration; the preparing thread calls :meth:`step` between its Python steps (each tensor it reads,
     hands to SGLang's processing, casts or copies) and waits there while the gate is closed. It never
     waits longer than ``max_wait_s`` at a time, and after such a wait runs ``slice_s`` of steps before
-    it looks again, so a scheduler that prefills back to back still lets a load finish.
+    it looks again; once one preparation has waited ``budget_s`` in all it stops waiting, so a
+    scheduler that prefills back to back delays a load by at most that much.
     """
 
-    def __init__(self, enabled: bool = True, max_wait_s: float = 0.1, slice_s: float = 0.005) -> None:
+    def __init__(self, enabled: bool = True, max_wait_s: float = 0.1, slice_s: float = 0.005,
+                 budget_s: float = 1.0) -> None:
         self.enabled = enabled
-        self.max_wait_s, self.slice_s = max_wait_s, slice_s
+        self.max_wait_s, self.slice_s, self.budget_s = max_wait_s, slice_s, budget_s
         self._open = threading.Event()
         self._open.set()
         self._free_until = 0.0  # after a wait that timed out: steps run without looking until then
@@ -114,9 +116,9 @@ class PrefillGate:
         if self._open.is_set() or not self.enabled:
             return
         now = time.perf_counter()
-        if now < self._free_until:
+        if now < self._free_until or self.waited_s >= self.budget_s:
             return
-        opened = self._open.wait(self.max_wait_s)
+        opened = self._open.wait(min(self.max_wait_s, self.budget_s - self.waited_s))
         after = time.perf_counter()
         self.waits += 1
         self.waited_s += after - now
@@ -127,6 +129,8 @@ class PrefillGate:
     def reset(self) -> str:
         """This preparation's waits, for the log line; the counters start again."""
         told = f"{self.waits} waits for prefills, {1e3 * self.waited_s:.0f} ms, {self.timeouts} timed out"
+        if self.waited_s >= self.budget_s:
+            told += ", budget spent"
         self.waits, self.waited_s, self.timeouts, self._free_until = 0, 0.0, 0, 0.0
         return told
 
@@ -248,6 +252,7 @@ class Preparer:
         return LoRAConfig(ref.lora_path, base_vocab_size=self.manager.base_hf_config.vocab_size)
 
     def _prepare(self, ref: Any) -> Any:
+        self.gate.reset()  # a failed preparation's waits are not the next one's
         t0 = time.perf_counter()
         manager = self.manager
         view = copy.copy(manager)  # SGLang's own reading code, against private dicts
