@@ -65,7 +65,7 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
          "patched-ungated": {"port": 30004, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                              "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="0")}}
 REPS, REPS32 = int(os.environ.get("STALL_REPS", "3")), int(os.environ.get("STALL_REPS32", "2"))
-PER_SERVER_S = 10 + 14.5 * (REPS + REPS32)  # warm-up, then two controls, load, first use, unload per repetition
+PER_SERVER_S = 10 + gap_bench.REP_S * (REPS + REPS32)  # warm-up, then each repetition
 ORDER = list(dict.fromkeys(n.strip() for n in os.environ.get("STALL_ORDER", "unpatched,patched").split(",") if n.strip()))
 unknown = [n for n in ORDER if n not in KNOWN]
 if unknown:

@@ -16,6 +16,8 @@ pc = time.perf_counter
 STREAMS = int(os.environ.get("STALL_STREAMS", "48"))
 PLEN = int(os.environ.get("STALL_PLEN", "128"))
 WIN = float(os.environ.get("STALL_WIN", "3.0"))
+#: one repetition: two control windows, load, first use (each WIN and the calls' latency), unload (WIN / 2)
+REP_S = 4.5 * WIN + 3.0
 MAXNEW = (128, 384)  # per request uniform, mean 256; de-synchronises request restarts
 
 
@@ -136,7 +138,7 @@ class Bench:
         windows = []
         plan = [("B", i) for i in range(reps)] + [("B32", i) for i in range(reps32)]
         for variant, rep in plan:
-            if deadline and time.time() + 5 * WIN + 4 > deadline:
+            if deadline and time.time() + REP_S > deadline:
                 info["stopped_early_at"] = f"{variant}#{rep}"
                 break
             # two control windows as long as the load and first_use windows together: the publication's

@@ -7,6 +7,14 @@ import gzip, json, os, statistics, sys
 
 d = sys.argv[1]
 med = statistics.median
+
+
+def window_gap(w):
+    """The window's longest gap; a window with fewer than two tokens had none for all its length."""
+    gap = w.get("merged_max_gap_ms")
+    return gap if gap is not None else round((w["t1"] - w["t0"]) * 1e3, 1)
+
+
 names = sorted((f[:-5] for f in os.listdir(d) if f.endswith(".json") and f != "numerics.json"
                 and os.path.exists(os.path.join(d, f[:-5] + "_events.txt.gz"))),  # one per measured server
                key=lambda n: (n != "unpatched", n))
@@ -18,11 +26,13 @@ for name in names:
     rows = {}
     for w in r["windows"]:
         key = (w["variant"], w["kind"])
-        e = rows.setdefault(key, {"win": [], "act": [], "lat": []})
-        e["win"].append(w["merged_max_gap_ms"])
+        e = rows.setdefault(key, {"win": [], "act": [], "lat": [], "by_rep": {}})
+        e["win"].append(window_gap(w))
+        e["by_rep"][w["rep"]] = window_gap(w)
         if "latency_ms" in w:
             a, b = w["t0"], w["t0"] + w["latency_ms"] / 1e3
-            e["act"].append(round(max(g for s, g in gaps if a <= s <= b) * 1e3, 1))
+            act = max((g for s, g in gaps if a <= s <= b), default=None)  # None: no token in the whole call
+            e["act"].append(None if act is None else round(act * 1e3, 1))
             e["lat"].append(w["latency_ms"])
         if "old_latency_ms" in w:
             e.setdefault("old", []).append(w["old_latency_ms"])
@@ -40,9 +50,11 @@ for name in names:
     # windows: control + control_b); runs before control_b existed compared it with one 3 s window
     for v in ("B", "B32"):
         if (v, "load") in rows:
-            pub = [max(x, y) for x, y in zip(rows[(v, "load")]["win"], rows[(v, "first_use")]["win"])]
+            reps = sorted(set(rows[(v, "load")]["by_rep"]) & set(rows[(v, "first_use")]["by_rep"]))
+            pub = [max(rows[(v, "load")]["by_rep"][i], rows[(v, "first_use")]["by_rep"][i]) for i in reps]
             if (v, "control_b") in rows:
-                both = [round(max(x, y), 1) for x, y in zip(rows[(v, "control")]["win"], rows[(v, "control_b")]["win"])]
+                both = [round(max(rows[(v, "control")]["by_rep"][i], rows[(v, "control_b")]["by_rep"][i]), 1)
+                        for i in reps]
                 paired = [round(p - c, 1) for p, c in zip(pub, both)]
                 print(f"publication {v}: max gap over load+first_use windows {pub}, median {med(pub)}; "
                       f"control over as long {both}, median {round(med(both), 1)}; excess {round(med(pub) - med(both), 1):+} "

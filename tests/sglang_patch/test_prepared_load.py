@@ -397,10 +397,15 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
     adapter = types.SimpleNamespace(layers=layers, embedding_layers={"e": torch.arange(10, dtype=torch.int64)})
     want = [{k: v.clone() for k, v in d.items()} for d in prepared_load._weight_dicts(adapter)]
     preparer = prepared_load.Preparer.__new__(prepared_load.Preparer)
+    steps = []
+    preparer.gate = types.SimpleNamespace(step=lambda: steps.append(1))
     preparer.manager = types.SimpleNamespace(dtype=torch.bfloat16)
     preparer.device, preparer.stream = "cpu", types.SimpleNamespace(synchronize=lambda: None)
     preparer.chunks = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
     total = preparer._to_device(adapter)
+    tensors = sum(len(d) for d in want)
+    # a gate step before each tensor is cast and before each part of a tensor goes into a chunk
+    assert len(steps) >= 2 * tensors
     got = prepared_load._weight_dicts(adapter)
     assert total >= sum(t.numel() * t.element_size() for d in got for t in d.values())
     storages = {t.untyped_storage().data_ptr() for d in got for t in d.values()}
@@ -481,8 +486,23 @@ def test_back_to_back_prefills_delay_a_preparation_but_never_stop_it():
 def test_a_disabled_gate_never_waits():
     gate = prepared_load.PrefillGate(enabled=False, max_wait_s=5.0)
     gate.close()
+    assert gate._open.is_set()  # the scheduler's close does nothing
+    gate._open.clear()  # and even a closed event does not hold a step
+    t0 = prepared_load.time.perf_counter()
     gate.step()
-    assert gate.waits == 0
+    assert gate.waits == 0 and prepared_load.time.perf_counter() - t0 < 1.0
+
+
+def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
+    gate = prepared_load.PrefillGate(max_wait_s=0.05, slice_s=0.0, budget_s=0.2)
+    gate.close()  # back-to-back prefills
+    t0 = prepared_load.time.perf_counter()
+    for _ in range(100):
+        gate.step()
+    took = prepared_load.time.perf_counter() - t0
+    assert 0.18 <= gate.waited_s <= 0.35 and took < 1.0  # about the budget, then no more waiting
+    assert gate.reset().endswith("budget spent")
+    assert gate.waited_s == 0.0  # the next preparation has its own budget
 
 
 def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes):

@@ -437,7 +437,8 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
                      step: Callable[[], None] | None = None) -> SlotImage | None:
     """``adapter``'s slot image for ``manager``'s memory pool, or None (the pool's layout is not known,
     or SGLang's own fill refused the adapter: its first batch then runs SGLang's fill, as stock).
-    ``step`` is called before each layer SGLang's fill takes (the preparing thread's gate)."""
+    ``step`` is called before each layer SGLang's fill takes, on each of its walks over the layers
+    (the preparing thread's gate)."""
     import contextlib
 
     import torch
