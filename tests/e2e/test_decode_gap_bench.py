@@ -53,3 +53,48 @@ def test_the_pooled_live_figures_in_the_docs_are_what_pool_prints():
         doc = f.read()
     missing = [r for r in rows if r not in doc]
     assert not missing, "docs/gpu-acceptance.md does not quote: " + "\n".join(missing)
+
+
+def test_pool_pairs_windows_by_repetition_skips_short_controls_and_reads_an_empty_window_as_a_gap(tmp_path):
+    def windows(gaps_by_rep, with_control_b=True):
+        out = []
+        for rep, (ctl, ctl_b, load, first) in gaps_by_rep.items():
+            kinds = [("control", ctl)] + ([("control_b", ctl_b)] if with_control_b else []) + [
+                ("load", load), ("first_use", first)]
+            for kind, gap in kinds:
+                out.append({"variant": "B", "kind": kind, "rep": rep, "t0": 0.0, "t1": 3.0, "merged_max_gap_ms": gap})
+        return out[::-1]  # out of order: pairing must go by repetition
+
+    (tmp_path / "run7-patched.json").write_text(json.dumps({"windows": windows({
+        0: (70.0, 80.0, 78.0, 76.0),  # 78 - 80 = -2
+        1: (60.0, 50.0, None, 65.0),  # a load window without two tokens: a 3000 ms gap -> 2940
+        2: (40.0, 40.0, 45.0, 44.0),  # +5
+    })}))
+    (tmp_path / "run6-patched.json").write_text(json.dumps({"windows": windows({0: (1.0, 0, 900.0, 1.0)}, False)}))
+    out = run("pool.py", tmp_path)
+    [row] = [x for x in out.splitlines() if x.startswith("| patched | B |")]
+    assert row.startswith("| patched | B | 7 | 3 | [-2.0, 5.0, 2940.0] | +5.0 |")  # run 6 (one control) left out
+
+
+def test_a_median_interval_covers_at_least_what_it_says():
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("pool_for_test", os.path.join(BENCH, "pool.py"))
+    pool = importlib.util.module_from_spec(spec)
+    saved = sys.argv
+    try:
+        sys.argv = ["pool.py", os.path.join(ROOT, "docs", "gpu", "load-gap")]
+        spec.loader.exec_module(pool)
+    finally:
+        sys.argv = saved
+    assert pool.median_interval([1.0, 2.0, 3.0]) is None  # too few for 95 %
+    rng = random.Random(3)
+    hits = trials = 0
+    for _ in range(2000):  # samples of 14 from a distribution with median 0
+        x = [rng.gauss(0, 1) for _ in range(14)]
+        lo, hi, coverage = pool.median_interval(x)
+        assert abs(coverage - 0.987) < 0.001 and lo <= hi
+        hits += lo <= 0.0 <= hi
+        trials += 1
+    assert hits / trials >= 0.97
