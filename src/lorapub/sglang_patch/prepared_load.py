@@ -293,7 +293,7 @@ class Preparer:
 
         pool_dtype = getattr(self.manager, "dtype", None)
         slots, spans, total = [], [], 0
-        step = getattr(getattr(self, "gate", None), "step", _no_step)
+        step = self.gate.step
         for d in _weight_dicts(adapter):
             for name, t in d.items():
                 step()
@@ -552,10 +552,6 @@ def read_peft_folder(path: Any, step: Callable[[], None] | None = None) -> dict[
         raw = data[start:end] if start % itemsize == 0 else data[start:end].clone()
         tensors[name] = raw.view(dtype).view(shape)
     return tensors
-
-
-def _no_step() -> None:
-    pass
 
 
 def _is_extend(batch: Any) -> bool:
