@@ -109,7 +109,8 @@ class PrefillGate:
             self._open.clear()
 
     def open(self) -> None:
-        self._open.set()
+        if not self._open.is_set():  # every loop iteration calls this: set() takes the event's lock
+            self._open.set()
 
     # preparing thread
     def step(self) -> None:
