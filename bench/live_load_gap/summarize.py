@@ -26,8 +26,7 @@ for name in names:
     rows = {}
     for w in r["windows"]:
         key = (w["variant"], w["kind"])
-        e = rows.setdefault(key, {"win": [], "act": [], "lat": [], "by_rep": {}})
-        e["win"].append(window_gap(w))
+        e = rows.setdefault(key, {"act": [], "lat": [], "by_rep": {}})
         e["by_rep"][w["rep"]] = window_gap(w)
         if "latency_ms" in w:
             a, b = w["t0"], w["t0"] + w["latency_ms"] / 1e3
@@ -36,15 +35,16 @@ for name in names:
             e["lat"].append(w["latency_ms"])
         if "old_latency_ms" in w:
             e.setdefault("old", []).append(w["old_latency_ms"])
-    ctl = {v: med(rows[(v, "control")]["win"]) for v in ("B", "B32") if (v, "control") in rows}
+    ctl = {v: med(rows[(v, "control")]["by_rep"].values()) for v in ("B", "B32") if (v, "control") in rows}
     print(f"## {name}  (ITL p50 {med(w['itl_p50_ms'] for w in r['windows'])} ms, "
           f"{r['info']['streams']} streams, errors {r['info']['n_errors']})")
     print("| adapter | phase | HTTP latency ms (each) | action gap ms (each) | window max gap ms (each) | "
           "median window max | control median | excess |")
     print("|---|---|---|---|---|---|---|---|")
     for (v, k), e in rows.items():
-        m = med(e["win"])
-        print(f"| {v} | {k} | {e['lat'] or '-'} | {e['act'] or '-'} | {e['win']} | {m} | {ctl[v]} | "
+        win = list(e["by_rep"].values())  # in repetition order
+        m = med(win)
+        print(f"| {v} | {k} | {e['lat'] or '-'} | {e['act'] or '-'} | {win} | {m} | {ctl[v]} | "
               f"{round(m - ctl[v], 1):+} |")
     # whole publication = load window + first_use window, per rep, against a control as long (two
     # windows: control + control_b); runs before control_b existed compared it with one 3 s window
