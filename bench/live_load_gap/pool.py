@@ -38,16 +38,19 @@ def median_interval(values, level=0.95):
     return best
 
 
+def interval_text(values):
+    ci = median_interval(values)
+    return f"[{ci[0]:+.1f}, {ci[1]:+.1f}] ({100 * ci[2]:.1f} %)" if ci else "too few"
+
+
 def table(selected):
     print("| server | adapter | runs | repetitions | publication - control, each (ms) | median | 95 % interval of the median |")
     print("|---|---|---|---|---|---|---|")
     for (server, variant), rows in sorted(selected.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         values = [v for _, v in rows]
         runs = sorted({r for r, _ in rows})
-        ci = median_interval(values)
-        interval = f"[{ci[0]:+.1f}, {ci[1]:+.1f}] ({100 * ci[2]:.1f} %)" if ci else "too few"
         print(f"| {server} | {variant} | {', '.join(map(str, runs))} | {len(values)} | {sorted(values)} | "
-              f"{statistics.median(values):+.1f} | {interval} |")
+              f"{statistics.median(values):+.1f} | {interval_text(values)} |")
 
 
 print("All kept runs with a control as long as the publication:")
@@ -82,6 +85,4 @@ print("| server | loads (B and B32) | longest scheduler iteration while preparin
       "95 % interval of the median |")
 print("|---|---|---|---|---|")
 for server, values in sorted(scheduler.items()):
-    ci = median_interval(values)
-    interval = f"[{ci[0]:+.1f}, {ci[1]:+.1f}] ({100 * ci[2]:.1f} %)" if ci else "too few"
-    print(f"| {server} | {len(values)} | {sorted(values)} | {statistics.median(values):+.1f} | {interval} |")
+    print(f"| {server} | {len(values)} | {sorted(values)} | {statistics.median(values):+.1f} | {interval_text(values)} |")
