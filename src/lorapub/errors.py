@@ -25,9 +25,37 @@ class VersionConflict(LorapubError):
 
 
 class CapacityError(LorapubError):
-    """Both managed version slots are held; nothing was sent to any engine."""
+    """Every managed version slot is held; nothing was sent to any engine."""
 
     code = "CAPACITY_ERROR"
+
+
+class EngineCapacityError(LorapubError):
+    """An engine cannot hold the deployment's ``capacity`` managed versions (its SGLang limits
+    are too small); the message names the engine, its limits and the flags that fix it."""
+
+    code = "ENGINE_CAPACITY"
+
+
+class PublicationSuperseded(LorapubError):
+    """A newer publication took the place of this one while it waited for a slot; this version
+    was never committed (and never will be). ``details['by']`` names the newer version."""
+
+    code = "SUPERSEDED"
+
+
+class BindingStale(LorapubError):
+    """The session's version fell more than ``max_lag`` commits behind the default: its ref was
+    released and it generates no more (start a new session, or use ``on_stale="rebind"``)."""
+
+    code = "BINDING_STALE"
+
+
+class GroupClosed(LorapubError):
+    """A session joined a group whose every member had already closed: a group never spans two
+    versions, so a closed group takes no new member (open members before any of them closes)."""
+
+    code = "GROUP_CLOSED"
 
 
 class NoPublishedVersion(LorapubError):

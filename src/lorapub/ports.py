@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol, runtime_checkable
 
+import attrs
+
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
@@ -45,6 +47,69 @@ class EngineAdmin(Protocol):
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """One backend generation, sent once: never resent by the transport."""
+
+
+@attrs.frozen
+class EngineLimits:
+    """What an engine can hold: SGLang's ``--max-loaded-loras`` and ``--max-loras-per-batch``
+    (None: not set, or not known)."""
+
+    max_loaded_loras: int | None = None
+    max_loras_per_batch: int | None = None
+
+    def managed_capacity(self) -> int | None:
+        """How many pinned managed versions it holds at once: SGLang refuses to pin every slot of
+        the batch's LoRA memory pool (one stays for the base model and unpinned adapters), and
+        loads no more than ``max_loaded_loras``."""
+        bounds = [n for n in (self.max_loaded_loras,
+                              None if self.max_loras_per_batch is None else self.max_loras_per_batch - 1)
+                  if n is not None]
+        return min(bounds) if bounds else None
+
+
+@runtime_checkable
+class ReportsLimits(Protocol):
+    """An :class:`EngineAdmin` that can say what it holds at most (checked against the
+    deployment's ``capacity`` at start and when the engine joins). Optional: an engine without
+    it is not checked (the deployment logs that)."""
+
+    async def limits(self) -> EngineLimits: ...
+
+
+@attrs.frozen
+class HeldAdapter:
+    """One managed adapter an engine holds, and its native request refs (requests running on it)."""
+
+    lora_name: str
+    refs: int = 0
+    lora_id: str | None = None
+    pinned: bool = True
+
+
+@attrs.frozen
+class StagedAttempt:
+    """An attempt staged on an engine (bytes received, not loaded or cleaned yet)."""
+
+    token: str
+    lora_name: str
+    idle_seconds: float | None = None
+
+
+@attrs.frozen
+class Inventory:
+    """What an engine holds now: its life, its managed adapters, its staged attempts."""
+
+    incarnation: str
+    adapters: Mapping[str, HeldAdapter] = attrs.field(factory=dict)
+    staged: tuple[StagedAttempt, ...] = ()
+
+
+@runtime_checkable
+class ReportsInventory(Protocol):
+    """An :class:`EngineAdmin` that can list what it holds (health names the requests that keep
+    a version; the reconciler compares it with what the engine should hold). Optional."""
+
+    async def inventory(self) -> Inventory: ...
 
 
 @runtime_checkable

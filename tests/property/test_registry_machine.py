@@ -210,8 +210,12 @@ class RegistryMachine(RuleBasedStateMachine):
                     assert result.token == self.state.versions[key].attempt
                 return
             result = self.try_apply(R.Reserve(key, digest, plan))
-            assert not isinstance(result, LorapubError), result
-            assert not result.created and result.token == self.state.versions[key].attempt
+            if self.state.versions[key].state in (VersionState.RECLAIMING, VersionState.RECLAIMED):
+                # published and reclaimed: an id is published once per epoch, never "reused" after
+                assert getattr(result, "code", None) == "VERSION_RECLAIMING", result
+            else:
+                assert not isinstance(result, LorapubError), result
+                assert not result.created and result.token == self.state.versions[key].attempt
         else:
             digest, plan = fake_plan(key.version_id + "-other", 2)
             result = self.try_apply(R.Reserve(key, digest, plan))

@@ -41,11 +41,12 @@ class _RegistryActor:
     def __init__(
         self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None,
         store_factory: Callable[[], RegistryStore] | None = None, lease_ttl: float | None = DEFAULT_LEASE_TTL,
+        max_lag: int | None = None, on_stale: str = "error",
     ) -> None:
         if store_factory is None and store_path:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
-        self._lease_ttl = lease_ttl
+        self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale)
         self._store_factory = store_factory
         self.registry: LocalRegistry | None = None
         try:
@@ -64,7 +65,7 @@ class _RegistryActor:
         if self.registry is None:
             store = self._store_factory() if self._store_factory is not None else None
             try:
-                self.registry = LocalRegistry(*self._open_args, store=store, lease_ttl=self._lease_ttl)
+                self.registry = LocalRegistry(*self._open_args, store=store, **self._options)
             except BaseException:
                 if store is not None and hasattr(store, "close"):
                     store.close()  # release the file so the next try (or an operator) can open it
@@ -133,6 +134,7 @@ class RayRegistry:
         cls, name: str, epoch: int, engines: Mapping[str, str], capacity: int = 2, namespace: str = "lorapub",
         store_path: str | None = None, store_factory: Callable[[], RegistryStore] | None = None,
         call_timeout: float = 30.0, lease_ttl: float | None = DEFAULT_LEASE_TTL, batch: bool = True,
+        max_lag: int | None = None, on_stale: str = "error",
     ) -> "RayRegistry":
         """A durable store lets Ray restart the actor without losing its state.
 
@@ -144,7 +146,7 @@ class RayRegistry:
         handle = RegistryActor.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
             max_restarts=-1 if durable else 0, max_task_retries=0,
-        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl)
+        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale)
         return cls(handle, call_timeout=call_timeout, batch=batch)
 
     @classmethod

@@ -34,8 +34,9 @@ import aiohttp
 from lorapub.adapters.staging import Staging
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
+from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id, is_managed_name
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
+from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
 
 logger = logging.getLogger(__name__)
 #: SGLang's HTTP server closes a connection idle this long (its SGLANG_TIMEOUT_KEEP_ALIVE default).
@@ -46,6 +47,10 @@ IDLE_CONNECTION_S = 2.0
 _MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
 MAX_ENGINE_TEXT = 500
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _clip(text: str, limit: int = MAX_ENGINE_TEXT) -> str:
@@ -350,6 +355,33 @@ class SGLangAdminBase:
 
     async def incarnation(self) -> str:
         return (await self.client.state())["incarnation"]
+
+    async def inventory(self) -> Inventory:
+        """The state route, as lorapub reads it: the managed adapters with their native refs,
+        and what the engine-side staging holds."""
+        state = await self.client.state()
+        adapters = {
+            name: HeldAdapter(name, int(a.get("refs") or 0), a.get("lora_id"), bool(a.get("pinned")))
+            for name, a in state.get("adapters", {}).items() if is_managed_name(name)
+        }
+        attempts = (state.get("staging") or {}).get("attempts") or {}
+        staged = tuple(
+            StagedAttempt(token, str(a.get("lora_name")), a.get("idle_seconds"))
+            for token, a in sorted(attempts.items()) if isinstance(a, dict) and not a.get("loaded")
+        ) if isinstance(attempts, dict) else ()
+        return Inventory(state["incarnation"], adapters, staged)
+
+    async def limits(self) -> EngineLimits:
+        """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``
+        (``/get_server_info`` on servers that predate it); the state route's ``max_loaded_loras``
+        where neither answers."""
+        for path in ("/server_info", "/get_server_info"):
+            status, body = await self.client.request("GET", path, timeout=self.client.probe_timeout, admin=False)
+            if status == 200 and isinstance(body, dict):
+                return EngineLimits(_int_or_none(body.get("max_loaded_loras")), _int_or_none(body.get("max_loras_per_batch")))
+            if status not in (404, 405):
+                raise self.client.refusal(path, status, body)
+        return EngineLimits(_int_or_none((await self.client.state()).get("max_loaded_loras")), None)
 
     async def _probe(self, lora_name: str) -> None:
         status, body = await self.client.request(

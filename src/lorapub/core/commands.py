@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 
+from lorapub.core import _fields
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
 from lorapub.core.manifest import BucketPlan
@@ -27,12 +28,28 @@ class RegisterEngine:
 @attrs.frozen
 class Reserve:
     """``publisher`` names the caller: its own replay (a lost reply) resumes the attempt,
-    another publisher's same key and digest joins it."""
+    another publisher's same key and digest joins it.
+
+    ``wait`` (seconds): when no slot is free, or another attempt runs, the call is recorded as
+    the waiting publication (the reply says what holds the slots) instead of being refused; the
+    caller asks again. A newer publication supersedes an older one still waiting."""
 
     key: VersionKey
     digest: str
     plan: BucketPlan
     publisher: str = ""
+    wait: float | None = None
+    now: float | None = None
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
+
+
+@attrs.frozen
+class CancelWait:
+    """The waiting publication of ``key`` stopped waiting (its caller's wait ran out)."""
+
+    key: VersionKey
 
 
 @attrs.frozen
@@ -90,12 +107,33 @@ class Commit:
 
 @attrs.frozen
 class OpenSession:
+    """Record the session (and its membership of ``group``) before its first generation."""
+
     key: SessionKey
     now: float | None = None  # stamped by the registry (see :func:`stamped`)
+    group: str | None = None
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
 
 
 @attrs.frozen
 class BindFirst:
+    """Bind the current default (a group member: its group's version, bound by its first member)."""
+
+    key: SessionKey
+    now: float | None = None
+    group: str | None = None
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
+
+
+@attrs.frozen
+class Rebind:
+    """``on_stale="rebind"``: move a session (or its whole group) whose version is retiring to
+    the current default, at a turn boundary; recorded in its ``rebinds``."""
+
     key: SessionKey
     now: float | None = None
 
@@ -103,6 +141,15 @@ class BindFirst:
 @attrs.frozen
 class RenewLeases:
     """Renew the leases of sessions a live worker still holds (one batch, not per request)."""
+
+    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
+    now: float | None = None
+
+
+@attrs.frozen
+class ExpireSessions:
+    """Expire these sessions now (their worker saw no generation for its idle TTL): EXPIRED
+    tombstones, each ref released once."""
 
     keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
     now: float | None = None
@@ -204,16 +251,27 @@ class ReadFleet:
     pass
 
 
+@attrs.frozen
+class ReadSessionsOf:
+    """The sessions and groups that hold a ref on ``version`` (at most ``limit`` of them, and
+    how many in all): what keeps it from being reclaimed."""
+
+    version: VersionKey
+    limit: int = 8
+
+
 Command = (
-    RegisterEngine | Reserve | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure | RecordUnknown
-    | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | BeginClose | CloseAndRelease
-    | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim | RenewLeases | ExpireLeases
-    | StartReprovision | AbortStale
-    | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState | ReadFleet
+    RegisterEngine | Reserve | CancelWait | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure
+    | RecordUnknown | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | Rebind | BeginClose
+    | CloseAndRelease | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim | RenewLeases
+    | ExpireSessions | ExpireLeases | StartReprovision | AbortStale
+    | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState | ReadFleet | ReadSessionsOf
 )
 
 #: The commands that only read.
-QUERIES: tuple[type, ...] = (AuthorizeDispatch, QueryAttempt, ReadVersion, ListReclaimable, ReadState, ReadFleet)
+QUERIES: tuple[type, ...] = (
+    AuthorizeDispatch, QueryAttempt, ReadVersion, ListReclaimable, ReadState, ReadFleet, ReadSessionsOf,
+)
 
 
 def stamped(command: "Command", now: float) -> "Command":

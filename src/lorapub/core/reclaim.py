@@ -20,8 +20,12 @@ def claim(version: Version, reclaim_id: str) -> tuple[Version, list[Effect]]:
         return version, [Ignored(f"{version.key} is already {version.state.value} ({version.reclaim_id})")]
     if version.state is not VersionState.RETIRED:
         raise NotReclaimable(f"version {version.key} is {version.state.value}; only RETIRED versions are reclaimed")
-    if version.session_refs:
-        raise NotReclaimable(f"version {version.key} still has {version.session_refs} session ref(s)")
+    if not version.reclaimable:
+        raise NotReclaimable(
+            f"version {version.key} still has {version.session_refs} session ref(s); it is reclaimed once they "
+            "close or expire (or, with max_lag, once it falls more than max_lag commits behind the default)",
+            session_refs=version.session_refs,
+        )
     version = advance(
         version, VersionState.RECLAIMING, reclaim_id=reclaim_id, reclaim_pending=frozenset(version.engines)
     )

@@ -18,7 +18,9 @@ from typing import Any, Iterable, Mapping
 import attrs
 from pyrsistent import PMap, pmap
 
+from lorapub.core import _fields
 from lorapub.core import attempt as att
+from lorapub.core import group as grp
 from lorapub.core import reclaim as rec
 from lorapub.core import session as ses
 from lorapub.core.attempt import Attempt, Phase, ReadyLocal, TargetState
@@ -27,9 +29,11 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     AuthorizeDispatch,
     BeginClose,
     BindFirst,
+    CancelWait,
     ClaimReclaim,
     CloseAndRelease,
     ExpireLeases,
+    ExpireSessions,
     Command,
     Commit,
     ForgetSessions,
@@ -38,8 +42,10 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     QUERIES,
     QueryAttempt,
     ReadFleet,
+    ReadSessionsOf,
     ReadState,
     ReadVersion,
+    Rebind,
     RecordBucketDone,
     RecordCleaned,
     RecordFailure,
@@ -55,8 +61,9 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     StartReprovision,
 )
 from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
-from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, lora_name_for
+from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, check_id, lora_name_for
 from lorapub.core.manifest import BucketPlan
+from lorapub.core.group import GroupRecord, GroupState
 from lorapub.core.session import Binding, SessionRecord, SessionState
 from lorapub.core.session_table import SessionTable
 from lorapub.core.version import (
@@ -69,6 +76,7 @@ from lorapub.core.version import (
     drop_session_ref,
 )
 from lorapub.errors import (
+    BindingStale,
     SessionExpired,
     CapacityError,
     EpochMismatch,
@@ -76,6 +84,7 @@ from lorapub.errors import (
     NoPublishedVersion,
     NotReady,
     PublicationBlocked,
+    PublicationSuperseded,
     SessionClosed,
     StaleAttempt,
     UnknownEngine,
@@ -90,6 +99,24 @@ DEFAULT_LEASE_TTL = 120.0
 #: Seconds a closed or expired session's tombstone is kept after the session began (None: for
 #: the epoch). Messages for a session born before the window are refused without one.
 DEFAULT_TOMBSTONE_WINDOW = 3600.0
+#: What a session bound to a version more than ``max_lag`` commits behind the default gets at
+#: its next generation: ``"error"`` (BINDING_STALE, the session generates no more) or
+#: ``"rebind"`` (it moves to the default at that turn boundary, recorded in its provenance).
+ON_STALE = ("error", "rebind")
+
+
+@attrs.frozen
+class Waiter:
+    """The one publication waiting for a slot (the newest: a newer one supersedes it)."""
+
+    key: VersionKey
+    digest: str
+    publisher: str
+    since: float | None  # registry time it began waiting
+    until: float | None  # registry time its caller stops waiting (dropped after that)
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
 
 
 def _frozen_map(value) -> PMap:
@@ -122,11 +149,29 @@ class RegistryState:
     expired_sessions: int = 0
     tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW
     forgotten_sessions: int = 0
+    # Bounded staleness: a version more than max_lag commits behind the default is retiring
+    # (None: a session keeps its version for life, the RFC's rule).
+    max_lag: int | None = None
+    on_stale: str = "error"
+    groups: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # group id -> GroupRecord
+    waiter: Waiter | None = None
+    # a version whose waiting publication a newer one superseded -> that newer version
+    superseded: PMap = attrs.field(factory=pmap, converter=_frozen_map)
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
 
     # -- reads ---------------------------------------------------------------
     @property
     def slots_held(self) -> int:
         return sum(1 for v in self.versions.values() if v.holds_slot)
+
+    def slot_holders(self) -> tuple["SlotHolder", ...]:
+        return tuple(
+            SlotHolder(k, v.state, v.session_refs, v.lag(self.default_revision), v.retiring,
+                       tuple(sorted(v.reclaim_pending)))
+            for k, v in sorted(self.versions.items()) if v.holds_slot
+        )
 
     def unresolved_attempt(self) -> Attempt | None:
         # Versions hold at most `capacity` live attempts, so this scan is tiny.
@@ -149,15 +194,14 @@ class RegistryState:
             raise StaleAttempt(f"attempt {token} was never issued by this registry") from None
 
     def reclaimable(self) -> list[VersionKey]:
-        return sorted(
-            k for k, v in self.versions.items() if v.state is VersionState.RETIRED and v.session_refs == 0
-        )
+        return sorted(k for k, v in self.versions.items() if v.reclaimable)
 
     def needed(self) -> list[Version]:
-        """Versions sessions can still use: the default and RETIRED versions with refs."""
+        """Versions sessions can still use: the default and RETIRED versions with refs (not retiring)."""
         return [
             v for k, v in sorted(self.versions.items())
-            if v.state is VersionState.PUBLISHED or (v.state is VersionState.RETIRED and v.session_refs > 0)
+            if v.state is VersionState.PUBLISHED
+            or (v.state is VersionState.RETIRED and v.session_refs > 0 and not v.retiring)
         ]
 
     def missing(self) -> list[tuple[str, VersionKey]]:
@@ -185,6 +229,60 @@ class ReserveReply:
 
 
 @attrs.frozen
+class SlotHolder:
+    """A version that holds one of the managed slots, and what keeps it."""
+
+    version: VersionKey
+    state: VersionState
+    session_refs: int
+    lag: int | None
+    retiring: bool
+    unloading_on: tuple[str, ...] = ()  # RECLAIMING: engines whose unload is not confirmed
+
+    def describe(self) -> str:
+        what = f"{self.version} {self.state.value}"
+        if self.lag is not None and self.state is not VersionState.PUBLISHED:
+            what += f" (lag {self.lag})"
+        if self.state is VersionState.RETIRED and self.session_refs and not self.retiring:
+            what += f": kept by {self.session_refs} session ref(s) until they close or expire"
+        elif self.state is VersionState.RETIRED:
+            what += ": being reclaimed"
+        elif self.state is VersionState.RECLAIMING:
+            what += f": waiting for requests still running on {', '.join(self.unloading_on) or 'its engines'}"
+        elif self.state is VersionState.ABORTED:
+            what += ": cleanup of its failed attempt not confirmed"
+        return what
+
+
+@attrs.frozen
+class Waiting:
+    """Reserve's reply to a call that waits: no slot yet (``holders`` keep them), or an
+    unresolved ``attempt`` runs. Ask again; a newer publication supersedes this one."""
+
+    key: VersionKey
+    since: float | None
+    holders: tuple[SlotHolder, ...]
+    attempt: AttemptToken | None = None
+    attempt_phase: str | None = None
+
+    def describe(self) -> str:
+        if self.attempt is not None:
+            return f"attempt {self.attempt} is {self.attempt_phase}"
+        return "every slot is held: " + "; ".join(h.describe() for h in self.holders)
+
+
+@attrs.frozen
+class SessionsOf:
+    """What :class:`ReadSessionsOf` answers: who holds refs on a version."""
+
+    version: VersionKey
+    sessions: int  # solo sessions holding a ref
+    groups: int  # groups holding a ref
+    session_ids: tuple[tuple[str, str, float | None], ...]  # (session id, state, lease_until), at most limit
+    group_ids: tuple[tuple[str, int], ...]  # (group id, open members), at most limit
+
+
+@attrs.frozen
 class Fleet:
     """What the reconciler and the session router need, without the sessions (cheap to ship).
 
@@ -202,6 +300,14 @@ class Fleet:
     active: Mapping[AttemptToken, tuple]  # live attempts -> their progress value
     expired_sessions: int
     lease_ttl: float | None
+    default_revision: int = 0
+    revisions: Mapping[VersionKey, int] = attrs.field(factory=dict)  # committed, not reclaimed -> commit revision
+    retiring: frozenset[VersionKey] = frozenset()
+    max_lag: int | None = None
+    on_stale: str = "error"
+    capacity: int = DEFAULT_CAPACITY
+    slots: tuple[SlotHolder, ...] = ()
+    waiting: Waiter | None = None
 
     @property
     def routable(self) -> frozenset[str]:
@@ -226,6 +332,8 @@ def new_registry(
     capacity: int = DEFAULT_CAPACITY,
     lease_ttl: float | None = DEFAULT_LEASE_TTL,
     tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
+    max_lag: int | None = None,
+    on_stale: str = "error",
 ) -> RegistryState:
     if not engines:
         raise InvalidInput("a registry needs at least one target engine")
@@ -237,9 +345,18 @@ def new_registry(
         raise InvalidInput(f"tombstone_window must be a positive number of seconds or None, got {tombstone_window!r}")
     if lease_ttl is not None and tombstone_window is not None and tombstone_window < 2 * lease_ttl:
         raise InvalidInput(f"tombstone_window ({tombstone_window:g}s) must be at least twice lease_ttl ({lease_ttl:g}s)")
+    check_max_lag(max_lag, on_stale)
     return RegistryState(
         epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
+        max_lag=max_lag, on_stale=on_stale,
     )
+
+
+def check_max_lag(max_lag: object, on_stale: object) -> None:
+    if max_lag is not None and (not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0):
+        raise InvalidInput(f"max_lag must be an int >= 0 (commits behind the default) or None, got {max_lag!r}")
+    if on_stale not in ON_STALE:
+        raise InvalidInput(f"on_stale must be one of {', '.join(map(repr, ON_STALE))}, got {on_stale!r}")
 
 
 def _check_epoch(state: RegistryState, epoch: int, what: object) -> None:
@@ -291,20 +408,47 @@ def _blocked_advice(blocker: Attempt) -> str:
     )
 
 
-def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan, publisher: str = "") -> Outcome:
+def _capacity_advice(state: RegistryState) -> str:
+    return (
+        f"{state.capacity} managed version slots are held: "
+        + "; ".join(h.describe() for h in state.slot_holders())
+        + ". publish(..., wait=seconds) waits for a slot (a newer publication supersedes a waiting one); "
+        "Deployment(max_lag=k) bounds how long sessions keep old versions; Deployment(capacity=N) holds more"
+    )
+
+
+def reserve(
+    state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan, publisher: str = "",
+    wait: float | None = None, now: float | None = None,
+) -> Outcome:
     """Take a logical slot for ``key`` and start its attempt (begin on every engine).
 
     Same key and digest again sends nothing and joins the existing attempt, except that the
     same ``publisher``'s replay of a reserve whose reply was lost resumes it, and a version
-    whose attempt failed clean starts a fresh attempt.
+    whose attempt failed clean starts a fresh attempt. With ``wait``, a call that finds no
+    slot (or another attempt running) becomes the waiting publication and is answered
+    :class:`Waiting`; the newest call always wins: it supersedes the waiting one.
     """
     _check_epoch(state, key.deployment_epoch, f"version {key}")
     check_digest(digest)
+    by = state.superseded.get(key)
+    if by is not None:
+        raise PublicationSuperseded(
+            f"version {key} was superseded by {by} while it waited for a slot; it is never committed — "
+            "publish the newest snapshot under a new version id", version=key, by=by,
+        )
     existing = state.versions.get(key)
     if existing is not None:
         if existing.digest != digest:
             raise VersionConflict(
                 f"version {key} already has digest {existing.digest[:12]}…, not {digest[:12]}…",
+                version=key,
+            )
+        if existing.state in (VersionState.RECLAIMING, VersionState.RECLAIMED):
+            rev = existing.commit.default_revision if existing.commit else "?"
+            raise VersionReclaiming(
+                f"version {key} was published (default revision {rev}) and is {existing.state.value} now; a "
+                "version id is published once per epoch — publish the snapshot under a new version id",
                 version=key,
             )
         a = state.attempts[existing.attempt]
@@ -327,15 +471,18 @@ def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan
         # FAILED_CLEAN: nothing of the failed attempt survives on any engine; start afresh.
     if plan.digest != digest:
         raise InvalidInput(f"bucket plan was made for digest {plan.digest[:12]}…, not {digest[:12]}…")
+    if wait is not None and (not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait >= 0):
+        raise InvalidInput(f"wait must be a number of seconds >= 0, got {wait!r}")
     blocker = state.unresolved_attempt()
-    if blocker is not None:
-        raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token)
-    if state.slots_held >= state.capacity:
-        held = sorted(f"{k}={v.state.value}" for k, v in state.versions.items() if v.holds_slot)
-        raise CapacityError(
-            f"{state.capacity} managed version slots are held ({', '.join(held)}); reclaim one first",
-            held=held,
-        )
+    full = state.slots_held >= state.capacity
+    if blocker is not None or full:
+        if wait:
+            return _wait(state, key, digest, publisher, wait, now, blocker)
+        if blocker is not None:
+            raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token)
+        raise CapacityError(_capacity_advice(state), held=[h.describe() for h in state.slot_holders()])
+    # A slot is free: this call takes it. A different publication still waiting is older: superseded.
+    state = _supersede_waiter(state, key)
     token = AttemptToken(key, state.attempt_seq + 1)
     name = lora_name_for(key, digest)
     attempt, effects = att.start(token, name, digest, plan, state.engines, state.default_revision, publisher=publisher)
@@ -350,6 +497,38 @@ def reserve(state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan
         attempts=state.attempts.set(token, attempt),
     )
     return Outcome(state, ReserveReply(token, name, VersionState.LOADING, state.default_revision, True), effects)
+
+
+def _supersede_waiter(state: RegistryState, key: VersionKey) -> RegistryState:
+    """``key`` is newer than the waiting publication (if another): that one is superseded."""
+    waiter = state.waiter
+    if waiter is None:
+        return state
+    superseded = state.superseded if waiter.key == key else state.superseded.set(waiter.key, key)
+    return attrs.evolve(state, waiter=None, superseded=superseded)
+
+
+def _wait(
+    state: RegistryState, key: VersionKey, digest: str, publisher: str, wait: float, now: float | None,
+    blocker: Attempt | None,
+) -> Outcome:
+    old = state.waiter
+    since = old.since if old is not None and old.key == key else now
+    state = _supersede_waiter(state, key)
+    until = None if now is None else now + wait
+    state = attrs.evolve(state, waiter=Waiter(key, digest, publisher, since, until))
+    reply = Waiting(
+        key, since, state.slot_holders(),
+        blocker.token if blocker is not None else None, blocker.phase.value if blocker is not None else None,
+    )
+    return Outcome(state, reply)
+
+
+def cancel_wait(state: RegistryState, key: VersionKey) -> Outcome:
+    """The caller of the waiting publication ``key`` stopped waiting."""
+    if state.waiter is None or state.waiter.key != key:
+        return Outcome(state, False)
+    return Outcome(attrs.evolve(state, waiter=None), True)
 
 
 def _put_attempt(state: RegistryState, new: Attempt) -> RegistryState:
@@ -386,7 +565,7 @@ def _step_reprovision(state: RegistryState, new: Attempt, effects: list[Effect])
     version = state.versions[new.token.version]
     index = (target.engine, version.key)
     if new.phase is Phase.READY:
-        if version.state in SERVING and att.all_ready_current(new, state.engines):
+        if version.state in SERVING and not version.retiring and att.all_ready_current(new, state.engines):
             new = att.mark_committed(new)
             version = attrs.evolve(version, engines=tuple(sorted({*version.engines, target.engine})))
             state = attrs.evolve(state, versions=state.versions.set(version.key, version))
@@ -466,15 +645,31 @@ def commit(state: RegistryState, key: VersionKey, token: AttemptToken, expected_
         default=key,
         default_revision=receipt.default_revision,
     )
-    return Outcome(state, receipt, _reclaim_eligible(state, retired))
+    state, retiring = _retire_beyond_lag(state)
+    eligible = sorted({*([retired] if retired is not None else []), *retiring})
+    return Outcome(state, receipt, [fx for k in eligible for fx in _reclaim_eligible(state, k)])
+
+
+def _retire_beyond_lag(state: RegistryState) -> tuple[RegistryState, list[VersionKey]]:
+    """Mark RETIRED versions more than ``max_lag`` commits behind the default as retiring: the
+    refs of their sessions no longer keep them (O(versions): sessions learn it when they next
+    generate, from the version itself)."""
+    if state.max_lag is None:
+        return state, []
+    versions, newly = state.versions, []
+    for k, v in state.versions.items():
+        lag = v.lag(state.default_revision)
+        if v.state is VersionState.RETIRED and not v.retiring and lag is not None and lag > state.max_lag:
+            versions = versions.set(k, attrs.evolve(v, retiring=True))
+            newly.append(k)
+    return attrs.evolve(state, versions=versions), sorted(newly)
 
 
 def _reclaim_eligible(state: RegistryState, key: VersionKey | None) -> list[Effect]:
-    """The one place ``ReclaimEligible`` is decided: RETIRED with zero session refs."""
+    """The one place ``ReclaimEligible`` is decided: RETIRED and kept by no session."""
     if key is None:
         return []
-    version = state.versions[key]
-    if version.state is VersionState.RETIRED and version.session_refs == 0:
+    if state.versions[key].reclaimable:
         return [ReclaimEligible(key)]
     return []
 
@@ -513,39 +708,129 @@ def _refuse_beyond_window(state: RegistryState, key: SessionKey, record, now: fl
 def _binding(state: RegistryState, record: SessionRecord) -> Binding:
     assert record.version is not None
     v = state.versions[record.version]
-    return Binding(record.key, v.key, v.lora_name, v.digest)
+    revision = v.commit.default_revision if v.commit is not None else 0
+    return Binding(record.key, v.key, v.lora_name, v.digest, revision, record.group, record.rebinds)
 
 
 def _lease_until(state: RegistryState, now: float | None) -> float | None:
     return None if now is None or state.lease_ttl is None else now + state.lease_ttl
 
 
-def open_session(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+def _stale_reason(state: RegistryState, record: SessionRecord) -> str | None:
+    """Why a BOUND session may not dispatch on its binding any more (None: it may)."""
+    if record.group is not None:
+        group = state.groups[record.group]
+        if group.version != record.version:
+            return f"its group {record.group!r} was rebound to {group.version}"
+    version = state.versions[record.version]
+    if version.retiring:
+        lag = version.lag(state.default_revision)
+        return f"its version {version.key} is {lag} commits behind the default (max_lag {state.max_lag})"
+    return None
+
+
+def _refuse_if_stale(state: RegistryState, record: SessionRecord) -> None:
+    why = _stale_reason(state, record)
+    if why is not None:
+        hint = (" — it rebinds to the default at its next generation" if state.on_stale == "rebind"
+                else "; its ref was released and it generates no more — start a new session")
+        raise BindingStale(f"session {record.key}: {why}{hint}", session=record.key, version=record.version)
+
+
+def _join_group(state: RegistryState, found: SessionRecord | None, key: SessionKey, group: str | None) -> tuple[RegistryState, str | None]:
+    """A new record joins ``group`` (one more open member); an existing one keeps its own."""
+    if found is not None:
+        if group is not None and found.group != group:
+            raise InvalidInput(f"session {key} is not a member of group {group!r} (it is in {found.group!r})")
+        return state, found.group
+    if group is None:
+        return state, None
+    check_id("group", group)
+    return attrs.evolve(state, groups=state.groups.set(group, grp.joined(state.groups.get(group), group))), group
+
+
+def open_session(state: RegistryState, key: SessionKey, now: float | None = None, group: str | None = None) -> Outcome:
     found = _session(state, key)
     _refuse_beyond_window(state, key, found, now, "open")
-    record = ses.leased(ses.opened(found, key), _lease_until(state, now))
+    record = ses.opened(found, key)
+    state, gid = _join_group(state, found, key, group)
+    record = ses.leased(attrs.evolve(record, group=gid), _lease_until(state, now))
     return Outcome(attrs.evolve(state, sessions=state.sessions.set(key, record)), record.state)
 
 
-def bind_first(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+def _add_ref(state: RegistryState, key: VersionKey) -> RegistryState:
+    return attrs.evolve(state, versions=state.versions.set(key, add_session_ref(state.versions[key])))
+
+
+def _drop_ref(state: RegistryState, key: VersionKey | None) -> RegistryState:
+    if key is None:
+        return state
+    return attrs.evolve(state, versions=state.versions.set(key, drop_session_ref(state.versions[key])))
+
+
+def bind_first(state: RegistryState, key: SessionKey, now: float | None = None, group: str | None = None) -> Outcome:
     """Bind to the current default on first generation (the lease starts); later calls return
-    the same binding and change nothing (leases are renewed in batches, by ``RenewLeases``)."""
+    the same binding and change nothing (leases are renewed in batches, by ``RenewLeases``).
+
+    A group member binds its group's version: the group's first generation binds the group
+    (one ref, held by the group), every later member the same version."""
     record = _session(state, key)
     _refuse_beyond_window(state, key, record, now, "bind")
-    lease = _lease_until(state, now)
     if record is not None and record.state is SessionState.BOUND:
+        if group is not None and record.group != group:
+            raise InvalidInput(f"session {key} is not a member of group {group!r} (it is in {record.group!r})")
+        _refuse_if_stale(state, record)
         return Outcome(state, _binding(state, record))  # a replay: same answer, nothing changes
     if record is not None and record.state in ses.ENDING:
         ses.opened(record, key)  # raises the typed refusal (closed or expired)
     if state.default is None:
         raise NoPublishedVersion(f"no version is published yet in epoch {state.epoch}")
-    version = add_session_ref(state.versions[state.default])
-    record = ses.leased(ses.bound(record, key, version.key), lease)
-    state = attrs.evolve(
-        state,
-        versions=state.versions.set(version.key, version),
-        sessions=state.sessions.set(key, record),
-    )
+    state, gid = _join_group(state, record, key, group)
+    if gid is None:
+        version, holds = state.default, True
+        state = _add_ref(state, version)
+    else:
+        g = state.groups[gid]
+        if g.state is GroupState.OPEN:
+            g = grp.bound(g, state.default)
+            state = _add_ref(state, state.default)
+        elif state.versions[g.version].retiring:
+            if state.on_stale != "rebind":
+                lag = state.versions[g.version].lag(state.default_revision)
+                raise BindingStale(
+                    f"session {key}: its group {gid!r} is bound to {g.version}, {lag} commits behind the default "
+                    f"(max_lag {state.max_lag}); a stale group retires together — start a new group",
+                    session=key, version=g.version,
+                )
+            g, release = grp.rebound(g, state.default)
+            state = _add_ref(_drop_ref(state, release), state.default)
+        state = attrs.evolve(state, groups=state.groups.set(gid, g))
+        version, holds = g.version, False
+    record = ses.leased(ses.bound(record, key, version, holds_ref=holds, group=gid), _lease_until(state, now))
+    state = attrs.evolve(state, sessions=state.sessions.set(key, record))
+    return Outcome(state, _binding(state, record))
+
+
+def rebind(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+    """``on_stale="rebind"``: a session (its whole group, for a member) whose version is retiring
+    moves to the current default; a member adopts its group's newer version. Anything else
+    returns the binding unchanged."""
+    record = ses.require_dispatchable(_session(state, key), key)
+    if state.on_stale != "rebind":
+        _refuse_if_stale(state, record)
+        return Outcome(state, _binding(state, record))
+    if record.group is not None:
+        g = state.groups[record.group]
+        if state.versions[g.version].retiring and g.version != state.default:
+            g, release = grp.rebound(g, state.default)
+            state = _add_ref(_drop_ref(state, release), state.default)
+            state = attrs.evolve(state, groups=state.groups.set(record.group, g))
+        if record.version != g.version:
+            record = attrs.evolve(record, version=g.version, rebinds=record.rebinds + 1)
+    elif state.versions[record.version].retiring and record.version != state.default:
+        state = _add_ref(_drop_ref(state, record.version if record.holds_ref else None), state.default)
+        record = attrs.evolve(record, version=state.default, holds_ref=True, rebinds=record.rebinds + 1)
+    state = attrs.evolve(state, sessions=state.sessions.set(key, ses.leased(record, _lease_until(state, now))))
     return Outcome(state, _binding(state, record))
 
 
@@ -557,6 +842,24 @@ def begin_close(state: RegistryState, key: SessionKey, now: float | None = None)
     return Outcome(attrs.evolve(state, sessions=state.sessions.set(key, record)), record.state)
 
 
+def _ended(
+    state: RegistryState, old: SessionRecord | None, release: VersionKey | None, now: float | None
+) -> tuple[RegistryState, list[VersionKey]]:
+    """A session became a tombstone: drop its own ref (``release``), or leave its group (the last
+    member to leave drops the group's). Returns the versions whose ref was dropped."""
+    dropped = []
+    if release is not None:
+        state = _drop_ref(state, release)
+        dropped.append(release)
+    if old is not None and old.group is not None and old.state not in ses.TOMBSTONES:
+        g, group_release = grp.left(state.groups[old.group], now)
+        state = attrs.evolve(state, groups=state.groups.set(old.group, g))
+        if group_release is not None:
+            state = _drop_ref(state, group_release)
+            dropped.append(group_release)
+    return state, dropped
+
+
 def close_and_release(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
     """Release the session ref exactly once and keep a CLOSED tombstone (for the window)."""
     found = _session(state, key)
@@ -564,10 +867,8 @@ def close_and_release(state: RegistryState, key: SessionKey, now: float | None =
         return Outcome(state, SessionState.CLOSED)
     record, release = ses.closed(found, key)
     state = attrs.evolve(state, sessions=state.sessions.set(key, record))
-    if release is None:
-        return Outcome(state, record.state)
-    state = attrs.evolve(state, versions=state.versions.set(release, drop_session_ref(state.versions[release])))
-    return Outcome(state, record.state, _reclaim_eligible(state, release))
+    state, dropped = _ended(state, found, release, now)
+    return Outcome(state, record.state, [fx for k in dropped for fx in _reclaim_eligible(state, k)])
 
 
 def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome:
@@ -598,19 +899,47 @@ def renew_leases(state: RegistryState, keys: Iterable[SessionKey], now: float | 
     return Outcome(attrs.evolve(state, sessions=state.sessions.update(renewed)), tuple(gone))
 
 
+def expire_sessions(state: RegistryState, keys: Iterable[SessionKey], now: float | None = None) -> Outcome:
+    """Expire these sessions now (their worker saw them idle): the live ones become EXPIRED."""
+    due = []
+    for key in keys:
+        record = _session(state, key)
+        if record is not None and record.state in ses.LEASED:
+            due.append(key)
+    return _expire(state, due, [], now)
+
+
 def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
     """Sessions whose worker stopped renewing: EXPIRED tombstone, ref released once; and the
-    tombstones of sessions born before the window are forgotten.
+    tombstones of sessions born before the window are forgotten (closed groups too, a window
+    after they closed), and a waiting publication whose caller stopped waiting is dropped.
 
     The session table indexes leases by deadline and tombstones by birth, so a pass reads
     only the sessions that are due: O(due · log n), not a scan of every session."""
     if now is None:
         return Outcome(state, 0)
+    state = _forget_old(state, now)
     if not math.isfinite(now):  # the indexes are ordered by finite times: read every record
         return _expire_by_scan(state, now)
     sessions = state.sessions
     forget = [] if state.tombstone_window is None else sessions.tombstones_born_before(now - state.tombstone_window)
-    return _expire(state, sessions.leases_due(now), forget)
+    return _expire(state, sessions.leases_due(now), forget, now)
+
+
+def _forget_old(state: RegistryState, now: float) -> RegistryState:
+    waiter = state.waiter
+    if waiter is not None and waiter.until is not None and not waiter.until >= now:
+        state = attrs.evolve(state, waiter=None)
+    if state.tombstone_window is not None and state.groups:
+        cutoff = now - state.tombstone_window
+        old = [g for g, r in state.groups.items()
+               if r.state is GroupState.CLOSED and r.closed_at is not None and r.closed_at < cutoff]
+        if old:
+            groups = state.groups
+            for g in old:
+                groups = groups.remove(g)
+            state = attrs.evolve(state, groups=groups)
+    return state
 
 
 def _expire_by_scan(state: RegistryState, now: float) -> Outcome:
@@ -623,38 +952,51 @@ def _expire_by_scan(state: RegistryState, now: float) -> Outcome:
                 forget.append(key)
         elif record.lease_until is not None and not record.lease_until >= now and record.state in ses.LEASED:
             due.append(key)  # "not >=": a NaN deadline is due at once
-    return _expire(state, due, forget)
+    return _expire(state, due, forget, now)
 
 
-def _expire(state: RegistryState, due: list[SessionKey], forget: list[SessionKey]) -> Outcome:
-    """Expire the leases ``due`` (each releases its ref once) and forget the tombstones ``forget``."""
+def _expire(state: RegistryState, due: list[SessionKey], forget: list[SessionKey], now: float | None = None) -> Outcome:
+    """Expire the sessions ``due`` (each releases its ref once) and forget the tombstones ``forget``."""
     if not due and not forget:
         return Outcome(state, 0)
-    versions = state.versions
     released: set[VersionKey] = set()
     expired = []
     for key in due:
-        record, release = ses.expired(state.sessions[key])
+        old = state.sessions[key]
+        record, release = ses.expired(old)
         expired.append((key, record))
-        if release is not None:
-            versions = versions.set(release, drop_session_ref(versions[release]))
-            released.add(release)
+        state, dropped = _ended(state, old, release, now)
+        released.update(dropped)
     # the tombstones first: a session that expires in this pass is not forgotten in it
     state = attrs.evolve(
-        state, versions=versions, sessions=state.sessions.remove_many(forget).update(expired),
+        state, sessions=state.sessions.remove_many(forget).update(expired),
         expired_sessions=state.expired_sessions + len(expired), forgotten_sessions=state.forgotten_sessions + len(forget),
     )
     return Outcome(state, len(expired), [fx for key in sorted(released) for fx in _reclaim_eligible(state, key)])
 
 
 def authorize_dispatch(state: RegistryState, key: SessionKey) -> Binding:
-    """The binding a new backend request must carry; refused once closing or reclaiming."""
+    """The binding a new backend request must carry; refused once closing, stale or reclaiming."""
     record = ses.require_dispatchable(_session(state, key), key)
+    _refuse_if_stale(state, record)
     binding = _binding(state, record)
     version = state.versions[binding.version]
     if not version.dispatchable:
         raise VersionReclaiming(f"version {version.key} is {version.state.value}; dispatch refused")
     return binding
+
+
+def read_sessions_of(state: RegistryState, key: VersionKey, limit: int = 8) -> "SessionsOf":
+    """Who holds refs on ``key``: a scan of the sessions (for health and error messages only)."""
+    state.version(key)
+    sessions, names = 0, []
+    for skey, record in state.sessions.items():
+        if record.holds_ref and record.version == key:
+            sessions += 1
+            if len(names) < limit:
+                names.append((skey.session_id, record.state.value, record.lease_until))
+    groups = [(g, r.members) for g, r in sorted(state.groups.items()) if r.holds_ref and r.version == key]
+    return SessionsOf(key, sessions, len(groups), tuple(names), tuple(groups[:limit]))
 
 
 # -- reclaim -------------------------------------------------------------------
@@ -736,17 +1078,28 @@ def read_fleet(state: RegistryState) -> Fleet:
         active=active,
         expired_sessions=state.expired_sessions,
         lease_ttl=state.lease_ttl,
+        default_revision=state.default_revision,
+        revisions={k: v.commit.default_revision for k, v in state.versions.items()
+                   if v.commit is not None and v.state in SERVING},
+        retiring=frozenset(k for k, v in state.versions.items() if v.retiring and v.state in SERVING),
+        max_lag=state.max_lag,
+        on_stale=state.on_stale,
+        capacity=state.capacity,
+        slots=state.slot_holders(),
+        waiting=state.waiter,
     )
 
 
 # -- the one door ----------------------------------------------------------------
 _TRANSITIONS = {
-    RegisterEngine: register_engine, Reserve: reserve, RecordPrepared: record_prepared,
+    RegisterEngine: register_engine, Reserve: reserve, CancelWait: cancel_wait, RecordPrepared: record_prepared,
     RecordBucketDone: record_bucket_done, RecordReady: record_ready, RecordFailure: record_failure,
     RecordUnknown: record_unknown, RecordCleaned: record_cleaned, RetryCleanup: retry_cleanup, Commit: commit,
-    OpenSession: open_session, BindFirst: bind_first, BeginClose: begin_close, CloseAndRelease: close_and_release,
+    OpenSession: open_session, BindFirst: bind_first, Rebind: rebind, BeginClose: begin_close,
+    CloseAndRelease: close_and_release,
     ForgetSessions: forget_sessions, ClaimReclaim: claim_reclaim, RecordUnloaded: record_unloaded,
-    RetryReclaim: retry_reclaim, RenewLeases: renew_leases, ExpireLeases: expire_leases,
+    RetryReclaim: retry_reclaim, RenewLeases: renew_leases, ExpireSessions: expire_sessions,
+    ExpireLeases: expire_leases,
     StartReprovision: start_reprovision, AbortStale: abort_stale,
 }
 
@@ -757,6 +1110,7 @@ _QUERIES = {
     ListReclaimable: lambda state, c: state.reclaimable(),
     ReadState: lambda state, c: state,
     ReadFleet: lambda state, c: read_fleet(state),
+    ReadSessionsOf: lambda state, c: read_sessions_of(state, c.version, c.limit),
 }
 
 COMMANDS: tuple[type, ...] = (*_TRANSITIONS, *_QUERIES)

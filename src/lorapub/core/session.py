@@ -12,6 +12,7 @@ import enum
 
 import attrs
 
+from lorapub.core import _fields
 from lorapub.core.identity import SessionKey, VersionKey
 from lorapub.errors import InvalidTransition, SessionClosed, SessionExpired
 
@@ -36,18 +37,29 @@ class SessionRecord:
     key: SessionKey
     state: SessionState
     version: VersionKey | None = None
-    holds_ref: bool = False
+    holds_ref: bool = False  # a group member never holds one: its group does
     lease_until: float | None = None  # None: no lease (never expires)
+    group: str | None = None  # the group it joined (counted in the group's open members)
+    rebinds: int = 0  # times it was moved to a newer version on purpose (on_stale="rebind")
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
 
 
 @attrs.frozen
 class Binding:
-    """What a session dispatches with, for its whole life."""
+    """What a session dispatches with, for its whole life (or until an explicit rebind).
+
+    ``revision`` is the default revision the version was committed at: its lag at any moment
+    is the default revision then minus this."""
 
     session: SessionKey
     version: VersionKey
     lora_name: str
     digest: str
+    revision: int = 0
+    group: str | None = None
+    rebinds: int = 0
 
 
 def _refuse_if_ending(record: SessionRecord, what: str) -> None:
@@ -67,12 +79,16 @@ def opened(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
     return record
 
 
-def bound(record: SessionRecord | None, key: SessionKey, version: VersionKey) -> SessionRecord:
-    """The caller checked the record is not bound yet and adds the version's ref."""
+def bound(
+    record: SessionRecord | None, key: SessionKey, version: VersionKey, *, holds_ref: bool = True,
+    group: str | None = None,
+) -> SessionRecord:
+    """The caller checked the record is not bound yet and adds the version's ref (or, for a
+    group member, its group holds it)."""
     record = opened(record, key)
     if record.state is not SessionState.OPEN:
         raise InvalidTransition(f"session {key} is already {record.state.value}")
-    return attrs.evolve(record, state=SessionState.BOUND, version=version, holds_ref=True)
+    return attrs.evolve(record, state=SessionState.BOUND, version=version, holds_ref=holds_ref, group=group)
 
 
 def closing(record: SessionRecord | None, key: SessionKey) -> SessionRecord:

@@ -13,7 +13,8 @@ None) or an untracked tuple, and then never visits it again nor reads through it
 So a :class:`SessionTable` holds every session as plain tuples of atoms:
 
 * key: ``(deployment_epoch, session_id, nonce)``;
-* record: ``(state value, (epoch, version_id) or None, holds_ref, lease_until)``;
+* record: ``(state value, (epoch, version_id) or None, holds_ref, lease_until)``, with
+  ``group, rebinds`` after them for a group member or a rebound session;
 * the map is a persistent hash array mapped trie (HAMT) whose nodes are tuples
   ``(bitmap, k0, v0, k1, v1, ...)`` (a slot with key ``None`` holds a child node;
   ``(-1, hash, k0, v0, ...)`` is a node of keys with one full hash): an update copies
@@ -83,11 +84,16 @@ def _version(atoms: tuple | None) -> VersionKey | None:
 
 
 def _record_atoms(record: SessionRecord) -> tuple:
-    return (record.state.value, _version_atoms(record.version), record.holds_ref, record.lease_until)
+    if record.group is None and not record.rebinds:  # the common record: four atoms, as before groups
+        return (record.state.value, _version_atoms(record.version), record.holds_ref, record.lease_until)
+    return (record.state.value, _version_atoms(record.version), record.holds_ref, record.lease_until,
+            record.group, record.rebinds)
 
 
 def _record(key: SessionKey, r: tuple) -> SessionRecord:
-    return SessionRecord(key, _STATE_OF[r[0]], _version(r[1]), r[2], r[3])
+    if len(r) == 4:
+        return SessionRecord(key, _STATE_OF[r[0]], _version(r[1]), r[2], r[3])
+    return SessionRecord(key, _STATE_OF[r[0]], _version(r[1]), r[2], r[3], r[4], r[5])
 
 
 def _lease_entry(k: tuple, r: tuple) -> tuple | None:

@@ -8,6 +8,7 @@ import enum
 
 import attrs
 
+from lorapub.core import _fields
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.errors import InvalidTransition
 
@@ -79,10 +80,26 @@ class Version:
     commit: CommitReceipt | None = None
     reclaim_id: str | None = None
     reclaim_pending: frozenset[str] = frozenset()
+    # More than ``max_lag`` commits behind the default: the refs of its sessions no longer keep
+    # it (they are told BINDING_STALE at their next generation), so it is reclaimed once the
+    # requests already admitted on it end.
+    retiring: bool = False
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
 
     @property
     def holds_slot(self) -> bool:
         return self.state in SLOT_HOLDING
+
+    @property
+    def reclaimable(self) -> bool:
+        """RETIRED and kept by no session: no ref, or only the void refs of a retiring version."""
+        return self.state is VersionState.RETIRED and (self.session_refs == 0 or self.retiring)
+
+    def lag(self, default_revision: int) -> int | None:
+        """Commits behind the default (0 for the default itself); None if never committed."""
+        return None if self.commit is None else default_revision - self.commit.default_revision
 
     @property
     def dispatchable(self) -> bool:

@@ -14,15 +14,22 @@ from typing import Any, Mapping
 
 from lorapub.core.identity import VersionKey, _check_epoch
 from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
-from lorapub.core.registry import DEFAULT_LEASE_TTL, DEFAULT_TOMBSTONE_WINDOW, Fleet, RegistryState
-from lorapub.errors import AlreadyStarted, InvalidInput, LorapubError, OutcomeUnknown
-from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry
+from lorapub.core.registry import (
+    DEFAULT_CAPACITY,
+    DEFAULT_LEASE_TTL,
+    DEFAULT_TOMBSTONE_WINDOW,
+    Fleet,
+    RegistryState,
+    check_max_lag,
+)
+from lorapub.errors import AlreadyStarted, EngineCapacityError, InvalidInput, LorapubError, OutcomeUnknown
+from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsLimits
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
 from lorapub.runtime.reconciler import Health, Reconciler
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
-from lorapub.runtime.sessions import Session, SessionService
+from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Session, SessionService
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
 log = logging.getLogger(__name__)
@@ -42,7 +49,14 @@ def _check_engines(engines: Any) -> dict[str, Any]:
 
 
 class Deployment:
-    """Versioned publication: ``publish`` returns a :class:`PublicationReport`, ``session`` a :class:`Session`."""
+    """Versioned publication: ``publish`` returns a :class:`PublicationReport`, ``session`` a :class:`Session`.
+
+    ``capacity``: managed versions held at once (the RFC's 2 by default), checked at start against
+    what each engine can hold. ``max_lag``: a version more than that many commits behind the
+    default is retiring, and its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move
+    to the default at a turn boundary); None keeps a session on its version for life.
+    ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
+    """
 
     def __init__(
         self,
@@ -61,11 +75,18 @@ class Deployment:
         reconcile_interval: float | None = 5.0,
         stale_attempt_after: float | None = None,
         router: Any = None,
+        capacity: int | None = None,
+        max_lag: int | None = None,
+        on_stale: str = "error",
+        idle_ttl: float | None = DEFAULT_IDLE_TTL,
     ) -> None:
         self.engines = _check_engines(engines)
         _check_epoch(epoch)
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+            raise InvalidInput(f"capacity must be an int >= 1 (managed versions held at once), got {capacity!r}")
+        check_max_lag(max_lag, on_stale)
         for name, value in (("reconcile_interval", reconcile_interval), ("lease_ttl", lease_ttl),
-                            ("stale_attempt_after", stale_attempt_after)):
+                            ("stale_attempt_after", stale_attempt_after), ("idle_ttl", idle_ttl)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
         if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
@@ -82,6 +103,10 @@ class Deployment:
         self.tombstone_window = tombstone_window
         self.reconcile_interval = reconcile_interval
         self.stale_attempt_after = stale_attempt_after
+        self.capacity = capacity
+        self.max_lag = max_lag
+        self.on_stale = on_stale
+        self.idle_ttl = idle_ttl
         # How generations reach engines: lorapub's sticky router by default, or e.g.
         # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
         self.router = router
@@ -97,8 +122,12 @@ class Deployment:
         if self.registry is None:
             incarnations = {name: await self._incarnation(name) for name in self.engines}
             self.registry = LocalRegistry(
-                self.epoch, incarnations, lease_ttl=self.lease_ttl, tombstone_window=self.tombstone_window,
+                self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
+                tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
             )
+        fleet = (await self.registry.handle(ReadFleet())).reply
+        self._check_shared_settings(fleet)
+        await self._check_limits(fleet.capacity)
         self.reclaimer = Reclaimer(
             self.registry, self.engines, self.deadlines,
             auto=self.auto_reclaim, retries=self.reclaim_retries, backoff=self.reclaim_backoff,
@@ -109,28 +138,60 @@ class Deployment:
         )
         self.sessions = SessionService(
             self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
-            router=self.router,
+            router=self.router, idle_ttl=self.idle_ttl,
         )
         self.reconciler = Reconciler(
             self.registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
             publisher=self.publisher, interval=self.reconcile_interval,
             stale_attempt_after=self.stale_attempt_after, on_fleet=self._on_fleet,
         )
-        self.reclaimer.on_done = lambda version: self.reconciler.kick()
+        self.reclaimer.on_done = self._on_reclaim_done
         self.sessions.kick = self.reconciler.kick
         self.sessions.probe = self._probe
         self._started = True
+        self._on_fleet(fleet)
         self.reconciler.start()
-        self.sessions.start_renewals(await self._lease_ttl())
+        self.sessions.start_renewals(fleet.lease_ttl)  # the registry's setting wins (it may be shared)
         return self
 
-    async def _lease_ttl(self) -> float | None:
-        # The registry's setting wins (a shared registry may have been made by another process).
-        fleet = (await self.registry.handle(ReadFleet())).reply
-        return fleet.lease_ttl
+    def _check_shared_settings(self, fleet: Fleet) -> None:
+        """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
+        asked: dict[str, Any] = {"capacity": self.capacity}
+        if self.max_lag is not None or self.on_stale != "error":
+            asked.update(max_lag=self.max_lag, on_stale=self.on_stale)
+        for name, value in asked.items():
+            has = getattr(fleet, name)
+            if value is not None and value != has:
+                raise InvalidInput(
+                    f"{name}={value!r} was asked for, but the registry this deployment uses has {name}={has!r} "
+                    "(a shared registry's settings are made once, where it is created)"
+                )
+
+    async def _check_limits(self, capacity: int) -> None:
+        """Every engine must hold ``capacity`` pinned managed versions at once."""
+        for name, engine in sorted(self.engines.items()):
+            if not isinstance(engine, ReportsLimits):
+                log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
+                continue
+            async with asyncio.timeout(self.deadlines.begin):
+                limits = await engine.limits()
+            holds = limits.managed_capacity()
+            if holds is not None and holds < capacity:
+                raise EngineCapacityError(
+                    f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
+                    f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "
+                    f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
+                    f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more), or lower capacity",
+                    engine=name, limits=limits, capacity=capacity,
+                )
+
+    def _on_reclaim_done(self, version: VersionKey, state: Any = None) -> None:
+        self.publisher.wake()  # a slot may be free
+        self.reconciler.kick()
 
     def _on_fleet(self, fleet: Fleet) -> None:
-        self.sessions.update_holders(fleet.holders)
+        self.sessions.update_fleet(fleet)
+        self.publisher.wake()
 
     async def _probe(self, engine: str | None) -> None:
         """A targeted restart check after an engine refused a version it should hold."""
@@ -214,11 +275,20 @@ class Deployment:
                 await self.publisher.control.run(result.effects)
         return found
 
-    async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
+    async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0) -> PublicationReport:
+        """Publish ``snapshot`` as ``version_id`` on every engine, then make it the default.
+
+        ``wait``: seconds to wait for a free slot (or for a running attempt to end) instead of
+        failing at once with ``CAPACITY_ERROR``/``PUBLICATION_BLOCKED``; a newer publication
+        supersedes a waiting one (``SUPERSEDED``, naming it). The report says how long it waited
+        and for what."""
         self._require_started()
-        await self._settle_briefly()
+        if not wait:
+            await self._settle_briefly()
         await self.refresh_engines()
-        return await self.publisher.publish(snapshot, version_id)
+        report = await self.publisher.publish(snapshot, version_id, wait=wait)
+        self._on_fleet((await self.registry.handle(ReadFleet())).reply)  # sessions see the new default now
+        return report
 
     async def _settle_briefly(self, seconds: float = 5.0) -> None:
         # A reclaim that is finishing frees the slot this publication needs; a long one (it
@@ -231,9 +301,12 @@ class Deployment:
         self._require_started()
         return await self.reclaimer.reclaim(version)
 
-    def session(self, session_id: str, nonce: str | None = None) -> Session:
+    def session(self, session_id: str, nonce: str | None = None, *, group: str | None = None) -> Session:
+        """The session ``session_id`` (the same object while it is live). With ``group``, every
+        member binds the version the group bound at its first generation (a GRPO prompt group,
+        the n>1 children of one prompt), and the group keeps it while any member is open."""
         self._require_started()
-        return self.sessions.session(session_id, nonce)
+        return self.sessions.session(session_id, nonce, group=group)
 
 
 async def deploy(

@@ -17,6 +17,7 @@ from lorapub.core.attempt import Phase
 from lorapub.core.effects import ReadyToCommit
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.commands import (
+    CancelWait,
     ClaimReclaim,
     Commit,
     ListReclaimable,
@@ -30,8 +31,16 @@ from lorapub.core.commands import (
     RetryCleanup,
     RetryReclaim,
 )
+from lorapub.core.registry import SlotHolder, Waiting
 from lorapub.core.version import CommitReceipt, VersionState
-from lorapub.errors import InvalidInput, LorapubError, OutcomeUnknown, PublicationBlocked
+from lorapub.errors import (
+    CapacityError,
+    InvalidInput,
+    LorapubError,
+    OutcomeUnknown,
+    PublicationBlocked,
+    PublicationSuperseded,
+)
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
@@ -47,8 +56,28 @@ class PublicationFailed(LorapubError):
 
 
 @attrs.frozen
+class WaitReport:
+    """What a publication waited for before it got a slot (or gave up): the slot holders as last
+    seen (their session refs) and, per engine, the requests still running on the versions
+    being reclaimed (native refs), or the attempt that ran."""
+
+    reason: str
+    holders: tuple[SlotHolder, ...] = ()
+    running_requests: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)  # version -> engine -> refs
+    attempt: AttemptToken | None = None
+
+    def describe(self) -> str:
+        running = "; ".join(
+            f"{v}: {', '.join(f'{n} on {e}' for e, n in sorted(engines.items()))} running request(s)"
+            for v, engines in sorted(self.running_requests.items()) if any(engines.values())
+        )
+        return self.reason + (f" ({running})" if running else "")
+
+
+@attrs.frozen
 class PublicationReport:
-    """What one ``publish`` did: the version, its engine-side name and the commit receipt."""
+    """What one ``publish`` did: the version, its engine-side name and the commit receipt;
+    ``waited`` seconds for a slot (``waited_for`` says for what)."""
 
     version: VersionKey
     lora_name: str
@@ -58,6 +87,8 @@ class PublicationReport:
     phases: Mapping[str, float]
     collectives: int
     reused: bool = False
+    waited: float = 0.0
+    waited_for: WaitReport | None = None
 
 
 class FrozenCopies:
@@ -136,6 +167,8 @@ class Publisher:
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
         self.frozen = FrozenCopies()
+        self._wakeup = asyncio.Event()
+        self._running: dict[VersionKey, tuple[str, asyncio.Future]] = {}  # key -> (digest, the call)
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
     @property
@@ -158,17 +191,43 @@ class Publisher:
             "publishing the same id and snapshot again resumes it", version=command.key,
         )
 
-    async def publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
+    #: How often a waiting publication asks again when nothing in this process wakes it.
+    WAIT_POLL = 0.1
+
+    def wake(self) -> None:
+        """Something may have freed a slot (a reclaim or cleanup ended, a commit): waiting
+        publications ask the registry again now."""
+        self._wakeup.set()
+        self._wakeup = asyncio.Event()
+
+    async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0) -> PublicationReport:
+        """Publish ``snapshot`` as ``version_id``. With ``wait`` seconds, a call that finds every
+        slot held (or another attempt running) waits for one; a newer publication supersedes it
+        meanwhile (:class:`~lorapub.errors.PublicationSuperseded`). A second call for a version this
+        process is already publishing joins the first (its report, ``reused=True``)."""
         if not isinstance(snapshot, Snapshot):
             raise InvalidInput(f"publish takes a lorapub.Snapshot, not {type(snapshot).__name__}")
-        started = self.clock.monotonic()
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait < float("inf"):
+            raise InvalidInput(f"wait must be a finite number of seconds >= 0, got {wait!r}")
         key = VersionKey(self.epoch, version_id)
+        running = self._running.get(key)
+        if running is not None and running[0] == snapshot.digest:
+            report = await asyncio.shield(running[1])
+            return attrs.evolve(report, reused=True)
+        task = asyncio.ensure_future(self._publish(snapshot, key, wait))
+        self._running[key] = (snapshot.digest, task)
+        task.add_done_callback(lambda t: self._running.pop(key, None) if self._running.get(key, (0, t))[1] is t else None)
+        return await asyncio.shield(task)
+
+    async def _publish(self, snapshot: Snapshot, key: VersionKey, wait: float) -> PublicationReport:
+        started = self.clock.monotonic()
         plan = snapshot.plan(self.bucket_cap_bytes)
-        # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin.
-        reserved = await self._reserve(Reserve(key, snapshot.digest, plan, self.publisher_id))
+        # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin (or, waiting, SUPERSEDED).
+        reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), wait, started)
         reply = reserved.reply
         if not reply.created:
-            return await self._existing(key, reply, started)
+            report = await self._existing(key, reply, started)
+            return attrs.evolve(report, waited=waited, waited_for=waited_for)
         self.frozen.keep(key, snapshot)
         ready: list[ReadyToCommit] = []
         runner = EffectRunner(
@@ -184,8 +243,9 @@ class Publisher:
             receipt = await self._commit(key, reply.token, ready[-1].expected_default_revision, runlog)
             return PublicationReport(
                 key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
-                runlog.phase_seconds(), runlog.collectives,
+                runlog.phase_seconds(), runlog.collectives, waited=waited, waited_for=waited_for,
             )
+        self.wake()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
         if status.phase is Phase.CLEAN:
             raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
@@ -195,6 +255,74 @@ class Publisher:
             f"(`await deployment.reconcile()` retries it now): {why}",
             version=key,
         )
+
+    async def _reserve_slot(self, command: Reserve, wait: float, started: float):
+        """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``."""
+        deadline = started + wait
+        waited_for: WaitReport | None = None
+        described = -1.0
+        while True:
+            remaining = deadline - self.clock.monotonic()
+            try:
+                result = await self._reserve(attrs.evolve(command, wait=remaining if remaining > 0 else None))
+            except PublicationSuperseded as e:
+                waited = self.clock.monotonic() - started
+                raise PublicationSuperseded(
+                    f"{e.message} (it waited {waited:.2f}s" + (f" for: {waited_for.describe()})" if waited_for else ")"),
+                    **e.details, waited=waited,
+                ) from None
+            except (CapacityError, PublicationBlocked) as e:
+                if waited_for is None:
+                    raise
+                waited = self.clock.monotonic() - started
+                raise type(e)(f"{e.message} (waited {waited:.2f}s for: {waited_for.describe()})", **e.details,
+                              waited=waited) from None
+            reply = result.reply
+            if not isinstance(reply, Waiting):
+                waited = self.clock.monotonic() - started if waited_for is not None else 0.0
+                return result, waited, waited_for
+            now = self.clock.monotonic()
+            if waited_for is None or now - described >= 1.0:  # engines asked at most once a second
+                waited_for = await self._describe_wait(reply)
+                described = now
+            else:
+                waited_for = attrs.evolve(waited_for, reason=reply.describe(), holders=reply.holders)
+            if now >= deadline:
+                try:
+                    await self.registry.handle(CancelWait(command.key))
+                except LorapubError as e:  # the registry drops a waiter past its time anyway
+                    log.debug("cancel wait of %s: %s", command.key, e)
+                continue  # one last ask without waiting: a slot, or the typed refusal with the wait report
+            wakeup = self._wakeup
+            try:
+                async with asyncio.timeout(min(self.WAIT_POLL, max(0.0, deadline - now))):
+                    await wakeup.wait()
+            except TimeoutError:
+                pass
+
+    async def _describe_wait(self, reply: Waiting) -> WaitReport:
+        """The wait reply, with the requests still running on the versions being reclaimed."""
+        running: dict[str, dict[str, int]] = {}
+        reclaiming = {h.version for h in reply.holders if h.state is VersionState.RECLAIMING}
+        if reclaiming:
+            names = {}
+            for h in reply.holders:
+                if h.version in reclaiming:
+                    names[h.version] = (await self.registry.handle(ReadVersion(h.version))).reply.lora_name
+            for engine_name, engine in sorted(self.engines.items()):
+                inventory = getattr(engine, "inventory", None)
+                if inventory is None:
+                    continue
+                try:
+                    async with asyncio.timeout(self.deadlines.begin):
+                        held = (await inventory()).adapters
+                except Exception as e:  # noqa: BLE001 - the report only: a quiet engine says nothing
+                    log.debug("inventory of %s: %s", engine_name, e)
+                    continue
+                for version, name in names.items():
+                    if name in held:
+                        running.setdefault(str(version), {})[engine_name] = held[name].refs
+        return WaitReport(reply.describe(), reply.holders, running, reply.attempt)
 
     async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
         """Re-check every target's life right before commit: a READY from a life that has
@@ -365,7 +493,7 @@ class Reclaimer:
                 state = await self.retry(version)
         except LorapubError as e:
             log.warning("background reclaim of %s failed (%s); the reconciler retries it", version, e)
-        if state is not VersionState.RECLAIMED and self.on_done is not None:
+        if self.on_done is not None:  # a freed slot (a waiting publication goes), or a retry to schedule
             self.on_done(version)
 
     async def settle(self) -> None:

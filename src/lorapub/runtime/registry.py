@@ -55,6 +55,8 @@ class LocalRegistry:
         lease_ttl: float | None = R.DEFAULT_LEASE_TTL,
         tombstone_window: float | None = R.DEFAULT_TOMBSTONE_WINDOW,
         clock: Callable[[], float] = time.time,
+        max_lag: int | None = None,
+        on_stale: str = "error",
     ) -> None:
         self._store = store if store is not None else MemoryStore()
         self._clock = clock  # wall time: leases must mean the same to every process and after a restart
@@ -67,7 +69,7 @@ class LocalRegistry:
         except Exception as e:
             raise StoreError(f"registry store {where}: cannot load it: {type(e).__name__}: {e}") from None
         if loaded is None:
-            self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window)
+            self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale)
             self._save(self._state, None)
         elif not isinstance(loaded, RegistryState):
             self.close()  # refused: the store is released for whoever repairs it

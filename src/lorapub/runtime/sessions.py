@@ -6,12 +6,19 @@ causes a second pick. Close runs once: FINALIZING (no new dispatch) ->
 begin_close -> wait for the bind task, abort in-flight requests -> release
 the session ref exactly once -> drop the local record.
 
-A session's ref is held under a lease: the service renews the leases of all its
-live sessions in one batch every ``lease_ttl / 3`` seconds, so a worker that dies
-lets its sessions expire. Requests go to the session's sticky engine while that
-engine holds the bound version; after a restart they go to another engine that
-holds it (the prefix cache is lost once: the KV cost of a restart) until the
+A session's ref is held under a lease renewed by activity: the service renews, in one batch
+every ``lease_ttl / 3`` seconds, the leases of sessions that generated within ``idle_ttl``
+(or have a request running), and expires the others, so neither a worker that dies nor a
+session its code forgot to close keeps a version for ever. Requests go to the session's
+sticky engine while that engine holds the bound version; after a restart they go to another
+engine that holds it (the prefix cache is lost once: the KV cost of a restart) until the
 restarted engine is re-provisioned.
+
+Bounded staleness (``max_lag``): a session whose version falls more than ``max_lag`` commits
+behind the default gets :class:`~lorapub.errors.BindingStale` at its next generation (never
+in the middle of one), or, with ``on_stale="rebind"``, moves to the default at that turn
+boundary (recorded in :attr:`Session.provenance`). Every result carries the version that
+served it and its lag (``result["lorapub"]``).
 """
 
 from __future__ import annotations
@@ -19,21 +26,39 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import uuid
-from typing import Any, Mapping
-
 import logging
 import time
-from typing import Awaitable, Callable
+import uuid
+from typing import Any, Awaitable, Callable, Mapping
 
-from lorapub.core.identity import SessionKey, VersionKey, new_nonce
-from lorapub.core.commands import AuthorizeDispatch, BeginClose, BindFirst, CloseAndRelease, RenewLeases
+from lorapub.core.commands import (
+    AuthorizeDispatch,
+    BeginClose,
+    BindFirst,
+    CloseAndRelease,
+    ExpireSessions,
+    OpenSession,
+    Rebind,
+    RenewLeases,
+)
+from lorapub.core.identity import SessionKey, VersionKey, check_id, new_nonce
 from lorapub.core.session import Binding
-from lorapub.errors import EngineUnavailable, InvalidInput, LorapubError, SessionClosed, SessionExpired, VersionMissing
+from lorapub.errors import (
+    BindingStale,
+    EngineUnavailable,
+    InvalidInput,
+    LorapubError,
+    SessionClosed,
+    SessionExpired,
+    VersionMissing,
+)
 from lorapub.ports import EngineAdmin, Registry
 from lorapub.runtime.runner import EffectRunner, OnEligible
 
 log = logging.getLogger(__name__)
+
+#: Seconds without a generation after which a session expires even in a live worker (None: never).
+DEFAULT_IDLE_TTL = 600.0
 
 
 def _failed(task: asyncio.Task) -> bool:
@@ -46,6 +71,10 @@ class LocalState(enum.Enum):
     FINALIZING = "FINALIZING"
     CLOSED = "CLOSED"
     EXPIRED = "EXPIRED"
+    STALE = "STALE"  # its version fell more than max_lag behind: it generates no more
+
+
+LIVE = frozenset({LocalState.OPEN, LocalState.BOUND})
 
 
 class StickyRouter:
@@ -74,35 +103,85 @@ class StickyRouter:
 
 
 class Session:
-    def __init__(self, service: "SessionService", key: SessionKey) -> None:
+    """One trajectory's binding. Use it as ``async with deployment.session(id) as s:`` (closed on
+    exit, whatever happens), or call :meth:`close` yourself."""
+
+    def __init__(self, service: "SessionService", key: SessionKey, group: str | None = None) -> None:
         self.service = service
         self.key = key
+        self.group = group
         self.state = LocalState.OPEN
         self.binding: Binding | None = None
         self.engine: EngineAdmin | None = None
         self.requests = 0
+        #: (version, first request it served): one entry, plus one per explicit rebind
+        self.provenance: list[tuple[VersionKey, int]] = []
         self.lease_seen = time.monotonic()  # when the registry last confirmed this session's lease
+        self.last_active = time.monotonic()  # the last generation's start or end (the idle clock)
         self._bind_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
 
+    def __repr__(self) -> str:
+        bound = f" bound={self.binding.version}" if self.binding is not None else ""
+        group = f" group={self.group!r}" if self.group is not None else ""
+        return f"<Session {self.key.session_id!r} {self.state.value}{bound}{group} requests={self.requests}>"
+
+    async def __aenter__(self) -> "Session":
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     # -- binding ------------------------------------------------------------
+    async def open(self) -> "Session":
+        """Record the session in the registry now (a group member counts from here: its group
+        keeps its version while any opened member is open). Optional otherwise: the first
+        generation does it."""
+        self._refuse_if_ended("open")
+        if self.binding is None:
+            await self.service.registry.handle(OpenSession(self.key, group=self.group))
+            self.lease_seen = time.monotonic()
+        return self
+
+    def _adopt(self, binding: Binding) -> Binding:
+        if self.binding is None or binding.version != self.binding.version:
+            self.provenance.append((binding.version, self.requests))
+        self.binding = binding
+        self.service.note_binding(binding)
+        return binding
+
     async def _bind_once(self) -> Binding:
-        result = await self.service.registry.handle(BindFirst(self.key))
+        try:
+            result = await self.service.registry.handle(BindFirst(self.key, group=self.group))
+        except BindingStale:
+            self._became_stale()
+            raise
         self.lease_seen = time.monotonic()
-        self.binding = result.reply
+        binding = self._adopt(result.reply)
         if self.state is LocalState.OPEN:
             self.state = LocalState.BOUND
-        return self.binding
+        return binding
 
     def _refuse_if_ended(self, what: str) -> None:
         if self.state is LocalState.EXPIRED:
             raise SessionExpired(
-                f"session {self.key} expired (its lease was not renewed in time) and its version ref was "
-                f"released; {what} refused — start a new session", session=self.key,
+                f"session {self.key} expired (its lease was not renewed in time, or it was idle for its idle TTL) "
+                f"and its version ref was released; {what} refused — start a new session", session=self.key,
+            )
+        if self.state is LocalState.STALE:
+            raise BindingStale(
+                f"session {self.key} is stale: its version fell more than max_lag commits behind the default and "
+                f"its ref was released; {what} refused — start a new session", session=self.key,
+                version=self.binding.version if self.binding else None,
             )
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
             raise SessionClosed(f"session {self.key} is {self.state.value}; {what} refused")
+
+    def _became_stale(self) -> None:
+        if self.state in LIVE:
+            self.state = LocalState.STALE
 
     async def bind(self) -> Binding:
         """The session's one binding. A lost reply is retried with the same key: same answer."""
@@ -113,47 +192,94 @@ class Session:
             self._bind_task = asyncio.get_running_loop().create_task(self._bind_once())
         return await asyncio.shield(self._bind_task)
 
+    async def _fresh(self, binding: Binding, stale: BindingStale | None = None) -> Binding:
+        """The binding this turn dispatches with: the same one, unless its version is retiring
+        (BINDING_STALE, or with on_stale="rebind" the default, at this turn boundary)."""
+        if stale is None and not self.service.is_stale(binding):
+            return binding
+        if self.service.on_stale != "rebind":
+            self._became_stale()
+            if stale is not None:
+                raise stale
+            self._refuse_if_ended("dispatch")
+        try:
+            result = await self.service.registry.handle(Rebind(self.key))
+        except BindingStale:
+            self._became_stale()
+            raise
+        new = self._adopt(result.reply)
+        if new.version != binding.version:
+            log.info("session rebound: session=%s from=%s to=%s", self.key, binding.version, new.version)
+        return new
+
     # -- dispatch -----------------------------------------------------------
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """One backend request (first turn, tool turn, legal retry, resume) on the bound version.
 
-        It is sent once. An unknown outcome is raised to the caller, never resent here.
+        It is sent once. An unknown outcome is raised to the caller, never resent here. The
+        result carries ``result["lorapub"]``: the version that served it and its lag (commits
+        behind the default at dispatch).
         """
+        if not isinstance(payload, Mapping):
+            raise InvalidInput(
+                f"generate takes a mapping (SGLang's /generate body, e.g. {{'input_ids': [...], 'sampling_params': "
+                f"{{...}}}}), not {type(payload).__name__}"
+            )
         self._refuse_if_ended("dispatch")
+        self.last_active = time.monotonic()
         # After the first bind a generation costs no registry round trip: the session's own ref
         # keeps its version from being reclaimed, and its lease is renewed in batches. Only a
         # session whose lease was not confirmed for half its TTL (a worker that stalled or lost
         # the registry) asks first, so a late request on an expired session is refused.
-        binding = await self.bind()
+        binding = await self._fresh(await self.bind())
         ttl = self.service.lease_ttl
         if ttl is not None and time.monotonic() - self.lease_seen > ttl / 2:
-            try:
-                await self.service.registry.handle(AuthorizeDispatch(self.key))
-            except SessionExpired:
-                self.state = LocalState.EXPIRED
-                raise
-        body = dict(payload)
-        body["lora_path"] = binding.lora_name
+            binding = await self._authorized(binding)
         try:
-            return await self._dispatch(binding, body)
+            return await self._send(binding, payload)
         except VersionMissing as missing:
             # A definite refusal before anything ran: the engine lost the version (a restart the
-            # fleet view has not seen yet). Learn the truth, then send it once to a holder.
+            # fleet view has not seen yet), or reclaims it (the version retired meanwhile).
+            # Learn the truth, then send it once to a holder (or on the rebound version).
             engine = self.engine
-            try:  # the failure path may ask the registry: is this session still entitled to it?
-                await self.service.registry.handle(AuthorizeDispatch(self.key))
-            except SessionExpired:
-                self.state = LocalState.EXPIRED
-                raise
+            fresh = await self._authorized(binding)
+            if fresh.version != binding.version:
+                return await self._send(fresh, payload)
             await self.service.engine_suspect(engine.name if engine is not None else None)
             holders = self.service.holders(binding.version)
             if holders is not None and engine is not None and engine.name in holders:
                 raise  # the fleet still says it holds it: report the engine's own answer
             log.warning("%s: %s lost %s; sending the request to a holder", self.key, getattr(engine, "name", "?"), binding.version)
             try:
-                return await self._dispatch(binding, body)
+                return await self._send(binding, payload)
             except VersionMissing:
                 raise missing from None
+        finally:
+            self.last_active = time.monotonic()
+
+    async def _authorized(self, binding: Binding) -> Binding:
+        """Ask the registry whether this session may still dispatch (expired? stale?)."""
+        try:
+            await self.service.registry.handle(AuthorizeDispatch(self.key))
+        except SessionExpired:
+            self.state = LocalState.EXPIRED
+            raise
+        except BindingStale as stale:
+            return await self._fresh(binding, stale)
+        self.lease_seen = time.monotonic()
+        return binding
+
+    async def _send(self, binding: Binding, payload: Mapping[str, Any]) -> dict[str, Any]:
+        body = dict(payload)
+        body["lora_path"] = binding.lora_name
+        lag = self.service.lag(binding)
+        out = await self._dispatch(binding, body)
+        if isinstance(out, dict):
+            out["lorapub"] = {
+                "version": str(binding.version), "version_id": binding.version.version_id, "lag": lag,
+                "lora_name": binding.lora_name, "rebinds": len(self.provenance) - 1,
+            }
+        return out
 
     async def _dispatch(self, binding: Binding, body: dict[str, Any]) -> dict[str, Any]:
         engine = self.service.router.pick(self, self.service.holders(binding.version))
@@ -175,6 +301,11 @@ class Session:
             if current is not None and current.cancelling():
                 raise  # our caller was cancelled: let that propagate
             raise SessionClosed(f"session {self.key} closed; its in-flight request was aborted") from None
+
+    @property
+    def busy(self) -> bool:
+        """A request of it is running."""
+        return bool(self._inflight)
 
     # -- close --------------------------------------------------------------
     async def close(self) -> None:
@@ -218,6 +349,7 @@ class SessionService:
         epoch: int,
         router: StickyRouter | None = None,
         on_eligible: OnEligible | None = None,
+        idle_ttl: float | None = DEFAULT_IDLE_TTL,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
@@ -225,23 +357,49 @@ class SessionService:
         self.router = router or StickyRouter(self.engines)
         self.control = EffectRunner(registry, self.engines, on_eligible=on_eligible)
         self.sessions: dict[SessionKey, Session] = {}
+        self._by_id: dict[str, Session] = {}
+        self.idle_ttl = idle_ttl
         # Set by the deployment: the reconciler's latest view, a kick, a targeted probe.
         self._holders: Mapping[VersionKey, frozenset[str]] | None = None
+        self.default_revision = 0
+        self._revisions: dict[VersionKey, int] = {}
+        self._retiring: frozenset[VersionKey] = frozenset()
+        self.on_stale = "error"
         self.kick: Callable[[], None] = lambda: None
         self.probe: Callable[[str | None], Awaitable[None]] | None = None
         self._renewer: asyncio.Task | None = None
         self.renewals = 0
+        self.idle_expired = 0
         self.lease_ttl: float | None = None
 
     # -- the fleet view (no registry round trip per request) -----------------------
+    def update_fleet(self, fleet: Any) -> None:
+        """The registry's latest view: who holds what, the default revision, what is retiring."""
+        self._holders = dict(fleet.holders)
+        self.default_revision = max(self.default_revision, fleet.default_revision)
+        self._revisions.update(fleet.revisions)
+        self._retiring = frozenset(fleet.retiring)
+        self.on_stale = fleet.on_stale
+
     def update_holders(self, holders: Mapping[VersionKey, frozenset[str]]) -> None:
         self._holders = dict(holders)
+
+    def note_binding(self, binding: Binding) -> None:
+        self._revisions.setdefault(binding.version, binding.revision)
+        self.default_revision = max(self.default_revision, binding.revision)
 
     def holders(self, version: VersionKey) -> frozenset[str] | None:
         """Engines holding ``version`` as last seen; None when not known (every engine)."""
         if self._holders is None:
             return None
         return self._holders.get(version)
+
+    def is_stale(self, binding: Binding) -> bool:
+        return binding.version in self._retiring
+
+    def lag(self, binding: Binding) -> int:
+        """Commits behind the default, as this process last saw the default."""
+        return max(0, self.default_revision - binding.revision)
 
     async def engine_suspect(self, engine: str | None) -> None:
         """An engine refused a version it should hold: probe it now (a restart) and refresh."""
@@ -252,9 +410,12 @@ class SessionService:
     # -- leases -----------------------------------------------------------------------
     def start_renewals(self, lease_ttl: float | None) -> None:
         self.lease_ttl = lease_ttl
-        if lease_ttl is None or self._renewer is not None:
+        if self._renewer is not None:
             return
-        self._renewer = asyncio.get_running_loop().create_task(self._renew_loop(lease_ttl / 3), name="lorapub-leases")
+        periods = [p for p in (lease_ttl, self.idle_ttl) if p is not None]
+        if not periods:
+            return
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_loop(min(periods) / 3), name="lorapub-leases")
 
     async def stop_renewals(self) -> None:
         task, self._renewer = self._renewer, None
@@ -270,10 +431,36 @@ class SessionService:
             except LorapubError as e:  # the registry is away: the next round tries again
                 log.warning("lease renewal failed (%s); retrying in %.1fs", e, every)
 
+    def idle(self, now: float | None = None) -> list[Session]:
+        """Live sessions with no generation for ``idle_ttl`` and none running."""
+        if self.idle_ttl is None:
+            return []
+        now = time.monotonic() if now is None else now
+        return [s for s in self.sessions.values()
+                if s.state in LIVE and not s.busy and now - s.last_active > self.idle_ttl]
+
+    async def expire_idle(self) -> int:
+        """Expire the idle sessions (their refs are released at once): a session the rollout code
+        never closed keeps no version for longer than ``idle_ttl``."""
+        idle = self.idle()
+        if not idle:
+            return 0
+        await self.registry.handle(ExpireSessions(tuple(s.key for s in idle)))
+        for s in idle:
+            if s.state in LIVE:
+                s.state = LocalState.EXPIRED
+                log.info("session expired: session=%s reason=idle idle_s=%.0f", s.key, time.monotonic() - s.last_active)
+            self._forget(s)
+        self.idle_expired += len(idle)
+        self.kick()  # a released version may be reclaimable now
+        return len(idle)
+
     async def renew_leases(self) -> int:
-        """Renew every live local session's lease in one call; mark the ones the registry expired."""
+        """Expire the idle sessions, then renew every other live local session's lease in one
+        call; mark the ones the registry expired."""
+        await self.expire_idle()
         live = [s for s in self.sessions.values() if s.state in (LocalState.OPEN, LocalState.BOUND, LocalState.FINALIZING)]
-        if not live:
+        if not live or self.lease_ttl is None:
             return 0
         sent = time.monotonic()
         gone = set((await self.registry.handle(RenewLeases(tuple(s.key for s in live)))).reply)
@@ -285,13 +472,30 @@ class SessionService:
                 s.lease_seen = max(s.lease_seen, sent)
         return len(live)
 
-    def session(self, session_id: str, nonce: str | None = None) -> Session:
-        """The local record for a session lifecycle (OPEN; nothing is bound until the first generation)."""
+    def session(self, session_id: str, nonce: str | None = None, *, group: str | None = None) -> Session:
+        """The local record for a session lifecycle (OPEN; nothing is bound until the first
+        generation). Asked again for a live session id, it returns the same :class:`Session`."""
+        check_id("session_id", session_id)
+        if group is not None:
+            check_id("group", group)
+        live = self._by_id.get(session_id)
+        if live is not None and (live.key not in self.sessions or live.state not in LIVE):
+            live = None
+        if live is not None:
+            if (nonce is not None and nonce != live.key.nonce) or group != live.group:
+                raise InvalidInput(
+                    f"session {session_id!r} is live (nonce {live.key.nonce}, group {live.group!r}); close it before "
+                    f"starting another lifecycle of that id"
+                )
+            return live
         key = SessionKey(self.epoch, session_id, nonce or new_nonce(time.time(), uuid.uuid4().hex[:16]))
         found = self.sessions.get(key)
         if found is None:
-            found = self.sessions[key] = Session(self, key)
+            found = self.sessions[key] = Session(self, key, group)
+        self._by_id[session_id] = found
         return found
 
     def _forget(self, session: Session) -> None:
         self.sessions.pop(session.key, None)
+        if self._by_id.get(session.key.session_id) is session:
+            del self._by_id[session.key.session_id]

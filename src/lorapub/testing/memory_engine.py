@@ -25,6 +25,7 @@ from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
+from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
 
 FAULTS = ("request", "reply", "error", "stall", "restart")
 OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
@@ -35,11 +36,12 @@ class MemoryEngine:
     (see the module docs); it passes :func:`~lorapub.testing.check_engine_admin`."""
 
     def __init__(
-        self, name: str, *, max_loaded: int = 3, rate: float = 0.0, seed: int | None = None,
-        generate_seconds: float = 0.0,
+        self, name: str, *, max_loaded: int = 3, max_per_batch: int | None = None, rate: float = 0.0,
+        seed: int | None = None, generate_seconds: float = 0.0,
     ) -> None:
         self.name = name
         self.max_loaded = max_loaded
+        self.max_per_batch = max_loaded if max_per_batch is None else max_per_batch
         self.rate = rate
         self.generate_seconds = generate_seconds
         self._rng = random.Random(seed)
@@ -110,6 +112,17 @@ class MemoryEngine:
     async def _incarnation(self) -> str:
         return self.incarnation_id
 
+    async def limits(self) -> EngineLimits:
+        return EngineLimits(self.max_loaded, self.max_per_batch)
+
+    async def inventory(self) -> Inventory:
+        return await self._call("incarnation", self._inventory)
+
+    async def _inventory(self) -> Inventory:
+        adapters = {name: HeldAdapter(name, self.refs.get(name, 0)) for name in self.loaded}
+        staged = tuple(StagedAttempt(str(t), req.lora_name) for t, (req, _) in self.stashes.items())
+        return Inventory(self.incarnation_id, adapters, staged)
+
     async def begin(self, request: SendBegin) -> str:
         return await self._call("begin", self._begin, request)
 
@@ -122,8 +135,8 @@ class MemoryEngine:
             return self.incarnation_id
         if request.lora_name in self.loaded:
             raise EngineError(f"{self.name}: {request.lora_name} is already loaded")
-        if len(self.loaded) >= self.max_loaded:
-            raise EngineError(f"{self.name}: no free LoRA slot ({len(self.loaded)} loaded)")
+        if len(self.loaded) >= min(self.max_loaded, self.max_per_batch - 1):  # every adapter is pinned
+            raise EngineError(f"{self.name}: no free LoRA slot ({len(self.loaded)} of {self.max_loaded} loaded)")
         self.stashes[request.token] = (request, {})
         return self.incarnation_id
 

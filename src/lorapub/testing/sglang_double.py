@@ -175,6 +175,7 @@ class SGLangDouble:
         name: str,
         *,
         max_loaded_loras: int = 3,
+        max_loras_per_batch: int | None = None,
         context_len: int = 4096,
         managed_patch: bool = True,
         decode_delay: float = 0.002,
@@ -190,6 +191,8 @@ class SGLangDouble:
     ) -> None:
         self.name = name
         self.max_loaded_loras = max_loaded_loras
+        # SGLang refuses max_loaded_loras < max_loras_per_batch; the double defaults them equal
+        self.max_loras_per_batch = max_loaded_loras if max_loras_per_batch is None else max_loras_per_batch
         self.context_len = context_len
         self.stock = stock
         self.managed_patch = managed_patch and not stock
@@ -345,7 +348,8 @@ class SGLangDouble:
         return web.Response(text="")
 
     async def h_server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"max_loaded_loras": self.max_loaded_loras, "enable_lora": True, "version": "0.5.23"})
+        return web.json_response({"max_loaded_loras": self.max_loaded_loras, "max_loras_per_batch": self.max_loras_per_batch,
+                                  "enable_lora": True, "version": "0.5.23"})
 
     async def h_models(self, request: web.Request) -> web.Response:
         """SGLang's ``/v1/models``: the base model, then a card per loaded adapter (parent = base)."""
@@ -411,6 +415,13 @@ class SGLangDouble:
                 await asyncio.sleep(self.load_delay)
             if self.install_stop:
                 await self._stop_steps(self.install_stop)
+            pinned_now = sum(1 for r in self.lora_registry.get_all_adapters().values() if r.pinned)
+            if pinned and pinned_now >= self.max_loras_per_batch - 1:  # SGLang's LoRAManager.validate_new_adapter
+                raise ValueError(
+                    f"Failed to load LoRA adapter {lora_name} as a pinned adapter. It is not allowed to pin all slots "
+                    "in the LoRA memory pool to avoid starvation for unpinned adapters and base models. Please "
+                    "increase your `--max-loras-per-batch` or load it as unpinned LoRA adapters."
+                )
             ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
             await self.lora_registry.register(ref)  # "already exists" -> ValueError
             self.loaded[ref.lora_id] = signature
