@@ -12,27 +12,51 @@ aids in :mod:`lorapub.testing`.
 
 from lorapub.core.identity import SessionKey, VersionKey
 from lorapub.errors import (
+    AlreadyStarted,
+    BindingStale,
     CapacityError,
+    EngineCapacityError,
+    EngineClosed,
     EngineError,
+    EngineUnavailable,
+    EpochMismatch,
+    GroupClosed,
+    InvalidInput,
+    InvalidTransition,
     LorapubError,
     NoPublishedVersion,
+    NotReady,
+    NotReclaimable,
     OutcomeUnknown,
     PublicationBlocked,
+    PublicationFailed,
+    PublicationSuperseded,
     SessionClosed,
+    SessionExpired,
+    StaleAttempt,
+    StoreCorrupted,
+    StoreError,
+    UnknownEngine,
+    UnknownVersion,
     VersionConflict,
     VersionMissing,
     VersionReclaiming,
 )
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.runtime.overwrite import OverwriteDeployment
-from lorapub.runtime.publisher import PublicationFailed, PublicationReport
+from lorapub.runtime.publisher import PublicationReport, WaitReport
 from lorapub.runtime.runner import Deadlines
+from lorapub.runtime.sessions import Session
 from lorapub.runtime.snapshot import Snapshot
 
 __version__ = "0.1.0"
+# Every typed error of lorapub.errors is here too: a caller catches them from one import.
 __all__ = [
-    "CapacityError", "Deadlines", "Deployment", "EngineError", "LorapubError", "NoPublishedVersion",
-    "OutcomeUnknown", "OverwriteDeployment", "PublicationBlocked", "PublicationFailed", "PublicationReport",
-    "SessionClosed", "SessionKey", "Snapshot", "VersionConflict", "VersionKey", "VersionMissing",
-    "VersionReclaiming", "deploy",
+    "AlreadyStarted", "BindingStale", "CapacityError", "EngineCapacityError", "EngineClosed", "EngineError",
+    "EngineUnavailable", "EpochMismatch", "GroupClosed", "InvalidInput", "InvalidTransition", "LorapubError",
+    "NoPublishedVersion", "NotReady", "NotReclaimable", "OutcomeUnknown", "PublicationBlocked", "PublicationFailed",
+    "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
+    "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
+    "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
+    "Snapshot", "VersionKey", "WaitReport", "deploy",
 ]

@@ -76,6 +76,12 @@ class VersionReclaiming(LorapubError):
     code = "VERSION_RECLAIMING"
 
 
+class PublicationFailed(LorapubError):
+    """The candidate failed and was cleaned on every engine; the default did not move."""
+
+    code = "PUBLICATION_FAILED"
+
+
 class PublicationBlocked(LorapubError):
     """An earlier attempt is unresolved (in flight, cleaning, or of unknown outcome)."""
 
@@ -107,10 +113,14 @@ class NotReclaimable(LorapubError):
 
 
 class UnknownVersion(LorapubError):
+    """The version key names no version this registry ever reserved."""
+
     code = "UNKNOWN_VERSION"
 
 
 class UnknownEngine(LorapubError):
+    """The engine name is not one of the deployment's engines."""
+
     code = "UNKNOWN_ENGINE"
 
 
@@ -121,6 +131,8 @@ class EpochMismatch(LorapubError):
 
 
 class InvalidInput(LorapubError):
+    """A bad argument (type, range, form); nothing was sent and nothing changed."""
+
     code = "INVALID_INPUT"
 
 

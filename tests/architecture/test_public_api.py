@@ -5,11 +5,17 @@ from __future__ import annotations
 import lorapub
 import lorapub.testing
 
+import lorapub.errors
+
 PUBLIC = {
-    "CapacityError", "Deadlines", "Deployment", "EngineError", "LorapubError", "NoPublishedVersion",
-    "OutcomeUnknown", "OverwriteDeployment", "PublicationBlocked", "PublicationFailed", "PublicationReport",
-    "SessionClosed", "SessionKey", "Snapshot", "VersionConflict", "VersionKey", "VersionMissing",
-    "VersionReclaiming", "deploy",
+    "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey", "Snapshot",
+    "VersionKey", "WaitReport", "deploy",
+} | {
+    "AlreadyStarted", "BindingStale", "CapacityError", "EngineCapacityError", "EngineClosed", "EngineError",
+    "EngineUnavailable", "EpochMismatch", "GroupClosed", "InvalidInput", "InvalidTransition", "LorapubError",
+    "NoPublishedVersion", "NotReady", "NotReclaimable", "OutcomeUnknown", "PublicationBlocked", "PublicationFailed",
+    "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
+    "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
 }
 
 TESTING = {
@@ -33,15 +39,32 @@ def test_the_readme_imports_work():
     from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, TorchDistributed  # noqa: F401
 
 
-def test_errors_carry_stable_codes():
-    codes = {name: getattr(lorapub, name).code for name in PUBLIC if name.endswith(("Error", "Conflict", "Missing",
-             "Reclaiming", "Blocked", "Closed", "Unknown", "Version", "Failed"))}
-    assert codes == {
-        "CapacityError": "CAPACITY_ERROR", "EngineError": "ENGINE_ERROR", "LorapubError": "LORAPUB_ERROR",
-        "NoPublishedVersion": "NO_PUBLISHED_VERSION", "OutcomeUnknown": "OUTCOME_UNKNOWN",
-        "PublicationBlocked": "PUBLICATION_BLOCKED", "PublicationFailed": "PUBLICATION_FAILED",
-        "SessionClosed": "SESSION_CLOSED", "VersionConflict": "VERSION_CONFLICT",
-        "VersionMissing": "VERSION_MISSING", "VersionReclaiming": "VERSION_RECLAIMING",
+def _error_classes() -> dict[str, type]:
+    return {name: cls for name, cls in vars(lorapub.errors).items()
+            if isinstance(cls, type) and issubclass(cls, lorapub.errors.LorapubError)}
+
+
+def test_every_typed_error_is_importable_from_lorapub():
+    errors = _error_classes()
+    exported = {name for name in lorapub.__all__ if isinstance(getattr(lorapub, name), type)
+                and issubclass(getattr(lorapub, name), lorapub.errors.LorapubError)}
+    assert exported == set(errors), (set(errors) ^ exported)
+    for name, cls in errors.items():
+        assert getattr(lorapub, name) is cls
+
+
+def test_errors_carry_stable_unique_codes():
+    errors = _error_classes()
+    codes = {cls.code: name for name, cls in errors.items()}
+    assert len(codes) == len(errors), "two error classes share a code"
+    for name, cls in errors.items():
+        assert cls.code.isupper() and cls.__doc__, f"{name} needs an upper-case code and a docstring"
+    # the codes framework adapters switch on never change
+    assert {n: errors[n].code for n in ("CapacityError", "PublicationSuperseded", "BindingStale", "VersionMissing",
+                                         "EngineCapacityError", "PublicationFailed", "OutcomeUnknown")} == {
+        "CapacityError": "CAPACITY_ERROR", "PublicationSuperseded": "SUPERSEDED", "BindingStale": "BINDING_STALE",
+        "VersionMissing": "VERSION_MISSING", "EngineCapacityError": "ENGINE_CAPACITY",
+        "PublicationFailed": "PUBLICATION_FAILED", "OutcomeUnknown": "OUTCOME_UNKNOWN",
     }
 
 

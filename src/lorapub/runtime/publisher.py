@@ -39,6 +39,7 @@ from lorapub.errors import (
     LorapubError,
     OutcomeUnknown,
     PublicationBlocked,
+    PublicationFailed,
     PublicationSuperseded,
 )
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
@@ -47,12 +48,6 @@ from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 
 log = logging.getLogger(__name__)
-
-
-class PublicationFailed(LorapubError):
-    """The candidate failed and was cleaned on every engine; the default did not move."""
-
-    code = "PUBLICATION_FAILED"
 
 
 @attrs.frozen
