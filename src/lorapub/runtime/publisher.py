@@ -269,6 +269,7 @@ class Publisher:
             except (CapacityError, PublicationBlocked) as e:
                 if waited_for is None:
                     raise
+                await self._cancel_wait(command.key)
                 waited = self.clock.monotonic() - started
                 raise type(e)(f"{e.message} (waited {waited:.2f}s for: {waited_for.describe()})", **e.details,
                               waited=waited) from None
@@ -283,10 +284,6 @@ class Publisher:
             else:
                 waited_for = attrs.evolve(waited_for, reason=reply.describe(), holders=reply.holders)
             if now >= deadline:
-                try:
-                    await self.registry.handle(CancelWait(command.key))
-                except LorapubError as e:  # the registry drops a waiter past its time anyway
-                    log.debug("cancel wait of %s: %s", command.key, e)
                 continue  # one last ask without waiting: a slot, or the typed refusal with the wait report
             wakeup = self._wakeup
             try:
@@ -294,6 +291,12 @@ class Publisher:
                     await wakeup.wait()
             except TimeoutError:
                 pass
+
+    async def _cancel_wait(self, key: VersionKey) -> None:
+        try:
+            await self.registry.handle(CancelWait(key))
+        except LorapubError as e:  # the registry drops a waiter past its time anyway
+            log.debug("cancel wait of %s: %s", key, e)
 
     async def _describe_wait(self, reply: Waiting) -> WaitReport:
         """The wait reply, with the requests still running on the versions being reclaimed."""

@@ -33,6 +33,8 @@ from lorapub.core.commands import (
     AbortStale,
     ExpireLeases,
     ReadFleet,
+    ReadSessionsOf,
+    ReadVersion,
     RegisterEngine,
     RetryCleanup,
     StartReprovision,
@@ -40,7 +42,8 @@ from lorapub.core.commands import (
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.registry import Fleet
 from lorapub.errors import LorapubError
-from lorapub.ports import Clock, EngineAdmin, Registry
+from lorapub.core.version import VersionState
+from lorapub.ports import Clock, EngineAdmin, Registry, ReportsInventory
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner
 
@@ -51,7 +54,9 @@ log = logging.getLogger(__name__)
 class Blocker:
     """One thing that keeps the deployment from being healthy, and why."""
 
-    kind: str  # engine_unreachable | reprovisioning | cleanup_pending | reclaim_pending | attempt_running | reconcile_failed
+    # engine_unreachable | reprovisioning | cleanup_pending | reclaim_pending | publication_waiting |
+    # attempt_running | reconcile_failed
+    kind: str
     subject: str
     detail: str
 
@@ -226,13 +231,55 @@ class Reconciler:
         # 6. what is left
         for token in fleet.cleaning:
             blockers.append(Blocker("cleanup_pending", str(token), "cleanup not confirmed on every target"))
-        for key in (*fleet.reclaimable, *fleet.reclaiming):
-            blockers.append(Blocker("reclaim_pending", str(key), "unload not confirmed on every holder"))
+        blockers += await self._reclaim_blockers(fleet)
         for engine, key in fleet.missing:
             blockers.append(Blocker("reprovisioning", engine, f"{key} lost in a restart, not loaded again yet"))
         active = set(map(str, fleet.active))
         blockers = [b for b in blockers if b.kind != "attempt_running" or b.subject in active]
         return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed)
+
+    async def _reclaim_blockers(self, fleet: Fleet) -> list[Blocker]:
+        """Each pending reclaim with what holds it, by name: the engines whose unload is not
+        confirmed and the requests still running there; and a waiting publication with the
+        sessions that keep the versions holding its slots."""
+        blockers: list[Blocker] = []
+        pending = {h.version: h for h in fleet.slots if h.version in (*fleet.reclaimable, *fleet.reclaiming)}
+        running = await self._running_requests(pending) if pending else {}
+        for key, holder in sorted(pending.items()):
+            on = ", ".join(f"{e} ({n} running request(s))" if n else e
+                           for e, n in sorted(running.get(key, {}).items()) if e in holder.unloading_on or n)
+            detail = (f"unload not confirmed on {on or ', '.join(holder.unloading_on) or 'its engines'}"
+                      if holder.state is not VersionState.RETIRED else "reclaim not claimed yet")
+            blockers.append(Blocker("reclaim_pending", str(key), detail))
+        if fleet.waiting is not None:
+            kept = []
+            for h in fleet.slots:
+                if h.state is VersionState.RETIRED and h.session_refs and not h.retiring:
+                    who = (await self.registry.handle(ReadSessionsOf(h.version))).reply
+                    names = [f"session {sid} ({state.lower()})" for sid, state, _ in who.session_ids]
+                    names += [f"group {g} ({m} open)" for g, m in who.group_ids]
+                    more = who.sessions + who.groups - len(names)
+                    kept.append(f"{h.version} kept by {', '.join(names)}" + (f" and {more} more" if more > 0 else ""))
+            detail = "waiting for a slot: " + "; ".join(h.describe() for h in fleet.slots)
+            blockers.append(Blocker("publication_waiting", str(fleet.waiting.key),
+                                    detail + (" — " + "; ".join(kept) if kept else "")))
+        return blockers
+
+    async def _running_requests(self, pending: Mapping[VersionKey, object]) -> dict[VersionKey, dict[str, int]]:
+        names = {(await self.registry.handle(ReadVersion(k))).reply.lora_name: k for k in pending}
+        found: dict[VersionKey, dict[str, int]] = {}
+        for name, engine in sorted(self.engines.items()):
+            if not isinstance(engine, ReportsInventory):
+                continue
+            try:
+                async with asyncio.timeout(self.deadlines.begin):
+                    held = (await engine.inventory()).adapters
+            except Exception:  # noqa: BLE001 - unreachable engines are reported by step 1
+                continue
+            for lora_name, key in names.items():
+                if lora_name in held:
+                    found.setdefault(key, {})[name] = held[lora_name].refs
+        return found
 
     async def _reprovision(self, fleet: Fleet) -> None:
         frozen = self.publisher.frozen if self.publisher is not None else None

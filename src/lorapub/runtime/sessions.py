@@ -233,7 +233,7 @@ class Session:
         # the registry) asks first, so a late request on an expired session is refused.
         binding = await self._fresh(await self.bind())
         ttl = self.service.lease_ttl
-        if ttl is not None and time.monotonic() - self.lease_seen > ttl / 2:
+        if self.service.gone(binding) or (ttl is not None and time.monotonic() - self.lease_seen > ttl / 2):
             binding = await self._authorized(binding)
         try:
             return await self._send(binding, payload)
@@ -362,6 +362,7 @@ class SessionService:
         # Set by the deployment: the reconciler's latest view, a kick, a targeted probe.
         self._holders: Mapping[VersionKey, frozenset[str]] | None = None
         self.default_revision = 0
+        self._view_revision = -1  # the default revision of the last fleet view
         self._revisions: dict[VersionKey, int] = {}
         self._retiring: frozenset[VersionKey] = frozenset()
         self.on_stale = "error"
@@ -376,6 +377,7 @@ class SessionService:
     def update_fleet(self, fleet: Any) -> None:
         """The registry's latest view: who holds what, the default revision, what is retiring."""
         self._holders = dict(fleet.holders)
+        self._view_revision = fleet.default_revision
         self.default_revision = max(self.default_revision, fleet.default_revision)
         self._revisions.update(fleet.revisions)
         self._retiring = frozenset(fleet.retiring)
@@ -396,6 +398,12 @@ class SessionService:
 
     def is_stale(self, binding: Binding) -> bool:
         return binding.version in self._retiring
+
+    def gone(self, binding: Binding) -> bool:
+        """The last fleet view (newer than the binding) no longer serves its version: it is being
+        reclaimed (a retiring version, or an expired session's): the registry says which."""
+        return (self._holders is not None and binding.revision <= self._view_revision
+                and binding.version not in self._holders)
 
     def lag(self, binding: Binding) -> int:
         """Commits behind the default, as this process last saw the default."""

@@ -1,0 +1,332 @@
+"""Freshness at training cadence: capacity N, waiting and superseded publications, bounded
+staleness (max_lag), group binding, activity leases, the lag every result carries.
+
+In-process engines (:class:`~lorapub.testing.MemoryEngine`) keep these fast; the capacity check
+against SGLang's own limits runs on the HTTP contract double.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorapub import (
+    BindingStale,
+    CapacityError,
+    Deployment,
+    EngineCapacityError,
+    GroupClosed,
+    PublicationSuperseded,
+    SessionClosed,
+    SessionExpired,
+)
+from lorapub.adapters.sglang_wire import SGLangWireEngine
+from lorapub.core.session import SessionState
+from lorapub.core.version import VersionState
+from lorapub.testing import MemoryEngine, SGLangDouble, lora_snapshot
+from tests.e2e.conftest import FAST
+
+GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+
+async def deployment(capacity: int = 2, slots: int | None = None, **options) -> Deployment:
+    slots = slots or capacity + 1  # SGLang pins at most max_loras_per_batch - 1 adapters
+    engines = {n: MemoryEngine(n, max_loaded=slots, max_per_batch=slots, **options.pop("engine", {}))
+               for n in ("e0", "e1")}
+    options.setdefault("reconcile_interval", None)
+    return await Deployment(engines, epoch=1, capacity=capacity, deadlines=FAST, **options).start()
+
+
+def version(dep: Deployment, version_id: str):
+    return next((v for k, v in dep.registry.state.versions.items() if k.version_id == version_id), None)
+
+
+async def bound_session(dep: Deployment, name: str, **kw):
+    s = dep.session(name, **kw)
+    await s.generate(GEN)
+    return s
+
+
+# -- capacity N ----------------------------------------------------------------------------------
+async def test_capacity_n_holds_n_versions_and_names_what_holds_each_slot():
+    dep = await deployment(capacity=4)
+    sessions = []
+    for i in range(4):  # each version kept by a session bound to it
+        await dep.publish(lora_snapshot(i), f"v{i}")
+        sessions.append(await bound_session(dep, f"s{i}"))
+    assert dep.registry.state.slots_held == 4
+    for e in dep.engines.values():
+        assert len(e.loaded) == 4
+    with pytest.raises(CapacityError) as err:
+        await dep.publish(lora_snapshot(9), "v9")
+    assert "4 managed version slots are held" in err.value.message
+    assert "1-v0 RETIRED (lag 3): kept by 1 session ref(s)" in err.value.message
+    assert "wait=" in err.value.message  # says what to do
+    assert version(dep, "v9") is None  # nothing was reserved, nothing sent
+    await sessions[0].close()
+    await dep.settle()
+    assert (await dep.publish(lora_snapshot(9), "v9")).state is VersionState.PUBLISHED
+    await dep.close()
+
+
+async def test_start_refuses_a_capacity_an_engine_cannot_hold():
+    with pytest.raises(EngineCapacityError) as err:
+        await deployment(capacity=3, slots=3)  # 3 per batch: SGLang pins at most 2
+    assert "engine e0 holds at most 2 pinned managed versions" in err.value.message
+    assert "--max-loras-per-batch 4" in err.value.message
+    assert err.value.details["engine"] == "e0"
+
+
+async def test_the_capacity_check_reads_sglangs_own_limits_over_http():
+    doubles = [await SGLangDouble(f"e{i}", max_loaded_loras=5, max_loras_per_batch=4).start() for i in range(2)]
+    engines = {d.name: SGLangWireEngine(d.name, d.url) for d in doubles}
+    try:
+        limits = await engines["e0"].limits()
+        assert (limits.max_loaded_loras, limits.max_loras_per_batch, limits.managed_capacity()) == (5, 4, 3)
+        dep = await Deployment(engines, epoch=1, capacity=3, deadlines=FAST, reconcile_interval=None).start()
+        await dep.close()
+        with pytest.raises(EngineCapacityError, match="max_loaded_loras=5, max_loras_per_batch=4"):
+            await Deployment(engines, epoch=2, capacity=4, deadlines=FAST, reconcile_interval=None).start()
+    finally:
+        for e in engines.values():
+            await e.close()
+        for d in doubles:
+            await d.stop()
+
+
+async def test_the_double_refuses_to_pin_every_batch_slot_as_sglang_does():
+    double = await SGLangDouble("e0", max_loaded_loras=3).start()
+    engines = {"e0": SGLangWireEngine("e0", double.url)}
+    try:  # capacity 2 is the most 3 batch slots allow; a third pinned load is SGLang's own refusal
+        dep = await Deployment(engines, epoch=1, deadlines=FAST, reconcile_interval=None).start()
+        for i in range(2):
+            await dep.publish(lora_snapshot(i), f"v{i}")
+            await bound_session(dep, f"s{i}")
+        with pytest.raises(ValueError, match="not allowed to pin all slots"):
+            await double._load("third", "unused", pinned=True, signature="x")
+        await dep.close()
+    finally:
+        await engines["e0"].close()
+        await double.stop()
+
+
+# -- waiting and superseded publications -------------------------------------------------------------
+async def test_a_waiting_publication_lands_once_a_slot_frees_and_says_what_it_waited_for():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")  # A RETIRED, kept by s: both slots held
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=10))
+    await asyncio.sleep(0.3)
+    assert not call.done()
+    health = await dep.reconcile()
+    waiting = [b for b in health.blockers if b.kind == "publication_waiting"]
+    assert waiting and waiting[0].subject == "1-C" and "session s " in waiting[0].detail, health.describe()
+    await s.close()
+    report = await asyncio.wait_for(call, 5)
+    assert report.state is VersionState.PUBLISHED and report.waited >= 0.3
+    assert "1-A RETIRED" in report.waited_for.describe() and "1 session ref" in report.waited_for.describe()
+    assert [h.version.version_id for h in report.waited_for.holders] == ["A", "B"]
+    await dep.close()
+
+
+async def test_a_newer_publication_supersedes_a_waiting_one_which_never_commits():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    older = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=10))
+    await asyncio.sleep(0.1)
+    newer = asyncio.ensure_future(dep.publish(lora_snapshot(4), "D", wait=10))
+    with pytest.raises(PublicationSuperseded) as err:
+        await asyncio.wait_for(older, 5)
+    assert err.value.code == "SUPERSEDED" and err.value.details["by"].version_id == "D"
+    assert "superseded by 1-D" in err.value.message and "it waited" in err.value.message
+    await s.close()
+    assert (await asyncio.wait_for(newer, 5)).state is VersionState.PUBLISHED
+    assert version(dep, "C") is None  # never reserved, never sent, never committed
+    with pytest.raises(PublicationSuperseded):  # and it stays superseded
+        await dep.publish(lora_snapshot(3), "C", wait=1)
+    await dep.close()
+
+
+async def test_a_wait_that_runs_out_is_refused_with_what_held_the_slots():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    with pytest.raises(CapacityError) as err:
+        await dep.publish(lora_snapshot(3), "C", wait=0.3)
+    assert err.value.details["waited"] >= 0.3 and "waited" in err.value.message
+    assert dep.registry.state.waiter is None  # it stopped waiting: no waiter left behind
+    with pytest.raises(CapacityError):  # wait=0 keeps the old behaviour: at once
+        await dep.publish(lora_snapshot(3), "C")
+    await dep.close()
+
+
+async def test_a_publication_waits_for_a_running_attempt_instead_of_being_blocked():
+    dep = await deployment(capacity=3, engine={"generate_seconds": 0})
+    await dep.publish(lora_snapshot(1), "A")
+    for e in dep.engines.values():
+        e.fail_next("end", "stall")  # B's end answers only at its deadline (2 s): B runs meanwhile
+    first = asyncio.ensure_future(dep.publish(lora_snapshot(2), "B"))
+    await asyncio.sleep(0.1)
+    second = await asyncio.wait_for(dep.publish(lora_snapshot(3), "C", wait=10), 10)
+    assert second.state is VersionState.PUBLISHED and second.waited > 0.5
+    assert "attempt 1-B#" in second.waited_for.describe()
+    await asyncio.gather(first, return_exceptions=True)
+    await dep.close()
+
+
+async def test_two_concurrent_publishes_of_one_version_share_one_attempt():
+    dep = await deployment(capacity=2)
+    snapshot = lora_snapshot(1)
+    a, b = await asyncio.gather(dep.publish(snapshot, "A"), dep.publish(snapshot, "A"))
+    assert a.receipt == b.receipt and sorted([a.reused, b.reused]) == [False, True]
+    assert len([t for t in dep.registry.state.attempts if t.version.version_id == "A"]) == 1
+    await dep.close()
+
+
+# -- bounded staleness ----------------------------------------------------------------------------
+async def test_a_session_beyond_max_lag_is_told_binding_stale_and_its_version_is_reclaimed():
+    dep = await deployment(capacity=3, max_lag=1)
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    out = await s.generate(GEN)  # lag 1: still allowed
+    assert out["lorapub"]["version_id"] == "A" and out["lorapub"]["lag"] == 1
+    await dep.publish(lora_snapshot(3), "C")  # A is now 2 behind: retiring
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED  # s never closed, yet A is gone
+    with pytest.raises(BindingStale) as err:
+        await s.generate(GEN)
+    assert err.value.code == "BINDING_STALE" and "max_lag" in err.value.message
+    with pytest.raises(BindingStale):  # a stale session never generates again
+        await s.generate(GEN)
+    await s.close()
+    assert dep.registry.state.versions[version(dep, "A").key].session_refs == 0
+    fresh = await dep.session("t").generate(GEN)
+    assert fresh["lorapub"]["version_id"] == "C" and fresh["lorapub"]["lag"] == 0
+    await dep.close()
+
+
+async def test_a_request_running_when_its_version_retires_completes_and_holds_the_unload():
+    dep = await deployment(capacity=3, max_lag=0, engine={"generate_seconds": 0.5})
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    running = asyncio.ensure_future(s.generate(GEN))
+    await asyncio.sleep(0.2)
+    await dep.publish(lora_snapshot(2), "B")  # A retiring at once (max_lag 0), its request still runs
+    await asyncio.sleep(0.05)
+    assert version(dep, "A").state in (VersionState.RETIRED, VersionState.RECLAIMING)  # not unloaded under it
+    out = await running  # never cut in the middle of a request
+    assert out["lorapub"]["version_id"] == "A"
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    with pytest.raises(BindingStale):
+        await s.generate(GEN)
+    await dep.close()
+
+
+async def test_on_stale_rebind_moves_the_session_to_the_default_at_a_turn_boundary():
+    dep = await deployment(capacity=3, max_lag=0, on_stale="rebind")
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    out = await s.generate(GEN)
+    assert out["lorapub"]["version_id"] == "B" and out["lorapub"]["rebinds"] == 1
+    assert [(v.version_id, first) for v, first in s.provenance] == [("A", 0), ("B", 1)]
+    record = dep.registry.state.sessions[s.key]
+    assert record.version.version_id == "B" and record.rebinds == 1 and record.holds_ref
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED and version(dep, "B").session_refs == 1
+    await s.close()
+    await dep.close()
+
+
+# -- groups ------------------------------------------------------------------------------------
+async def test_a_group_binds_one_version_and_keeps_it_while_any_member_is_open():
+    dep = await deployment(capacity=3)
+    await dep.publish(lora_snapshot(1), "A")
+    members = [dep.session(f"g{i}", group="G") for i in range(3)]
+    for m in members:
+        await m.open()  # members count from here
+    first = await members[0].generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    later = [await m.generate(GEN) for m in members[1:]]  # bound after B became the default: still A
+    assert {r["lorapub"]["version_id"] for r in [first, *later]} == {"A"}
+    assert version(dep, "A").session_refs == 1  # the group's one ref
+    loner = await dep.session("loner").generate(GEN)
+    assert loner["lorapub"]["version_id"] == "B"
+    await members[0].close()
+    await members[1].close()
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RETIRED  # the last member keeps it
+    await members[2].close()
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    with pytest.raises(GroupClosed):  # a closed group never binds again (it would span two versions)
+        await dep.session("g9", group="G").generate(GEN)
+    await dep.close()
+
+
+async def test_a_stale_group_retires_together():
+    dep = await deployment(capacity=3, max_lag=0)
+    await dep.publish(lora_snapshot(1), "A")
+    a, b = dep.session("a", group="G"), dep.session("b", group="G")
+    await a.generate(GEN)
+    await b.open()
+    await dep.publish(lora_snapshot(2), "B")
+    for member in (a, b):  # b never generated: it would have bound A, now retiring
+        with pytest.raises(BindingStale):
+            await member.generate(GEN)
+    with pytest.raises(BindingStale, match="stale group retires together"):
+        await dep.session("c", group="G").generate(GEN)
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    await dep.close()
+
+
+# -- activity leases, async with, one Session per id ---------------------------------------------------
+async def test_a_session_idle_past_idle_ttl_expires_in_a_live_worker():
+    dep = await deployment(capacity=2, idle_ttl=0.3, lease_ttl=30)
+    await dep.publish(lora_snapshot(1), "A")
+    forgotten = await bound_session(dep, "forgotten")  # the rollout code raised before close()
+    busy = dep.session("busy")
+    dep.engines["e0"].generate_seconds = dep.engines["e1"].generate_seconds = 1.0
+    running = asyncio.ensure_future(busy.generate(GEN))  # running: never idle
+    await asyncio.sleep(0.9)
+    assert dep.registry.state.sessions[forgotten.key].state is SessionState.EXPIRED
+    assert dep.registry.state.sessions[busy.key].state is SessionState.BOUND
+    await running
+    await dep.publish(lora_snapshot(2), "B")
+    with pytest.raises(SessionExpired):
+        await forgotten.generate(GEN)
+    await dep.close()
+
+
+async def test_async_with_closes_the_session_even_when_the_rollout_raises():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    with pytest.raises(RuntimeError):
+        async with dep.session("s") as s:
+            await s.generate(GEN)
+            raise RuntimeError("the tool call failed")
+    assert dep.registry.state.sessions[s.key].state is SessionState.CLOSED
+    with pytest.raises(SessionClosed):
+        await s.generate(GEN)
+    await dep.close()
+
+
+async def test_the_same_live_session_id_gives_the_same_session():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    assert dep.session("s") is s
+    await s.generate(GEN)
+    assert dep.session("s") is s
+    await s.close()
+    again = dep.session("s")
+    assert again is not s and again.key.nonce != s.key.nonce  # a new lifecycle after close
+    await dep.close()
