@@ -482,24 +482,24 @@ class SessionService:
 
     def session(self, session_id: str, nonce: str | None = None, *, group: str | None = None) -> Session:
         """The local record for a session lifecycle (OPEN; nothing is bound until the first
-        generation). Asked again for a live session id, it returns the same :class:`Session`."""
+        generation). Asked again for a live session id (no ``nonce``), it returns the same
+        :class:`Session`; a ``nonce`` of the caller's own names one lifecycle exactly."""
         check_id("session_id", session_id)
         if group is not None:
             check_id("group", group)
-        live = self._by_id.get(session_id)
-        if live is not None and (live.key not in self.sessions or live.state not in LIVE):
-            live = None
-        if live is not None:
-            if (nonce is not None and nonce != live.key.nonce) or group != live.group:
-                raise InvalidInput(
-                    f"session {session_id!r} is live (nonce {live.key.nonce}, group {live.group!r}); close it before "
-                    f"starting another lifecycle of that id"
-                )
-            return live
-        key = SessionKey(self.epoch, session_id, nonce or new_nonce(time.time(), uuid.uuid4().hex[:16]))
-        found = self.sessions.get(key)
+        if nonce is None:
+            live = self._by_id.get(session_id)
+            found = live if live is not None and live.key in self.sessions and live.state in LIVE else None
+        else:
+            found = self.sessions.get(SessionKey(self.epoch, session_id, nonce))
         if found is None:
+            key = SessionKey(self.epoch, session_id, nonce or new_nonce(time.time(), uuid.uuid4().hex[:16]))
             found = self.sessions[key] = Session(self, key, group)
+        elif group != found.group:
+            raise InvalidInput(
+                f"session {session_id!r} is live in group {found.group!r}, not {group!r}; close it before starting "
+                "another lifecycle of that id"
+            )
         self._by_id[session_id] = found
         return found
 
