@@ -95,14 +95,19 @@ _LIVE_ROOTS: set[str] = set()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _claim_tag() -> str:
-    """Which lives' locks this process can read: those of the same running kernel (containers of one
-    machine included; another machine sharing the root, or this one before a reboot, never)."""
+def running_kernel() -> str:
+    """The running kernel, whose ``flock`` locks this process can read (containers of one machine
+    included; another machine sharing a folder, or this one before a reboot, never)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"lorapub-claim v1\nboot {f.read().strip()}\n"
-    except OSError:  # not Linux: the host name, and a root shared between machines is not swept safely
-        return f"lorapub-claim v1\nhost {socket.gethostname()}\n"
+            return f"boot {f.read().strip()}"
+    except OSError:  # not Linux: the host name, and a folder shared between machines is not swept safely
+        return f"host {socket.gethostname()}"
+
+
+def _claim_tag() -> str:
+    """Which lives' locks this process can read: those of the same running kernel."""
+    return f"lorapub-claim v1\n{running_kernel()}\n"
 
 
 def idle_timeout_setting() -> float:
