@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import os
+import re
+import stat
 import threading
+import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import aiohttp
 
@@ -43,6 +47,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.snapshot import Snapshot, tensor_bytes
 from lorapub.sglang_patch import engine_staging as es
 
+logger = logging.getLogger(__name__)
 SENDERS = ("auto", "thread", "loop")  # where HTTPBytes' bodies are posted from (see HTTPBytes)
 CHUNK = 128 << 10  # a streamed body is written in slices of this size (views, never copies): small
 # slices keep what the socket transport buffers (and moves) per write small, so the loop never stalls
@@ -154,10 +159,184 @@ class ShmBucket:
             self.source.abort()
 
 
+#: A shared-memory bucket file, named after its owner: ``lorapub-<owner id>-b<index>.bucket`` (what the
+#: engine accepts, ``engine_staging.SHM_NAME``).
+SHM_BUCKET = re.compile(r"lorapub-([0-9a-f]{8,64})-b[0-9]{1,6}\.bucket")
+#: Beside an owner's bucket files, its owner file: locked (flock) while the owner has bucket files there.
+SHM_OWNER = re.compile(r"lorapub-([0-9a-f]{8,64})\.owner")
+#: Bucket files with no owner file (an earlier lorapub's, or an owner that could not lock) are removed
+#: only once they are this old: a bucket file lives while the engines read it, seconds to minutes.
+SHM_STALE_S = 3600.0
+#: Owner files of this process (locks over some network filesystems do not exclude a process from itself).
+_LIVE_OWNERS: set[str] = set()
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _owner_tag() -> str:
+    """What an owner file starts with: the running kernel, the only one whose locks a sweeper can read."""
+    return f"lorapub-shm-owner v1\n{es.running_kernel()}\n"
+
+
+class _ShmOwner:
+    """The bucket files one source has in its shared-memory folder and, while it has any, their owner
+    file ``lorapub-<id>.owner``: created, locked exclusively (``flock``) and tagged with the running
+    kernel before the first bucket file, removed (then unlocked) after the last. The lock goes with
+    the process, however it ends: a sweeper that can take it knows the owner is gone. Each ownership
+    has a new id, so a sweeper that saw an earlier owner file never touches a later one's files."""
+
+    def __init__(self, shm_dir: str) -> None:
+        self.shm_dir = shm_dir
+        self.paths: set[str] = set()
+        self._mutex = threading.Lock()  # bucket files are made and removed from threads
+        self._id: str | None = None
+        self._fd: int | None = None
+
+    def create(self, index: int) -> tuple[str, int]:
+        """A new bucket file for bucket ``index``: its name and a descriptor open for writing."""
+        with self._mutex:
+            if self._id is None:
+                self._take()
+            name = f"lorapub-{self._id}-b{index}.bucket"
+            path = os.path.join(self.shm_dir, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            self.paths.add(path)
+            return name, fd
+
+    def remove(self, paths: Iterable[str]) -> None:
+        """Remove bucket files (from a thread: unlinking a large tmpfs file frees its pages there and
+        then); after the last one the owner file goes too."""
+        paths = set(paths)
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        with self._mutex:
+            self.paths -= paths
+            if not self.paths:
+                self._release()
+
+    def remove_all(self) -> None:
+        with self._mutex:
+            paths = set(self.paths)
+        self.remove(paths)
+
+    def _take(self) -> None:
+        self._id = uuid.uuid4().hex
+        path = os.path.join(self.shm_dir, f"lorapub-{self._id}.owner")
+        try:
+            import fcntl
+
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        except (ImportError, OSError) as e:
+            logger.warning("lorapub: no owner file in %s (%s): bucket files left by a crash are removed only "
+                           "after %.0f s", self.shm_dir, e, SHM_STALE_S)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, f"{_owner_tag()}pid {os.getpid()}\n".encode())  # written once locked: see sweep_shm
+        except OSError as e:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            logger.warning("lorapub: cannot lock the owner file %s (%s): bucket files left by a crash are removed "
+                           "only after %.0f s", path, e, SHM_STALE_S)
+            return
+        self._fd = fd
+        _LIVE_OWNERS.add(path)
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            path = os.path.join(self.shm_dir, f"lorapub-{self._id}.owner")
+            try:  # removed while still locked: a sweeper never takes a live owner's file
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+            _LIVE_OWNERS.discard(path)
+        self._id = None
+
+
+def sweep_shm(shm_dir: str, *, stale_after: float = SHM_STALE_S) -> list[str]:
+    """Remove what owners that are gone left in ``shm_dir``; answers the names removed.
+
+    An owner file whose lock this process can take (its owner's process ended, however: a SIGKILL
+    included) and that names the running kernel goes with every bucket file of its id. An owner file
+    still locked, another kernel's (a folder shared between machines), or empty and younger than
+    ``stale_after`` (being made) is left alone, with its files. A bucket file with no owner file is
+    removed only once older than ``stale_after``. Nothing else in the folder is touched."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: nothing is swept
+        return []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    owners = {m.group(1) for m in map(SHM_OWNER.fullmatch, names) if m}
+    buckets: dict[str, list[str]] = {}
+    for name in names:
+        m = SHM_BUCKET.fullmatch(name)
+        if m:
+            buckets.setdefault(m.group(1), []).append(name)
+    tag, now, removed = _owner_tag(), time.time(), []
+    for owner in sorted(owners):
+        path = os.path.join(shm_dir, f"lorapub-{owner}.owner")
+        if path in _LIVE_OWNERS:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            # Read before locking: an owner locks its file before it writes the tag, so a file with
+            # no tag yet is never locked here (its owner's own lock cannot lose to this sweep).
+            text = os.pread(fd, 4096, 0).decode(errors="replace")
+            if text and not text.startswith(tag):
+                continue
+            if not text and now - os.fstat(fd).st_mtime < stale_after:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused: the owner still runs
+            for name in buckets.get(owner, ()):
+                try:
+                    os.unlink(os.path.join(shm_dir, name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    for owner, names_of in buckets.items():
+        if owner in owners:
+            continue
+        for name in names_of:
+            path = os.path.join(shm_dir, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= stale_after:
+                    os.unlink(path)
+                    removed.append(name)
+            except OSError:
+                continue
+    if removed:
+        logger.info("lorapub: removed %d shared-memory files of ended publishers from %s", len(removed), shm_dir)
+    return removed
+
+
 class ShmBucketSource:
     """The publisher's half for :class:`SameHostIPC`: bucket ``i`` is written into one shared-memory
     file (off the event loop) for every engine on the host, and removed when all of them read it;
-    bucket ``i+1`` is written while the engines read bucket ``i`` (at most two files at a time)."""
+    bucket ``i+1`` is written while the engines read bucket ``i`` (at most two files at a time).
+
+    While it has bucket files it holds their owner file's lock (:class:`_ShmOwner`), so a publisher
+    killed mid-publication leaves files the next source made on the host removes (:func:`sweep_shm`,
+    run off the event loop when a source is made; ``sweeping`` is that thread)."""
 
     carries_bytes = True
 
@@ -165,21 +344,19 @@ class ShmBucketSource:
         if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
             raise InvalidInput("a shared-memory bucket source takes a Snapshot and the plan made for it")
         self.snapshot, self.plan, self.shm_dir = snapshot, plan, shm_dir
-        self.stem = f"lorapub-{uuid.uuid4().hex}"
+        self._owner = _ShmOwner(shm_dir)
         self._files: dict[int, ShmBucket] = {}
         self._engines: dict[int, set[str]] = {}
         self._read_by: dict[int, set[str]] = {}
-        self._paths: set[str] = set()
         self._ahead: dict[int, asyncio.Future] = {}  # at most the next bucket, written in advance
         self._aborted = False
-        self._finalizer = weakref.finalize(self, _remove_all, self._paths)
+        self._finalizer = weakref.finalize(self, self._owner.remove_all)
+        self.sweeping = threading.Thread(target=sweep_shm, args=(shm_dir,), name="lorapub-shm-sweep", daemon=True)
+        self.sweeping.start()
 
     def _write(self, index: int) -> ShmBucket:
-        name = f"{self.stem}-b{index}.bucket"
-        path = os.path.join(self.shm_dir, name)
         bucket = self.plan.buckets[index]
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        self._paths.add(path)
+        name, fd = self._owner.create(index)
         with os.fdopen(fd, "wb") as f:
             for view in RawBucket(self.snapshot, bucket).views():
                 f.write(view)
@@ -225,9 +402,8 @@ class ShmBucketSource:
         found = self._files.pop(index, None)
         if found is not None:
             path = os.path.join(self.shm_dir, found.name)
-            self._paths.discard(path)
             # removing a large tmpfs file frees its pages there and then: never on the event loop
-            threading.Thread(target=_remove_all, args=({path},), name="lorapub-shm-unlink", daemon=True).start()
+            threading.Thread(target=self._owner.remove, args=({path},), name="lorapub-shm-unlink", daemon=True).start()
 
     def close(self) -> None:
         self._finalizer()
@@ -235,16 +411,8 @@ class ShmBucketSource:
 
     @property
     def files(self) -> list[str]:
-        return sorted(self._paths)
-
-
-def _remove_all(paths: set[str]) -> None:
-    for path in list(paths):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    paths.clear()
+        """The bucket files this source has in the folder now (those being removed included)."""
+        return sorted(self._owner.paths)
 
 
 class SameHostIPC(HTTPBytes):

@@ -30,6 +30,14 @@ was cleaned up (a **tombstone**), or for one never begun here is refused and rec
 * ``cleanup``: tombstones the attempt first, waits for its in-flight operation, frees the stash
   (the unload itself is SGLang's ``/unload_lora_adapter`` with the reclaim header).
 * ``release``: after a reclaim unloaded a name, frees what the attempt that loaded it still keeps.
+* **aging**: an attempt nobody has driven (no begin, bucket, end, cleanup or release touching it)
+  for ``LORAPUB_STAGE_IDLE_S`` seconds (default 600) is freed and tombstoned exactly as a cleanup
+  would, so a publisher that vanished mid-transfer never keeps its stash (nor the byte budget) for
+  the server's life. Never while an operation on it runs (the sweep takes its lock); an attempt
+  whose ``end`` loaded its adapter is left alone while that adapter is loaded (its staged bytes were
+  freed at ``end``; the adapter is the registry's to reclaim or clean up), and aged like any other
+  once it is gone. The sweep runs before every ``begin``'s capacity check and on a timer of the
+  server's event loop (armed by the routes, stopped by ``close``).
 
 Every handler answers ``(status, body)``: 200 with a JSON object, or a definite refusal
 (``{"error": {"message", "code"}}``, 400 malformed or not verifying, 409 refused by state).
@@ -42,6 +50,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -49,8 +58,10 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import weakref
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
@@ -74,6 +85,9 @@ _CHUNK = 1 << 20
 #: Beside each life's stash folder, its claim: a file locked (flock) while that life's process runs,
 #: naming the running kernel (its boot id) whose locks make the claim mean anything.
 CLAIM_SUFFIX = ".claim"
+#: Seconds an attempt may go undriven before the engine frees and tombstones it (see the module docs).
+IDLE_ENV = "LORAPUB_STAGE_IDLE_S"
+DEFAULT_IDLE_S = 600.0
 logger = logging.getLogger(__name__)
 #: Stash folders claimed by lives of this process (locks over some network filesystems do not
 #: exclude one process from itself).
@@ -81,14 +95,35 @@ _LIVE_ROOTS: set[str] = set()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _claim_tag() -> str:
-    """Which lives' locks this process can read: those of the same running kernel (containers of one
-    machine included; another machine sharing the root, or this one before a reboot, never)."""
+def running_kernel() -> str:
+    """The running kernel, whose ``flock`` locks this process can read (containers of one machine
+    included; another machine sharing a folder, or this one before a reboot, never)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"lorapub-claim v1\nboot {f.read().strip()}\n"
-    except OSError:  # not Linux: the host name, and a root shared between machines is not swept safely
-        return f"lorapub-claim v1\nhost {socket.gethostname()}\n"
+            return f"boot {f.read().strip()}"
+    except OSError:  # not Linux: the host name, and a folder shared between machines is not swept safely
+        return f"host {socket.gethostname()}"
+
+
+def _claim_tag() -> str:
+    """Which lives' locks this process can read: those of the same running kernel."""
+    return f"lorapub-claim v1\n{running_kernel()}\n"
+
+
+def idle_timeout_setting() -> float:
+    """``LORAPUB_STAGE_IDLE_S`` in seconds (``inf``: never); the default when unset, or when not a
+    positive number (logged)."""
+    raw = os.environ.get(IDLE_ENV)
+    if not raw:
+        return DEFAULT_IDLE_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:  # zero, negative, NaN or not a number
+        logger.warning("lorapub: %s=%r is not a positive number of seconds; using %g", IDLE_ENV, raw, DEFAULT_IDLE_S)
+        return DEFAULT_IDLE_S
+    return seconds
 
 
 class Refused(Exception):
@@ -395,6 +430,8 @@ class _Attempt:
         self.inflight: dict[int, asyncio.Future] = {}  # torch buckets whose collective is running
         self.verifying: dict[int, asyncio.Future] = {}  # SHA-256 checks running beside the next bucket
         self.failed: str | None = None
+        self.driving = 0  # operations on it running or waiting for its lock
+        self.last_driven = time.monotonic()  # when an operation on it last began or ended
 
     @property
     def held_bytes(self) -> int:
@@ -404,10 +441,13 @@ class _Attempt:
 class EngineStaging:
     """The engine-side staging of one server life. ``hooks`` is the engine; ``stash_root`` the
     engine's own folder for ``dir`` loads; ``shm_dir`` the only folder ``shm`` buckets are read from;
-    ``max_stash_bytes`` bounds what staged attempts may hold at once (None: no bound)."""
+    ``max_stash_bytes`` bounds what staged attempts may hold at once (None: no bound);
+    ``idle_timeout`` the seconds an attempt may go undriven before it is aged out (None:
+    ``LORAPUB_STAGE_IDLE_S``, default 600; ``math.inf``: never)."""
 
     def __init__(self, hooks: EngineHooks, *, incarnation: str, stash_root: str | None = None,
-                 shm_dir: str | None = None, max_stash_bytes: int | None = None) -> None:
+                 shm_dir: str | None = None, max_stash_bytes: int | None = None,
+                 idle_timeout: float | None = None) -> None:
         self.hooks = hooks
         self.incarnation = incarnation
         root = stash_root or os.environ.get("LORAPUB_ENGINE_STASH") or os.path.join(
@@ -417,9 +457,19 @@ class EngineStaging:
         if max_stash_bytes is None and os.environ.get("LORAPUB_MAX_STASH_BYTES"):
             max_stash_bytes = int(os.environ["LORAPUB_MAX_STASH_BYTES"])
         self.max_stash_bytes = max_stash_bytes
+        if idle_timeout is None:
+            idle_timeout = idle_timeout_setting()
+        elif isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
+        self.idle_timeout = float(idle_timeout)
         self._attempts: dict[AttemptToken, _Attempt] = {}
         self._tombstones: set[AttemptToken] = set()
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
+        self.aged_out = 0  # attempts freed because nobody drove them for idle_timeout
+        self._timer: asyncio.TimerHandle | None = None  # the next sweep, on the loop the routes run on
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._sweeping: asyncio.Task | None = None
+        self._closed = False
         # Closes the claim's descriptor (its lock goes with it); also when a staging is never closed.
         self._claim: weakref.finalize | None = None
         self._pid = os.getpid()
@@ -493,16 +543,26 @@ class EngineStaging:
 
     # -- introspection (the state route reports it) ------------------------------------------
     def report(self) -> dict[str, Any]:
+        """Every staged attempt (keyed by its token's text): its ``token``, ``lora_name``, ``phase``
+        (``receiving``, ``failed`` or ``loaded``), the ``buckets`` received of ``planned``, ``bytes``
+        held and ``idle_s``, the seconds since an operation last drove it (``driving``: one runs now)."""
+        self._arm()
+        now = time.monotonic()
         return {
             "attempts": {
-                str(a.token): {"lora_name": a.lora_name, "buckets": sorted(a.buckets), "bytes": a.held_bytes,
+                str(a.token): {"token": token_to_json(a.token), "lora_name": a.lora_name,
+                               "phase": "loaded" if a.receipt is not None else "failed" if a.failed else "receiving",
+                               "buckets": sorted(a.buckets), "planned": len(a.plan.buckets), "bytes": a.held_bytes,
                                "loaded": a.receipt is not None, "folder": a.folder is not None,
-                               "transport": a.transport.get("kind", "http"), "load": a.load}
+                               "transport": a.transport.get("kind", "http"), "load": a.load,
+                               "idle_s": round(max(0.0, now - a.last_driven), 3), "driving": a.driving > 0}
                 for a in self._attempts.values()
             },
             "bytes": sum(a.held_bytes for a in self._attempts.values()),
             "tombstones": len(self._tombstones),
             "collectives": self.collectives,
+            "idle_timeout_s": self.idle_timeout,
+            "aged_out": self.aged_out,
         }
 
     def close(self) -> None:
@@ -510,6 +570,10 @@ class EngineStaging:
         it: a forked child that exits must not free its parent's live stash."""
         if os.getpid() != self._pid:
             return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         try:
             for attempt in list(self._attempts.values()):
                 try:
@@ -527,6 +591,99 @@ class EngineStaging:
                 self._claim = None
                 _LIVE_ROOTS.discard(self.stash_root)
 
+    # -- aging ----------------------------------------------------------------------------------
+    @contextmanager
+    def _driving(self, attempt: _Attempt) -> Iterator[None]:
+        """An operation on ``attempt`` runs (or waits for its lock): the sweep leaves it alone, and its
+        idle time counts from when the last operation began or ended."""
+        attempt.driving += 1
+        attempt.last_driven = time.monotonic()
+        try:
+            yield
+        finally:
+            attempt.driving -= 1
+            attempt.last_driven = time.monotonic()
+
+    def _idle(self, attempt: _Attempt) -> bool:
+        """Nobody drove it for ``idle_timeout`` and no operation on it runs or waits (nor a collective)."""
+        return (not attempt.driving and not attempt.inflight
+                and time.monotonic() - attempt.last_driven >= self.idle_timeout)
+
+    def _holds_adapter(self, attempt: _Attempt, adapters: Mapping[str, Mapping[str, Any]] | None) -> bool:
+        """Its ``end`` loaded the adapter now registered under its name (None: unknown, so yes)."""
+        if attempt.receipt is None:
+            return False
+        if adapters is None:
+            return True
+        entry = adapters.get(attempt.lora_name)
+        return entry is not None and entry.get("lora_id") == attempt.receipt.get("lora_id")
+
+    async def sweep(self) -> list[str]:
+        """Age out every attempt nobody has driven for ``idle_timeout``: tombstoned and freed as a
+        cleanup would, under its lock. An attempt whose ``end`` loaded the adapter registered under
+        its name now is kept (aging never unloads). Answers the tokens aged out."""
+        if self._closed:
+            return []
+        candidates = [a for a in list(self._attempts.values()) if self._idle(a) and not a.lock.locked()]
+        adapters: Mapping[str, Mapping[str, Any]] | None = None
+        if any(a.receipt is not None for a in candidates):
+            try:
+                adapters = self.hooks.adapters()
+            except Exception as e:  # noqa: BLE001 - unknown: every loaded attempt is kept
+                logger.warning("lorapub: the staging sweep cannot read the engine's adapters: %s", e)
+        aged = []
+        for attempt in candidates:
+            if self._holds_adapter(attempt, adapters) or attempt.lock.locked():
+                continue
+            # Free and waited for by nobody (an operation counts in ``driving`` before it waits for
+            # the lock): taken at once, and no operation on the attempt starts until it is freed.
+            async with attempt.lock:
+                if self._attempts.get(attempt.token) is not attempt or not self._idle(attempt):
+                    continue
+                idle = time.monotonic() - attempt.last_driven
+                self._tombstones.add(attempt.token)  # as a cleanup: late begin / bucket / end refused
+                self._free(attempt)
+            self.aged_out += 1
+            aged.append(str(attempt.token))
+            logger.warning("lorapub: staged attempt %s (%s) aged out after %.0f s undriven; %s freed",
+                           attempt.token, attempt.lora_name, idle,
+                           "its folder" if attempt.receipt is not None else "its stash")
+        return aged
+
+    @property
+    def _sweep_every(self) -> float:
+        return min(60.0, max(0.01, self.idle_timeout / 4))
+
+    def _arm(self) -> None:
+        """Make sure a sweep is due on the running event loop (a cheap timer; none without attempts,
+        none once closed). Called by every route."""
+        if self._closed or math.isinf(self.idle_timeout) or not self._attempts:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._timer is not None:
+            if self._timer_loop is loop:
+                return
+            self._timer.cancel()  # a loop this staging was used on before: sweep on this one
+        self._timer_loop = loop
+        self._timer = loop.call_later(self._sweep_every, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._closed:
+            return
+        if self._sweeping is None or self._sweeping.done():
+            self._sweeping = asyncio.ensure_future(self.sweep())
+            self._sweeping.add_done_callback(self._swept)
+        self._arm()
+
+    @staticmethod
+    def _swept(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("lorapub: staging sweep failed: %r", task.exception())
+
     # -- helpers --------------------------------------------------------------------------------
     def _check_life(self, incarnation: Any) -> None:
         if incarnation != self.incarnation:
@@ -543,12 +700,13 @@ class EngineStaging:
     def _folder(self, token: AttemptToken) -> str:
         return os.path.join(self.stash_root, f"{token.version.deployment_epoch}-{token.version.version_id}-a{token.seq}")
 
-    @staticmethod
-    async def _answer(work) -> tuple[int, dict[str, Any]]:
+    async def _answer(self, work) -> tuple[int, dict[str, Any]]:
         try:
             return 200, await work
         except Refused as e:
             return e.status, {"error": {"message": e.message, "code": e.code}}
+        finally:
+            self._arm()  # a sweep is due while anything is staged
 
     # -- begin ------------------------------------------------------------------------------------
     async def begin(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -558,11 +716,15 @@ class EngineStaging:
         if not isinstance(body, Mapping):
             raise _bad("begin takes a JSON object")
         token = token_from_json(body.get("token"))
+        # Age out what nobody drives first: a vanished publisher's stash never blocks this begin (its
+        # capacity check below). Nothing after this awaits, so what it checks still holds when it acts.
+        await self.sweep()
         if token in self._tombstones:
             raise _refuse(f"attempt {token} was cleaned up here; late begin refused", "STAGE_TOMBSTONE")
         self._check_life(body.get("incarnation"))
         found = self._attempts.get(token)
         if found is not None:  # a duplicate begin: the same answer, nothing set up twice
+            found.last_driven = time.monotonic()
             if found.digest != body.get("digest"):
                 raise _refuse(f"attempt {token} was begun here with digest {found.digest[:12]}")
             return {"incarnation": self.incarnation, "duplicate": True}
@@ -655,6 +817,11 @@ class EngineStaging:
         if fmt not in FORMATS:
             raise _bad(f"unknown bucket format {fmt!r}")
         attempt = self._live(token)
+        with self._driving(attempt):  # its idle time starts again when this ends
+            return await self._receive_into(attempt, token, index, fmt, chunks, length)
+
+    async def _receive_into(self, attempt: _Attempt, token: AttemptToken, index: int, fmt: str, chunks,
+                            length) -> dict[str, Any]:
         async with attempt.lock:
             attempt = self._live(token)  # a cleanup may have come while we waited
             if attempt.failed:
@@ -713,6 +880,7 @@ class EngineStaging:
             return self._store(attempt, bucket.index, buf, spans)
         finally:
             attempt.inflight.pop(bucket.index, None)
+            attempt.last_driven = time.monotonic()  # its caller may have gone: the collective drove it
 
     def _store(self, attempt: _Attempt, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
         """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
@@ -888,6 +1056,10 @@ class EngineStaging:
         token = token_from_json(body.get("token"))
         self._check_life(body.get("incarnation"))
         attempt = self._live(token)
+        with self._driving(attempt):
+            return await self._end_of(attempt, token)
+
+    async def _end_of(self, attempt: _Attempt, token: AttemptToken) -> dict[str, Any]:
         async with attempt.lock:
             attempt = self._live(token)
             if attempt.receipt is not None:  # a duplicate end: the same receipt, nothing loaded twice
@@ -971,9 +1143,10 @@ class EngineStaging:
         attempt = self._attempts.get(token)
         loaded = None
         if attempt is not None:
-            async with attempt.lock:
-                loaded = attempt.receipt
-                self._free(attempt)
+            with self._driving(attempt):
+                async with attempt.lock:
+                    loaded = attempt.receipt
+                    self._free(attempt)
         return {"incarnation": self.incarnation, "loaded": loaded}
 
     async def release(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -988,10 +1161,11 @@ class EngineStaging:
             raise _refuse(f"{name} is still loaded; unload it first")
         freed = []
         for attempt in [a for a in self._attempts.values() if a.lora_name == name]:
-            async with attempt.lock:
-                self._free(attempt)
-                self._tombstones.add(attempt.token)
-                freed.append(str(attempt.token))
+            with self._driving(attempt):
+                async with attempt.lock:
+                    self._free(attempt)
+                    self._tombstones.add(attempt.token)
+                    freed.append(str(attempt.token))
         return {"incarnation": self.incarnation, "freed": freed}
 
     @staticmethod

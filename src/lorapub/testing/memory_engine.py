@@ -5,7 +5,9 @@ under their exact name; a request naming an adapter that is not loaded is refuse
 before it runs (:class:`~lorapub.errors.VersionMissing`); a running request holds a
 native ref; reclaim unregisters the name at once, waits for the refs to reach 0,
 then unloads exactly once; a restart loses every adapter, stash and running request
-and changes the incarnation. Tombstoned attempts are refused forever.
+and changes the incarnation. Tombstoned attempts are refused forever. As lorapub's engine-side
+staging does, an attempt nobody drove (no begin, bucket, end or cleanup of it) for ``stage_idle_s``
+seconds is dropped and tombstoned at the next call, unless its end loaded the adapter still loaded.
 
 Faults (:meth:`MemoryEngine.fail_next`, or at random with ``rate``) hit one call:
 ``"request"`` (lost on the way: nothing happens, :class:`~lorapub.errors.OutcomeUnknown`),
@@ -25,7 +27,8 @@ from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
-from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
+from lorapub.ports import Clock, EngineLimits, HeldAdapter, Inventory, StagedAttempt
+from lorapub.runtime.clock import SystemClock
 
 FAULTS = ("request", "reply", "error", "stall", "restart")
 OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
@@ -37,9 +40,13 @@ class MemoryEngine:
 
     def __init__(
         self, name: str, *, max_loaded: int = 3, max_per_batch: int | None = None, rate: float = 0.0,
-        seed: int | None = None, generate_seconds: float = 0.0,
+        seed: int | None = None, generate_seconds: float = 0.0, stage_idle_s: float = 600.0,
+        clock: Clock | None = None,
     ) -> None:
         self.name = name
+        self.stage_idle_s = stage_idle_s  # the engine staging's LORAPUB_STAGE_IDLE_S default
+        self.clock = clock or SystemClock()
+        self.aged: list[AttemptToken] = []  # attempts dropped because nobody drove them (all lives)
         self.max_loaded = max_loaded
         self.max_per_batch = max_loaded if max_per_batch is None else max_per_batch
         self.rate = rate
@@ -61,6 +68,8 @@ class MemoryEngine:
         self.refs: dict[str, int] = {}
         self.stashes: dict[AttemptToken, tuple[SendBegin, dict[int, bytes]]] = {}
         self.refused: set[AttemptToken] = set()
+        self.driven: dict[AttemptToken, float] = {}  # stash -> when a call last drove it
+        self.ended: set[AttemptToken] = set()  # stashes whose end loaded their adapter
         self._dead: asyncio.Event | None = None  # set when this life ends (created lazily, in a loop)
 
     def restart(self) -> None:
@@ -88,7 +97,27 @@ class MemoryEngine:
             return self._rng.choice(FAULTS)
         return None
 
+    def _age(self) -> None:
+        """Drop and tombstone the stashes nobody drove for ``stage_idle_s`` (never unloading: one whose
+        end loaded the adapter still loaded is kept)."""
+        now = self.clock.monotonic()
+        for token, (request, _) in list(self.stashes.items()):
+            if now - self.driven.get(token, now) < self.stage_idle_s:
+                continue
+            if token in self.ended and self.loaded.get(request.lora_name) == request.digest:
+                continue
+            del self.stashes[token]
+            self.driven.pop(token, None)
+            self.ended.discard(token)
+            self.refused.add(token)
+            self.aged.append(token)
+
+    def _drive(self, token: AttemptToken) -> None:
+        if token in self.stashes:
+            self.driven[token] = self.clock.monotonic()
+
     async def _call(self, op: str, fn, *args):
+        self._age()
         fault = self._fault(op)
         if fault is not None:
             self.injected.append((op, fault))
@@ -132,12 +161,14 @@ class MemoryEngine:
         if request.incarnation != self.incarnation_id:
             raise EngineError(f"{self.name}: begin for life {request.incarnation}, engine is {self.incarnation_id}")
         if request.token in self.stashes:
+            self._drive(request.token)
             return self.incarnation_id
         if request.lora_name in self.loaded:
             raise EngineError(f"{self.name}: {request.lora_name} is already loaded")
         if len(self.loaded) >= min(self.max_loaded, self.max_per_batch - 1):  # every adapter is pinned
             raise EngineError(f"{self.name}: no free LoRA slot ({len(self.loaded)} of {self.max_loaded} loaded)")
         self.stashes[request.token] = (request, {})
+        self._drive(request.token)
         return self.incarnation_id
 
     async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
@@ -147,6 +178,7 @@ class MemoryEngine:
         if token in self.refused or token not in self.stashes:
             raise EngineError(f"{self.name}: no live stash for {token}")
         self.stashes[token][1].setdefault(index, bytes(payload))  # a duplicate stores nothing new
+        self._drive(token)
         return self.incarnation_id
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
@@ -156,10 +188,12 @@ class MemoryEngine:
         if token in self.refused or token not in self.stashes:
             raise EngineError(f"{self.name}: no live stash for {token}")
         request, buckets = self.stashes[token]
+        self._drive(token)
         if sorted(buckets) != list(range(len(request.plan))):
             raise EngineError(f"{self.name}: buckets {sorted(buckets)} of {len(request.plan)} arrived")
         if request.lora_name not in self.loaded:
             self.loaded[request.lora_name] = request.digest
+        self.ended.add(token)
         lora_id = hashlib.sha256(f"{self.incarnation_id}/{request.lora_name}".encode()).hexdigest()[:16]
         return ReadyLocal(self.name, token, request.digest, self.incarnation_id, lora_id)
 
@@ -168,6 +202,8 @@ class MemoryEngine:
 
     async def _cleanup(self, token: AttemptToken, lora_name: str) -> str:
         self.refused.add(token)
+        self.driven.pop(token, None)
+        self.ended.discard(token)
         request = self.stashes.pop(token, (None,))[0]
         # Unload only what this attempt loaded (a re-provisioning attempt shares the name).
         if request is not None and self.loaded.get(lora_name) == request.digest and lora_name not in self.unregistered:

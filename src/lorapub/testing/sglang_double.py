@@ -640,6 +640,8 @@ class SGLangDouble:
     # -- lorapub's engine-side staging (the routes lorapub's SGLang patch adds) -------------------
     # The same code the patched server runs (lorapub.sglang_patch.engine_staging), with this double
     # as its engine: a load from a staged folder or from tensors goes through the double's own load.
+    # Set ``stash_root``, ``shm_dir`` or ``stage_idle_s`` (seconds an undriven attempt is kept) on
+    # the double before its first staging call to stage elsewhere or age attempts out sooner.
     @property
     def staging(self) -> engine_staging.EngineStaging:
         current = self.__dict__.get("_staging")
@@ -649,6 +651,7 @@ class SGLangDouble:
             current = self.__dict__["_staging"] = engine_staging.EngineStaging(
                 _DoubleHooks(self), incarnation=self.incarnation,
                 stash_root=self.__dict__.get("stash_root"), shm_dir=self.__dict__.get("shm_dir"),
+                idle_timeout=self.__dict__.get("stage_idle_s"),  # None: LORAPUB_STAGE_IDLE_S, as the server
             )
         return current
 
