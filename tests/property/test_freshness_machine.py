@@ -1,0 +1,252 @@
+"""The core at training cadence, model-based: capacity N, waiting and superseded publications,
+bounded staleness (``max_lag``, both ``on_stale`` policies), session groups and idle expiry,
+racing everything the registry machine already races (lost, late and duplicate messages,
+engine restarts, failed attempts, reclaims).
+
+Invariants, after every step: slots <= N; a superseded publication is never reserved or
+committed; a version's refs are exactly its bound solo sessions and groups; no session is
+served by two versions unless it was rebound on purpose; a group never spans two versions;
+a session told BINDING_STALE never dispatches again; no dispatch is authorized beyond
+``max_lag``; every retiring version is reclaimable, and reclaimed once its receipts come.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, initialize, invariant, multiple, precondition, rule
+
+from lorapub.core import registry as R
+from lorapub.core.group import GroupState
+from lorapub.core.identity import SessionKey, VersionKey
+from lorapub.core.session import SessionState
+from lorapub.core.version import VersionState
+from lorapub.errors import LorapubError
+from lorapub.testing.fixtures import fake_plan
+from tests.property.test_registry_machine import EPOCH, SESSION_POOL, WINDOW, RegistryMachine
+
+GROUPS = ("G0", "G1")
+
+
+class FreshnessMachine(RegistryMachine):
+    members = Bundle("members")
+
+    @initialize(
+        capacity=st.integers(2, 4), max_lag=st.sampled_from([None, 0, 1, 2]),
+        on_stale=st.sampled_from(["error", "rebind"]),
+    )
+    def setup(self, capacity, max_lag, on_stale):
+        RegistryMachine.setup.__wrapped__(self)
+        self.state = R.new_registry(EPOCH, self.incarnations, capacity=capacity, lease_ttl=120.0,
+                                    tombstone_window=WINDOW, max_lag=max_lag, on_stale=on_stale)
+        self.waiting: list[VersionKey] = []  # every key that was answered Waiting once
+        self.served: dict[SessionKey, list[VersionKey]] = {}  # versions each session dispatched on, in order
+        self.stale_told: set[SessionKey] = set()  # told BINDING_STALE under on_stale="error"
+        self.group_of: dict[SessionKey, str] = {}
+        self.plans: dict = {}
+
+    # the parent's session rules act without groups and assume a binding never moves: here they
+    # are the group-aware ones
+    def bind_first(self, key, lost_reply):
+        self.bind_member(key)
+
+    def dispatch(self, key):
+        self.dispatch_member(key)
+
+    # -- publication: waiting and superseded ---------------------------------------------
+    @rule(target=RegistryMachine.versions, tensors=st.integers(1, 3))
+    def reserve_waiting(self, tensors):
+        """A publication that waits: answered Waiting (no slot, or an attempt runs) or reserved."""
+        key = VersionKey(EPOCH, f"v{self.next_version}")
+        self.next_version += 1
+        digest, plan = fake_plan(key.version_id, tensors, cap=128)
+        self.plans[key] = plan
+        before = self.state.waiter
+        result = self.try_apply(R.Reserve(key, digest, plan, wait=30.0))
+        if isinstance(result, R.Waiting):
+            assert self.state.waiter.key == key and key not in self.state.versions
+            if before is not None and before.key != key:  # the newer call supersedes the older waiter
+                assert self.state.superseded[before.key] == key
+            self.waiting.append(key)
+            self.digests[key] = digest
+            return multiple()
+        assert not isinstance(result, LorapubError), result
+        if before is not None:
+            assert self.state.superseded.get(before.key) == key
+        self.digests[key] = digest
+        return key
+
+    @precondition(lambda self: self.state.waiter is not None)
+    @rule()
+    def waiter_asks_again(self):
+        waiter = self.state.waiter
+        result = self.try_apply(R.Reserve(waiter.key, waiter.digest, self.plans[waiter.key], wait=30.0))
+        if not isinstance(result, (R.Waiting, LorapubError)):
+            assert self.state.waiter is None and waiter.key in self.state.versions
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def superseded_call_asks_again(self, data):
+        key = data.draw(st.sampled_from(self.waiting))
+        if key in self.state.superseded:
+            result = self.try_apply(R.Reserve(key, self.digests[key], self.plans[key], wait=30.0))
+            assert getattr(result, "code", None) == "SUPERSEDED", result
+            assert result.details["by"] == self.state.superseded[key]
+
+    @precondition(lambda self: self.state.waiter is not None)
+    @rule()
+    def waiter_gives_up(self):
+        key = self.state.waiter.key
+        assert self.try_apply(R.CancelWait(key)) is True
+        assert self.state.waiter is None
+
+    # -- sessions, groups, staleness ----------------------------------------------------------
+    @rule(target=members, i=st.integers(0, len(SESSION_POOL) - 1), group=st.sampled_from([None, *GROUPS]))
+    def member(self, i, group):
+        key = SESSION_POOL[i]
+        self.group_of.setdefault(key, group)
+        return key
+
+    @rule(key=members)
+    def open_member(self, key):
+        result = self.try_apply(R.OpenSession(key, self.now, self.group_of.get(key)))
+        if isinstance(result, LorapubError):
+            assert result.code in ("SESSION_CLOSED", "SESSION_EXPIRED", "GROUP_CLOSED", "INVALID_INPUT"), result
+
+    @rule(key=members)
+    def bind_member(self, key):
+        result = self.try_apply(R.BindFirst(key, self.now, self.group_of.get(key)))
+        if isinstance(result, LorapubError):
+            assert result.code in ("NO_PUBLISHED_VERSION", "SESSION_CLOSED", "SESSION_EXPIRED", "GROUP_CLOSED",
+                                   "BINDING_STALE", "INVALID_INPUT"), result
+            if result.code == "BINDING_STALE":
+                assert self.state.on_stale == "error"
+                self.stale_told.add(key)
+
+    @rule(key=members)
+    def dispatch_member(self, key):
+        """AuthorizeDispatch, and (on_stale="rebind") the Rebind a worker sends after BINDING_STALE."""
+        try:
+            binding = R.handle(self.state, R.AuthorizeDispatch(key)).reply
+        except LorapubError as e:
+            if e.code == "BINDING_STALE":
+                if self.state.on_stale == "error":
+                    self.stale_told.add(key)
+                    return
+                result = self.try_apply(R.Rebind(key, self.now))
+                if isinstance(result, LorapubError):
+                    return
+                binding = R.handle(self.state, R.AuthorizeDispatch(key)).reply
+            else:
+                return
+        assert key not in self.stale_told, f"{key} dispatched after it was told BINDING_STALE"
+        v = self.state.versions[binding.version]
+        assert v.state in (VersionState.PUBLISHED, VersionState.RETIRED) and not v.retiring
+        lag = v.lag(self.state.default_revision)
+        if self.state.max_lag is not None:
+            assert lag <= self.state.max_lag, f"{key} dispatched {lag} commits behind (max_lag {self.state.max_lag})"
+        served = self.served.setdefault(key, [])
+        if not served or served[-1] != binding.version:
+            served.append(binding.version)
+
+    @rule(key=members)
+    def close_member(self, key):
+        self.try_apply(R.CloseAndRelease(key, self.now))
+
+    @rule(data=st.data())
+    def idle_sessions_expire(self, data):
+        keys = data.draw(st.lists(st.sampled_from(SESSION_POOL), max_size=3, unique=True))
+        self.try_apply(R.ExpireSessions(tuple(keys), self.now))
+        for key in keys:
+            record = self.state.sessions.get(key)
+            assert record is None or record.state not in (SessionState.OPEN, SessionState.BOUND, SessionState.CLOSING)
+
+    @rule(data=st.data())
+    def reclaim_what_is_reclaimable(self, data):
+        """The reclaimer: claim every reclaimable version and let its receipts arrive."""
+        for key in self.state.reclaimable():
+            self.try_apply(R.ClaimReclaim(key))
+        self.deliver_all_ok(data)
+
+    # -- invariants -------------------------------------------------------------------
+    def apply(self, outcome):
+        reply = outcome.reply
+        self.state = outcome.state
+        from lorapub.core.effects import ReclaimEligible
+        for fx in outcome.effects:
+            if isinstance(fx, ReclaimEligible):
+                assert self.state.versions[fx.version].reclaimable
+        return RegistryMachine.apply(self, R.Outcome(outcome.state, reply, [
+            fx for fx in outcome.effects if not isinstance(fx, ReclaimEligible)]))
+
+    @invariant()
+    def refs_match_sessions(self):
+        held: dict = {}
+        for record in self.state.sessions.values():
+            if record.holds_ref:
+                assert record.group is None and record.state in (SessionState.BOUND, SessionState.CLOSING)
+                held[record.version] = held.get(record.version, 0) + 1
+        for g in self.state.groups.values():
+            assert g.members >= 0
+            if g.holds_ref:
+                assert g.state is GroupState.BOUND and g.members > 0
+                held[g.version] = held.get(g.version, 0) + 1
+        for key, v in self.state.versions.items():
+            assert v.session_refs == held.get(key, 0), f"{key}: refs {v.session_refs} vs holders {held.get(key, 0)}"
+
+    @invariant()
+    def one_binding_per_session(self):
+        for key, record in self.state.sessions.items():
+            if record.version is not None and key in self.bound and not record.rebinds:
+                assert self.bound[key] == record.version or record.group is not None
+
+    @invariant()
+    def reclaiming_never_dispatchable(self):
+        for key, record in self.state.sessions.items():
+            if record.state is SessionState.BOUND and not self.state.versions[record.version].retiring:
+                if record.group is None or self.state.groups[record.group].version == record.version:
+                    assert self.state.versions[record.version].state in (VersionState.PUBLISHED, VersionState.RETIRED)
+
+    @invariant()
+    def superseded_never_commits(self):
+        for key, by in self.state.superseded.items():
+            assert key not in self.state.versions and key not in self.default_history
+            # by a newer call: reserved, still waiting, or itself superseded by a newer one
+            assert int(by.version_id[1:]) > int(key.version_id[1:])
+            assert by in self.state.versions or by == getattr(self.state.waiter, "key", None) or by in self.state.superseded
+
+    @invariant()
+    def one_version_per_session_unless_rebound(self):
+        for key, served in self.served.items():
+            record = self.state.sessions.get(key)
+            rebinds = record.rebinds if record is not None else 0
+            assert len(served) <= 1 + rebinds, f"{key} served by {served} with {rebinds} rebinds"
+
+    @invariant()
+    def a_group_never_spans_two_versions(self):
+        for key, record in self.state.sessions.items():
+            if record.group is None or record.state is not SessionState.BOUND:
+                continue
+            group = self.state.groups[record.group]
+            if record.version != group.version:  # only a member that has not adopted its group's rebind
+                assert self.state.on_stale == "rebind" and group.rebinds > 0
+
+    @invariant()
+    def retiring_versions_are_reclaimable(self):
+        for key, v in self.state.versions.items():
+            if v.retiring:
+                assert v.state is not VersionState.PUBLISHED
+                if v.state is VersionState.RETIRED:
+                    assert key in self.state.reclaimable()
+            elif self.state.max_lag is not None and v.state is VersionState.RETIRED:
+                assert v.lag(self.state.default_revision) <= self.state.max_lag
+
+    @invariant()
+    def one_waiter_at_most(self):
+        waiter = self.state.waiter
+        if waiter is not None:
+            assert waiter.key not in self.state.versions and waiter.key not in self.state.superseded
+
+
+FreshnessMachine.TestCase.settings = settings(FreshnessMachine.TestCase.settings, max_examples=150)
+TestFreshnessMachine = FreshnessMachine.TestCase
