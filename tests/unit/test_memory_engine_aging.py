@@ -23,11 +23,19 @@ class Clock:
         self.now += seconds
 
 
+SNAPSHOTS = {}
+
+
 def request(engine: MemoryEngine, inc: str, version: str, seed: int) -> SendBegin:
-    snap = lora_snapshot(seed)
+    snap = SNAPSHOTS[version] = lora_snapshot(seed)
     key = VersionKey(1, version)
     return SendBegin(engine.name, inc, AttemptToken(key, 1), lora_name_for(key, snap.digest), snap.digest,
                      snap.plan(4 << 10))
+
+
+def payload(request: SendBegin, index: int) -> bytes:
+    """The bucket's real bytes (the engine verifies them at end)."""
+    return SNAPSHOTS[request.token.version.version_id].bucket_bytes(request.plan, index)
 
 
 async def test_an_undriven_stash_is_dropped_and_refused_and_a_loaded_one_kept_while_its_adapter_is():
@@ -42,7 +50,7 @@ async def test_an_undriven_stash_is_dropped_and_refused_and_a_loaded_one_kept_wh
     await e.begin(b)
     assert a.token in e.stashes and e.aged == []
     for i in range(len(b.plan.buckets)):
-        await e.receive_bucket(b.token, i, b"x")
+        await e.receive_bucket(b.token, i, payload(b, i))
     await e.end(b.token)
     clock.now += 2
     assert await e.incarnation() == inc and e.aged == [a.token]

@@ -26,6 +26,18 @@ from lorapub.errors import EngineError, InvalidInput
 from lorapub.runtime.snapshot import Snapshot, load_safetensors
 
 
+def _read_buckets(paths: list[str]) -> list[dict[str, Any]]:
+    """Each bucket file's tensors: numpy arrays where numpy holds every dtype (torch is then never
+    imported: a CPU-only install without torch stages and loads), else all of them through
+    :func:`~lorapub.runtime.snapshot.load_safetensors` (bfloat16 has no numpy dtype; one kind per snapshot)."""
+    from safetensors.numpy import load_file
+
+    try:
+        return [load_file(path) for path in paths]
+    except TypeError:  # "data type 'bfloat16' not understood"
+        return [load_safetensors(path) for path in paths]
+
+
 class Staging:
     """Paths come only from checked values: the stash of an attempt is named from its version
     key (a checked epoch and id) and its sequence number, a bucket file from its plan index;
@@ -115,11 +127,13 @@ class Staging:
         stash = self.stash(request.token)
         tensors: dict[str, Any] = {}
         try:
+            paths = []
             for bucket in request.plan.buckets:
                 path = self.bucket_path(request.token, bucket.index)
                 if not os.path.exists(path):
                     raise EngineError(f"{self.engine}: bucket {bucket.index} of {request.token} never arrived")
-                got = load_safetensors(path)
+                paths.append(path)
+            for bucket, got in zip(request.plan.buckets, _read_buckets(paths)):
                 if sorted(got) != sorted(bucket.tensor_names):
                     raise EngineError(f"{self.engine}: bucket {bucket.index} holds {sorted(got)}")
                 tensors.update(got)

@@ -3,6 +3,10 @@
 By default it starts two in-process engines that speak SGLang's LoRA admin
 contract (:class:`lorapub.testing.SGLangDouble`);
 pass ``--engine-url`` twice to drive real, patched SGLang servers instead.
+
+A bad argument, or an engine the demo cannot reach or use, is one line on stderr
+and exit status 2, as argparse does; the stash folder the demo makes for itself is
+removed on every way out.
 """
 
 from __future__ import annotations
@@ -10,32 +14,98 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
+import sys
 import tempfile
 import time
+
+PROG = "lorapub"
+#: Seconds an engine given by ``--engine-url`` has to answer lorapub's state route at start.
+REACH_TIMEOUT = 10.0
+
+
+class DemoError(Exception):
+    """Why the demo cannot run (a bad argument, an engine it cannot reach or use): exit status 2."""
 
 
 def _row(*cells, widths):
     return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
 
 
+def _version() -> str:
+    """lorapub's version, from the package already imported (this module lives in it), else its metadata."""
+    version = getattr(sys.modules.get("lorapub"), "__version__", None)
+    if version is None:
+        from importlib.metadata import version as metadata_version
+
+        version = metadata_version("lorapub")
+    return version
+
+
 async def demo(args) -> int:
-    from lorapub import CapacityError, Deadlines, Deployment, LorapubError, NoPublishedVersion
+    if args.stash_dir:
+        return await _demo(args, args.stash_dir)
+    with tempfile.TemporaryDirectory(prefix="lorapub-demo-") as stash:  # removed however the demo ends
+        return await _demo(args, stash)
+
+
+async def _reach(engines) -> None:
+    """Each engine given by URL answers lorapub's state route, or the demo stops before it starts."""
+    from lorapub import LorapubError
+
+    for name, engine in engines.items():
+        try:
+            async with asyncio.timeout(REACH_TIMEOUT):
+                await engine.state()
+        except TimeoutError:
+            raise DemoError(f"engine {name} at {engine.base_url} did not answer within {REACH_TIMEOUT:g} s") from None
+        except LorapubError as e:
+            raise DemoError(f"cannot use engine {name} at {engine.base_url}: {e}") from None
+
+
+async def _demo(args, stash: str) -> int:
+    from lorapub import Deadlines, Deployment
+    from lorapub.errors import InvalidInput
     from lorapub.adapters.sglang_http import SGLangEngine
+
+    doubles = []
+    engines: dict = {}
+    dep = None
+    try:
+        if args.engine_url:
+            try:
+                engines = {f"e{i}": SGLangEngine(f"e{i}", url, stash) for i, url in enumerate(args.engine_url)}
+            except InvalidInput as e:
+                raise DemoError(f"argument --engine-url: {e.message}") from None
+            await _reach(engines)
+        else:
+            from lorapub.testing import SGLangDouble
+
+            for i in range(2):
+                double = SGLangDouble(f"e{i}", decode_delay=0.003)
+                double.stash_root = os.path.join(stash, f"engine-e{i}")  # its own disk: inside the demo's folder
+                doubles.append(await double.start())
+            engines = {f"e{i}": SGLangEngine(f"e{i}", d.url, stash) for i, d in enumerate(doubles)}
+        deadlines = Deadlines(begin=10, bucket=10, end=30, cleanup=30, commit=5, reclaim=60)
+        try:
+            dep = await Deployment(engines, epoch=args.epoch, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
+        except InvalidInput as e:
+            raise DemoError(e.message) from None
+        return await _lifecycle(args, dep, engines, doubles)
+    finally:
+        if dep is not None:
+            await dep.close()  # first: its reconciler and reclaims still call the engines
+        for e in engines.values():
+            await e.close()
+        for dbl in doubles:
+            await dbl.stop()
+
+
+async def _lifecycle(args, dep, engines, doubles) -> int:
+    from lorapub import CapacityError, LorapubError, NoPublishedVersion
     from lorapub.demo.workload import WorkloadSpec, run_workload, until
     from lorapub.testing import lora_snapshot
 
-    stash = args.stash_dir or tempfile.mkdtemp(prefix="lorapub-demo-")
-    doubles = []
-    if args.engine_url:
-        urls = args.engine_url
-    else:
-        from lorapub.testing import SGLangDouble
-
-        doubles = [await SGLangDouble(f"e{i}", decode_delay=0.003).start() for i in range(2)]
-        urls = [d.url for d in doubles]
-    engines = {f"e{i}": SGLangEngine(f"e{i}", url, stash) for i, url in enumerate(urls)}
-    deadlines = Deadlines(begin=10, bucket=10, end=30, cleanup=30, commit=5, reclaim=60)
-    dep = await Deployment(engines, epoch=args.epoch, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
     t0 = time.monotonic()
     say = lambda msg: print(f"[{time.monotonic() - t0:7.3f}s] {msg}", flush=True)  # noqa: E731
     occupancy: list[int] = []
@@ -47,6 +117,7 @@ async def demo(args) -> int:
             await asyncio.sleep(0.01)
 
     sampler = asyncio.create_task(sample_slots())
+    workload = None
     try:
         say(f"engines: {', '.join(f'{n}={e.base_url}' for n, e in engines.items())}")
         probe = dep.session("before-any-version")
@@ -70,7 +141,7 @@ async def demo(args) -> int:
 
         spec = WorkloadSpec(sessions=args.sessions, arrival_interval=0.015, turns=(3, 6), seed=args.seed)
         workload = asyncio.create_task(run_workload(spec, dep.session, on_record=progress))
-        await until(lambda: len(dep.sessions.sessions) >= 4, timeout=10)
+        await until(lambda: len(dep.sessions.sessions) >= min(4, spec.sessions), timeout=10)
         old_bound = [s for s in dep.sessions.sessions.values() if s.binding is not None]
         say(f"{len(old_bound)} sessions bound to A are mid-trajectory; publishing B now (no pause, no flush)")
         b = await dep.publish(lora_snapshot(202), "B")
@@ -114,7 +185,11 @@ async def demo(args) -> int:
                 f"health: {health.describe()}")
             await late.close()
     finally:
-        sampler.cancel()
+        # Nothing of the demo outlives it (an interrupted demo's sessions end here, before the engines close).
+        tasks = [t for t in (sampler, workload) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     state = await dep.state()
     print("\nversions")
@@ -141,29 +216,88 @@ async def demo(args) -> int:
     for dbl in doubles:
         print(f"  {dbl.name}: loads {sum(1 for e in dbl.events if e[0] == 'load')}, physical unloads {len(dbl.physical_unloads)}, "
               f"implicit reloads {sum(1 for e in dbl.events if e[0] == 'implicit_reload')}, pauses {sum(1 for e in dbl.events if e[0] == 'pause')}")
-    await dep.close()  # first: its reconciler and reclaims still call the engines
-    for e in engines.values():
-        await e.close()
-    for dbl in doubles:
-        await dbl.stop()
     ok = result.failures == 0 and result.mixed_version_sessions() == 0 and max(occupancy or [0]) <= state.capacity
     print("\nOK" if ok else "\nFAILED")
     return 0 if ok else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="lorapub")
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG)
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the publish -> bind -> reclaim lifecycle on two engines")
     d.add_argument("--engine-url", action="append", help="a patched SGLang server (give two); default: embedded engines")
-    d.add_argument("--stash-dir", help="attempt stash directory the engines can read")
-    d.add_argument("--sessions", type=int, default=40)
+    d.add_argument("--stash-dir", help="attempt stash directory the engines can read (default: a temporary one, removed at exit)")
+    d.add_argument("--sessions", type=_positive_int, default=40, help="rollout sessions (at least 1; default 40)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--epoch", type=int, default=int(os.environ.get("LORAPUB_EPOCH", "1")))
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return asyncio.run(demo(args))
+    d.add_argument("--epoch", type=int, default=os.environ.get("LORAPUB_EPOCH", "1"))
+    return parser
+
+
+def _error(command: str, message: str) -> int:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command != "demo":
+        return 2
+    if args.engine_url and len(args.engine_url) != 2:
+        return _error("demo", f"argument --engine-url: give it twice (two patched SGLang servers), got {len(args.engine_url)}")
+    try:
+        return asyncio.run(_main_task(args))
+    except DemoError as e:
+        return _error("demo", str(e))
+    except KeyboardInterrupt:
+        print(f"{PROG} demo: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"{PROG} demo: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+class _Terminated(Exception):
+    """The demo was stopped by SIGTERM (and cleaned up)."""
+
+
+async def _main_task(args) -> int:
+    """The demo; a SIGTERM cancels it as Ctrl-C does, so every way out cleans up."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    terminated = False
+
+    def terminate() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+    except (NotImplementedError, RuntimeError):  # no signal handlers here (not the main thread, or Windows)
+        pass
+    try:
+        return await demo(args)
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated() from None
+        raise
+    finally:
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+        except (NotImplementedError, RuntimeError):
+            pass
 
 
 if __name__ == "__main__":

@@ -11,29 +11,57 @@ drives the admin through the contract the orchestration relies on:
   and a replayed reclaim unloads nothing;
 * a generation is sent once: a lost reply is ``OutcomeUnknown`` and the request
   is never resent;
-* an engine's "no" is ``EngineError``; no answer is ``OutcomeUnknown``.
+* an engine's "no" is ``EngineError``; no answer is ``OutcomeUnknown``;
+* ``end`` verifies the bytes against the manifest: bytes that do not match are
+  refused, never READY, and nothing of them is served;
+* a ``begin`` carrying another life's incarnation is refused;
+* no fallback: a generation naming a managed adapter the engine does not hold
+  (never loaded here, or reclaimed) is :class:`~lorapub.errors.VersionMissing`,
+  never run on the base model or on another adapter;
+* a restart is a new incarnation that holds nothing of the old life, refuses a
+  ``begin`` of the old life and loads afresh in the new one.
+
+Every answer is checked against the type ``EngineAdmin`` promises (a dict where a
+``ReadyLocal`` is due is a :class:`ConformanceFailure`), and every check runs under
+a deadline (``deadline=``, seconds): a check that overruns it fails, naming itself
+and the deadline. Cancellation (Ctrl-C) goes through: nothing here catches it.
 
 ``factory`` returns an :class:`EngineUnderTest`: the admin plus the few hooks on
-the engine side the checks need to observe and to inject faults.
+the engine side the checks need to observe and to inject faults. Optional hooks
+(``restart``) open more checks; a check whose hook the engine under test lacks is
+not passed: it is reported under ``not_checked`` in the result, with a
+:class:`NotCheckedWarning`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 import itertools
 import time
+import warnings
 from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.errors import EngineError, OutcomeUnknown
+from lorapub.errors import EngineError, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineAdmin
 from lorapub.testing.fixtures import lora_snapshot
 
+#: Seconds one check may take (its engine's start and close each get as long again).
+DEFAULT_DEADLINE = 60.0
+
 
 class EngineUnderTest(Protocol):
-    """An engine as the conformance suite sees it: its admin and hooks on the engine side."""
+    """An engine as the conformance suite sees it: its admin and hooks on the engine side.
+
+    Optional hook, for the checks that need it (without it they are reported not checked):
+
+    * ``restart()`` (plain or async): the engine crashes and comes back as a new life; every
+      adapter, stash and running request is gone and ``admin.incarnation()`` answers anew.
+    """
 
     admin: EngineAdmin
 
@@ -68,23 +96,105 @@ class ConformanceFailure(AssertionError):
     """An engine admin broke the contract; the message names the check."""
 
 
+class NotChecked(Exception):
+    """Raised by a check the engine under test cannot take (it lacks an optional hook)."""
+
+
+class NotCheckedWarning(UserWarning):
+    """A check was not run on this engine under test: it is not passed, only not checked."""
+
+
+class ConformanceResult(list):
+    """What :func:`check_engine_admin` found: the names of the checks passed, in order (the list
+    itself), and ``not_checked``: each check the engine under test could not take, with why. A
+    check not checked is not in the list."""
+
+    def __init__(self, passed: list[str] = (), not_checked: Mapping[str, str] | None = None) -> None:
+        super().__init__(passed)
+        self.not_checked: dict[str, str] = dict(not_checked or {})
+
+    @property
+    def passed(self) -> list[str]:
+        return list(self)
+
+    @property
+    def complete(self) -> bool:
+        """Every check ran (and passed)."""
+        return not self.not_checked
+
+    def __repr__(self) -> str:
+        skipped = "".join(f"; not checked: {n} ({why})" for n, why in self.not_checked.items())
+        return f"ConformanceResult(passed={list(self)!r}{skipped})"
+
+
 def _check(ok: bool, what: str) -> None:
     if not ok:
         raise ConformanceFailure(what)
 
 
+def _typed(op: str, value: Any, kind: type) -> Any:
+    if not isinstance(value, kind):
+        raise ConformanceFailure(
+            f"{op} returned {'None' if value is None else 'a ' + type(value).__name__}, not a {kind.__name__}: "
+            f"{value!r:.120}"
+        )
+    return value
+
+
+class _TypedAdmin:
+    """The admin as the checks call it: every answer is checked against the type the
+    :class:`~lorapub.ports.EngineAdmin` protocol promises."""
+
+    def __init__(self, admin: EngineAdmin) -> None:
+        self._admin = admin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._admin, name)
+
+    async def incarnation(self) -> str:
+        return _typed("incarnation", await self._admin.incarnation(), str)
+
+    async def begin(self, request: SendBegin) -> str:
+        return _typed("begin", await self._admin.begin(request), str)
+
+    async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
+        return _typed("receive_bucket", await self._admin.receive_bucket(token, index, payload), str)
+
+    async def end(self, token: AttemptToken) -> ReadyLocal:
+        return _typed("end", await self._admin.end(token), ReadyLocal)
+
+    async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
+        return _typed("cleanup", await self._admin.cleanup(token, lora_name), str)
+
+    async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
+        await self._admin.reclaim(lora_name, reclaim_id)  # its answer is not used
+
+    async def generate(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        return _typed("generate", await self._admin.generate(payload), Mapping)
+
+
+class _UnderCheck:
+    """The engine under test as a check sees it: its hooks, and its admin behind :class:`_TypedAdmin`."""
+
+    def __init__(self, engine: EngineUnderTest) -> None:
+        self._engine = engine
+        self.admin = _TypedAdmin(engine.admin)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
 _seq = itertools.count(1)
 
 
-async def _begin(engine: EngineUnderTest, epoch: int, seed: int):
+async def _begin(engine: EngineUnderTest, epoch: int, seed: int, *, incarnation: str | None = None):
     admin = engine.admin
     snapshot = lora_snapshot(seed, layers=1, hidden=16, rank=2)
     plan = snapshot.plan(512)
     key = VersionKey(epoch, f"conformance-{next(_seq)}")
     token = AttemptToken(key, 1)
-    request = SendBegin(
-        admin.name, await admin.incarnation(), token, lora_name_for(key, snapshot.digest), snapshot.digest, plan
-    )
+    life = incarnation if incarnation is not None else await admin.incarnation()
+    request = SendBegin(admin.name, life, token, lora_name_for(key, snapshot.digest), snapshot.digest, plan)
     inc = await admin.begin(request)
     return request, snapshot, plan, inc
 
@@ -96,12 +206,16 @@ async def _load(engine: EngineUnderTest, epoch: int, seed: int) -> tuple[SendBeg
     return request, await engine.admin.end(request.token)
 
 
-async def _raises(awaitable, error: type[BaseException]) -> BaseException | None:
+async def _raises(awaitable, error: type[Exception]) -> Exception | None:
+    """The ``error`` the awaitable raised, or None if it answered. Any other exception is a contract
+    break; cancellation and interrupts (not :class:`Exception`) go through untouched."""
     try:
         await awaitable
     except error as e:
         return e
-    except BaseException as e:  # noqa: BLE001 - reported as a contract break
+    except ConformanceFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as a contract break
         raise ConformanceFailure(f"expected {error.__name__}, got {type(e).__name__}: {e}") from e
     return None
 
@@ -113,6 +227,18 @@ async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         await asyncio.sleep(0.005)
     return True
+
+
+async def _cancel(*tasks: asyncio.Future) -> None:
+    """Cancel the tasks a check started and give them a moment to end (none outlives its check
+    on purpose); their outcomes are read here, the check has judged what it needed."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5.0)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()
 
 
 # -- the checks ------------------------------------------------------------------------
@@ -142,11 +268,11 @@ async def late_messages_after_cleanup(engine: EngineUnderTest, epoch: int) -> No
     await admin.cleanup(request.token, request.lora_name)
     before = await engine.served()
     for what, late in (
-        ("begin", admin.begin(request)),
-        ("receive_bucket", admin.receive_bucket(request.token, 0, snapshot.bucket_bytes(plan, 0))),
-        ("end", admin.end(request.token)),
+        ("begin", lambda: admin.begin(request)),
+        ("receive_bucket", lambda: admin.receive_bucket(request.token, 0, snapshot.bucket_bytes(plan, 0))),
+        ("end", lambda: admin.end(request.token)),
     ):
-        _check(await _raises(late, EngineError) is not None, f"a late {what} after cleanup is a definite EngineError")
+        _check(await _raises(late(), EngineError) is not None, f"a late {what} after cleanup is a definite EngineError")
     _check(await engine.served() == before, "late messages after cleanup recreate no load")
 
 
@@ -155,6 +281,7 @@ async def reclaim_waits_for_native_refs(engine: EngineUnderTest, epoch: int) -> 
     request, _ = await _load(engine, epoch, 13)
     name = request.lora_name
     running = asyncio.ensure_future(admin.generate(engine.generation(name, long=True)))
+    reclaim: asyncio.Future | None = None
     try:
         _check(await _until(lambda: engine.native_refs(name) > 0 or running.done()), "the generation started")
         _check(not running.done(), "a long generation is still running when reclaim starts")
@@ -165,7 +292,7 @@ async def reclaim_waits_for_native_refs(engine: EngineUnderTest, epoch: int) -> 
         await running
         await reclaim
     finally:
-        running.cancel()
+        await _cancel(running, *([reclaim] if reclaim is not None else []))
     _check(engine.physical_unloads(name) == 1, "reclaim unloads exactly once")
     _check(name not in await engine.served(), "a reclaimed name is not served")
     await admin.reclaim(name, "reclaim-conformance-1")  # the reply of the first was lost: replay
@@ -204,28 +331,135 @@ async def unknown_is_not_a_definite_error(engine: EngineUnderTest, epoch: int) -
     _check(error is not None and not isinstance(error, OutcomeUnknown), "a refused generation is a definite EngineError")
 
 
+async def end_verifies_the_digest(engine: EngineUnderTest, epoch: int) -> None:
+    admin = engine.admin
+    request, snapshot, plan, _ = await _begin(engine, epoch, 18)
+    refused: Exception | None = None
+    for i in range(len(plan.buckets)):
+        payload = snapshot.bucket_bytes(plan, i)
+        if i == len(plan.buckets) - 1:  # one bit of the last tensor's data flipped: same layout, other bytes
+            payload = payload[:-1] + bytes([payload[-1] ^ 0x01])
+        refused = await _raises(admin.receive_bucket(request.token, i, payload), EngineError)
+        if refused is not None:  # an engine may refuse the bytes as they arrive
+            break
+    if refused is None:
+        refused = await _raises(admin.end(request.token), EngineError)
+        _check(refused is not None,
+               "end answered READY for bytes that do not match the manifest (end must verify the digest)")
+    _check(not isinstance(refused, OutcomeUnknown),
+           f"bytes that do not match the manifest are a definite EngineError, not {type(refused).__name__}")
+    _check(request.lora_name not in await engine.served(), "nothing of bytes that do not match the manifest is served")
+
+
+async def stale_incarnation_refused(engine: EngineUnderTest, epoch: int) -> None:
+    admin = engine.admin
+    life = await admin.incarnation()
+    before = await engine.served()
+    stale = f"{life}-an-earlier-life"
+    attempt = _begin(engine, epoch, 19, incarnation=stale)
+    error = await _raises(attempt, EngineError)
+    _check(error is not None, f"a begin for another life ({stale!r}) than the engine's ({life!r}) is refused")
+    _check(not isinstance(error, OutcomeUnknown), "a begin for another life is a definite EngineError")
+    _check(await engine.served() == before, "a refused begin loads nothing")
+
+
+async def no_fallback_on_a_missing_version(engine: EngineUnderTest, epoch: int) -> None:
+    admin = engine.admin
+    never = lora_name_for(VersionKey(epoch, f"conformance-never-{next(_seq)}"),
+                          hashlib.sha256(b"never loaded here").hexdigest())
+    error = await _raises(admin.generate(engine.generation(never)), VersionMissing)
+    _check(error is not None, f"a generation naming {never}, never loaded here, must be refused with VersionMissing "
+                              "(it ran: a fallback to the base model or another adapter)")
+    request, _ = await _load(engine, epoch, 20)
+    await admin.reclaim(request.lora_name, "reclaim-conformance-no-fallback")
+    error = await _raises(admin.generate(engine.generation(request.lora_name)), VersionMissing)
+    _check(error is not None, f"a generation naming {request.lora_name}, reclaimed, must be refused with "
+                              "VersionMissing (it ran: a fallback or an implicit reload)")
+    _check(request.lora_name not in await engine.served(), "a refused generation reloads nothing")
+
+
+async def new_incarnation_after_restart(engine: EngineUnderTest, epoch: int) -> None:
+    restart = getattr(engine, "restart", None)
+    if restart is None:
+        raise NotChecked("the engine under test offers no restart hook")
+    admin = engine.admin
+    request, ready = await _load(engine, epoch, 21)
+    old = ready.incarnation
+    done = restart()
+    if inspect.isawaitable(done):
+        await done
+    new = await admin.incarnation()
+    _check(new != old, f"after a restart the incarnation changes (still {old!r})")
+    _check(request.lora_name not in await engine.served(), "a restarted engine holds nothing of its earlier life")
+    _check(await _raises(admin.generate(engine.generation(request.lora_name)), VersionMissing) is not None,
+           "after a restart a generation naming a version of the earlier life is VersionMissing (no fallback)")
+    error = await _raises(_begin(engine, epoch, 22, incarnation=old), EngineError)
+    _check(error is not None and not isinstance(error, OutcomeUnknown),
+           "a begin carrying the incarnation of the life before the restart is a definite EngineError")
+    fresh, ready = await _load(engine, epoch, 23)
+    _check(ready.incarnation == new and ready.token == fresh.token, "a load after the restart proves the new life")
+    _check(fresh.lora_name in await engine.served(), "a load after the restart is served")
+
+
 CHECKS: tuple[Callable[[EngineUnderTest, int], Awaitable[None]], ...] = (
     idempotent_lifecycle,
     late_messages_after_cleanup,
     reclaim_waits_for_native_refs,
     generation_never_resent,
     unknown_is_not_a_definite_error,
+    end_verifies_the_digest,
+    stale_incarnation_refused,
+    no_fallback_on_a_missing_version,
+    new_incarnation_after_restart,
 )
 
 
-async def check_engine_admin(factory: EngineFactory, *, epoch: int = 1) -> list[str]:
-    """Run every check on a fresh engine from ``factory``; returns the names of the checks passed.
+async def _within(deadline: float, what: str, awaitable: Awaitable[Any]) -> Any:
+    """Await under the deadline; an overrun is a :class:`ConformanceFailure` saying what and how long."""
+    timeout = asyncio.timeout(deadline)
+    try:
+        async with timeout:
+            return await awaitable
+    except TimeoutError:
+        if timeout.expired():
+            raise ConformanceFailure(f"{what} did not finish within its deadline of {deadline:g} s") from None
+        raise
 
-    Raises :class:`ConformanceFailure` naming the first check an engine breaks.
+
+async def check_engine_admin(
+    factory: EngineFactory, *, epoch: int = 1, deadline: float = DEFAULT_DEADLINE
+) -> ConformanceResult:
+    """Run every check on a fresh engine from ``factory``; returns a :class:`ConformanceResult`: the
+    names of the checks passed (a list) and ``not_checked``, the checks the engine under test lacks
+    a hook for (each also a :class:`NotCheckedWarning`).
+
+    Raises :class:`ConformanceFailure` naming the first check an engine breaks; one that runs past
+    ``deadline`` seconds fails too (as do the factory and ``close``, each bounded by it).
     """
-    passed = []
+    if not deadline > 0:
+        raise ValueError(f"deadline is a positive number of seconds, got {deadline!r}")
+    passed: list[str] = []
+    not_checked: dict[str, str] = {}
     for check in CHECKS:
-        engine = await factory()
+        name = check.__name__
         try:
-            await check(engine, epoch)
+            engine = await _within(deadline, "making the engine under test", factory())
         except ConformanceFailure as e:
-            raise ConformanceFailure(f"{check.__name__}: {e}") from e
+            raise ConformanceFailure(f"{name}: {e}") from e
+        try:
+            await _within(deadline, "the check", check(_UnderCheck(engine), epoch))
+        except NotChecked as e:
+            not_checked[name] = str(e)
+            warnings.warn(f"{name} not checked: {e}", NotCheckedWarning, stacklevel=2)
+            continue
+        except ConformanceFailure as e:
+            raise ConformanceFailure(f"{name}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - whatever else the engine raised, named by its check
+            raise ConformanceFailure(f"{name}: unexpected {type(e).__name__}: {e}") from e
         finally:
-            await engine.close()
-        passed.append(check.__name__)
-    return passed
+            try:
+                await _within(deadline, "closing the engine under test", engine.close())
+            except ConformanceFailure as e:
+                raise ConformanceFailure(f"{name}: {e}") from e
+        passed.append(name)
+    return ConformanceResult(passed, not_checked)

@@ -1,6 +1,8 @@
 """An in-process :class:`~lorapub.ports.EngineAdmin` with faults, for fast model-based tests.
 
-It keeps what live SGLang was seen to do, without HTTP: adapters are loaded pinned
+It keeps what live SGLang was seen to do, without HTTP: ``end`` verifies every
+tensor's SHA-256 and the manifest digest before it loads, as lorapub's SGLang patch
+does (bytes that do not match are refused); adapters are loaded pinned
 under their exact name; a request naming an adapter that is not loaded is refused
 before it runs (:class:`~lorapub.errors.VersionMissing`); a running request holds a
 native ref; reclaim unregisters the name at once, waits for the refs to reach 0,
@@ -29,6 +31,7 @@ from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import Clock, EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.runtime.clock import SystemClock
+from lorapub.sglang_patch import engine_staging
 
 FAULTS = ("request", "reply", "error", "stall", "restart")
 OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
@@ -191,11 +194,25 @@ class MemoryEngine:
         self._drive(token)
         if sorted(buckets) != list(range(len(request.plan))):
             raise EngineError(f"{self.name}: buckets {sorted(buckets)} of {len(request.plan)} arrived")
+        self._verify(request, buckets)
         if request.lora_name not in self.loaded:
             self.loaded[request.lora_name] = request.digest
         self.ended.add(token)
         lora_id = hashlib.sha256(f"{self.incarnation_id}/{request.lora_name}".encode()).hexdigest()[:16]
         return ReadyLocal(self.name, token, request.digest, self.incarnation_id, lora_id)
+
+    def _verify(self, request: SendBegin, buckets: dict[int, bytes]) -> None:
+        """What the patched SGLang server checks before a load (:mod:`lorapub.sglang_patch.engine_staging`):
+        the plan describes the digest, and every tensor of every bucket (a safetensors blob, as
+        :meth:`~lorapub.Snapshot.bucket_bytes` makes it) matches its SHA-256 in the plan."""
+        try:
+            if engine_staging.manifest_digest(request.plan) != request.digest:
+                raise engine_staging.Refused(400, "STAGE_DIGEST", f"the plan does not describe {request.digest[:12]}")
+            for bucket in request.plan.buckets:
+                blob = memoryview(buckets[bucket.index])
+                engine_staging.verify_spans(blob, engine_staging.safetensors_layout(blob, bucket), bucket)
+        except engine_staging.Refused as e:
+            raise EngineError(f"{self.name}: {request.lora_name} refused: {e.message}", engine=self.name) from None
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         return await self._call("cleanup", self._cleanup, token, lora_name)
@@ -297,6 +314,9 @@ class MemoryUnderTest:
 
     def drop_next_reply(self, op: str) -> None:
         self.engine.fail_next("end" if op == "load" else op, "reply")
+
+    def restart(self) -> None:
+        self.engine.restart()
 
     async def close(self) -> None:
         pass

@@ -757,6 +757,9 @@ class SGLangUnderTest:
         else:  # the work is done, the reply never comes
             self.double.inject(op, "drop")
 
+    def restart(self) -> None:
+        self.double.restart()
+
     async def close(self) -> None:
         await self.admin.close()
         await self.double.stop()
