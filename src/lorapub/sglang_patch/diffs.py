@@ -36,7 +36,8 @@ def _patch(root: str, diff: str, dry: bool = False) -> subprocess.CompletedProce
     if shutil.which("patch") is None:
         raise PatchMismatch("GNU patch is needed to apply the diffs (apt-get install patch)")
     # the diffs name a/sglang/<file>: strip two levels and patch inside the package folder
-    args = ["patch", "-p2", "--forward", "--batch", "-d", root] + (["--dry-run"] if dry else [])
+    # no fuzz: a hunk whose context does not match exactly is refused, never placed near it
+    args = ["patch", "-p2", "--forward", "--batch", "--fuzz=0", "-d", root] + (["--dry-run"] if dry else [])
     with open(diff) as f:
         return subprocess.run(args, stdin=f, capture_output=True, text=True)
 
