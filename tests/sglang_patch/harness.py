@@ -229,7 +229,8 @@ def build(root: str | None = None, release: str | None = None) -> type:
         cls_node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
         names += [n.name for n in cls_node.body if getattr(n, "name", "").startswith("_lorapub_")]
         # a tree with Relax's patch (0.5.17+relax) carries its route handler too
-        names += [n.name for n in cls_node.body if cls_name == targets.MIXIN and getattr(n, "name", "") == targets.RELAX_ROUTE[2]]
+        if cls_name == targets.MIXIN:
+            names += [n.name for n in cls_node.body if getattr(n, "name", "") == targets.RELAX_ROUTE[2]]
         for name in names:
             local: dict = {}
             exec(compile("from __future__ import annotations\n" + _source_of(root, rel, name, cls_name), rel, "exec"), ns, local)
