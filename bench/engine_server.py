@@ -31,6 +31,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.name, decode_delay=args.decode_delay, load_delay=args.load_delay,
         prefill_per_token=args.prefill_per_token, blocking_load=args.blocking_load,
         install_stop=args.install_stop, first_use_stop=args.first_use_stop,
+        max_loaded_loras=args.max_loras, max_loras_per_batch=args.max_loras,
     ).start()
     gc.collect()
     gc.freeze()
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--blocking-load", action="store_true")
     parser.add_argument("--install-stop", type=float, default=0.0)
     parser.add_argument("--first-use-stop", type=float, default=0.0)
+    parser.add_argument("--max-loras", type=int, default=3, help="SGLang's --max-loaded-loras and --max-loras-per-batch")
     asyncio.run(serve(parser.parse_args()))
 
 

@@ -46,7 +46,13 @@ from lorapub.core.identity import SessionKey, VersionKey  # noqa: E402
 from lorapub.runtime.deployment import deploy  # noqa: E402
 from lorapub.runtime.overwrite import FIXED_LORA_NAME  # noqa: E402
 from lorapub.runtime.runner import Deadlines  # noqa: E402
-from lorapub.errors import CapacityError, OutcomeUnknown, PublicationBlocked  # noqa: E402
+from lorapub.errors import (  # noqa: E402
+    CapacityError,
+    LorapubError,
+    OutcomeUnknown,
+    PublicationBlocked,
+    PublicationSuperseded,
+)
 from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from lorapub.runtime.registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
@@ -103,7 +109,8 @@ def lorapub_engine(args, name: str, url: str, stash: str):
 async def start_engines(args) -> tuple[list[str], list[asyncio.subprocess.Process]]:
     """Two fresh engines, each in a process of its own, serving on loopback."""
     flags = ["--decode-delay", str(args.decode_delay), "--load-delay", str(args.load_delay),
-             "--prefill-per-token", str(args.prefill_per_token)] + ENGINE_MODELS[args.engine_model]["flags"]
+             "--prefill-per-token", str(args.prefill_per_token),
+             "--max-loras", str(args.capacity + 1)] + ENGINE_MODELS[args.engine_model]["flags"]
     procs = [await asyncio.create_subprocess_exec(sys.executable, ENGINE_SERVER, f"e{i}", *flags,
                                                   stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
              for i in range(2)]
@@ -192,34 +199,51 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         # the small built-in adapter in several buckets; a real-sized one in lorapub's default buckets
         buckets = {} if args.adapter else {"bucket_cap_bytes": 64 << 10}
         # the old path stages its folder where the servers read it: --stash-dir for real servers elsewhere
+        fresh = dict(capacity=args.capacity, max_lag=args.max_lag, on_stale=args.on_stale) if enabled else {}
         dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(),
-                           stash_dir=stash if enabled else (args.stash_dir or stash), **buckets)
+                           stash_dir=stash if enabled else (args.stash_dir or stash), **buckets, **fresh)
         bootstrap = await dep.publish(version_snapshot(args, 0), "v0")  # before any session exists
-        windows, pauses, publications, deferred, sessions = [], [], [], 0, []
         loaded = [] if isinstance(bootstrap, float) else [bootstrap.lora_name]
+        calls: list[dict] = []  # every publish call: when, how it ended, how long it waited
+        sessions = []
         # the trainer builds snapshots in its own process; here they are ready before the run
         snapshots = {i: version_snapshot(args, i) for i in range(1, n_publications + 1)}
+        serial = asyncio.Lock()  # the old path publishes one at a time (a call queues behind the last)
+
+        async def one_call(i: int) -> None:
+            call = {"version": f"v{i}", "called": time.monotonic(), "outcome": None, "waited": 0.0}
+            calls.append(call)
+            try:
+                if enabled:
+                    report = await dep.publish(snapshots[i], f"v{i}", wait=args.wait)
+                    call.update(waited=report.waited, phases=dict(report.phases),
+                                engine_phases={e: dict(p) for e, p in report.engine_phases.items()})
+                    loaded.append(report.lora_name)
+                else:
+                    async with serial:
+                        call["waited"] = time.monotonic() - call["called"]
+                        paused = await dep.publish(snapshots[i], f"v{i}")
+                    call["pause"] = paused
+                call["outcome"] = "done"
+            except PublicationSuperseded as e:
+                call.update(outcome="superseded", by=str(e.details.get("by")), waited=e.details.get("waited", 0.0))
+            except (CapacityError, PublicationBlocked) as e:  # the wait ran out: the version never landed
+                call.update(outcome="deferred", error=e.code, waited=e.details.get("waited", 0.0))
+            except LorapubError as e:
+                call.update(outcome="failed", error=f"{e.code}: {e.message[:200]}")
+            call["ended"] = time.monotonic()
 
         async def cadence():
-            nonlocal deferred
+            # The trainer publishes every --cadence seconds whatever the last call is doing (a
+            # training step does not wait for a publication): every call is its own task.
+            tasks = []
             for i in range(1, n_publications + 1):
                 await asyncio.sleep(args.cadence)
-                t0 = time.monotonic()
-                try:
-                    report = await dep.publish(snapshots[i], f"v{i}")
-                except (CapacityError, PublicationBlocked):
-                    deferred += 1  # both slots still in use by live sessions: try at the next tick
-                    continue
-                t1 = time.monotonic()
-                windows.append((t0, t1))
-                if isinstance(report, float):  # the old path returns how long generation stood paused, up to t1
-                    pauses.append((t1 - report, t1))
-                else:
-                    loaded.append(report.lora_name)
-                publications.append((t1 - t0, {} if isinstance(report, float) else dict(report.phases)))
+                tasks.append(asyncio.create_task(one_call(i)))
+            await asyncio.gather(*tasks)
 
-        def session(name: str):
-            sessions.append(dep.session(name))
+        def session(name: str, group: str | None = None):
+            sessions.append(dep.session(name, group=group))
             return sessions[-1]
 
         # The measured window: no collection pause of this process lands in it.
@@ -254,41 +278,92 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         finally:  # the engine processes go whatever closing raised
             await stop_engines(procs)
             shutil.rmtree(stash, ignore_errors=True)
+    done = [c for c in calls if c["outcome"] == "done"]
+    windows = [(c["called"] + c["waited"], c["ended"]) for c in done]  # the publication itself, after any wait
     stalls = [longest_stall(result, w) for w in windows]
     cached_after = [result.cached_ratio(a, b + 0.1) for a, b in windows]  # turns around each publication
     nan = float("nan")
+    lags = result.token_lags() if enabled else [(0, r.tokens) for r in result.ok]  # the old path serves the latest
     return {
         "gap": longest_stall(result),
         "stall_per_publication": statistics.fmean(stalls) if stalls else nan,
         "p50": result.latency(50), "p95": result.latency(95), "p99": result.latency(99),
-        "failed": result.failures,
+        "failed": sum(1 for r in result.records if not r.ok and r.error != "BINDING_STALE"),
+        "stale_cut": sum(1 for r in result.records if r.error == "BINDING_STALE"),
         "requests": len(result.records),
         "duration": result.ended - result.started,
         "resent": sum(getattr(s, "resumed", 0) for s in sessions),
         "mixed": result.mixed_version_sessions(),
+        "mixed_groups": result.mixed_version_groups(),
         "cached_after": statistics.fmean([c for c in cached_after if c == c] or [nan]),
-        "publication": statistics.fmean([p for p, _ in publications]) if publications else nan,
-        "phases": {k: statistics.fmean([ph.get(k, 0.0) for _, ph in publications]) for k in ("begin", "transfer", "end", "commit")}
-        if publications and publications[0][1] else {},
-        "published": len(publications),
-        "deferred": deferred,
-        "timeline": timeline(result, windows, pauses),
+        "publication": statistics.fmean([c["ended"] - c["called"] - c["waited"] for c in done]) if done else nan,
+        "call_to_commit": statistics.median([c["ended"] - c["called"] for c in done]) if done else nan,
+        "waited": statistics.fmean([c["waited"] for c in calls]) if calls else nan,
+        "to_first_served": statistics.median(first_served(result, calls, enabled)) if done else nan,
+        "phases": {k: statistics.fmean([c["phases"].get(k, 0.0) for c in done]) for k in ("begin", "transfer", "end", "commit")}
+        if done and "phases" in done[0] else {},
+        "engine_phases": [c.get("engine_phases", {}) for c in done],
+        "calls": len(calls),
+        "published": len(done),
+        "superseded": sum(c["outcome"] == "superseded" for c in calls),
+        "deferred": sum(c["outcome"] == "deferred" for c in calls),
+        "failed_calls": sum(c["outcome"] == "failed" for c in calls),
+        "lag_p50": weighted_percentile(lags, 50), "lag_p99": weighted_percentile(lags, 99),
+        "lag_max": max((lag for lag, n in lags if n), default=nan),
+        "call_log": [{k: (v - result.started if k in ("called", "ended") else v) for k, v in c.items()
+                      if k not in ("phases", "engine_phases")} for c in calls],
+        "timeline": timeline(result, calls),
     }
 
 
-def timeline(result: WorkloadResult, windows: list, pauses: list) -> dict:
-    """A run's completions and publications in seconds since its workload started: each
-    engine's completion instants (sorted), each publication's [start, end] as the publisher
-    saw it and, for the old path, each pause of generation [start, end]."""
+def weighted_percentile(pairs: list[tuple[int, int]], q: float) -> float:
+    """The q-th percentile of values weighted by their counts (token-weighted lag: each request's
+    lag counts once per token it generated)."""
+    pairs = sorted((v, n) for v, n in pairs if n > 0 and v is not None)
+    total = sum(n for _, n in pairs)
+    if not total:
+        return float("nan")
+    seen, cut = 0, q / 100 * total
+    for value, n in pairs:
+        seen += n
+        if seen >= cut:
+            return float(value)
+    return float(pairs[-1][0])
+
+
+def first_served(result: WorkloadResult, calls: list[dict], enabled: bool) -> list[float]:
+    """Per landed publication: from the publish call to the first request the new version served
+    (its completion: the first token came at most one request's decode earlier). The old path:
+    to the first request completed after the publication, every one of which runs on it."""
+    out = []
+    for c in calls:
+        if c["outcome"] != "done":
+            continue
+        if enabled:
+            served = [r.ended for r in result.ok if r.version_id == c["version"]]
+        else:
+            served = [r.ended for r in result.ok if r.started >= c["ended"]]
+        if served:
+            out.append(min(served) - c["called"])
+    return out or [float("nan")]
+
+
+def timeline(result: WorkloadResult, calls: list[dict]) -> dict:
+    """A run's completions and publish calls in seconds since its workload started: each
+    engine's completion instants (sorted), and every publish call: [called, slot taken, ended]
+    with its outcome (done, superseded, deferred, failed); for the old path its pause too."""
     t0 = result.started
     completions: dict[str, list[float]] = {}
     for r in result.ok:
         completions.setdefault(r.engine or "?", []).append(r.ended - t0)
-    return {
-        "completions": {e: sorted(ts) for e, ts in sorted(completions.items())},
-        "publications": [[a - t0, b - t0] for a, b in windows],
-        "pauses": [[a - t0, b - t0] for a, b in pauses],
-    }
+    marks = []
+    for c in calls:
+        mark = {"called": c["called"] - t0, "slot": c["called"] + c["waited"] - t0, "ended": c["ended"] - t0,
+                "outcome": c["outcome"], "version": c["version"]}
+        if "pause" in c:
+            mark["paused"] = [c["ended"] - c["pause"] - t0, c["ended"] - t0]
+        marks.append(mark)
+    return {"completions": {e: sorted(ts) for e, ts in sorted(completions.items())}, "calls": marks}
 
 
 def representative_round(rounds: list[dict]) -> int:
@@ -337,23 +412,36 @@ def write_plot(path: str, plot: dict, title: str) -> None:
     for ax, strategy in zip(axes, strategies):
         for (engine, row), color in zip(plot["counts"][strategy].items(), itertools.cycle(colors)):
             handles.setdefault(f"engine {engine}", ax.stairs(row, edges, color=color, linewidth=1.6))
-        marks = plot["marks"][strategy]
-        for a, b in marks["publications"]:
-            handles.setdefault("publication (publish call, start to end)",
-                               ax.axvspan(a, b, color="0.55", alpha=0.25, linewidth=0))
-        for a, b in marks["pauses"]:
-            handles.setdefault("generation paused (old path)",
-                               ax.axvspan(a, b, facecolor="none", edgecolor="tab:red", hatch="///", linewidth=0.8))
+        for call in plot["marks"][strategy]:
+            if call["slot"] > call["called"]:
+                handles.setdefault("publish call waiting for a slot",
+                                   ax.axvspan(call["called"], call["slot"], facecolor="none", edgecolor="0.45",
+                                              hatch="...", linewidth=0))
+            if call["outcome"] == "done":
+                handles.setdefault("publication (slot to commit)",
+                                   ax.axvspan(call["slot"], call["ended"], color="0.55", alpha=0.25, linewidth=0))
+            else:
+                label = {"superseded": "call superseded by a newer one", "deferred": "call deferred (wait ran out)",
+                         "failed": "call failed"}[call["outcome"]]
+                handles.setdefault(label, ax.axvline(call["ended"], color={"superseded": "tab:orange"}.get(
+                    call["outcome"], "tab:red"), linestyle="--", linewidth=1.2))
+            handles.setdefault("publish call", ax.plot([call["called"]], [0], marker="v", color="k", markersize=6,
+                                                       linestyle="none", clip_on=False)[0])
+            if "paused" in call:
+                handles.setdefault("generation paused (old path)",
+                                   ax.axvspan(*call["paused"], facecolor="none", edgecolor="tab:red", hatch="///",
+                                              linewidth=0.8))
         n = sum(sum(row) for row in plot["counts"][strategy].values())
         ax.set_title(f"{STRATEGY_TITLES.get(strategy, strategy)}: {n} requests completed", fontsize=10, loc="left")
         ax.set_ylabel(f"completed / {bin_s * 1e3:g} ms")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("time since the workload started (s)")
-    axes[-1].set_xlim(0, n_bins * bin_s)
+    last_call = max((c["ended"] for calls in plot["marks"].values() for c in calls), default=0.0)
+    axes[-1].set_xlim(0, max(n_bins * bin_s, last_call + bin_s))
     fig.suptitle(title, fontsize=11)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -389,18 +477,29 @@ def fmt(s: dict, unit: str) -> str:
 ROWS = [  # (figure, key in a run's figures, unit, strategies it applies to)
     ("longest no-progress gap (whole run)", "gap", "ms", STRATEGIES),
     ("stall per publication (mean)", "stall_per_publication", "ms", STRATEGIES[1:]),
+    ("version lag p50 (token-weighted)", "lag_p50", "n", STRATEGIES),
+    ("version lag p99 (token-weighted)", "lag_p99", "n", STRATEGIES),
+    ("version lag max", "lag_max", "n", STRATEGIES),
     ("request latency p50", "p50", "ms", STRATEGIES),
     ("request latency p95", "p95", "ms", STRATEGIES),
     ("request latency p99", "p99", "ms", STRATEGIES),
     ("requests done", "requests", "n", STRATEGIES),
     ("workload duration", "duration", "ms", STRATEGIES),
     ("requests failed", "failed", "n", STRATEGIES),
+    ("sessions ended by BINDING_STALE (max_lag)", "stale_cut", "n", STRATEGIES),
     ("requests aborted and resent", "resent", "n", STRATEGIES),
     ("mixed-version sessions", "mixed", "n", STRATEGIES),
+    ("groups spanning two versions", "mixed_groups", "n", STRATEGIES),
     ("cached-token ratio around a publication", "cached_after", "", STRATEGIES[1:]),
-    ("publication latency", "publication", "ms", STRATEGIES[1:]),
-    ("publications done", "published", "n", STRATEGIES),
-    ("publications deferred (capacity)", "deferred", "n", STRATEGIES),
+    ("publish calls made", "calls", "n", STRATEGIES),
+    ("  done (the version landed)", "published", "n", STRATEGIES),
+    ("  superseded by a newer call", "superseded", "n", STRATEGIES),
+    ("  deferred (its wait ran out)", "deferred", "n", STRATEGIES),
+    ("  failed", "failed_calls", "n", STRATEGIES),
+    ("waited for a slot, per call (mean)", "waited", "ms", STRATEGIES[1:]),
+    ("publication latency (slot to commit)", "publication", "ms", STRATEGIES[1:]),
+    ("publish call to commit (median)", "call_to_commit", "ms", STRATEGIES[1:]),
+    ("publish call to first request served by it", "to_first_served", "ms", STRATEGIES[1:]),
 ]
 
 
@@ -418,8 +517,15 @@ def method(args, spec: WorkloadSpec) -> str:
         "method:",
         f"  engines: {engines}; the workload, the publisher and lorapub run in this process.",
         f"  workload: {spec.sessions} sessions arriving every {spec.arrival_interval * 1e3:g} ms, {spec.turns[0]}-{spec.turns[1]} "
-        f"tool turns, {spec.max_new_tokens} new tokens a turn, {spec.tool_latency * 1e3:g} ms tool time, seed {spec.seed}; "
-        f"{args.publications} publications of {adapter_text(args)}, each {args.cadence:g} s after the previous one ended.",
+        f"tool turns, {spec.max_new_tokens} new tokens a turn, {spec.tool_latency * 1e3:g} ms tool time, seed {spec.seed}"
+        + (f", groups of {spec.group_size} sessions binding as one" if spec.group_size > 1 else "") + "; "
+        f"{args.publications} publish calls of {adapter_text(args)}, one every {args.cadence:g} s whatever the last is doing.",
+        f"  lorapub: capacity {args.capacity}, max_lag {args.max_lag}"
+        + (f" (on_stale={args.on_stale})" if args.max_lag is not None else " (a session keeps its version for life)")
+        + f", each call waits up to {args.wait:g} s for a slot (a newer call supersedes a waiting one).",
+        "  every publish call is counted: done, superseded, deferred (its wait ran out) or failed; version lag is",
+        "    token-weighted (each request's commits behind the default at dispatch, once per token it generated;",
+        "    0 on the old path, which serves the latest after every overwrite).",
         "  control: lorapub on, nothing published. baseline: lorapub's switch off (pause with abort, flush, unload +",
         "    load of the fixed name on every engine at once, continue; the agentic layer resends aborted requests).",
         "    lorapub: a new immutable version loaded, pinned, beside the live ones; sessions keep their version.",
@@ -430,6 +536,9 @@ def method(args, spec: WorkloadSpec) -> str:
         "    the earliest start among the requests not yet completed when that is later); a run's figure is its",
         "    larger engine's. A stall per publication: the longest such gap overlapping it, averaged over them.",
         "  excess = figure - the same round's control figure; removed = 1 - lorapub's excess gap / the baseline's.",
+        "  publish call to first request served by it: to the first completion of a request on the new version",
+        "    (its first token came at most one request's decode earlier); the old path: to the first completion",
+        "    after the overwrite.",
     ])
 
 
@@ -442,8 +551,8 @@ def adapter_text(args) -> str:
 
 
 async def part1(args) -> tuple[dict, dict]:
-    spec = WorkloadSpec(sessions=args.sessions, arrival_interval=args.arrival, turns=(3, 6), seed=args.seed,
-                        tool_latency=args.tool_latency, max_new_tokens=args.max_new_tokens)
+    spec = WorkloadSpec(sessions=args.sessions, arrival_interval=args.arrival, turns=tuple(args.turns), seed=args.seed,
+                        tool_latency=args.tool_latency, max_new_tokens=args.max_new_tokens, group_size=args.group_size)
     load = os.getloadavg()[0]
     print(f"== online publication: {args.rounds} round(s) of control, baseline, lorapub; "
           f"load average {load:.2f} on {os.cpu_count()} CPUs ==")
@@ -482,17 +591,34 @@ async def part1(args) -> tuple[dict, dict]:
     if phases:
         print("lorapub phases (median of the rounds' means): " + ", ".join(
             f"{k} {statistics.median(p[k] for p in phases) * 1000:.1f} ms" for k in phases[0]))
+    per_engine: dict = {}
+    for run in rounds:
+        for call in run["lorapub"]["engine_phases"]:
+            for engine, ph in call.items():
+                for k, v in ph.items():
+                    per_engine.setdefault(engine, {}).setdefault(k, []).append(v)
+    for engine, ph in sorted(per_engine.items()):
+        print(f"  {engine}: " + ", ".join(f"{k} {statistics.median(v) * 1000:.1f} ms (median of {len(v)})"
+                                          for k, v in sorted(ph.items())))
+    for run_i, run in enumerate(rounds):
+        print(f"round {run_i + 1} publish calls: " + "; ".join(
+            f"{c['version']} {c['outcome']}" + (f" after {c['waited']:.2f}s" if c.get("waited") else "")
+            + (f" (by {c['by']})" if c.get("by") else "") + (f" ({c['error']})" if c.get("error") else "")
+            for c in run["lorapub"]["call_log"]))
     print(f"load average after part 1: {os.getloadavg()[0]:.2f}")
     bars = {
         "0 request failures with lorapub, every round": all(run["lorapub"]["failed"] == 0 for run in rounds),
         "0 requests aborted by a publication with lorapub, every round": all(run["lorapub"]["resent"] == 0 for run in rounds),
         "0 mixed-version sessions with lorapub, every round": all(run["lorapub"]["mixed"] == 0 for run in rounds),
+        "0 groups spanning two versions with lorapub, every round": all(run["lorapub"]["mixed_groups"] == 0 for run in rounds),
+        "every lorapub publish call landed or was superseded by one that landed, every round": all(
+            run["lorapub"]["deferred"] == 0 and run["lorapub"]["failed_calls"] == 0 for run in rounds),
         "lorapub's excess stall below the baseline's (median of the rounds)": dv["removed"]["median"] > 0,
     }
     shown = representative_round(rounds)
     plot = binned({s: rounds[shown][s]["timeline"] for s in STRATEGIES})
     plot["round"] = shown + 1
-    plot["marks"] = {s: {k: rounds[shown][s]["timeline"][k] for k in ("publications", "pauses")} for s in STRATEGIES}
+    plot["marks"] = {s: rounds[shown][s]["timeline"]["calls"] for s in STRATEGIES}
     figures = {"load_average": [load, os.getloadavg()[0]], "rounds": rounds, "summary": summary, "timeline": plot}
     if args.plot:
         title = (f"Completed requests per engine, round {shown + 1} of {args.rounds} (the median by share removed): "
@@ -603,6 +729,12 @@ async def main() -> int:
                         help="the same as --engine-model beside")
     parser.add_argument("--prefill-per-token", type=float, default=20e-6, help="simulated prefill cost of an uncached token (s)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--turns", type=int, nargs=2, default=[3, 6], metavar=("MIN", "MAX"), help="tool turns a session")
+    parser.add_argument("--group-size", type=int, default=1, help="sessions per group binding as one (GRPO)")
+    parser.add_argument("--capacity", type=int, default=2, help="lorapub's managed version slots")
+    parser.add_argument("--max-lag", type=int, default=None, help="lorapub's bounded staleness (default: none)")
+    parser.add_argument("--on-stale", choices=("error", "rebind"), default="error")
+    parser.add_argument("--wait", type=float, default=30.0, help="seconds a lorapub publish call waits for a slot")
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--json", help="also write every figure to this file")
     parser.add_argument("--plot", metavar="PATH",

@@ -66,6 +66,24 @@ class UnloadLoRAAdapterReqInput:
 
 
 @dataclasses.dataclass(kw_only=True)
+class UpdateLoRAFromDistributedReqInput:
+    """The fields of the request Relax's patch adds (its tensors arrive over an NCCL group)."""
+
+    lora_name: str
+    config_dict: Dict[str, Any]
+    names: List[str]
+    dtypes: List[str]
+    shapes: List[List[int]]
+    bucket_sizes: Optional[List[int]] = None
+    group_name: str = "weight_update_group"
+    pinned: bool = False
+    added_tokens_config: Optional[Dict[str, Any]] = None
+    lora_id: Optional[str] = None
+    load_format: Optional[str] = None
+    lora_path: str = "__distributed__"  # what its to_ref() gives the ranks
+
+
+@dataclasses.dataclass(kw_only=True)
 class LoRAUpdateOutput:
     success: bool
     error_message: Optional[str] = None
@@ -138,6 +156,8 @@ def _namespace(registry_module, server_args) -> dict:
         "UnloadLoRAAdapterReqOutput": LoRAUpdateOutput, "GenerateReqInput": GenerateReqInput,
         "LoadLoRAAdapterFromTensorsReqInput": LoadLoRAAdapterFromTensorsReqInput,
         "LoadLoRAAdapterFromTensorsReqOutput": LoRAUpdateOutput,
+        "UpdateLoRAFromDistributedReqInput": UpdateLoRAFromDistributedReqInput,
+        "UpdateLoRAFromDistributedReqOutput": LoRAUpdateOutput,
         # stand-in for SGLang's payload normaliser (base64 strings -> bytes); payloads here are bytes
         "normalize_serialized_named_tensor_payloads": lambda payloads: [bytes(p) for p in payloads],
         "EmbeddingReqInput": GenerateReqInput, "ReqState": ReqState, "TokenizerManager": object,
@@ -208,6 +228,9 @@ def build(root: str | None = None, release: str | None = None) -> type:
                                        (mx_tree, MIXIN_FILE, "TokenizerControlMixin", list(MIXIN_METHODS))):
         cls_node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
         names += [n.name for n in cls_node.body if getattr(n, "name", "").startswith("_lorapub_")]
+        # a tree with Relax's patch (0.5.17+relax) carries its route handler too
+        if cls_name == targets.MIXIN:
+            names += [n.name for n in cls_node.body if getattr(n, "name", "") == targets.RELAX_ROUTE[2]]
         for name in names:
             local: dict = {}
             exec(compile("from __future__ import annotations\n" + _source_of(root, rel, name, cls_name), rel, "exec"), ns, local)

@@ -238,7 +238,7 @@ def test_each_release_is_recognised_by_its_code(release, tmp_path):
     with pytest.raises(sglang_patch.PatchMismatch) as refused:
         sglang_patch.verify(patched)
     message = str(refused.value)
-    assert "supports SGLang 0.5.17, 0.5.23 only" in message and "unload_lora_adapter" in message
+    assert "supports SGLang 0.5.17, 0.5.17+relax, 0.5.23 only" in message and "unload_lora_adapter" in message
 
 
 def test_another_release_is_refused_before_anything_is_touched(tmp_path):
@@ -247,7 +247,7 @@ def test_another_release_is_refused_before_anything_is_touched(tmp_path):
     mixin = copy / targets.MIXIN_FILE
     mixin.write_text(mixin.read_text().replace("async def unload_lora_adapter(", "async def unload_lora_adapter(  # 0.6\n"))
     before = mixin.read_text()
-    with pytest.raises(sglang_patch.PatchMismatch, match="0.5.17, 0.5.23"):
+    with pytest.raises(sglang_patch.PatchMismatch, match=r"0\.5\.17, 0\.5\.17\+relax, 0\.5\.23"):
         diffs.apply_diffs(str(copy))
     with pytest.raises(sglang_patch.PatchMismatch):
         sglang_patch.apply(harness.build(root_of("0.5.23"), "0.5.23"), root=str(copy), add_state_route=False)

@@ -658,6 +658,9 @@ class SGLangWireEngine(SGLangAdminBase):
         self.load_timeout = load_timeout  # end (verify + the engine's load) and cleanup (waits for it)
         self._lives: dict[AttemptToken, str] = {}
         self._digests: dict[AttemptToken, str] = {}
+        #: where each recent ``end`` spent its time (seconds): the engine's last SHA-256 checks and load,
+        #: the exact-version probe, the state check. The publication report carries them per engine.
+        self.end_timings: dict[AttemptToken, dict[str, float]] = {}
 
     def __repr__(self) -> str:
         return f"SGLangWireEngine({self.client!r}, transport={self.transport!r})"
@@ -752,13 +755,21 @@ class SGLangWireEngine(SGLangAdminBase):
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
         inc = await self._life(token)
+        t0 = time.monotonic()
         receipt = await self._stage(es.END_ROUTE, {"token": es.token_to_json(token), "incarnation": inc},
                                     self.load_timeout)
+        t1 = time.monotonic()
         name, digest = receipt.get("lora_name"), receipt.get("digest")
         if receipt.get("incarnation") != inc or not isinstance(name, str) or not isinstance(digest, str):
             raise EngineError(f"{self.name} {es.END_ROUTE} answered a malformed receipt: {receipt}", engine=self.name)
         await self._probe(name)
+        t2 = time.monotonic()
         state = await self.client.state()
+        timings = receipt.get("timings") if isinstance(receipt.get("timings"), dict) else {}
+        self.end_timings[token] = {**{f"end.{k}": v for k, v in timings.items() if isinstance(v, (int, float))},
+                                   "end.stage": t1 - t0, "end.probe": t2 - t1, "end.state": time.monotonic() - t2}
+        while len(self.end_timings) > 16:  # a few recent ones, for reports
+            self.end_timings.pop(next(iter(self.end_timings)))
         if state["incarnation"] != inc:
             raise EngineError(f"{self.name} restarted during end ({inc} -> {state['incarnation']})")
         entry = state["adapters"].get(name)

@@ -29,6 +29,10 @@ class RequestRecord:
     prompt_tokens: int = 0
     error: str | None = None
     version: Any = None  # what version_of(session) named when the turn ended
+    version_id: str | None = None  # the version that served it, as the result says (result["lorapub"])
+    lag: int | None = None  # its commits behind the default at dispatch (result["lorapub"])
+    tokens: int = 0  # new tokens it generated
+    group: str | None = None
 
 
 @attrs.define
@@ -41,6 +45,7 @@ class WorkloadSpec:
     max_new_tokens: int = 6
     tool_latency: float = 0.01
     seed: int = 0
+    group_size: int = 1  # sessions per group (a GRPO prompt group): consecutive sessions share one
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,6 +106,18 @@ class WorkloadResult:
             seen.setdefault(r.session, set()).add((r.engine, r.lora_id))
         return sum(1 for versions in seen.values() if len(versions) > 1)
 
+    def mixed_version_groups(self) -> int:
+        """Groups whose members were served by more than one version."""
+        seen: dict[str, set] = {}
+        for r in self.ok:
+            if r.group is not None:
+                seen.setdefault(r.group, set()).add(r.version_id or r.lora_id)
+        return sum(1 for versions in seen.values() if len(versions) > 1)
+
+    def token_lags(self) -> list[tuple[int | None, int]]:
+        """(lag, new tokens) of every completed request: the token-weighted lag distribution."""
+        return [(r.lag, r.tokens) for r in self.ok]
+
     def cached_ratio(self, start: float, end: float) -> float:
         """Cached share of the prompt over ongoing sessions' turns that completed in [start, end]."""
         recs = [r for r in self.ok if r.turn > 0 and start <= r.ended <= end]
@@ -133,23 +150,26 @@ async def run_workload(
     records: list[RequestRecord] = []
     started = time.monotonic()
 
-    async def one_session(name: str, prompt: list[int], tools: list[list[int]]) -> None:
-        session = session_factory(name)
+    async def one_session(name: str, prompt: list[int], tools: list[list[int]], group: str | None) -> None:
+        session = session_factory(name) if group is None else session_factory(name, group=group)
         context = list(prompt)
         try:
             for turn, tool_output in enumerate(tools):
                 if stop is not None and stop.is_set():
                     break
                 t0 = time.monotonic()
-                rec = RequestRecord(name, turn, t0, t0, False, prompt_tokens=len(context))
+                rec = RequestRecord(name, turn, t0, t0, False, prompt_tokens=len(context), group=group)
                 try:
                     out = await session.generate(
                         {"input_ids": list(context), "sampling_params": {"max_new_tokens": spec.max_new_tokens, "temperature": 0}}
                     )
                     meta = out.get("meta_info", {})
+                    served = out.get("lorapub") or {}
                     rec.ok = True
                     rec.version = version_of(session) if version_of else None
-                    rec.lora_id = meta.get("lora_id") or rec.version
+                    rec.version_id, rec.lag = served.get("version_id"), served.get("lag")
+                    rec.lora_id = meta.get("lora_id") or rec.version or rec.version_id
+                    rec.tokens = len(out.get("output_ids") or []) or int(meta.get("completion_tokens", 0) or 0)
                     rec.cached_tokens = int(meta.get("cached_tokens", 0))
                     context += list(out.get("output_ids", [])) + tool_output  # the tool turn appends its output
                 except LorapubError as e:
@@ -167,11 +187,13 @@ async def run_workload(
             await session.close()
 
     tasks = []
-    for name, prompt, tools in plans:
+    for i, (name, prompt, tools) in enumerate(plans):
         if stop is not None and stop.is_set():
             break
-        tasks.append(asyncio.create_task(one_session(name, prompt, tools)))
-        await asyncio.sleep(spec.arrival_interval)
+        group = f"g{i // spec.group_size:04d}" if spec.group_size > 1 else None
+        tasks.append(asyncio.create_task(one_session(name, prompt, tools, group)))
+        if spec.group_size <= 1 or (i + 1) % spec.group_size == 0:  # a group's members start together
+            await asyncio.sleep(spec.arrival_interval)
     await asyncio.gather(*tasks)
     return WorkloadResult(records, started, time.monotonic())
 

@@ -181,7 +181,7 @@ class OverwriteDeployment:
     async def publish(self, snapshot: Snapshot, version_id: str) -> float:
         return await self.publisher.publish(snapshot, version_id)
 
-    def session(self, session_id: str, nonce: str | None = None) -> OverwriteSession:
+    def session(self, session_id: str, nonce: str | None = None, *, group: str | None = None) -> OverwriteSession:
         engines = list(self.engines.values())
         return OverwriteSession(engines[next(self._round_robin) % len(engines)])
 

@@ -84,6 +84,7 @@ class PublicationReport:
     reused: bool = False
     waited: float = 0.0
     waited_for: WaitReport | None = None
+    engine_phases: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)  # engine -> phase -> seconds
 
 
 class FrozenCopies:
@@ -239,6 +240,7 @@ class Publisher:
             return PublicationReport(
                 key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
                 runlog.phase_seconds(), runlog.collectives, waited=waited, waited_for=waited_for,
+                engine_phases=self._engine_phases(runlog, reply.token),
             )
         self.wake()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
@@ -321,6 +323,15 @@ class Publisher:
                     if name in held:
                         running.setdefault(str(version), {})[engine_name] = held[name].refs
         return WaitReport(reply.describe(), reply.holders, running, reply.attempt)
+
+    def _engine_phases(self, runlog: RunLog, token: AttemptToken) -> dict[str, dict[str, float]]:
+        """Each engine's phases, with the breakdown of its ``end`` where its adapter keeps one."""
+        phases = runlog.engine_phase_seconds()
+        for name, engine in self.engines.items():
+            detail = getattr(engine, "end_timings", None)
+            if isinstance(detail, dict) and token in detail:
+                phases.setdefault(name, {}).update(detail.pop(token))
+        return phases
 
     async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
         """Re-check every target's life right before commit: a READY from a life that has

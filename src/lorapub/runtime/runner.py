@@ -73,13 +73,26 @@ class RunLog:
     phase_started: dict[str, float] = attrs.field(factory=dict)
     phase_ended: dict[str, float] = attrs.field(factory=dict)
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, engine: str | None = None) -> None:
         now = self.clock.monotonic()
         self.phase_started.setdefault(phase, now)
         self.phase_ended[phase] = now
+        if engine is not None:
+            self.phase_started.setdefault(f"{phase}@{engine}", now)
+            self.phase_ended[f"{phase}@{engine}"] = now
 
     def phase_seconds(self) -> dict[str, float]:
-        return {p: self.phase_ended[p] - t for p, t in self.phase_started.items()}
+        """Each phase's span (first start to last end), over every engine."""
+        return {p: self.phase_ended[p] - t for p, t in self.phase_started.items() if "@" not in p}
+
+    def engine_phase_seconds(self) -> dict[str, dict[str, float]]:
+        """``engine -> phase -> seconds``: each phase's span on one engine (its transfer half, its end…)."""
+        out: dict[str, dict[str, float]] = {}
+        for key, t in self.phase_started.items():
+            if "@" in key:
+                phase, engine = key.split("@", 1)
+                out.setdefault(engine, {})[phase] = self.phase_ended[key] - t
+        return out
 
 
 class EffectRunner:
@@ -152,11 +165,12 @@ class EffectRunner:
 
     async def _timed(self, fx, runlog: RunLog):
         phase = self._PHASES.get(type(fx), "other")
-        runlog.mark(phase)
+        engine = getattr(fx, "engine", None)
+        runlog.mark(phase, engine)
         try:
             return await self._execute(fx, runlog)
         finally:
-            runlog.mark(phase)
+            runlog.mark(phase, engine)
 
     def _engine(self, name: str) -> EngineAdmin:
         try:
@@ -243,11 +257,15 @@ class EffectRunner:
         async def engine_half(name: str):
             engine = self._engine(name)
             payload = self.source.payload(fx.token, fx.index) if payload_needed else b""
-            return await self._guarded(
-                fx.token, name, f"receive bucket {fx.index}", runlog,
-                lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload)),
-                lambda inc: self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc)),
-            )
+            runlog.mark("transfer", name)
+            try:
+                return await self._guarded(
+                    fx.token, name, f"receive bucket {fx.index}", runlog,
+                    lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload)),
+                    lambda inc: self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc)),
+                )
+            finally:
+                runlog.mark("transfer", name)
 
         if payload_needed:
             # A byte transport has the bytes only once the source half ran; then every engine stores them.

@@ -1,4 +1,5 @@
-"""lorapub's SGLang patch, for every SGLang release lorapub supports (0.5.17 and 0.5.23).
+"""lorapub's SGLang patch, for every SGLang release lorapub supports (0.5.17 and 0.5.23, and the
+known variant 0.5.17+relax: 0.5.17 with Relax's own patch).
 
 Two forms of the same change:
 
@@ -49,11 +50,12 @@ def verify(root: str | None = None) -> str:
     return detect(root).version
 
 
-def _apply_0517(cls: Any, root: str | None, managed_prefix: str) -> None:
+def _apply_0517(cls: Any, root: str | None, managed_prefix: str, version: str = "0.5.17") -> None:
     import os
 
     # Edit every source first: a missing anchor raises before the class is touched.
-    edited = [(fe, edited_source(fe, root)[1]) for fe in release_0517.FUNCTION_EDITS]
+    function_edits, variant_methods = release_0517.VARIANT_EDITS.get(version, ((), ""))
+    edited = [(fe, edited_source(fe, root)[1]) for fe in (*release_0517.FUNCTION_EDITS, *function_edits)]
     mixin_globals = cls._unload_lora_adapter_locked.__globals__
     names: dict[str, Any] = {"os": os}
     exec(release_0517.MIXIN_GLOBALS, names)
@@ -63,6 +65,8 @@ def _apply_0517(cls: Any, root: str | None, managed_prefix: str) -> None:
         mixin_globals[key] = names[key]
     install_methods(cls, release_0517.TM_METHODS, cls._handle_batch_output.__globals__)
     install_methods(cls, release_0517.MIXIN_METHODS, mixin_globals)
+    if variant_methods:
+        install_methods(cls, variant_methods, mixin_globals)
     for fe, source in edited:
         install_method(cls, fe.name, source, getattr(cls, fe.name).__globals__)
 
@@ -96,7 +100,7 @@ def apply(
     if release.version == "0.5.23":
         release_0523.apply(tokenizer_manager_cls, managed_prefix)
     else:
-        _apply_0517(tokenizer_manager_cls, root, managed_prefix)
+        _apply_0517(tokenizer_manager_cls, root, managed_prefix, release.version)
     tokenizer_manager_cls.lorapub_managed_prefix = managed_prefix
     setattr(tokenizer_manager_cls, PATCH_MARK, release.version)
     if add_state_route:

@@ -1,7 +1,8 @@
 """The diff form: unified diffs per release, shipped as package data under ``diffs/<release>/``.
 
 ``apply_diffs`` recognises the release by its fingerprints, applies the whole series to a
-scratch copy first, and touches the installation only when every diff applies.
+scratch copy first, and touches the installation only when every diff applies. A known variant
+(``0.5.17+relax``) takes its base release's diffs, then its own source edits.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _patch(root: str, diff: str, dry: bool = False) -> subprocess.CompletedProce
     if shutil.which("patch") is None:
         raise PatchMismatch("GNU patch is needed to apply the diffs (apt-get install patch)")
     # the diffs name a/sglang/<file>: strip two levels and patch inside the package folder
-    args = ["patch", "-p2", "--forward", "--batch", "-d", root] + (["--dry-run"] if dry else [])
+    # no fuzz: a hunk whose context does not match exactly is refused, never placed near it
+    args = ["patch", "-p2", "--forward", "--batch", "--fuzz=0", "-d", root] + (["--dry-run"] if dry else [])
     with open(diff) as f:
         return subprocess.run(args, stdin=f, capture_output=True, text=True)
 
@@ -47,7 +49,10 @@ def apply_diffs(root: str | None = None, *, check_only: bool = False) -> str:
     if already_applied(root):
         return f"{root}: lorapub's patches are already applied"
     release = detect(root)
-    diffs = diff_files(release.version)
+    diffs = diff_files(release.upstream)  # a known variant takes its base release's diffs ...
+    from lorapub.sglang_patch.release_0517 import VARIANT_EDITS, apply_variant_edits
+
+    variant = " and the variant's edit" if release.version in VARIANT_EDITS else ""
     with tempfile.TemporaryDirectory() as scratch:
         for rel in release.touched_files:
             os.makedirs(os.path.join(scratch, os.path.dirname(rel)), exist_ok=True)
@@ -56,13 +61,15 @@ def apply_diffs(root: str | None = None, *, check_only: bool = False) -> str:
             result = _patch(scratch, diff)
             if result.returncode != 0:
                 raise PatchMismatch(f"{os.path.basename(diff)} does not apply:\n{result.stdout}{result.stderr}")
+        apply_variant_edits(scratch, release.version)  # ... and then its own edits (anchors checked here)
     if check_only:
-        return f"{root}: SGLang {release.version} verified; {len(diffs)} patches apply"
+        return f"{root}: SGLang {release.version} verified; {len(diffs)} patches{variant} apply"
     for diff in diffs:
         result = _patch(root, diff)
         if result.returncode != 0:  # the scratch run passed, so this is a write or permission problem
             raise PatchMismatch(f"{os.path.basename(diff)} failed on {root}:\n{result.stdout}{result.stderr}")
-    return f"{root}: applied {len(diffs)} patches for SGLang {release.version}"
+    apply_variant_edits(root, release.version)
+    return f"{root}: applied {len(diffs)} patches{variant} for SGLang {release.version}"
 
 
 def render_0517(root: str) -> dict[str, str]:
@@ -154,7 +161,7 @@ def render_prepared_load(root: str) -> dict[str, str]:
     """The scheduler-hook diff of the release at ``root`` (file name -> text)."""
     from lorapub.sglang_patch.targets import SCHEDULER_FILE
 
-    version = detect(root).version
+    version = detect(root).upstream
     with open(os.path.join(root, SCHEDULER_FILE)) as f:
         before = f.read()
     return {PREPARED_LOAD[version]: _unified(SCHEDULER_FILE, before, before + SCHEDULER_HOOK)}

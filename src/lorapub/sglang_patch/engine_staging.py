@@ -1069,11 +1069,13 @@ class EngineStaging:
             missing = [b.index for b in attempt.plan.buckets if b.index not in attempt.buckets]
             if missing:
                 raise _refuse(f"buckets {missing[:8]} of {token} never arrived", "STAGE_INCOMPLETE")
+            started = time.monotonic()
             try:  # every tensor's SHA-256, checked as its bucket arrived
                 await asyncio.gather(*attempt.verifying.values())
             except Refused as e:
                 attempt.failed = e.message
                 raise
+            verified = time.monotonic()
             if manifest_digest(attempt.plan) != attempt.digest:
                 raise Refused(400, "STAGE_DIGEST", f"the staged manifest does not hash to {attempt.digest[:12]}")
             adapters = self.hooks.adapters()
@@ -1097,7 +1099,9 @@ class EngineStaging:
                 raise _refuse(f"attempt {token} was cleaned up during its load", "STAGE_TOMBSTONE")
             attempt.receipt = {"incarnation": self.incarnation, "lora_name": attempt.lora_name, "digest": attempt.digest,
                                "lora_id": entry.get("lora_id"), "lora_path": entry.get("lora_path", path),
-                               "load": attempt.load}
+                               "load": attempt.load,
+                               # where end's time went here: the last SHA-256 checks, then SGLang's load
+                               "timings": {"verify_wait": verified - started, "load": time.monotonic() - verified}}
             self._release_buckets(attempt)  # the engine holds the adapter now; the staged bytes are not needed
             self._drop_group(attempt)
             return dict(attempt.receipt, duplicate=False)

@@ -20,13 +20,20 @@
 The same edits build both forms: the runtime form recompiles each edited function from
 the fingerprinted source; the diff form (``diffs/0.5.17``) is these edits applied to the
 files, and a test keeps the two identical.
+
+``0.5.17+relax`` (SGLang 0.5.17 with Relax's own patch) takes all of the above, plus one edit of
+the route handler Relax adds, ``update_lora_from_distributed``: it refuses managed names. The
+runtime form recompiles it like the others; the diff form applies the 0.5.17 diffs and then this
+edit to the files (``apply_variant_edits``), so no diff carries Relax's code.
 """
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
-from lorapub.sglang_patch.targets import MIXIN, MIXIN_FILE, TM, TM_FILE
+from lorapub.sglang_patch.targets import MIXIN, MIXIN_FILE, TM, TM_FILE, PatchMismatch
 
 
 @attrs.frozen
@@ -122,6 +129,70 @@ FUNCTION_EDITS = (
         ),
     )),
 )
+
+# -- the 0.5.17+relax variant ---------------------------------------------------------------------
+# Relax's patch adds TokenizerControlMixin.update_lora_from_distributed (POST /update_lora_from_distributed):
+# under lora_update_lock it unloads a registered adapter of the same name through
+# _unload_lora_adapter_locked (never unload_lora_adapter, so patch 3's refusal is not on its path),
+# then registers the tensors it received under that name (pinned only if the caller says so) and
+# evicts LRU unpinned adapters past max_loaded_loras. Aimed at a managed name it would overwrite an
+# immutable version, or register one behind lorapub's back; the variant's edit refuses managed names.
+RELAX_FUNCTION_EDITS = (
+    FunctionEdit(MIXIN_FILE, MIXIN, "update_lora_from_distributed", (
+        Edit(
+            "            async with self.lora_update_lock:\n",
+            "            self._lorapub_refuse_distributed_update(obj)  # lorapub\n"
+            "            async with self.lora_update_lock:\n",
+        ),
+    )),
+)
+
+# Method added to TokenizerControlMixin in the 0.5.17+relax variant (before update_lora_from_distributed).
+RELAX_MIXIN_METHODS = '''
+    # -- lorapub: managed names never arrive through /update_lora_from_distributed ------------------
+    def _lorapub_refuse_distributed_update(self, obj):
+        """That route replaces an adapter of the same name in place; a managed version is immutable."""
+        if _is_managed_lora(obj.lora_name):
+            raise ValueError(
+                f"LoRA adapter '{obj.lora_name}' is managed by lorapub; /update_lora_from_distributed "
+                "refuses managed names (lorapub publishes a new version under a new name instead)"
+            )
+'''
+
+#: The variant edits of each known variant, on top of its base release's edits.
+VARIANT_EDITS = {"0.5.17+relax": (RELAX_FUNCTION_EDITS, RELAX_MIXIN_METHODS)}
+
+
+def apply_variant_edits(root: str, version: str) -> list[str]:
+    """Diff form of a variant: edit, in place, a tree at ``root`` its base release's diffs were applied
+    to. Every anchor is checked before anything is written. Returns the files rewritten."""
+    from lorapub.sglang_patch.edits import edited_source, insert_before, read
+
+    if version not in VARIANT_EDITS:
+        return []
+    function_edits, methods = VARIANT_EDITS[version]
+    texts = {fe.rel: read(root, fe.rel) for fe in function_edits}
+    for fe in function_edits:
+        original, edited = edited_source(fe, root)
+        assert texts[fe.rel].count(original) == 1, fe.name
+        texts[fe.rel] = texts[fe.rel].replace(original, edited)
+    texts[MIXIN_FILE] = insert_before(
+        texts.get(MIXIN_FILE) or read(root, MIXIN_FILE), "    async def update_lora_from_distributed(\n",
+        methods.lstrip("\n") + "\n", MIXIN_FILE,
+    )
+    # the diff form's state route names the variant it runs on
+    from lorapub.sglang_patch.targets import HTTP_FILE
+
+    texts[HTTP_FILE] = read(root, HTTP_FILE)
+    stamp = '        "sglang": "0.5.17",\n'
+    if texts[HTTP_FILE].count(stamp) != 1:
+        raise PatchMismatch(f"{HTTP_FILE}: lorapub's state route is not in place (apply the 0.5.17 diffs first)")
+    texts[HTTP_FILE] = texts[HTTP_FILE].replace(stamp, f'        "sglang": "{version}",\n')
+    for rel, text in texts.items():
+        with open(os.path.join(root, rel), "w") as f:
+            f.write(text)
+    return sorted(texts)
+
 
 # Methods added to TokenizerManager (tokenizer_manager.py), class-body indentation.
 TM_METHODS = '''

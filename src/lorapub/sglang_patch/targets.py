@@ -26,6 +26,10 @@ MEM_POOL_FILE = "srt/lora/mem_pool.py"
 POOL = "LoRAMemoryPool"
 TM = "TokenizerManager"
 MIXIN = "TokenizerControlMixin"
+#: Relax's SGLang patch (``docker/patch/sglang/v0.5.17.patch`` of redai-studio/Relax) adds this route
+#: handler: it replaces an adapter of the same name in place (unload, then register) without going
+#: through ``unload_lora_adapter``. A tree that has it is the ``0.5.17+relax`` variant, never plain 0.5.17.
+RELAX_ROUTE = (MIXIN_FILE, MIXIN, "update_lora_from_distributed")
 
 
 class PatchMismatch(RuntimeError):
@@ -40,43 +44,60 @@ class Release:
     touched_files: tuple[str, ...] = (TM_FILE, MIXIN_FILE, HTTP_FILE, SCHEDULER_FILE)
     # the text a diff-patched file carries, so an applied patch is recognised
     applied_marker: tuple[str, str] = (MIXIN_FILE, "LORAPUB_MANAGED_PREFIX")
+    # (file, class, function) this release must not have: code that has one is another variant
+    absent: tuple[tuple[str, str, str], ...] = ()
+    # a known variant: the upstream release it is built on, whose diffs and edits it takes
+    base: str | None = None
 
+    @property
+    def upstream(self) -> str:
+        """The SGLang release whose diffs apply (the release itself, or a variant's base)."""
+        return self.base or self.version
+
+
+_FINGERPRINTS_0517 = {
+    # patched: exactly-once release at every terminal, orphans of discarded requests
+    (TM_FILE, TM, "_handle_batch_output"):
+        "4adfb1cf333c597230e8ae239b3d435261bffb856d1837d747c329179a625830",
+    (TM_FILE, TM, "_handle_abort_finish_reason"):
+        "b53564ab76bbb12d3b5ee06a6f8866c277be1a0a2ab827c989f12ae75fc736c0",
+    (TM_FILE, TM, "_handle_abort_req"):
+        "8e49bca9d1d26f2c66640eda918afc67b04481ad5b0b51e8996ad3f47de7486b",
+    (TM_FILE, TM, "_discard_pending_req_states"):
+        "4ef7ec4c64bc33b9f16750be961284654e2fb941000df95782b8e6446d9a627d",
+    # relied on unchanged: the implicit reload that patch 2 starves of its cache entry
+    (TM_FILE, TM, "_resolve_lora_path"):
+        "d5be9dde312f9d1679d170d6da389c1027463f35a2c190f7a3fa39cc060b9157",
+    (MIXIN_FILE, MIXIN, "_unload_lora_adapter_locked"):
+        "4d921cecf004faf986b5ff7936e5c289f7b3e755cf205bcc47abd3222a93271e",
+    (MIXIN_FILE, MIXIN, "unload_lora_adapter"):
+        "40a0c6ea0f6463c098e79f05c4f48a24081aa53794266f821b4ba477ff993e5e",
+    (MIXIN_FILE, MIXIN, "load_lora_adapter"):
+        "056532175533ab931e681a3acf826e1c624bb42a69af6d24785ee37343f44a70",
+    # relied on unchanged by prepared_load: the load the scheduler runs, its weight read
+    (SCHEDULER_FILE, "Scheduler", "load_lora_adapter"):
+        "d728ebacda58c9d328944a7baebf1b8d181577fb7c72f7ab3c1d15c10b7f8be4",
+    (LORA_MANAGER_FILE, "LoRAManager", "_load_lora_adapter"):
+        "63364d7ea493dbbb04bff9aedee97a358451a47d5a56478a28b1f8d19ce75571",
+    (LORA_MANAGER_FILE, "LoRAManager", "load_lora_weights"):
+        "a143735cf64cff227fb352bc539b5cb55bc67728454afe1d4320099f84ea16dc",
+    # ... and the slot fill its slot images replay, with the pool's slot buffers it names
+    (MEM_POOL_FILE, POOL, "load_lora_weight_to_buffer"):
+        "b09e9e460b105624e757f3f8e61d6e8ec9a6c77108d2323763a9437c54a23e30",
+    (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
+        "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
+}
 
 RELEASES: dict[str, Release] = {
-    "0.5.17": Release(
-        "0.5.17",
-        {
-            # patched: exactly-once release at every terminal, orphans of discarded requests
-            (TM_FILE, TM, "_handle_batch_output"):
-                "4adfb1cf333c597230e8ae239b3d435261bffb856d1837d747c329179a625830",
-            (TM_FILE, TM, "_handle_abort_finish_reason"):
-                "b53564ab76bbb12d3b5ee06a6f8866c277be1a0a2ab827c989f12ae75fc736c0",
-            (TM_FILE, TM, "_handle_abort_req"):
-                "8e49bca9d1d26f2c66640eda918afc67b04481ad5b0b51e8996ad3f47de7486b",
-            (TM_FILE, TM, "_discard_pending_req_states"):
-                "4ef7ec4c64bc33b9f16750be961284654e2fb941000df95782b8e6446d9a627d",
-            # relied on unchanged: the implicit reload that patch 2 starves of its cache entry
-            (TM_FILE, TM, "_resolve_lora_path"):
-                "d5be9dde312f9d1679d170d6da389c1027463f35a2c190f7a3fa39cc060b9157",
-            (MIXIN_FILE, MIXIN, "_unload_lora_adapter_locked"):
-                "4d921cecf004faf986b5ff7936e5c289f7b3e755cf205bcc47abd3222a93271e",
-            (MIXIN_FILE, MIXIN, "unload_lora_adapter"):
-                "40a0c6ea0f6463c098e79f05c4f48a24081aa53794266f821b4ba477ff993e5e",
-            (MIXIN_FILE, MIXIN, "load_lora_adapter"):
-                "056532175533ab931e681a3acf826e1c624bb42a69af6d24785ee37343f44a70",
-            # relied on unchanged by prepared_load: the load the scheduler runs, its weight read
-            (SCHEDULER_FILE, "Scheduler", "load_lora_adapter"):
-                "d728ebacda58c9d328944a7baebf1b8d181577fb7c72f7ab3c1d15c10b7f8be4",
-            (LORA_MANAGER_FILE, "LoRAManager", "_load_lora_adapter"):
-                "63364d7ea493dbbb04bff9aedee97a358451a47d5a56478a28b1f8d19ce75571",
-            (LORA_MANAGER_FILE, "LoRAManager", "load_lora_weights"):
-                "a143735cf64cff227fb352bc539b5cb55bc67728454afe1d4320099f84ea16dc",
-            # ... and the slot fill its slot images replay, with the pool's slot buffers it names
-            (MEM_POOL_FILE, POOL, "load_lora_weight_to_buffer"):
-                "b09e9e460b105624e757f3f8e61d6e8ec9a6c77108d2323763a9437c54a23e30",
-            (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
-                "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
-        },
+    "0.5.17": Release("0.5.17", _FINGERPRINTS_0517, absent=(RELAX_ROUTE,)),
+    # SGLang 0.5.17 with Relax's patch (redai-studio/Relax, docker/patch/sglang/v0.5.17.patch at
+    # 0a91dd1db44022920f61f05948e89a5cb83f8b38): it edits none of the functions above, and adds the
+    # route handler RELAX_ROUTE, which the variant's own edit guards (release_0517.RELAX_FUNCTION_EDITS).
+    "0.5.17+relax": Release(
+        "0.5.17+relax",
+        {**_FINGERPRINTS_0517,
+         RELAX_ROUTE: "bfec3b2e181b16f00840144af586be451e2de56ba84ad66a1319c8e57bbb80d3"},
+        base="0.5.17",
     ),
     "0.5.23": Release(
         "0.5.23",
@@ -102,6 +123,7 @@ RELEASES: dict[str, Release] = {
             (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
                 "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
         },
+        absent=(RELAX_ROUTE,),
     ),
 }
 SUPPORTED = tuple(RELEASES)
@@ -152,6 +174,12 @@ def _differences(release: Release, root: str) -> list[str]:
             continue
         if got != expected:
             bad.append(f"{cls}.{name}: fingerprint {got[:12]} != {expected[:12]}")
+    for rel, cls, name in release.absent:
+        try:
+            function_source(rel, cls, name, root)
+        except (OSError, PatchMismatch):
+            continue  # absent, as this release has it
+        bad.append(f"{cls}.{name}: present, and SGLang {release.version} has no such function")
     return bad
 
 
