@@ -7,7 +7,8 @@ measured), then runs ``bench/run.py`` against them: control, baseline (lorapub's
 flush, overwrite) and lorapub, interleaved rounds, lorapub's bytes over HTTP into each engine's own
 staging, each version a rescaled copy of adapter B, once per workload (WORKLOADS). Run by run.sh
 beside it, with the SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_ONLINE_WORKLOADS (which
-workloads, comma-separated; default all), LIVE_ONLINE_ARGS (extra bench/run.py arguments).
+workloads, comma-separated; default all), LIVE_ONLINE_ARGS (extra bench/run.py arguments, every workload),
+LIVE_ONLINE_ARGS_<WORKLOAD> (one workload's), LIVE_ONLINE_MAX_LORAS (the servers' LoRA slots, default 3).
 """
 import asyncio
 import importlib.util
@@ -40,12 +41,18 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # (An earlier run with 256 sessions, 32 tokens and no decode CUDA graphs kept 128 requests per
 # engine decoding in lockstep at ~60 ms a step: docs/gpu/online/attempt-2.)
 ONE_PUBLICATION = ["--publications", "1", "--cadence", "2.0"]
+# * "long": longer trajectories at training cadence (8-12 tool turns, GRPO groups of 4 binding as
+#   one), the freshness workload of lorapub's own: sessions outlive several publications.
 WORKLOADS = {
     "busy": ["--sessions", "192", "--arrival", "0.03", "--max-new-tokens", "8", "--tool-latency", "0.05",
              *ONE_PUBLICATION],
     "steady": ["--sessions", "64", "--arrival", "0.05", "--max-new-tokens", "32", "--tool-latency", "0.5",
                *ONE_PUBLICATION],
+    "long": ["--sessions", "64", "--arrival", "0.1", "--max-new-tokens", "32", "--tool-latency", "0.5",
+             "--turns", "8", "12", "--group-size", "4", "--publications", "4", "--cadence", "1.0"],
 }
+#: SGLang's --max-loras-per-batch / --max-loaded-loras on both servers (capacity N needs N + 1).
+MAX_LORAS = int(os.environ.get("LIVE_ONLINE_MAX_LORAS", "3"))
 
 
 def build_model() -> None:
@@ -67,7 +74,8 @@ async def main() -> int:
     # decode with CUDA graphs, as the decode-gap bench and production servers run (without them a
     # decode step at 128 running requests took ~60 ms)
     engines = [srv.start(f"e{i}", os.path.join(MODEL, "base"), 30400 + 100 * i, OUT, patched=True, max_lora_rank=64,
-                         mem_fraction=0.40, target_modules=ALL_LINEAR, decode_graphs=True) for i in range(2)]
+                         mem_fraction=0.40, target_modules=ALL_LINEAR, decode_graphs=True, max_loras=MAX_LORAS)
+               for i in range(2)]
     try:
         await srv.wait_healthy(engines)
         warm = await srv.warm_up(engines, os.path.join(MODEL, "A"))
@@ -78,7 +86,8 @@ async def main() -> int:
                    *(a for s in engines for a in ("--engine-url", s.url)),
                    "--transport", "http", "--adapter", os.path.join(MODEL, "B"), *WORKLOADS[name],
                    "--json", os.path.join(OUT, f"online-{name}.json"),
-                   *shlex.split(os.environ.get("LIVE_ONLINE_ARGS", ""))]
+                   *shlex.split(os.environ.get("LIVE_ONLINE_ARGS", "")),
+                   *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{name.upper()}", ""))]
             if importlib.util.find_spec("matplotlib") is not None:
                 cmd += ["--plot", os.path.join(OUT, f"timeline-{name}.png")]
             print(f"== workload {name} ==\n$", " ".join(cmd[1:]), flush=True)

@@ -52,10 +52,14 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def server_args(model: str, port: int, *, max_lora_rank: int, context_length: int, mem_fraction: float,
-                target_modules: tuple[str, ...] = ATTENTION_MODULES, decode_graphs: bool = False) -> list[str]:
+                target_modules: tuple[str, ...] = ATTENTION_MODULES, decode_graphs: bool = False,
+                max_loras: int = 3) -> list[str]:
+    """``max_loras``: SGLang's --max-loras-per-batch and --max-loaded-loras (lorapub pins at most one
+    fewer: capacity N needs N + 1)."""
     graphs = [] if decode_graphs else ["--cuda-graph-backend-decode", "disabled"]
     return [
-        "--model-path", model, "--enable-lora", "--max-loras-per-batch", "3", "--max-loaded-loras", "3",
+        "--model-path", model, "--enable-lora", "--max-loras-per-batch", str(max_loras),
+        "--max-loaded-loras", str(max_loras),
         "--lora-target-modules", *target_modules, "--max-lora-rank", str(max_lora_rank),
         "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
         "--grammar-backend", "none", "--dtype", "bfloat16", "--context-length", str(context_length),
@@ -70,7 +74,8 @@ def server_args(model: str, port: int, *, max_lora_rank: int, context_length: in
 
 def start(name: str, model: str, port: int, out_dir: str, *, patched: bool, env: dict | None = None,
           max_lora_rank: int = 8, context_length: int = 8192, mem_fraction: float = 0.2,
-          target_modules: tuple[str, ...] = ATTENTION_MODULES, decode_graphs: bool = False) -> Server:
+          target_modules: tuple[str, ...] = ATTENTION_MODULES, decode_graphs: bool = False,
+          max_loras: int = 3) -> Server:
     log_path = os.path.join(out_dir, f"server-{name}.log")
     environ = dict(os.environ, **(env or {}))
     environ["PYTHONUNBUFFERED"] = "1"
@@ -78,7 +83,7 @@ def start(name: str, model: str, port: int, out_dir: str, *, patched: bool, env:
         environ["LORAPUB_SGLANG_PATCH"] = "observe"
     cmd = [sys.executable, "-m", "lorapub.sglang_patch", "launch",
            *server_args(model, port, max_lora_rank=max_lora_rank, context_length=context_length, mem_fraction=mem_fraction,
-                        target_modules=target_modules, decode_graphs=decode_graphs)]
+                        target_modules=target_modules, decode_graphs=decode_graphs, max_loras=max_loras)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     return Server(name, port, patched, log_path, proc)
