@@ -166,3 +166,33 @@ def test_numpy_dtypes_safetensors_cannot_store_are_refused():
         with pytest.raises(InvalidInput, match="'x' has dtype"):
             Snapshot({"x": np.zeros(3, dtype=dtype)}, {"r": 2})
     Snapshot({"x": np.zeros(3, dtype=np.complex64), "y": np.zeros(2, dtype=np.uint16)}, {"r": 2})
+
+
+# -- Deadlines: every phase deadline is a positive, finite number of seconds ---------------------
+from lorapub.runtime.runner import Deadlines  # noqa: E402
+
+DEADLINE_FIELDS = ("begin", "bucket", "end", "cleanup", "commit", "reclaim")
+
+
+@pytest.mark.parametrize("field", DEADLINE_FIELDS)
+@pytest.mark.parametrize(
+    "bad", [float("nan"), 0, 0.0, -1, -0.5, math.inf, -math.inf, "30", None, True, False, 10**400, [5]],
+    ids=["nan", "zero", "zero-float", "negative", "negative-float", "inf", "-inf", "str", "none", "true",
+         "false", "huge-int", "list"],
+)
+def test_a_deadline_that_is_not_a_positive_finite_number_is_refused_naming_it(field, bad):
+    with pytest.raises(InvalidInput) as e:
+        Deadlines(**{field: bad})
+    assert e.value.code == "INVALID_INPUT"
+    assert f"Deadlines.{field}" in e.value.message and repr(bad)[:40] in e.value.message
+    deadlines = Deadlines()
+    with pytest.raises(InvalidInput, match=f"Deadlines.{field}"):  # set later: checked the same
+        setattr(deadlines, field, bad)
+    assert getattr(deadlines, field) == getattr(Deadlines(), field)
+
+
+def test_positive_finite_deadlines_are_kept_as_given():
+    d = Deadlines(begin=2, bucket=0.02, end=1e-3, cleanup=np.float64(3.5), commit=1, reclaim=86_400)
+    assert (d.begin, d.bucket, d.end, d.cleanup, d.commit, d.reclaim) == (2, 0.02, 1e-3, 3.5, 1, 86_400)
+    d.reclaim = 0.5
+    assert d.reclaim == 0.5
