@@ -116,6 +116,19 @@ def test_damaged_file_store_is_store_corrupted_naming_the_file(tmp_path, damage)
     assert str(path) in e.value.message
 
 
+@pytest.mark.parametrize("keep", [0, 1, 5, 19, 35])  # the header is the 20-byte magic and a 16-byte checksum
+def test_a_file_store_cut_shorter_than_its_header_is_store_corrupted(tmp_path, keep):
+    path = tmp_path / "registry.pickle"
+    registry = LocalRegistry(EP, E, store=FileStore(str(path)))
+    publish_through(registry, "A")
+    cut = path.read_bytes()[:keep]
+    path.write_bytes(cut)
+    with pytest.raises(StoreCorrupted, match="shorter than a FileStore header") as e:
+        LocalRegistry(EP, E, store=FileStore(str(path)))
+    assert str(path) in e.value.message and "cut short" in e.value.message
+    assert path.read_bytes() == cut  # refused, not replaced by a new registry
+
+
 def test_file_store_holding_something_else_is_refused(tmp_path):
     path = tmp_path / "registry.pickle"
     FileStore(str(path)).save({"not": "a registry"})
@@ -311,6 +324,61 @@ def test_corrupted_sqlite_store_is_store_corrupted_naming_the_file(tmp_path, cor
     with pytest.raises(StoreCorrupted, match=says) as e:
         sqlite_registry(tmp_path / "r.db")
     assert str(tmp_path / "r.db") in e.value.message
+
+
+@pytest.mark.parametrize("keep", [1, 2, 100, 511])
+def test_a_sqlite_store_cut_shorter_than_one_page_is_store_corrupted_not_a_new_registry(tmp_path, keep):
+    """SQLite takes a one-byte file for a new database: the registry would have started afresh."""
+    path = tmp_path / "r.db"
+    with_sessions(path, 5).close()
+    cut = path.read_bytes()[:keep]
+    path.write_bytes(cut)
+    with pytest.raises(StoreCorrupted, match="shorter than the smallest SQLite database") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and f"{keep} bytes" in e.value.message
+    assert path.read_bytes() == cut  # nothing written into it
+
+
+def test_an_empty_sqlite_store_is_refused_even_with_a_write_ahead_log(tmp_path):
+    """A store's file holds a page from its creation on; an empty one beside a log was cut."""
+    path = tmp_path / "r.db"
+    registry = with_sessions(path, 5)
+    wal = (tmp_path / "r.db-wal").read_bytes()  # the registry is open: its log holds the decisions
+    registry.close()
+    path.write_bytes(b"")
+    (tmp_path / "r.db-wal").write_bytes(wal)
+    with pytest.raises(StoreCorrupted, match="empty") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message
+
+
+def test_a_store_missing_beside_its_write_ahead_log_is_refused(tmp_path):
+    path = tmp_path / "r.db"
+    registry = with_sessions(path, 5)
+    wal = (tmp_path / "r.db-wal").read_bytes()
+    registry.close()
+    path.unlink()
+    (tmp_path / "r.db-wal").write_bytes(wal)
+    with pytest.raises(StoreCorrupted, match="missing but its write-ahead log") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and not path.exists()
+
+
+def test_a_new_sqlite_store_never_appears_at_its_path_unfinished(tmp_path, monkeypatch):
+    """SQLite creates a database file empty: a creation cut short in place would leave an empty file,
+    refused as a store cut to nothing. The store is built beside its path and linked into place."""
+    from lorapub.runtime import stores
+
+    path = tmp_path / "r.db"
+    monkeypatch.setattr(stores, "_TABLES", stores._TABLES + ("CREATE TABLE broken (",))  # creation fails midway
+    with pytest.raises(StoreError, match="cannot create it") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message
+    assert list(tmp_path.iterdir()) == []  # nothing at the path, no temporary file left
+    monkeypatch.undo()
+    registry = with_sessions(path, 3)  # the next open creates it whole
+    state = registry.state
+    assert reopen(registry).state == state
 
 
 def test_sqlite_save_failure_is_a_store_error_and_nothing_advances(tmp_path):

@@ -27,6 +27,7 @@ import os
 import pickle
 import sqlite3
 import tempfile
+import urllib.parse
 from typing import Any, Iterator
 
 import attrs
@@ -73,6 +74,7 @@ class _CollectorPaused:
 
 # -- FileStore: the whole state, rewritten on every decision ---------------------------------
 _FILE_MAGIC = b"LORAPUB-FILESTORE/1\n"
+_FILE_HEAD = len(_FILE_MAGIC) + 16  # the magic and the body's checksum
 
 
 class FileStore:
@@ -97,6 +99,14 @@ class FileStore:
             return None
         except OSError as e:
             raise StoreError(f"registry store {self.path}: cannot read it: {e}") from None
+        if len(data) < _FILE_HEAD:
+            # the store never leaves a partial file (it writes a temporary one and renames it), and
+            # no registry state pickles to so few bytes: the file was cut short or overwritten
+            raise StoreCorrupted(
+                f"registry store {self.path}: the file is {'empty (cut to nothing)' if not data else f'{len(data)} bytes'}"
+                f", shorter than a FileStore header ({_FILE_HEAD} bytes): it was cut short or overwritten; restore "
+                f"it from a copy, or move it away to start a new store"
+            )
         if data.startswith(_FILE_MAGIC):
             head = len(_FILE_MAGIC)
             digest, body = data[head:head + 16], data[head + 16:]
@@ -164,6 +174,13 @@ _TABLES = (
 )
 
 _CORRUPT_CODES = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
+_MIN_DB_BYTES = 512  # SQLite's smallest page: a database file that is not empty holds one page at least
+
+
+def _create_tables(db: sqlite3.Connection) -> None:
+    for ddl in _TABLES:
+        db.execute(ddl)
+    db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA,))
 _PARTS_PER_COLLECT = 8  # snapshot parts (each up to a few tens of kB) deleted per decision
 
 
@@ -255,16 +272,29 @@ class SQLiteStore:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         except OSError as e:
             raise StoreError(f"registry store {self.path}: cannot create its folder: {e}") from None
-        if _size(self.path) == 0 and not _size(self.path + "-wal"):
-            # SQLite would take an empty file for a new database and the registry would start
-            # afresh: a store cut to nothing (or whose creation never committed) is refused.
+        size = _size(self.path)
+        if size is None:
+            if _size(self.path + "-wal"):
+                # SQLite would replay the log onto a new, empty file: pages it never held would be missing
+                raise StoreCorrupted(
+                    f"registry store {self.path} is missing but its write-ahead log {self.path}-wal is there; "
+                    f"restore the store beside it, or move the log away to start a new store"
+                )
+            self._create()
+        elif size < _MIN_DB_BYTES:
+            # SQLite would take an empty file (or, for one byte, a cut one) for a new database and the
+            # registry would start afresh. A store is never created in place (see _create) and a
+            # database that is not empty holds at least one whole page: this file was cut short.
             raise StoreCorrupted(
-                f"registry store {self.path}: the file is empty (cut to nothing, or its creation never "
-                f"finished); move it away to start a new store"
+                f"registry store {self.path}: the file is {'empty (cut to nothing)' if not size else f'{size} bytes'}"
+                f", shorter than the smallest SQLite database (one {_MIN_DB_BYTES}-byte page): it was cut short or "
+                f"overwritten; restore it from a copy, or move it away (with its -wal file) to start a new store"
             )
         db = None
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=0)
+            # mode=rw: open the file that was checked, never create one in its place
+            db = sqlite3.connect(f"file:{urllib.parse.quote(self.path)}?mode=rw", uri=True, isolation_level=None,
+                                 check_same_thread=False, timeout=0)
             db.execute("PRAGMA locking_mode=EXCLUSIVE")  # before WAL: no shared memory, one owner
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
@@ -272,10 +302,8 @@ class SQLiteStore:
             db.execute("PRAGMA synchronous=FULL")
             db.execute("BEGIN IMMEDIATE")  # take the lock now, not at the first decision
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            if not tables:
-                for ddl in _TABLES:
-                    db.execute(ddl)
-                db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA,))
+            if not tables:  # a database with no tables (an earlier release's creation cut short): adopt it
+                _create_tables(db)
             db.execute("COMMIT")
             check = db.execute("PRAGMA quick_check").fetchall()
             if check != [("ok",)]:
@@ -304,6 +332,47 @@ class SQLiteStore:
         self._build = None
         self._garbage = True
         return db
+
+    def _create(self) -> None:
+        """Make a new store. SQLite creates a database file empty and writes it later, so a process
+        that died meanwhile would leave an empty file at the path (refused when opened: it cannot be
+        told from a store cut to nothing). The store is built beside its path instead, its tables
+        committed and checkpointed, then linked into place: the path never holds a partial store."""
+        folder = os.path.dirname(self.path)
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".registry-new-", suffix=".db")
+            os.close(fd)
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")
+                db.execute("BEGIN IMMEDIATE")
+                _create_tables(db)
+                db.execute("COMMIT")
+            finally:
+                db.close()  # the last connection: checkpoints into the file and removes its -wal
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, self.path)  # never replaces: a store another registry made meanwhile stays
+            except FileExistsError:
+                pass  # its lock decides which registry owns it
+            except OSError:  # a filesystem without hard links
+                if not os.path.exists(self.path):
+                    os.replace(tmp, self.path)
+            _fsync_dir(folder)
+        except (sqlite3.Error, OSError) as e:
+            raise self._error("cannot create it", e) from None
+        finally:
+            for leftover in (tmp, f"{tmp}-wal", f"{tmp}-shm", f"{tmp}-journal") if tmp else ():
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
 
     def _check_schema(self, db: sqlite3.Connection) -> None:
         try:
