@@ -13,6 +13,8 @@ Stores, side by side on the same states in the same run:
 * sqlite     -- ``SQLiteStore`` defaults (snapshot every 10,000 commands).
 * sqlite+c   -- ``SQLiteStore(snapshot_every=1)``: a snapshot is being written (or its log
                 and parts collected) during every measured decision: compaction's worst case.
+* sqlite+m   -- ``SQLiteStore(mark_sync_every=0)``: the high-water mark (written after every
+                commit; fsynced once a second by default) fsynced after every commit too.
 * file       -- ``FileStore`` (the control: pickle + fsync + rename of the whole state). It
                 gets as many decisions as fit in ``--control-seconds`` (at least 3), so its
                 p99 at large N is the max of few samples.
@@ -104,7 +106,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-STORES = ("memory", "sqlite", "sqlite+c", "file")
+STORES = ("memory", "sqlite", "sqlite+c", "sqlite+m", "file")
 
 
 class Templates:
@@ -141,6 +143,7 @@ def one_run(kind: str, label: str, state: R.RegistryState, templates: Templates,
         store = {
             "sqlite": lambda: SQLiteStore(path),
             "sqlite+c": lambda: SQLiteStore(path, snapshot_every=1),
+            "sqlite+m": lambda: SQLiteStore(path, mark_sync_every=0),
             "file": lambda: FileStore(path),
         }[kind]()
         t0 = time.perf_counter()
@@ -161,7 +164,7 @@ def one_run(kind: str, label: str, state: R.RegistryState, templates: Templates,
     stats = store.stats() if isinstance(store, SQLiteStore) else {}
     registry.close()
     if kind != "memory":
-        for suffix in ("", "-wal"):
+        for suffix in ("", "-wal", "-mark"):
             if os.path.exists(path + suffix):
                 os.unlink(path + suffix)
     return {

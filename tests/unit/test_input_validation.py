@@ -165,4 +165,96 @@ def test_numpy_dtypes_safetensors_cannot_store_are_refused():
             continue  # a platform whose long double is a double
         with pytest.raises(InvalidInput, match="'x' has dtype"):
             Snapshot({"x": np.zeros(3, dtype=dtype)}, {"r": 2})
-    Snapshot({"x": np.zeros(3, dtype=np.complex64), "y": np.zeros(2, dtype=np.uint16)}, {"r": 2})
+
+
+# what engine-side staging loads (lorapub.core.dtypes), and what it refuses though safetensors or the
+# framework has it: a snapshot refuses those at once, before a reserve and a begin fail on them
+NUMPY_REFUSED = ["uint16", "uint32", "uint64", "complex64", "complex128", "longdouble", "clongdouble"]
+NUMPY_ACCEPTED = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", ">f4", ">i8"]
+TORCH_REFUSED = ["uint16", "uint32", "uint64", "complex32", "complex64", "complex128", "float8_e4m3fn",
+                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+TORCH_ACCEPTED = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_REFUSED)
+def test_a_numpy_dtype_engine_staging_cannot_load_is_refused_naming_tensor_dtype_and_what_is_accepted(dtype):
+    if np.dtype(dtype) == np.float64:
+        pytest.skip("this platform's long double is a double")
+    with pytest.raises(InvalidInput) as e:
+        Snapshot({"layer.0.lora_A.weight": GOOD, "layer.0.lora_B.weight": np.zeros((2, 2), dtype=dtype)}, {"r": 2})
+    assert e.value.code == "INVALID_INPUT"
+    assert "'layer.0.lora_B.weight'" in e.value.message and str(np.dtype(dtype)) in e.value.message
+    for name in ("bfloat16", "float32", "int64", "bool"):
+        assert name in e.value.message  # says what it accepts
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", TORCH_REFUSED)
+def test_a_torch_dtype_engine_staging_cannot_load_is_refused_naming_tensor_dtype_and_what_is_accepted(dtype):
+    torch = pytest.importorskip("torch")
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    try:
+        t = torch.zeros((2, 2)).to(getattr(torch, dtype))
+    except (RuntimeError, TypeError) as e:
+        pytest.skip(f"this torch cannot make a {dtype} tensor: {e}")
+    with pytest.raises(InvalidInput) as e:
+        Snapshot({"layer.0.lora_A.weight": torch.ones(2, 2), "layer.0.lora_B.weight": t}, {"r": 2})
+    assert e.value.code == "INVALID_INPUT"
+    assert "'layer.0.lora_B.weight'" in e.value.message and dtype in e.value.message
+    for name in ("bfloat16", "float32", "int64", "bool"):
+        assert name in e.value.message
+
+
+def test_the_accepted_dtypes_are_exactly_what_engine_staging_loads():
+    from lorapub.core.dtypes import SAFETENSORS_DTYPES
+    from lorapub.sglang_patch import engine_staging, prepared_load
+
+    assert set(TORCH_ACCEPTED) == set(SAFETENSORS_DTYPES)
+    assert engine_staging.SAFETENSORS_DTYPES is SAFETENSORS_DTYPES  # one table
+    assert prepared_load._SAFETENSORS_DTYPES == {code: name for name, code in SAFETENSORS_DTYPES.items()}
+
+
+def test_every_accepted_dtype_is_snapshotted_with_its_name_in_the_manifest():
+    from lorapub.core.dtypes import SAFETENSORS_DTYPES
+    from lorapub.sglang_patch.engine_staging import safetensors_header
+
+    snap = Snapshot({f"n{i:02d}": np.ones((2, 3), dtype=d) for i, d in enumerate(NUMPY_ACCEPTED)}, {"r": 2})
+    assert [e.dtype for e in snap.manifest.tensors] == [np.dtype(d).name for d in NUMPY_ACCEPTED]
+    assert all(e.dtype in SAFETENSORS_DTYPES for e in snap.manifest.tensors)
+    safetensors_header(list(snap.manifest.tensors))  # the engine's header for them: no refusal
+    torch = pytest.importorskip("torch")
+    snap = Snapshot({f"t{i:02d}": torch.ones(2, 3, dtype=getattr(torch, d)) for i, d in enumerate(TORCH_ACCEPTED)},
+                    {"r": 2})
+    assert [e.dtype for e in snap.manifest.tensors] == TORCH_ACCEPTED
+    safetensors_header(list(snap.manifest.tensors))
+
+
+# -- Deadlines: every phase deadline is a positive, finite number of seconds ---------------------
+from lorapub.runtime.runner import Deadlines  # noqa: E402
+
+DEADLINE_FIELDS = ("begin", "bucket", "end", "cleanup", "commit", "reclaim")
+
+
+@pytest.mark.parametrize("field", DEADLINE_FIELDS)
+@pytest.mark.parametrize(
+    "bad", [float("nan"), 0, 0.0, -1, -0.5, math.inf, -math.inf, "30", None, True, False, 10**400, [5]],
+    ids=["nan", "zero", "zero-float", "negative", "negative-float", "inf", "-inf", "str", "none", "true",
+         "false", "huge-int", "list"],
+)
+def test_a_deadline_that_is_not_a_positive_finite_number_is_refused_naming_it(field, bad):
+    with pytest.raises(InvalidInput) as e:
+        Deadlines(**{field: bad})
+    assert e.value.code == "INVALID_INPUT"
+    assert f"Deadlines.{field}" in e.value.message and repr(bad)[:40] in e.value.message
+    deadlines = Deadlines()
+    with pytest.raises(InvalidInput, match=f"Deadlines.{field}"):  # set later: checked the same
+        setattr(deadlines, field, bad)
+    assert getattr(deadlines, field) == getattr(Deadlines(), field)
+
+
+def test_positive_finite_deadlines_are_kept_as_given():
+    d = Deadlines(begin=2, bucket=0.02, end=1e-3, cleanup=np.float64(3.5), commit=1, reclaim=86_400)
+    assert (d.begin, d.bucket, d.end, d.cleanup, d.commit, d.reclaim) == (2, 0.02, 1e-3, 3.5, 1, 86_400)
+    d.reclaim = 0.5
+    assert d.reclaim == 0.5

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -114,6 +116,19 @@ def test_damaged_file_store_is_store_corrupted_naming_the_file(tmp_path, damage)
     with pytest.raises(StoreCorrupted) as e:
         LocalRegistry(EP, E, store=FileStore(str(path)))
     assert str(path) in e.value.message
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5, 19, 35])  # the header is the 20-byte magic and a 16-byte checksum
+def test_a_file_store_cut_shorter_than_its_header_is_store_corrupted(tmp_path, keep):
+    path = tmp_path / "registry.pickle"
+    registry = LocalRegistry(EP, E, store=FileStore(str(path)))
+    publish_through(registry, "A")
+    cut = path.read_bytes()[:keep]
+    path.write_bytes(cut)
+    with pytest.raises(StoreCorrupted, match="shorter than a FileStore header") as e:
+        LocalRegistry(EP, E, store=FileStore(str(path)))
+    assert str(path) in e.value.message and "cut short" in e.value.message
+    assert path.read_bytes() == cut  # refused, not replaced by a new registry
 
 
 def test_file_store_holding_something_else_is_refused(tmp_path):
@@ -249,11 +264,13 @@ def _corrupt_record(path):
     db.close()
 
 
+# The two rewrites below give a record a valid checksum; they pick one before the last: the last
+# record's checksum is also in the store's mark, which refuses a rewritten last record on its own.
 def _unpicklable_record(path):
     from lorapub.runtime import stores
 
     db = sqlite3.connect(str(path), isolation_level=None)
-    (seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
+    (seq,) = db.execute("SELECT MAX(seq) - 1 FROM log").fetchone()
     record = pickle.dumps(BindFirst(sk(1))).replace(b"BindFirst", b"BindLast\x00")  # names no class
     db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
                (record, stores._checksum(stores._key("log", seq), record), seq))
@@ -264,7 +281,7 @@ def _unreplayable_record(path):
     from lorapub.runtime import stores
 
     db = sqlite3.connect(str(path), isolation_level=None)
-    (seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
+    (seq,) = db.execute("SELECT MAX(seq) - 1 FROM log").fetchone()
     record = pickle.dumps(OpenSession(SessionKey(EP + 5, "x", "n")))  # another epoch: the core refuses it
     db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
                (record, stores._checksum(stores._key("log", seq), record), seq))
@@ -311,6 +328,74 @@ def test_corrupted_sqlite_store_is_store_corrupted_naming_the_file(tmp_path, cor
     with pytest.raises(StoreCorrupted, match=says) as e:
         sqlite_registry(tmp_path / "r.db")
     assert str(tmp_path / "r.db") in e.value.message
+
+
+@pytest.mark.parametrize("keep", [1, 2, 100, 511])
+def test_a_sqlite_store_cut_shorter_than_one_page_is_store_corrupted_not_a_new_registry(tmp_path, keep):
+    """SQLite takes a one-byte file for a new database: the registry would have started afresh."""
+    path = tmp_path / "r.db"
+    with_sessions(path, 5).close()
+    cut = path.read_bytes()[:keep]
+    path.write_bytes(cut)
+    with pytest.raises(StoreCorrupted, match="shorter than the smallest SQLite database") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and f"{keep} bytes" in e.value.message
+    assert path.read_bytes() == cut  # nothing written into it
+
+
+def test_an_empty_sqlite_store_is_refused_even_with_a_write_ahead_log(tmp_path):
+    """A store's file holds a page from its creation on; an empty one beside a log was cut."""
+    path = tmp_path / "r.db"
+    registry = with_sessions(path, 5)
+    wal = (tmp_path / "r.db-wal").read_bytes()  # the registry is open: its log holds the decisions
+    registry.close()
+    path.write_bytes(b"")
+    (tmp_path / "r.db-wal").write_bytes(wal)
+    with pytest.raises(StoreCorrupted, match="empty") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message
+
+
+def test_a_store_missing_beside_its_write_ahead_log_is_refused(tmp_path):
+    path = tmp_path / "r.db"
+    registry = with_sessions(path, 5)
+    wal = (tmp_path / "r.db-wal").read_bytes()
+    registry.close()
+    path.unlink()
+    (tmp_path / "r.db-mark").unlink()  # the log alone tells (the mark would too: next test)
+    (tmp_path / "r.db-wal").write_bytes(wal)
+    with pytest.raises(StoreCorrupted, match="missing but its write-ahead log") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and not path.exists()
+
+
+def test_a_store_missing_beside_its_mark_is_refused_not_started_afresh(tmp_path):
+    path = tmp_path / "r.db"
+    with_sessions(path, 5).close()
+    path.unlink()
+    with pytest.raises(StoreCorrupted, match="is missing, but its mark") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and "move the mark away to start a new store" in e.value.message
+    assert not path.exists()
+    (tmp_path / "r.db-mark").unlink()  # as the message says: a new store
+    assert len(sqlite_registry(path).state.sessions) == 0
+
+
+def test_a_new_sqlite_store_never_appears_at_its_path_unfinished(tmp_path, monkeypatch):
+    """SQLite creates a database file empty: a creation cut short in place would leave an empty file,
+    refused as a store cut to nothing. The store is built beside its path and linked into place."""
+    from lorapub.runtime import stores
+
+    path = tmp_path / "r.db"
+    monkeypatch.setattr(stores, "_TABLES", stores._TABLES + ("CREATE TABLE broken (",))  # creation fails midway
+    with pytest.raises(StoreError, match="cannot create it") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message
+    assert list(tmp_path.iterdir()) == []  # nothing at the path, no temporary file left
+    monkeypatch.undo()
+    registry = with_sessions(path, 3)  # the next open creates it whole
+    state = registry.state
+    assert reopen(registry).state == state
 
 
 def test_sqlite_save_failure_is_a_store_error_and_nothing_advances(tmp_path):
@@ -416,6 +501,205 @@ def test_a_crash_between_append_and_reply_leaves_the_command_applied_and_replay_
     assert reopen(again).state == again.state
     if command == "bind":
         assert reply.version == VersionKey(EP, "A")
+
+
+# -- the high-water mark: a damaged write-ahead log never reopens with fewer decisions -----------
+_ACKNOWLEDGE = textwrap.dedent("""
+    import sys, time
+    from lorapub.core.identity import SessionKey
+    from lorapub.core.registry import BindFirst
+    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.runtime.stores import SQLiteStore
+    registry = LocalRegistry(3, {"e0": "x"}, store=SQLiteStore(sys.argv[1]))
+    for i in range(int(sys.argv[2])):
+        registry.apply(BindFirst(SessionKey(3, f"acked{i}", "n")))  # durable on return
+        print(i, flush=True)  # acknowledged
+    time.sleep(600)  # killed here: never closed, never checkpointed
+""")
+
+
+def acknowledged_then_killed(path, n: int) -> None:
+    """A real registry process acknowledges ``n`` decisions, then is SIGKILLed before any checkpoint."""
+    with_sessions(path, 0).close()  # one version published; closed, so the child starts a fresh log
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), REPO]))
+    child = subprocess.Popen([sys.executable, "-c", _ACKNOWLEDGE, str(path), str(n)], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        acks = [child.stdout.readline().strip() for _ in range(n)]
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+        child.stdout.close()
+    assert acks == [str(i) for i in range(n)], acks
+    assert child.returncode == -signal.SIGKILL
+    assert os.path.getsize(str(path) + "-wal") > 0  # every decision is in the log, none checkpointed
+
+
+def acked(i: int) -> SessionKey:
+    return SessionKey(EP, f"acked{i}", "n")
+
+
+def _wal_frames(data: bytes) -> tuple[int, int]:
+    """(frame size, frames) of a SQLite write-ahead log: a 32-byte header, then 24-byte headers + pages."""
+    frame = 24 + int.from_bytes(data[8:12], "big")
+    return frame, (len(data) - 32) // frame
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
+
+
+def _flip_middle_frame(data: bytes) -> bytes:
+    frame, frames = _wal_frames(data)
+    return _flip(data, 32 + (frames // 2) * frame + 24 + 100)  # one bit of a page in the middle of the log
+
+
+def _flip_last_frame(data: bytes) -> bytes:
+    frame, frames = _wal_frames(data)
+    return _flip(data, 32 + (frames - 1) * frame + 24 + 100)  # one bit of the last commit's page
+
+
+WAL_DAMAGE = {
+    "one bit flipped mid-log": _flip_middle_frame,
+    "one bit flipped in the last commit": _flip_last_frame,
+    "one bit flipped in the log header": lambda data: _flip(data, 17),  # a salt: the whole log is dropped
+    "cut in half": lambda data: data[: len(data) // 2],
+    "cut to its header": lambda data: data[:32],
+}
+
+
+@pytest.mark.parametrize("damage", WAL_DAMAGE)
+def test_a_damaged_write_ahead_log_after_a_kill_is_store_corrupted_never_fewer_decisions(tmp_path, damage):
+    """SQLite stops recovering a log at its first bad frame and opens without error; the mark outside
+    the log says what was acknowledged, and the store is refused instead of resumed with less."""
+    path, wal = tmp_path / "r.db", tmp_path / "r.db-wal"
+    acknowledged_then_killed(path, 40)
+    damaged = WAL_DAMAGE[damage](wal.read_bytes())
+    wal.write_bytes(damaged)
+    before = path.read_bytes()
+    # what SQLite itself makes of it (on a copy): it opens without error, holding fewer decisions
+    witness = tmp_path / "witness"
+    witness.mkdir()
+    (witness / "r.db").write_bytes(before)
+    (witness / "r.db-wal").write_bytes(damaged)
+    db = sqlite3.connect(str(witness / "r.db"), isolation_level=None)
+    (held,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
+    db.close()
+    assert held < stores_mark(tmp_path / "r.db-mark").seq
+    with pytest.raises(StoreCorrupted, match="were acknowledged") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and str(tmp_path / "r.db-mark") in e.value.message
+    assert "missing" in e.value.message and "write-ahead log" in e.value.message
+    # refused on a read-only look: the damage is left exactly as found, for whoever repairs it
+    assert wal.read_bytes() == damaged and path.read_bytes() == before
+    with pytest.raises(StoreCorrupted, match="were acknowledged"):  # and stays refused
+        sqlite_registry(path)
+
+
+def test_a_kill_without_damage_reopens_with_every_acknowledged_decision(tmp_path):
+    path = tmp_path / "r.db"
+    acknowledged_then_killed(path, 40)
+    registry = sqlite_registry(path)
+    assert all(registry.state.sessions[acked(i)].version == VersionKey(EP, "A") for i in range(40))
+    assert registry.state.versions[VersionKey(EP, "A")].session_refs == 40
+    seq = registry.store.stats()["seq"]
+    state = registry.state
+    assert reopen(registry).state == state
+    assert stores_mark(tmp_path / "r.db-mark").seq == seq
+
+
+def stores_mark(path):
+    from lorapub.runtime.stores import _Mark
+
+    return _Mark.decode(path.read_bytes())
+
+
+def test_a_store_without_its_mark_opens_and_gets_one(tmp_path):
+    """A store an earlier release wrote has no mark: accepted as it is, and marked from then on."""
+    path, mark = tmp_path / "r.db", tmp_path / "r.db-mark"
+    acknowledged_then_killed(path, 5)
+    mark.unlink()
+    registry = sqlite_registry(path)
+    assert registry.state.versions[VersionKey(EP, "A")].session_refs == 5
+    assert stores_mark(mark).seq == registry.store.stats()["seq"]
+    registry.apply(BindFirst(acked(99)))
+    assert stores_mark(mark).seq == registry.store.stats()["seq"]  # kept current
+
+
+@pytest.mark.parametrize("damage", ["bit", "cut", "empty", "longer"])
+def test_a_damaged_mark_is_store_corrupted_naming_it(tmp_path, damage):
+    path, mark = tmp_path / "r.db", tmp_path / "r.db-mark"
+    with_sessions(path, 5).close()
+    data = mark.read_bytes()
+    mark.write_bytes({"bit": _flip(data, 30), "cut": data[:20], "empty": b"", "longer": data + b"\0"}[damage])
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(StoreCorrupted, match="is damaged") as e:
+        sqlite_registry(path)
+    assert str(mark) in e.value.message and "move it away to accept the store" in e.value.message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    mark.unlink()  # as the message says: accepted as it is
+    assert len(sqlite_registry(path).state.sessions) == 5
+
+
+def test_a_last_record_rewritten_under_a_valid_checksum_is_refused_by_the_mark(tmp_path):
+    from lorapub.runtime import stores
+
+    path = tmp_path / "r.db"
+    with_sessions(path, 5).close()
+    db = sqlite3.connect(str(path), isolation_level=None)
+    (seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
+    record = pickle.dumps(BindFirst(sk("forged")))
+    db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
+               (record, stores._checksum(stores._key("log", seq), record), seq))
+    db.close()
+    with pytest.raises(StoreCorrupted, match=f"log record {seq} is not the one acknowledged") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message
+
+
+def test_a_mark_that_cannot_be_written_stops_the_next_decision_not_the_acknowledged_one(tmp_path, monkeypatch):
+    from lorapub.runtime import stores
+
+    registry = with_sessions(tmp_path / "r.db", 2)
+    real = os.pwrite
+    monkeypatch.setattr(stores.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    registry.apply(BindFirst(sk("in")))  # committed before its mark failed: durable, acknowledged
+    before = registry.state
+    with pytest.raises(StoreError, match="cannot write its mark") as e:
+        registry.apply(BindFirst(sk("out")))
+    assert str(tmp_path / "r.db-mark") in e.value.message
+    assert registry.state is before  # not applied
+    monkeypatch.setattr(stores.os, "pwrite", real)
+    registry.apply(BindFirst(sk("out")))  # writable again: the mark catches up, decisions go on
+    assert stores_mark(tmp_path / "r.db-mark").seq == registry.store.stats()["seq"]
+    state = registry.state
+    assert reopen(registry).state == state and sk("in") in state.sessions
+
+
+@pytest.mark.parametrize("every, synced", [(0, 6), (3600, 0)])
+def test_the_mark_is_written_after_every_commit_and_fsynced_as_often_as_asked(tmp_path, monkeypatch, every, synced):
+    from lorapub.runtime import stores
+
+    registry = with_sessions(tmp_path / "r.db", 2)
+    registry = reopen(registry, mark_sync_every=every)
+    syncs = []
+    real = stores._fdatasync
+    monkeypatch.setattr(stores, "_fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
+    for i in range(6):
+        registry.apply(BindFirst(sk(f"m{i}")))
+        assert stores_mark(tmp_path / "r.db-mark").seq == registry.store.stats()["seq"]  # written every time
+    assert len(syncs) == synced
+    registry.close()
+    assert len(syncs) == synced + 1  # and on close
+
+
+@pytest.mark.parametrize("bad", [-1, math.nan, math.inf, "1", True, None])
+def test_mark_sync_every_must_be_a_finite_number_of_seconds(tmp_path, bad):
+    from lorapub.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="mark_sync_every"):
+        SQLiteStore(str(tmp_path / "r.db"), mark_sync_every=bad)
 
 
 def test_group_commit_stores_a_batch_in_one_transaction_each_answered_on_its_own(tmp_path):

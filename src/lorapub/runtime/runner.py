@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Awaitable, Callable, Iterable, Mapping
 
 import attrs
@@ -38,7 +39,7 @@ from lorapub.core.commands import (
     RecordUnloaded,
     RegisterEngine,
 )
-from lorapub.errors import EngineError, LorapubError, OutcomeUnknown, UnknownEngine
+from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown, UnknownEngine
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 
@@ -48,16 +49,33 @@ OnReady = Callable[[ReadyToCommit], None]
 OnEligible = Callable[[VersionKey], Awaitable[None] | None]
 
 
+def _seconds(instance: object, attribute: "attrs.Attribute[float]", value: object) -> None:
+    """A deadline is a positive, finite number of seconds: NaN, infinity, zero, a negative
+    number, a bool or a string would silently disable a timeout (or the stale-attempt rule)."""
+    try:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < float(value) < math.inf
+    except OverflowError:  # an int too large for a float: no timer can wait that long
+        ok = False
+    if not ok:
+        raise InvalidInput(
+            f"Deadlines.{attribute.name} must be a positive, finite number of seconds (an int or a float), "
+            f"got {value!r} ({type(value).__name__})"
+        )
+
+
 @attrs.define
 class Deadlines:
-    """Per-phase deadlines in seconds. A deadline that passes is an unknown outcome."""
+    """Per-phase deadlines in seconds. A deadline that passes is an unknown outcome.
 
-    begin: float = 30.0
-    bucket: float = 120.0
-    end: float = 120.0
-    cleanup: float = 60.0
-    commit: float = 10.0
-    reclaim: float = 600.0
+    Each is a positive, finite int or float, checked when set (:class:`~lorapub.errors.InvalidInput`
+    naming the field otherwise)."""
+
+    begin: float = attrs.field(default=30.0, validator=_seconds)
+    bucket: float = attrs.field(default=120.0, validator=_seconds)
+    end: float = attrs.field(default=120.0, validator=_seconds)
+    cleanup: float = attrs.field(default=60.0, validator=_seconds)
+    commit: float = attrs.field(default=10.0, validator=_seconds)
+    reclaim: float = attrs.field(default=600.0, validator=_seconds)
 
 
 @attrs.define

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Mapping
 
+from lorapub.core.dtypes import ACCEPTED, SAFETENSORS_DTYPES
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
 
@@ -30,13 +31,16 @@ def _numpy_array(t: Any) -> bool:
     return np is not None and isinstance(t, np.ndarray)
 
 
-# numpy (kind, itemsize) pairs safetensors stores: bool, signed and unsigned ints, float16/32/64,
-# complex64 (not long double or complex256, whose bytes carry platform padding)
-_NUMPY_DTYPES = {("b", 1), ("f", 2), ("f", 4), ("f", 8), ("c", 8)} | {(k, n) for k in "iu" for n in (1, 2, 4, 8)}
+def _refuse_dtype(name: str, dtype: Any) -> InvalidInput:
+    return InvalidInput(
+        f"tensor {name!r} has dtype {dtype}, which lorapub does not publish: engine-side staging loads only "
+        f"{ACCEPTED}; convert it (e.g. to float32 or bfloat16) before taking the snapshot"
+    )
 
 
 def _check_tensor(name: str, t: Any) -> str:
-    """``"torch"`` or ``"numpy"``; :class:`InvalidInput` naming ``name`` for anything else."""
+    """``"torch"`` or ``"numpy"``; :class:`InvalidInput` naming ``name`` for anything else, and for a
+    dtype outside :data:`lorapub.core.dtypes.SAFETENSORS_DTYPES` (what engine-side staging loads)."""
     if _torch_tensor(t):
         import torch
 
@@ -44,11 +48,14 @@ def _check_tensor(name: str, t: Any) -> str:
             raise InvalidInput(f"tensor {name!r} has layout {t.layout}; only dense (strided) tensors are published")
         if t.device.type == "meta":
             raise InvalidInput(f"tensor {name!r} is on the meta device and has no data")
+        if _dtype(t) not in SAFETENSORS_DTYPES:
+            raise _refuse_dtype(name, t.dtype)
         return "torch"
     if _numpy_array(t):
-        if (t.dtype.kind, t.dtype.itemsize) not in _NUMPY_DTYPES:
-            raise InvalidInput(f"tensor {name!r} has dtype {t.dtype}; only bool, int/uint 8-64, float16/32/64 and "
-                               "complex64 arrays are published (what safetensors stores)")
+        # a numpy dtype by its name, whatever its byte order ('>f4' is float32); kinds b/i/u/f only, so an
+        # extension type that borrows a name (a void-kind 'bfloat16') is not taken for the real one
+        if t.dtype.kind not in "biuf" or t.dtype.name not in SAFETENSORS_DTYPES:
+            raise _refuse_dtype(name, t.dtype)
         return "numpy"
     raise InvalidInput(f"tensor {name!r} is a {type(t).__name__} ({t!r:.60}), not a torch tensor or a numpy array")
 
@@ -95,10 +102,11 @@ class Snapshot:
     """Immutable once built. ``manifest.digest`` is the version's content digest.
 
     Everything is checked here, before anything is sent to an engine: tensor names are
-    non-empty strings, every tensor is a dense torch tensor or a numpy array of a dtype safetensors
-    stores (bool, int/uint 8-64, float16/32/64, complex64; one
-    kind per snapshot), and the serving config is plain JSON (no NaN, string keys). A
-    violation is :class:`~lorapub.errors.InvalidInput` naming the offending key.
+    non-empty strings, every tensor is a dense torch tensor or a numpy array (one kind per
+    snapshot) of a dtype engine-side staging loads (:data:`lorapub.core.dtypes.SAFETENSORS_DTYPES`:
+    bool, uint8, int8/16/32/64, float16, bfloat16, float32, float64), and the serving config is
+    plain JSON (no NaN, string keys). A violation is :class:`~lorapub.errors.InvalidInput`
+    naming the offending key.
     """
 
     def __init__(self, state_dict: Mapping[str, Any], serving_config: Mapping[str, Any]) -> None:

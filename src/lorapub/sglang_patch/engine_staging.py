@@ -63,6 +63,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 
+from lorapub.core.dtypes import SAFETENSORS_DTYPES  # the dtypes a snapshot may hold, and their codes
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
 
@@ -76,11 +77,6 @@ FORMATS = ("raw", "safetensors", "shm", "torch")
 LOAD_FORMS = ("dir", "tensors")
 #: A shared-memory bucket file is named like this, inside the engine's allowed shm folder.
 SHM_NAME = re.compile(r"lorapub-[0-9a-f]{8,64}-b[0-9]{1,6}\.bucket")
-#: safetensors dtype codes for the dtype names lorapub's manifest carries.
-SAFETENSORS_DTYPES = {
-    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
 _CHUNK = 1 << 20
 #: Beside each life's stash folder, its claim: a file locked (flock) while that life's process runs,
 #: naming the running kernel (its boot id) whose locks make the claim mean anything.

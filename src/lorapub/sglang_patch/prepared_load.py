@@ -51,6 +51,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from lorapub.core.dtypes import SAFETENSORS_DTYPES
+
 logger = logging.getLogger(__name__)
 
 ENV = "LORAPUB_SGLANG_PREPARE"
@@ -498,10 +500,8 @@ def _install_slot_fill(pool_cls: Any) -> None:
     pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
 
 
-_SAFETENSORS_DTYPES = {
-    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
+#: safetensors code -> torch dtype name, for the dtypes lorapub publishes (another folder's dtype: SGLang's reader)
+_SAFETENSORS_DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
 
 def read_peft_folder(path: Any, step: Callable[[], None] | None = None) -> dict[str, Any] | None:
