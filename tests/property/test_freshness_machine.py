@@ -100,6 +100,7 @@ class FreshnessMachine(RegistryMachine):
         assert self.try_apply(R.CancelWait(key)) is True
         assert self.state.waiter is None
 
+
     # -- sessions, groups, staleness ----------------------------------------------------------
     @rule(target=members, i=st.integers(0, len(SESSION_POOL) - 1), group=st.sampled_from([None, *GROUPS]))
     def member(self, i, group):
@@ -119,9 +120,8 @@ class FreshnessMachine(RegistryMachine):
         if isinstance(result, LorapubError):
             assert result.code in ("NO_PUBLISHED_VERSION", "SESSION_CLOSED", "SESSION_EXPIRED", "GROUP_CLOSED",
                                    "BINDING_STALE", "INVALID_INPUT"), result
-            if result.code == "BINDING_STALE":
-                assert self.state.on_stale == "error"
-                self.stale_told.add(key)
+            if result.code == "BINDING_STALE" and self.state.on_stale == "error":
+                self.stale_told.add(key)  # (under "rebind" the worker now sends Rebind: dispatch_member)
 
     @rule(key=members)
     def dispatch_member(self, key):
@@ -152,14 +152,18 @@ class FreshnessMachine(RegistryMachine):
     @rule(key=members)
     def close_member(self, key):
         self.try_apply(R.CloseAndRelease(key, self.now))
+        self.closed.add(key)
 
     @rule(data=st.data())
     def idle_sessions_expire(self, data):
         keys = data.draw(st.lists(st.sampled_from(SESSION_POOL), max_size=3, unique=True))
+        before = self.state.sessions
         self.try_apply(R.ExpireSessions(tuple(keys), self.now))
         for key in keys:
             record = self.state.sessions.get(key)
             assert record is None or record.state not in (SessionState.OPEN, SessionState.BOUND, SessionState.CLOSING)
+            if record is not None and record.state is SessionState.EXPIRED and before[key].state is not SessionState.EXPIRED:
+                self.expired.add(key)
 
     @rule(data=st.data())
     def reclaim_what_is_reclaimable(self, data):
@@ -211,9 +215,8 @@ class FreshnessMachine(RegistryMachine):
     def superseded_never_commits(self):
         for key, by in self.state.superseded.items():
             assert key not in self.state.versions and key not in self.default_history
-            # by a newer call: reserved, still waiting, or itself superseded by a newer one
-            assert int(by.version_id[1:]) > int(key.version_id[1:])
-            assert by in self.state.versions or by == getattr(self.state.waiter, "key", None) or by in self.state.superseded
+            # by a later call: reserved, still waiting, itself superseded, or one that stopped waiting
+            assert by in self.state.versions or by in self.waiting  # a real, later publication
 
     @invariant()
     def one_version_per_session_unless_rebound(self):
