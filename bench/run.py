@@ -295,6 +295,7 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         "resent": sum(getattr(s, "resumed", 0) for s in sessions),
         "mixed": result.mixed_version_sessions(),
         "mixed_groups": result.mixed_version_groups(),
+        "rebound": result.rebound_sessions(),
         "cached_after": statistics.fmean([c for c in cached_after if c == c] or [nan]),
         "publication": statistics.fmean([c["ended"] - c["called"] - c["waited"] for c in done]) if done else nan,
         "call_to_commit": statistics.median([c["ended"] - c["called"] for c in done]) if done else nan,
@@ -488,8 +489,9 @@ ROWS = [  # (figure, key in a run's figures, unit, strategies it applies to)
     ("workload duration", "duration", "ms", STRATEGIES),
     ("requests failed", "failed", "n", STRATEGIES),
     ("sessions ended by BINDING_STALE (max_lag)", "stale_cut", "n", STRATEGIES),
+    ("sessions rebound on purpose (on_stale=rebind)", "rebound", "n", STRATEGIES),
     ("requests aborted and resent", "resent", "n", STRATEGIES),
-    ("mixed-version sessions", "mixed", "n", STRATEGIES),
+    ("mixed-version sessions (beyond rebinds)", "mixed", "n", STRATEGIES),
     ("groups spanning two versions", "mixed_groups", "n", STRATEGIES),
     ("cached-token ratio around a publication", "cached_after", "", STRATEGIES[1:]),
     ("publish calls made", "calls", "n", STRATEGIES),
@@ -737,6 +739,7 @@ async def main() -> int:
     parser.add_argument("--on-stale", choices=("error", "rebind"), default="error")
     parser.add_argument("--wait", type=float, default=30.0, help="seconds a lorapub publish call waits for a slot")
     parser.add_argument("--skip-online", action="store_true")
+    parser.add_argument("--skip-control-plane", action="store_true", help="Part 1 only")
     parser.add_argument("--json", help="also write every figure to this file")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw Part 1's timeline (completions per engine over time, one round) to this PNG; "
@@ -753,7 +756,7 @@ async def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     bars, figures = ({}, {}) if args.skip_online else await part1(args)
-    control_bars, control_figures = part2()
+    control_bars, control_figures = ({}, {}) if args.skip_control_plane else part2()
     bars.update(control_bars)
     print("\n== performance bars ==" + (" (not judged in --quick)" if args.quick else ""))
     for name, ok in bars.items():

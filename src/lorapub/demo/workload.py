@@ -33,6 +33,7 @@ class RequestRecord:
     lag: int | None = None  # its commits behind the default at dispatch (result["lorapub"])
     tokens: int = 0  # new tokens it generated
     group: str | None = None
+    rebinds: int = 0  # the session's rebinds to a newer version on purpose (on_stale="rebind"), so far
 
 
 @attrs.define
@@ -101,18 +102,27 @@ class WorkloadResult:
         return gaps
 
     def mixed_version_sessions(self) -> int:
+        """Sessions served by more than one version, beyond the rebinds they were told of."""
         seen: dict[str, set] = {}
+        rebinds: dict[str, int] = {}
         for r in self.ok:
             seen.setdefault(r.session, set()).add((r.engine, r.lora_id))
-        return sum(1 for versions in seen.values() if len(versions) > 1)
+            rebinds[r.session] = max(rebinds.get(r.session, 0), r.rebinds)
+        return sum(1 for s, versions in seen.items() if len(versions) > 1 + rebinds[s])
+
+    def rebound_sessions(self) -> int:
+        return len({r.session for r in self.ok if r.rebinds})
 
     def mixed_version_groups(self) -> int:
-        """Groups whose members were served by more than one version."""
+        """Groups whose members were served by more than one version, beyond the group's rebinds
+        (``on_stale="rebind"`` moves a whole group on purpose; its members follow turn by turn)."""
         seen: dict[str, set] = {}
+        rebinds: dict[str, int] = {}
         for r in self.ok:
             if r.group is not None:
                 seen.setdefault(r.group, set()).add(r.version_id or r.lora_id)
-        return sum(1 for versions in seen.values() if len(versions) > 1)
+                rebinds[r.group] = max(rebinds.get(r.group, 0), r.rebinds)
+        return sum(1 for g, versions in seen.items() if len(versions) > 1 + rebinds[g])
 
     def token_lags(self) -> list[tuple[int | None, int]]:
         """(lag, new tokens) of every completed request: the token-weighted lag distribution."""
@@ -168,6 +178,7 @@ async def run_workload(
                     rec.ok = True
                     rec.version = version_of(session) if version_of else None
                     rec.version_id, rec.lag = served.get("version_id"), served.get("lag")
+                    rec.rebinds = int(served.get("rebinds") or 0)
                     rec.lora_id = meta.get("lora_id") or rec.version or rec.version_id
                     rec.tokens = len(out.get("output_ids") or []) or int(meta.get("completion_tokens", 0) or 0)
                     rec.cached_tokens = int(meta.get("cached_tokens", 0))
