@@ -61,8 +61,9 @@ from lorapub.runtime.snapshot import Snapshot  # noqa: E402
 
 ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
-FULL = dict(rounds=3, sessions=150, publications=3, cadence=0.25, load_delay=0.25)
-QUICK = dict(rounds=1, sessions=16, publications=1, cadence=0.1, load_delay=0.05)
+FULL = dict(rounds=3, sessions=150, publications=3, cadence=0.25, load_delay=0.25, arrival=0.01)
+# sessions keep arriving after the publication lands, so a request runs on the new version
+QUICK = dict(rounds=1, sessions=16, publications=1, cadence=0.1, load_delay=0.05, arrival=0.04)
 PLOT_BIN = 0.05  # seconds: the timeline counts completions per bin of this width
 #: How an engine's adapter load meets its decoding (--engine-model).
 ENGINE_MODELS = {
@@ -719,7 +720,7 @@ async def main() -> int:
     parser.add_argument("--tool-latency", type=float, default=0.005, help="tool time between turns (s)")
     parser.add_argument("--rounds", type=int, help=f"control/baseline/lorapub rounds (default {FULL['rounds']})")
     parser.add_argument("--sessions", type=int, help=f"default {FULL['sessions']}")
-    parser.add_argument("--arrival", type=float, default=0.01)
+    parser.add_argument("--arrival", type=float, help=f"seconds between session arrivals (default {FULL['arrival']})")
     parser.add_argument("--publications", type=int, help=f"default {FULL['publications']}")
     parser.add_argument("--cadence", type=float, help=f"seconds between publications (default {FULL['cadence']})")
     parser.add_argument("--decode-delay", type=float, default=0.002)

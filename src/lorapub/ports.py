@@ -90,7 +90,7 @@ class HeldAdapter:
 class StagedAttempt:
     """An attempt staged on an engine (bytes received, not loaded or cleaned yet)."""
 
-    token: str
+    token: AttemptToken
     lora_name: str
     idle_seconds: float | None = None
 

@@ -63,7 +63,9 @@ def test_the_quick_benchmark_prints_every_figure_and_draws_its_timeline(tmp_path
         assert set(online["summary"]["derived"][key]) == {"median", "min", "max"}
     assert len(online["load_average"]) == 2
     assert {"2 engines", "64 engines", "10 sessions", "10000 sessions"} <= set(figures["control_plane"])
-    assert len(figures["bars"]) == 5
+    assert len(figures["bars"]) == 7
+    calls = round_["lorapub"]["call_log"]  # every publish call counted, with how it ended
+    assert [c["outcome"] for c in calls] == ["done"] and round_["lorapub"]["calls"] == 1
 
     # The timeline plot: a real PNG, and its data are the run's completions, every one in a bin.
     data = png.read_bytes()
@@ -82,12 +84,12 @@ def test_the_quick_benchmark_prints_every_figure_and_draws_its_timeline(tmp_path
         completions = run["timeline"]["completions"]
         assert {e: len(ts) for e, ts in completions.items()} == {e: sum(row) for e, row in counts.items()}
         assert all(0 <= t < plot["bins"] * plot["bin"] for ts in completions.values() for t in ts)
-    marks = plot["marks"]
-    assert marks["control"] == {"publications": [], "pauses": []}
-    assert len(marks["baseline"]["publications"]) == len(marks["baseline"]["pauses"]) == 1
-    assert len(marks["lorapub"]["publications"]) == 1 and marks["lorapub"]["pauses"] == []
-    (start, end), ((pause_start, pause_end),) = marks["baseline"]["publications"][0], marks["baseline"]["pauses"]
-    assert start <= pause_start < pause_end <= end  # the pause lies inside its publication
+    marks = plot["marks"]  # every publish call: called, slot taken, ended, its outcome (and the old path's pause)
+    assert marks["control"] == []
+    (base,), (lp,) = marks["baseline"], marks["lorapub"]
+    assert base["outcome"] == lp["outcome"] == "done"
+    assert base["called"] <= base["paused"][0] < base["paused"][1] <= base["ended"]  # the pause lies inside its call
+    assert "paused" not in lp and lp["called"] <= lp["slot"] <= lp["ended"]
 
 
 MEMORY_BENCH = os.path.join(ROOT, "bench", "memory_bench.py")

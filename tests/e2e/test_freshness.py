@@ -84,8 +84,9 @@ async def test_the_capacity_check_reads_sglangs_own_limits_over_http():
     try:
         limits = await engines["e0"].limits()
         assert (limits.max_loaded_loras, limits.max_loras_per_batch, limits.managed_capacity()) == (5, 4, 3)
-        dep = await Deployment(engines, epoch=1, capacity=3, deadlines=FAST, reconcile_interval=None).start()
-        await dep.close()
+        dep = await Deployment(engines, epoch=1, capacity=3, deadlines=FAST, reconcile_interval=None,
+                               own_engines=False).start()
+        await dep.close()  # the engines stay open for the next deployment
         with pytest.raises(EngineCapacityError, match="max_loaded_loras=5, max_loras_per_batch=4"):
             await Deployment(engines, epoch=2, capacity=4, deadlines=FAST, reconcile_interval=None).start()
     finally:

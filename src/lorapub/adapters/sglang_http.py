@@ -37,6 +37,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id, is_managed_name
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
+from lorapub.sglang_patch.engine_staging import token_from_json
 
 logger = logging.getLogger(__name__)
 #: SGLang's HTTP server closes a connection idle this long (its SGLANG_TIMEOUT_KEEP_ALIVE default).
@@ -365,11 +366,16 @@ class SGLangAdminBase:
             for name, a in state.get("adapters", {}).items() if is_managed_name(name)
         }
         attempts = (state.get("staging") or {}).get("attempts") or {}
-        staged = tuple(
-            StagedAttempt(token, str(a.get("lora_name")), a.get("idle_seconds"))
-            for token, a in sorted(attempts.items()) if isinstance(a, dict) and not a.get("loaded")
-        ) if isinstance(attempts, dict) else ()
-        return Inventory(state["incarnation"], adapters, staged)
+        staged = []
+        for a in (attempts.values() if isinstance(attempts, dict) else ()):
+            if not isinstance(a, dict) or a.get("loaded"):
+                continue
+            try:
+                token = token_from_json(a.get("token"))
+            except Exception:  # noqa: BLE001 - an attempt this client cannot name: left to the engine's aging
+                continue
+            staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
+        return Inventory(state["incarnation"], adapters, tuple(staged))
 
     async def limits(self) -> EngineLimits:
         """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``

@@ -172,6 +172,14 @@ class StartReprovision:
 
 
 @attrs.frozen
+class RecordLost:
+    """``engine`` lost ``key`` without a restart (its inventory lacks it)."""
+
+    engine: str
+    key: VersionKey
+
+
+@attrs.frozen
 class AbortStale:
     """Abort an active attempt whose publisher stopped making progress (it is cleaned after)."""
 
@@ -246,9 +254,10 @@ class ReadState:
 
 @attrs.frozen
 class ReadFleet:
-    """Which engine holds which version, and what the reconciler has to do (small, cheap)."""
+    """Which engine holds which version, and what the reconciler has to do (small, cheap); with
+    the registry's clock reading (``now``, stamped by the registry) for processes that time sessions."""
 
-    pass
+    now: float | None = None
 
 
 @attrs.frozen
@@ -264,7 +273,7 @@ Command = (
     RegisterEngine | Reserve | CancelWait | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure
     | RecordUnknown | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | Rebind | BeginClose
     | CloseAndRelease | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim | RenewLeases
-    | ExpireSessions | ExpireLeases | StartReprovision | AbortStale
+    | ExpireSessions | ExpireLeases | StartReprovision | AbortStale | RecordLost
     | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState | ReadFleet | ReadSessionsOf
 )
 

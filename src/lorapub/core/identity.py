@@ -68,6 +68,14 @@ def is_managed_name(name: str) -> bool:
     return name.startswith(MANAGED_PREFIX)
 
 
+def epoch_of_name(name: str) -> int | None:
+    """The deployment epoch a managed adapter name was made in (None: not a managed name)."""
+    if not name.startswith(MANAGED_PREFIX):
+        return None
+    head = name[len(MANAGED_PREFIX):].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 @attrs.frozen(order=True)
 class AttemptToken:
     """One publication attempt of one version. ``seq`` comes from the registry's counter."""

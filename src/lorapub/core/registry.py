@@ -49,6 +49,7 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     RecordBucketDone,
     RecordCleaned,
     RecordFailure,
+    RecordLost,
     RecordPrepared,
     RecordReady,
     RecordUnknown,
@@ -67,6 +68,7 @@ from lorapub.core.group import GroupRecord, GroupState
 from lorapub.core.session import Binding, SessionRecord, SessionState
 from lorapub.core.session_table import SessionTable
 from lorapub.core.version import (
+    HELD_BY_ENGINES,
     SERVING,
     CommitReceipt,
     Version,
@@ -308,6 +310,8 @@ class Fleet:
     capacity: int = DEFAULT_CAPACITY
     slots: tuple[SlotHolder, ...] = ()
     waiting: Waiter | None = None
+    now: float | None = None  # the registry's clock when it answered
+    lora_names: Mapping[VersionKey, str] = attrs.field(factory=dict)  # every version engines may still hold
 
     @property
     def routable(self) -> frozenset[str]:
@@ -324,6 +328,7 @@ class AttemptStatus:
     version_state: VersionState
     commit: CommitReceipt | None
     targets: tuple[tuple[str, str], ...]  # (engine, target state)
+    publisher: str = ""  # who started it (its own replay may take it over)
 
 
 def new_registry(
@@ -679,7 +684,7 @@ def query_attempt(state: RegistryState, token: AttemptToken) -> AttemptStatus:
     v = state.versions[token.version]
     return AttemptStatus(
         token, a.phase, v.state, v.commit if a.phase is Phase.COMMITTED else None,
-        tuple((t.engine, t.state.value) for t in a.targets),
+        tuple((t.engine, t.state.value) for t in a.targets), a.publisher,
     )
 
 
@@ -1052,13 +1057,29 @@ def start_reprovision(state: RegistryState, key: VersionKey, engine: str) -> Out
     return Outcome(state, token, effects)
 
 
+def record_lost(state: RegistryState, engine: str, key: VersionKey) -> Outcome:
+    """``engine`` no longer holds ``key`` although it did not restart (an operator unloaded it):
+    it leaves the version's holders (sessions go to another holder; it is re-provisioned where
+    still needed), and a reclaim has nothing left to unload there."""
+    if engine not in state.engines:
+        raise UnknownEngine(f"engine {engine} is not registered")
+    version = state.version(key)
+    if version.state in SERVING and engine in version.engines:
+        version = attrs.evolve(version, engines=tuple(e for e in version.engines if e != engine))
+    elif version.state is VersionState.RECLAIMING and engine in version.reclaim_pending:
+        version = rec.confirm(version, version.reclaim_id or "", engine)[0]
+    else:
+        return Outcome(state, False, [Ignored(f"{key} on {engine}: not held there by the registry")])
+    return Outcome(attrs.evolve(state, versions=state.versions.set(key, version)), True)
+
+
 def abort_stale(state: RegistryState, token: AttemptToken, reason: str) -> Outcome:
     """Abort an active attempt whose publisher stopped (cleanup follows on every target)."""
     state.attempt(token)
     return _step_attempt(state, token, att.abort, reason)
 
 
-def read_fleet(state: RegistryState) -> Fleet:
+def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
     needed = state.needed()
     cleaning, active = [], {}
     for token, a in state.attempts.items():
@@ -1087,6 +1108,11 @@ def read_fleet(state: RegistryState) -> Fleet:
         capacity=state.capacity,
         slots=state.slot_holders(),
         waiting=state.waiter,
+        now=now,
+        # every version whose adapter engines may hold as the registry knows it (loading, serving, being
+        # unloaded, or failed and not yet cleaned): anything else managed of this epoch is an orphan
+        lora_names={k: v.lora_name for k, v in state.versions.items()
+                    if v.state in HELD_BY_ENGINES or v.state in (VersionState.LOADING, VersionState.ABORTED)},
     )
 
 
@@ -1100,7 +1126,7 @@ _TRANSITIONS = {
     ForgetSessions: forget_sessions, ClaimReclaim: claim_reclaim, RecordUnloaded: record_unloaded,
     RetryReclaim: retry_reclaim, RenewLeases: renew_leases, ExpireSessions: expire_sessions,
     ExpireLeases: expire_leases,
-    StartReprovision: start_reprovision, AbortStale: abort_stale,
+    StartReprovision: start_reprovision, AbortStale: abort_stale, RecordLost: record_lost,
 }
 
 _QUERIES = {
@@ -1109,7 +1135,7 @@ _QUERIES = {
     ReadVersion: lambda state, c: state.version(c.key),
     ListReclaimable: lambda state, c: state.reclaimable(),
     ReadState: lambda state, c: state,
-    ReadFleet: lambda state, c: read_fleet(state),
+    ReadFleet: lambda state, c: read_fleet(state, c.now),
     ReadSessionsOf: lambda state, c: read_sessions_of(state, c.version, c.limit),
 }
 

@@ -56,6 +56,8 @@ _ALLOWED = {
 
 # States whose adapter sessions may still need on an engine (re-provisioned after a restart).
 SERVING = frozenset({VersionState.PUBLISHED, VersionState.RETIRED})
+# States in which engines may hold the version's adapter as the registry knows it (loaded or unloading).
+HELD_BY_ENGINES = frozenset({VersionState.PUBLISHED, VersionState.RETIRED, VersionState.RECLAIMING})
 
 
 @attrs.frozen

@@ -79,6 +79,7 @@ class Deployment:
         max_lag: int | None = None,
         on_stale: str = "error",
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
+        own_engines: bool = True,
     ) -> None:
         self.engines = _check_engines(engines)
         _check_epoch(epoch)
@@ -107,6 +108,7 @@ class Deployment:
         self.max_lag = max_lag
         self.on_stale = on_stale
         self.idle_ttl = idle_ttl
+        self.own_engines = own_engines  # close() closes the engine adapters too
         # How generations reach engines: lorapub's sticky router by default, or e.g.
         # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
         self.router = router
@@ -206,15 +208,31 @@ class Deployment:
                 log.warning("probe of %s failed: %s", name, e)
         self._on_fleet((await self.registry.handle(ReadFleet())).reply)
 
-    async def close(self) -> None:
-        """Stop the reconciler and lease renewals (sessions left open expire after their TTL)."""
+    async def close(self, grace: float = 5.0) -> None:
+        """Stop the reconciler, lease renewals and every background task (a reclaim still waiting
+        for running requests after ``grace`` s is left to the next reconciler: the registry keeps
+        it RECLAIMING), then close the engine adapters (``own_engines=False``: left open).
+        Sessions left open expire after their TTL."""
         if not self._started:
             self._closed = True
+            await self._close_engines()
             return
         self._started, self._closed = False, True
         await self.sessions.stop_renewals()
         await self.reconciler.stop()
-        await self.reclaimer.settle()
+        await self.reclaimer.settle(timeout=grace)
+        await self._close_engines()
+
+    async def _close_engines(self) -> None:
+        if not self.own_engines:
+            return
+        for engine in self.engines.values():
+            close = getattr(engine, "close", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as e:  # noqa: BLE001 - closing is best effort: the rest still closes
+                    log.warning("closing engine %s: %s", getattr(engine, "name", "?"), e)
 
     async def __aenter__(self) -> "Deployment":
         return await self.start()
@@ -222,10 +240,17 @@ class Deployment:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def reconcile(self) -> Health:
-        """Run one reconciliation pass now: detect restarts, expire leases, clean, reclaim,
-        re-provision. Returns the typed health report (what still blocks, and why)."""
+    async def reconcile(self, wait: float = 2.0) -> Health:
+        """Run one reconciliation pass now: detect restarts and lost versions, expire leases, start
+        cleanups, reclaims, orphan unloads and re-provisioning (in the background). Waits up to
+        ``wait`` s for what it started, then returns the typed health report (what still blocks,
+        and why); an unload that waits for long requests never holds it longer."""
         self._require_started()
+        health = await self.reconciler.run_once()
+        if health.healthy or not wait:
+            return health
+        await self.reconciler.settle(wait)
+        await self.reclaimer.wait(wait)
         return await self.reconciler.run_once()
 
     @property
@@ -248,10 +273,12 @@ class Deployment:
         self._require_started()
         return (await self.registry.handle(ReadState())).reply
 
-    async def settle(self) -> None:
-        """Wait for background reclaims started by session closes and commits."""
+    async def settle(self, timeout: float | None = None) -> None:
+        """Wait for the background work: reclaims started by session closes, commits and the
+        reconciler, and the reconciler's repairs (at most ``timeout`` s)."""
         self._require_started()
-        await self.reclaimer.settle()
+        await self.reconciler.settle(timeout)
+        await self.reclaimer.wait(timeout)
 
     async def _incarnation(self, name: str) -> str:
         try:
@@ -293,8 +320,7 @@ class Deployment:
     async def _settle_briefly(self, seconds: float = 5.0) -> None:
         # A reclaim that is finishing frees the slot this publication needs; a long one (it
         # waits for running requests) is not waited for: reserve then says CAPACITY_ERROR.
-        if self.reclaimer._background:
-            await asyncio.wait(list(self.reclaimer._background), timeout=seconds)
+        await self.reclaimer.wait(seconds)
 
     async def reclaim(self, version: VersionKey):
         """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background)."""

@@ -430,8 +430,10 @@ class Publisher:
 class Reclaimer:
     """unregister -> native wait_for_unload -> unload once -> confirm, on every engine.
 
-    The one owner of ``ReclaimEligible``: :meth:`on_eligible` starts a background
-    reclaim (when ``auto``) that retries engines whose UNLOADED receipt did not come.
+    The one owner of ``ReclaimEligible`` and of every reclaim the reconciler finds to do:
+    :meth:`ensure` runs one background reclaim per version (never two), which retries the
+    engines whose UNLOADED receipt did not come. A reclaim may wait as long as the longest request
+    still running on the version; nothing else ever waits for it.
     """
 
     def __init__(
@@ -451,6 +453,7 @@ class Reclaimer:
         self.retries = retries
         self.backoff = backoff
         self._background: set[asyncio.Task] = set()
+        self._by_version: dict[VersionKey, asyncio.Task] = {}
         self._in_flight: dict[VersionKey, int] = {}
         self.on_done: Callable[[VersionKey], None] | None = None
 
@@ -460,9 +463,10 @@ class Reclaimer:
 
     def in_flight(self, key: VersionKey) -> bool:
         """An unload of ``key`` is running in this process (it may wait for long requests)."""
-        return self._in_flight.get(key, 0) > 0
+        return self._in_flight.get(key, 0) > 0 or key in self._by_version
 
-    async def _run(self, key: VersionKey, command) -> VersionState:
+    async def _run(self, key: VersionKey, command) -> tuple[VersionState, bool]:
+        """Apply ``command``, run its unloads; (the version's state after, whether anything was sent)."""
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         try:
             result = await self.registry.handle(command)
@@ -471,30 +475,46 @@ class Reclaimer:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
-        return (await self.registry.handle(ReadVersion(key))).reply.state
+        sent = any(type(fx).__name__ == "SendReclaim" for fx in result.effects)
+        return (await self.registry.handle(ReadVersion(key))).reply.state, sent
 
     async def reclaim(self, key: VersionKey) -> VersionState:
-        return await self._run(key, ClaimReclaim(key))
+        return (await self._run(key, ClaimReclaim(key)))[0]
 
     async def retry(self, key: VersionKey) -> VersionState:
-        return await self._run(key, RetryReclaim(key))
+        return (await self._run(key, RetryReclaim(key)))[0]
 
     async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
         return {key: await self.reclaim(key) for key in (await self.registry.handle(ListReclaimable())).reply}
 
     def on_eligible(self, version: VersionKey) -> None:
-        if not self.auto:
+        if self.auto:
+            self.ensure(version)
+
+    def ensure(self, version: VersionKey) -> None:
+        """Reclaim ``version`` in the background (claimed if RETIRED and unused, its unloads retried if
+        RECLAIMING), unless this process already does."""
+        if version in self._by_version:
             return
-        task = asyncio.get_running_loop().create_task(self._reclaim_until_done(version))
+        task = asyncio.get_running_loop().create_task(self._reclaim_until_done(version), name=f"lorapub-reclaim-{version}")
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._by_version[version] = task
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if self._by_version.get(version) is t:
+                del self._by_version[version]
+
+        task.add_done_callback(done)
 
     async def _reclaim_until_done(self, version: VersionKey) -> None:
         """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent).
         A failure here is not final: the reconciler is told and finds it again in the state."""
         state = None
         try:
-            state = await self.reclaim(version)
+            state, sent = await self._run(version, ClaimReclaim(version))
+            if state is VersionState.RECLAIMING and not sent:  # claimed earlier (elsewhere): drive its unloads
+                state = await self.retry(version)
             for attempt in range(self.retries):
                 if state is not VersionState.RECLAIMING:
                     break
@@ -502,10 +522,25 @@ class Reclaimer:
                 state = await self.retry(version)
         except LorapubError as e:
             log.warning("background reclaim of %s failed (%s); the reconciler retries it", version, e)
+        if state is VersionState.RECLAIMED:
+            log.info("version reclaimed: version=%s", version)
         if self.on_done is not None:  # a freed slot (a waiting publication goes), or a retry to schedule
             self.on_done(version)
 
-    async def settle(self) -> None:
-        """Wait for the background reclaims started by :meth:`on_eligible`."""
-        while self._background:
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background reclaims (at most ``timeout`` s); True if none is left."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self._background:
+                    await asyncio.gather(*list(self._background), return_exceptions=True)
+        except TimeoutError:
+            return False
+        return True
+
+    async def settle(self, timeout: float | None = None) -> None:
+        """Wait for the background reclaims; what is left after ``timeout`` s is cancelled (its
+        version stays RECLAIMING in the registry, and any reconciler finishes it)."""
+        if not await self.wait(timeout):
+            for task in list(self._background):
+                task.cancel()
             await asyncio.gather(*list(self._background), return_exceptions=True)

@@ -1,31 +1,42 @@
-"""The reconciler: level-triggered recovery derived from registry state.
+"""The reconciler: level-triggered recovery derived from registry state and engine inventories.
 
-Edges get lost: a reply to the last close, a registry call inside an automatic
-reclaim, a publisher that dies mid-attempt, an engine that restarts between two
-probes. So nothing that must eventually happen is driven by an edge alone. Each
-pass reads the registry's :class:`~lorapub.core.registry.Fleet` (what the state
-says must be done) and does it; passes run after every relevant event (``kick``)
-and periodically, and a pass that fails is retried with backoff. Every command
-it issues is idempotent, so any number of reconcilers (one per process) may run.
+Edges get lost: a reply to the last close, a registry call inside an automatic reclaim, a
+publisher that dies mid-attempt, an engine that restarts between two probes. So nothing that
+must eventually happen is driven by an edge alone. Each pass reads what every engine holds
+(its inventory), then the registry's :class:`~lorapub.core.registry.Fleet` (what the state says
+must be done) and starts what is missing; passes run after every relevant event (``kick``)
+and periodically, and a pass that fails is retried with backoff. Every command it issues is
+idempotent, so any number of reconcilers (one per process) may run.
+
+A pass never waits on an engine longer than its short probe deadline: anything that may take
+long (an unload that waits for the requests still running, a cleanup, a re-provisioning) runs
+in the background, one task per thing to repair, and health names it until it is done.
 
 One pass, in order:
 
-1. probe every engine's incarnation; a new life is registered (its READYs and
-   stashes are void, it leaves every version's holders);
-2. expire the leases of sessions whose worker stopped renewing them;
-3. abort attempts whose publisher made no progress for ``stale_attempt_after``;
-4. retry unconfirmed cleanups; reclaim RETIRED versions with zero refs; retry
-   reclaims that wait for receipts;
-5. re-provision needed versions on engines that lost them, from the frozen copy
-   this process keeps (only the publishing process has one);
-6. report what still blocks health as a typed :class:`Health`.
+1. read every engine's inventory (incarnation, managed adapters, staged attempts) — before the
+   registry, so anything the registry did not know of when it answered is truly not its own;
+2. register engines that restarted (their READYs and stashes are void, they leave every
+   version's holders);
+3. expire the leases of sessions whose worker stopped renewing them;
+4. abort attempts whose publisher made no progress for ``stale_attempt_after``;
+5. in the background: retry unconfirmed cleanups; reclaim RETIRED versions nobody keeps and
+   retry reclaims that wait for receipts; unload *orphans* — managed adapters of an older
+   epoch, or of this epoch that no registry version names (a publisher that died with its
+   in-memory registry) — and clean their staged attempts; adapters and attempts of a *newer*
+   epoch belong to a newer trainer and are never touched;
+6. notice versions an engine lost without a restart (an operator unloaded one): the engine
+   leaves their holders;
+7. re-provision needed versions on engines that lost them, from the frozen copy this process
+   keeps (only the publishing process has one);
+8. report what still blocks health as a typed :class:`Health`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Mapping
+from typing import Any, Awaitable, Callable, Hashable, Mapping
 
 import attrs
 
@@ -35,15 +46,16 @@ from lorapub.core.commands import (
     ReadFleet,
     ReadSessionsOf,
     ReadVersion,
+    RecordLost,
     RegisterEngine,
     RetryCleanup,
     StartReprovision,
 )
-from lorapub.core.identity import AttemptToken, VersionKey
+from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
-from lorapub.errors import LorapubError
 from lorapub.core.version import VersionState
-from lorapub.ports import Clock, EngineAdmin, Registry, ReportsInventory
+from lorapub.errors import LorapubError
+from lorapub.ports import Clock, EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner
 
@@ -55,7 +67,7 @@ class Blocker:
     """One thing that keeps the deployment from being healthy, and why."""
 
     # engine_unreachable | reprovisioning | cleanup_pending | reclaim_pending | publication_waiting |
-    # attempt_running | reconcile_failed
+    # orphan_pending | attempt_running | reconcile_failed
     kind: str
     subject: str
     detail: str
@@ -91,6 +103,7 @@ class Reconciler:
         stale_attempt_after: float | None = None,
         max_backoff: float = 60.0,
         on_fleet: Callable[[Fleet], None] | None = None,
+        probe_deadline: float | None = None,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
@@ -105,6 +118,8 @@ class Reconciler:
         )
         self.max_backoff = max_backoff
         self.on_fleet = on_fleet
+        #: how long a pass waits for one engine's inventory or incarnation
+        self.probe_deadline = probe_deadline or min(5.0, deadlines.begin)
         self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible)
         self._seen: dict[AttemptToken, tuple[tuple, float]] = {}  # progress value, first seen
         self._wake = asyncio.Event()
@@ -112,6 +127,8 @@ class Reconciler:
         self._lock = asyncio.Lock()
         self._passes = 0
         self._failed = 0
+        self._repairs: dict[Hashable, asyncio.Task] = {}  # background repairs, one per thing repaired
+        self.orphans: dict[tuple[str, str], str] = {}  # (engine, adapter or attempt) -> what is done about it
         self.health = Health(False, (Blocker("reconcile_failed", "-", "no pass ran yet"),), None, 0, 0)
 
     # -- triggers ----------------------------------------------------------------
@@ -127,18 +144,29 @@ class Reconciler:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="lorapub-reconciler")
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop the loop, letting a pass that is running finish first (up to ``grace`` s): a
-        pass cut short leaves its attempt for the stale-attempt rule to clean."""
+        """Stop the loop (a pass that is running finishes first, up to ``grace`` s) and every
+        background repair (cancelled: what it left undone is in the registry's state, and the next
+        reconciler, in this process or another, finds it there)."""
         task, self._task = self._task, None
-        if task is None:
-            return
-        try:
-            async with asyncio.timeout(grace):
-                async with self._lock:
-                    task.cancel()
-        except TimeoutError:
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        if task is not None:
+            try:
+                async with asyncio.timeout(grace):
+                    async with self._lock:
+                        task.cancel()
+            except TimeoutError:
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        repairs = list(self._repairs.values())
+        for repair in repairs:
+            repair.cancel()
+        await asyncio.gather(*repairs, return_exceptions=True)
+
+    async def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the background repairs running now (at most ``timeout`` s); True if none is left."""
+        repairs = list(self._repairs.values())
+        if repairs:
+            await asyncio.wait(repairs, timeout=timeout)
+        return not any(not r.done() for r in repairs)
 
     async def _loop(self) -> None:
         backoff = 0.0
@@ -154,6 +182,24 @@ class Reconciler:
                 backoff = min(self.max_backoff, max(0.05, backoff * 2 or 0.1))
             else:
                 backoff = 0.0
+
+    def _spawn(self, key: Hashable, work: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``work`` in the background unless a repair of ``key`` already runs; a pass after it ends."""
+        if key in self._repairs:
+            return
+
+        async def run() -> None:
+            try:
+                await work()
+            except LorapubError as e:
+                log.warning("repair %s failed (%s); the next pass tries again", key, e)
+            except Exception:  # noqa: BLE001 - an adapter bug: logged, retried by the next pass
+                log.exception("repair %s raised; the next pass tries again", key)
+            finally:
+                self._repairs.pop(key, None)
+                self.kick()
+
+        self._repairs[key] = asyncio.get_running_loop().create_task(run(), name=f"lorapub-repair-{key}")
 
     # -- one pass -----------------------------------------------------------------
     async def run_once(self) -> Health:
@@ -174,27 +220,41 @@ class Reconciler:
             self.health = health
             return health
 
+    async def _probe(self, name: str, engine: EngineAdmin) -> Inventory | str | Exception:
+        """The engine's inventory where it keeps one, else its incarnation; the error if it is away."""
+        try:
+            async with asyncio.timeout(self.probe_deadline):
+                if isinstance(engine, ReportsInventory):
+                    return await engine.inventory()
+                return await engine.incarnation()
+        except TimeoutError:
+            return TimeoutError(f"no answer within {self.probe_deadline:g}s")
+        except Exception as e:  # noqa: BLE001 - unreachable now: routed around, probed again next pass
+            return e
+
     async def _pass(self) -> Health:
         blockers: list[Blocker] = []
+        # 1. what every engine holds, read before the registry's view of what it should hold
+        probes = dict(zip(self.engines, await asyncio.gather(*(self._probe(n, e) for n, e in self.engines.items()))))
         fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
-        # 1. restarts
-        for name, engine in sorted(self.engines.items()):
-            try:
-                async with asyncio.timeout(self.deadlines.begin):
-                    incarnation = await engine.incarnation()
-            except Exception as e:  # unreachable now: it is routed around, probed again next pass
-                blockers.append(Blocker("engine_unreachable", name, f"{type(e).__name__}: {e}"))
+        # 2. restarts
+        restarted = set()
+        for name, probe in sorted(probes.items()):
+            if isinstance(probe, Exception):
+                blockers.append(Blocker("engine_unreachable", name, f"{type(probe).__name__}: {probe}"))
                 continue
+            incarnation = probe.incarnation if isinstance(probe, Inventory) else probe
             if fleet.engines.get(name) != incarnation:
-                log.warning("engine %s restarted (%s -> %s)", name, fleet.engines.get(name), incarnation)
+                log.warning("engine restarted: engine=%s from=%s to=%s", name, fleet.engines.get(name), incarnation)
+                restarted.add(name)
                 result = await self.registry.handle(RegisterEngine(name, incarnation))
                 await self.control.run(result.effects)
-        # 2. leases
+        # 3. leases
         result = await self.registry.handle(ExpireLeases())
         if result.reply:
             log.warning("%d session lease(s) expired; their version refs were released", result.reply)
         fleet = (await self.registry.handle(ReadFleet())).reply
-        # 3. stale attempts
+        # 4. stale attempts
         now = self.clock.monotonic()
         for token in list(self._seen):
             if token not in fleet.active:
@@ -211,43 +271,119 @@ class Reconciler:
                 await self.control.run(result.effects)
             else:
                 blockers.append(Blocker("attempt_running", str(token), "publication in progress"))
-        # 4. cleanup and reclaim
+        # 5. cleanups, reclaims and orphans, in the background
         for token in fleet.cleaning:
-            result = await self.registry.handle(RetryCleanup(token))
-            await self.control.run(result.effects)
-        for key in fleet.reclaimable:
-            await self.reclaimer.reclaim(key)
-        for key in fleet.reclaiming:
-            if not self.reclaimer.in_flight(key):
-                await self.reclaimer.retry(key)
-        # 5. re-provisioning
-        if fleet.missing:
-            await self._reprovision(fleet)
+            self._spawn(("cleanup", token), lambda token=token: self._retry_cleanup(token))
+        for key in (*fleet.reclaimable, *fleet.reclaiming):
+            self.reclaimer.ensure(key)
+        inventories = {n: p for n, p in probes.items() if isinstance(p, Inventory) and n not in restarted}
+        self._sweep_orphans(inventories, fleet)
+        # 6. versions lost without a restart
+        if await self._notice_lost(inventories, fleet):
+            fleet = (await self.registry.handle(ReadFleet())).reply
+        # 7. re-provisioning, in the background
+        self._reprovision(fleet)
         fleet = (await self.registry.handle(ReadFleet())).reply
         if self.publisher is not None:
             self.publisher.frozen.retain(set(fleet.holders) | {t.version for t in fleet.active})
         if self.on_fleet is not None:
             self.on_fleet(fleet)
-        # 6. what is left
+        # 8. what is left
         for token in fleet.cleaning:
             blockers.append(Blocker("cleanup_pending", str(token), "cleanup not confirmed on every target"))
-        blockers += await self._reclaim_blockers(fleet)
+        blockers += await self._reclaim_blockers(fleet, inventories)
+        for (engine, what), doing in sorted(self.orphans.items()):
+            blockers.append(Blocker("orphan_pending", f"{engine}:{what}", doing))
         for engine, key in fleet.missing:
-            blockers.append(Blocker("reprovisioning", engine, f"{key} lost in a restart, not loaded again yet"))
+            blockers.append(Blocker("reprovisioning", engine, f"{key} lost by the engine, not loaded again yet"))
         active = set(map(str, fleet.active))
         blockers = [b for b in blockers if b.kind != "attempt_running" or b.subject in active]
         return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed)
 
-    async def _reclaim_blockers(self, fleet: Fleet) -> list[Blocker]:
+    async def _retry_cleanup(self, token: AttemptToken) -> None:
+        result = await self.registry.handle(RetryCleanup(token))
+        await self.control.run(result.effects)
+
+    # -- orphans and lost versions ------------------------------------------------------
+    def _sweep_orphans(self, inventories: Mapping[str, Inventory], fleet: Fleet) -> None:
+        """Unload what no registry version names (of this epoch) or an older epoch left; clean their
+        staged attempts. A newer epoch's adapters and attempts are a newer trainer's: untouched."""
+        known = set(fleet.lora_names.values())
+        live_tokens = set(fleet.active) | set(fleet.cleaning)
+        found: set[tuple[str, str]] = set()
+        for engine, inventory in sorted(inventories.items()):
+            for name, held in sorted(inventory.adapters.items()):
+                epoch = epoch_of_name(name)
+                if epoch is None or epoch > fleet.epoch or (epoch == fleet.epoch and name in known):
+                    continue
+                found.add((engine, name))
+                if (engine, name) not in self.orphans:
+                    log.warning("orphan found: engine=%s adapter=%s epoch=%d running_requests=%d", engine, name,
+                                epoch, held.refs)
+                self.orphans[(engine, name)] = (
+                    f"an adapter no registry of epoch {fleet.epoch} holds: unloading"
+                    + (f" once its {held.refs} running request(s) end" if held.refs else ""))
+                self._spawn(("orphan", engine, name), lambda e=engine, n=name: self._unload_orphan(e, n))
+            for staged in inventory.staged:
+                epoch = staged.token.version.deployment_epoch
+                if epoch > fleet.epoch or (epoch == fleet.epoch and staged.token in live_tokens):
+                    continue
+                if staged.lora_name in known:
+                    # a stale attempt of a version the registry serves under the same name: a cleanup
+                    # would unload that name (what it loaded), so the engine's own aging frees it
+                    continue
+                what = f"attempt {staged.token}"
+                found.add((engine, what))
+                if (engine, what) not in self.orphans:
+                    log.warning("orphan found: engine=%s attempt=%s", engine, staged.token)
+                self.orphans[(engine, what)] = "a staged attempt no registry drives: cleaning"
+                self._spawn(("orphan", engine, what),
+                            lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
+        for key in [k for k in self.orphans if k[0] in inventories and k not in found]:
+            del self.orphans[key]  # gone: freed
+
+    async def _unload_orphan(self, engine: str, name: str) -> None:
+        async with asyncio.timeout(self.deadlines.reclaim):
+            await self.engines[engine].reclaim(name, f"orphan-{name}")
+        log.info("orphan unloaded: engine=%s adapter=%s", engine, name)
+
+    async def _clean_orphan(self, engine: str, token: AttemptToken, name: str) -> None:
+        async with asyncio.timeout(self.deadlines.cleanup):
+            await self.engines[engine].cleanup(token, name)
+        log.info("orphan attempt cleaned: engine=%s attempt=%s", engine, token)
+
+    async def _notice_lost(self, inventories: Mapping[str, Inventory], fleet: Fleet) -> bool:
+        """A version the registry says an engine holds, which the engine's inventory lacks, twice —
+        before the registry answered and after — was lost without a restart: the engine leaves its
+        holders (re-provisioned where still needed)."""
+        changed = False
+        for engine, inventory in sorted(inventories.items()):
+            suspects = [key for key, holders in fleet.holders.items()
+                        if engine in holders and fleet.lora_names.get(key) not in inventory.adapters]
+            if not suspects:
+                continue
+            again = await self._probe(engine, self.engines[engine])
+            if not isinstance(again, Inventory) or again.incarnation != inventory.incarnation:
+                continue  # unreachable, or restarted meanwhile: the next pass sees it as such
+            for key in suspects:
+                if fleet.lora_names.get(key) not in again.adapters:
+                    log.warning("version lost: engine=%s version=%s (unloaded without a restart)", engine, key)
+                    result = await self.registry.handle(RecordLost(engine, key))
+                    changed = changed or bool(result.reply)
+        return changed
+
+    # -- health ------------------------------------------------------------------------
+    async def _reclaim_blockers(self, fleet: Fleet, inventories: Mapping[str, Inventory]) -> list[Blocker]:
         """Each pending reclaim with what holds it, by name: the engines whose unload is not
         confirmed and the requests still running there; and a waiting publication with the
         sessions that keep the versions holding its slots."""
         blockers: list[Blocker] = []
         pending = {h.version: h for h in fleet.slots if h.version in (*fleet.reclaimable, *fleet.reclaiming)}
-        running = await self._running_requests(pending) if pending else {}
         for key, holder in sorted(pending.items()):
+            name = fleet.lora_names.get(key)
+            running = {e: inv.adapters[name].refs for e, inv in inventories.items() if name in inv.adapters}
             on = ", ".join(f"{e} ({n} running request(s))" if n else e
-                           for e, n in sorted(running.get(key, {}).items()) if e in holder.unloading_on or n)
+                           for e, n in sorted(running.items()) if e in holder.unloading_on or n)
             detail = (f"unload not confirmed on {on or ', '.join(holder.unloading_on) or 'its engines'}"
                       if holder.state is not VersionState.RETIRED else "reclaim not claimed yet")
             blockers.append(Blocker("reclaim_pending", str(key), detail))
@@ -265,38 +401,23 @@ class Reconciler:
                                     detail + (" — " + "; ".join(kept) if kept else "")))
         return blockers
 
-    async def _running_requests(self, pending: Mapping[VersionKey, object]) -> dict[VersionKey, dict[str, int]]:
-        names = {(await self.registry.handle(ReadVersion(k))).reply.lora_name: k for k in pending}
-        found: dict[VersionKey, dict[str, int]] = {}
-        for name, engine in sorted(self.engines.items()):
-            if not isinstance(engine, ReportsInventory):
-                continue
-            try:
-                async with asyncio.timeout(self.deadlines.begin):
-                    held = (await engine.inventory()).adapters
-            except Exception:  # noqa: BLE001 - unreachable engines are reported by step 1
-                continue
-            for lora_name, key in names.items():
-                if lora_name in held:
-                    found.setdefault(key, {})[name] = held[lora_name].refs
-        return found
-
-    async def _reprovision(self, fleet: Fleet) -> None:
+    # -- re-provisioning ------------------------------------------------------------------
+    def _reprovision(self, fleet: Fleet) -> None:
         frozen = self.publisher.frozen if self.publisher is not None else None
         for engine, key in fleet.missing:
             snapshot = frozen.get(key) if frozen is not None else None
             if snapshot is None:
                 continue  # only the process that published it keeps the frozen copy
-            try:
-                result = await self.registry.handle(StartReprovision(key, engine))
-                if result.reply is None or not result.effects:
-                    continue
-                runner = EffectRunner(
-                    self.registry, self.engines,
-                    self.publisher.source_factory(snapshot, snapshot.plan(self.publisher.bucket_cap_bytes)),
-                    self.deadlines,
-                )
-                runlog = await runner.run(result.effects)
-                log.info("re-provisioned %s on %s (%s)", key, engine, "; ".join(runlog.failures + runlog.unknown) or "ok")
-            except LorapubError as e:
-                log.warning("re-provisioning %s on %s failed: %s", key, engine, e)
+            self._spawn(("reprovision", engine, key), lambda e=engine, k=key, s=snapshot: self._reprovision_one(e, k, s))
+
+    async def _reprovision_one(self, engine: str, key: VersionKey, snapshot: Any) -> None:
+        result = await self.registry.handle(StartReprovision(key, engine))
+        if result.reply is None or not result.effects:
+            return
+        runner = EffectRunner(
+            self.registry, self.engines,
+            self.publisher.source_factory(snapshot, snapshot.plan(self.publisher.bucket_cap_bytes)), self.deadlines,
+        )
+        runlog = await runner.run(result.effects)
+        log.info("engine re-provisioned: engine=%s version=%s outcome=%s", engine, key,
+                 "; ".join(runlog.failures + runlog.unknown) or "ok")

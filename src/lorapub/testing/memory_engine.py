@@ -152,7 +152,8 @@ class MemoryEngine:
 
     async def _inventory(self) -> Inventory:
         adapters = {name: HeldAdapter(name, self.refs.get(name, 0)) for name in self.loaded}
-        staged = tuple(StagedAttempt(str(t), req.lora_name) for t, (req, _) in self.stashes.items())
+        # as the patched server's state route: an attempt whose end loaded its adapter is not "staged"
+        staged = tuple(StagedAttempt(t, req.lora_name) for t, (req, _) in self.stashes.items() if t not in self.ended)
         return Inventory(self.incarnation_id, adapters, staged)
 
     async def begin(self, request: SendBegin) -> str:
