@@ -1,10 +1,10 @@
-"""lorapub's Relax hooks, driven through a harness of Relax's own interfaces (tests/integrations/
-relax_harness.py, which cites the Relax files it follows) against lorapub's real Deployment and two
-SGLang contract doubles (lorapub.testing.SGLangDouble, SGLang's own LoRARegistry inside).
+"""lorapub's Relax hooks, driven through stand-ins of Relax's own code (``relax_harness.py``, checked
+against the table of what was read in Relax, ``relax_surface.py``) against lorapub's real Deployment
+and two SGLang contract doubles (``lorapub.testing.SGLangDouble``, SGLang's own LoRARegistry inside).
 
-The trainer side (DeviceDirectBackend + BlockingRelaxLoraPublication) runs in a worker thread with
-its own event loop, the shard side (AgenticSessionShard + RelaxLoraPublication) on the test loop;
-they share one registry, as Relax's trainer and session shards share lorapub's Ray registry actor.
+The trainer side (``DeviceDirectBackend`` with lorapub's weight path, publishing from a thread of its
+own) and the shard side (``AgenticSessionShard``, on the test loop) share one registry, as Relax's
+trainer and session shards share lorapub's Ray registry actor.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import inspect
+import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -23,35 +26,117 @@ from typing import Any
 import pytest
 
 import lorapub
-from lorapub import CapacityError, Deadlines, NoPublishedVersion, OverwriteDeployment, SessionClosed
-from lorapub.integrations import relax as relax_lora
+from lorapub import Deadlines, Deployment, NoPublishedVersion, Snapshot, VersionKey, VersionMissing
+from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
+from lorapub.core.commands import ReadState
+from lorapub.integrations import relax as relax_lorapub
 from lorapub.integrations.relax import (
-    ARGUMENT,
-    BlockingRelaxLoraPublication,
-    RelaxLoraPublication,
+    CONFIG_FLAG,
+    DEFAULT_NAME_PREFIX,
+    ENABLE_FLAG,
+    LorapubConfig,
+    LorapubGenerationBackend,
+    LorapubPublisher,
+    OptionClash,
+    RelaxChatError,
     add_arguments,
+    check_name_prefix,
     engine_name,
-    error_result,
-    snapshot_from_export,
     validate_args,
 )
-from lorapub.runtime.registry import LocalRegistry  # the in-process registry docs/embedding.md names
+from lorapub.runtime.registry import LocalRegistry
 from lorapub.testing import SGLangDouble, peft_lora_state_dict
 
+from tests.integrations import relax_harness as harness
 from tests.integrations.relax_harness import (
     LORA_ADAPTER_NAME,
     AgenticSessionShard,
     DeviceDirectBackend,
+    Model,
     SGLangBackendAdapter,
+    SessionSpec,
 )
+from tests.integrations.relax_surface import RELAX_SURFACE, row
 
 FAST = Deadlines(begin=5, bucket=5, end=20, cleanup=5, commit=2, reclaim=10)  # end: the first load imports torch
-MANAGED = LORA_ADAPTER_NAME + "@"
+EPOCH = 7
+
+
+# ------------------------------------------------------------------------------------------------
+# The table: the stand-ins are what was read in Relax
+# ------------------------------------------------------------------------------------------------
+
+STAND_INS: dict[str, Any] = {
+    "AgenticChatRequestError": harness.AgenticChatRequestError,
+    "AgenticSessionShard": AgenticSessionShard,
+    "BackendGenerateResult": harness.BackendGenerateResult,
+    "SGLangBackendAdapter": SGLangBackendAdapter,
+    "DeviceDirectBackend": DeviceDirectBackend,
+    "LoraAdapterSync": harness.LoraAdapterSync,
+}
+
+
+def parameters(fn: Any) -> str:
+    """A signature as the table writes it: names, ``*`` before keyword-only ones, defaults."""
+    parts, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            star = True
+            continue
+        if p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return ", ".join(parts)
+
+
+def _stand_in(cls: str, method: str) -> Any:
+    owner = harness if cls == "-" else STAND_INS[cls]
+    return inspect.getattr_static(owner, method) if cls != "-" else getattr(owner, method)
+
+
+@pytest.mark.parametrize("cls, method, params, path, line, commit, kind", RELAX_SURFACE,
+                         ids=[f"{r[0]}.{r[1]}" for r in RELAX_SURFACE])
+def test_each_stand_in_has_the_signature_read_in_relax(cls, method, params, path, line, commit, kind):
+    where = f"{path}:{line} @ {commit[:12]}"
+    if kind == "const":
+        assert repr(getattr(harness, method)) == params, f"{method} at {where}"
+        return
+    fn = _stand_in(cls, method)
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    assert parameters(fn) == params, f"{cls}.{method} at {where}"
+    assert inspect.iscoroutinefunction(fn) == (kind == "async"), f"{cls}.{method} at {where} is {kind}"
+
+
+def test_lorapubs_stand_ins_for_relax_keep_relaxs_signatures():
+    # the wrapper replaces SGLangBackendAdapter.generate at `self._generation_backend.generate(...)`
+    assert parameters(LorapubGenerationBackend.generate) == row("SGLangBackendAdapter", "generate")[2]
+    assert inspect.iscoroutinefunction(LorapubGenerationBackend.generate)
+    assert parameters(RelaxChatError.__init__) == row("AgenticChatRequestError", "__init__")[2]
+    assert parameters(relax_lorapub.GenerateResult) == row("BackendGenerateResult", "__init__")[2].removeprefix("self, ")
+    # the weight path keeps update_weights_for_rollout's parameters (plus a keyword for the rollout id)
+    assert parameters(relax_lorapub.LorapubWeightPath.update_weights_for_rollout) == (
+        row("DeviceDirectBackend", "update_weights_for_rollout")[2] + ", *, rollout_id=None"
+    )
+    assert relax_lorapub.RELAX_ADAPTER_NAME == LORA_ADAPTER_NAME
+    pinned = relax_lorapub.RELAX_COMMITS
+    assert {r[3] for r in RELAX_SURFACE} <= set(pinned)
+    assert all(pinned[r[3]] == r[5] for r in RELAX_SURFACE)  # one commit per file, the same everywhere
+
+
+# ------------------------------------------------------------------------------------------------
+# Fixtures
+# ------------------------------------------------------------------------------------------------
 
 
 class SharedRegistry:
-    """Stands in for lorapub's Ray registry actor: one writer, shared by the trainer thread and the
-    shard loop, one command at a time. Counts commands by name (what the tests check)."""
+    """Stands in for lorapub's Ray registry actor: one writer, shared by the trainer's publication
+    thread and the shard loop, one command at a time. Counts commands by name."""
 
     def __init__(self, inner: LocalRegistry) -> None:
         self.inner = inner
@@ -63,76 +148,105 @@ class SharedRegistry:
             self.commands[type(command).__name__] += 1
             return self.inner.apply(command)
 
-
-class Trainer:
-    """What Megatron's LoRA parameters hold: a new seeded adapter per optimizer step."""
-
-    def __init__(self) -> None:
-        self.step = 1
-
-    def adapter(self) -> dict[str, Any]:
-        return peft_lora_state_dict(self.step)
+    def digest_of(self, version_id: str) -> str:
+        with self.lock:
+            return self.inner.apply(ReadState()).reply.versions[VersionKey(EPOCH, version_id)].digest
 
 
-def relax_args(tmp_path, *, enabled: bool, transport: str | None = None) -> argparse.Namespace:
+def relax_args(tmp_path, *, enabled: bool, urls=(), settings: dict | None = None) -> argparse.Namespace:
     parser = add_arguments(argparse.ArgumentParser())
-    argv = ([ARGUMENT] if enabled else []) + (["--lora-publication-transport", transport] if transport else [])
-    args = parser.parse_args(argv + ["--lora-publication-stash-dir", str(tmp_path / "stash"),
-                                     "--lora-publication-epoch", "7", "--lora-publication-registry", ""])
-    # Relax's own LoRA arguments (relax/utils/megatron_peft_utils.py reads these attributes)
+    argv: list[str] = []
+    if enabled:
+        path = tmp_path / "lorapub.json"
+        path.write_text(json.dumps({"epoch": EPOCH, "transport": "http", "registry": "", **(settings or {})}))
+        argv = [ENABLE_FLAG, CONFIG_FLAG, str(path)]
+    args = parser.parse_args(argv)
+    # Relax's own LoRA arguments (LoraAdapterSync.config_dict reads them)
     args.lora_rank, args.lora_alpha, args.lora_dropout = 8, 16, 0.0
     args.lora_target_modules = ["q_proj", "v_proj"]
     args.lora_adapter_mode, args.lora_merge_mode = True, False
+    args.worker_urls = list(urls)  # the stand-in router's /workers
     validate_args(args)
     return args
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 @dataclass
 class Relax:
     doubles: list[SGLangDouble]
     shard: AgenticSessionShard
-    backend: SGLangBackendAdapter
     device: DeviceDirectBackend
-    trainer: Trainer
-    shard_pub: RelaxLoraPublication
-    trainer_pub: BlockingRelaxLoraPublication
+    model: Model
     registry: SharedRegistry | None
+    args: argparse.Namespace
 
-    async def update_weights(self) -> None:
-        await asyncio.to_thread(self.device.update_weights_for_rollout)
+    @property
+    def lorapub(self) -> relax_lorapub.RelaxLorapub:
+        return self.shard._lorapub
 
-    async def register(self, session_id: str, rollout_id: int = 1):
-        await self.shard._register_session(session_id=session_id, scope_id="train", rollout_id=rollout_id)
-        return self.shard._session_records[session_id]
+    @property
+    def path(self) -> relax_lorapub.LorapubWeightPath | None:
+        return self.device._lorapub_path
+
+    async def update_weights(self, rollout_id: int | None = None, *, rollout_only: bool = True) -> None:
+        if self.path is None:  # Relax's own method: it takes no rollout id
+            await asyncio.to_thread(self.device.update_weights_for_rollout, rollout_only, False)
+        else:
+            await asyncio.to_thread(self.device.update_weights_for_rollout, rollout_only, False, rollout_id=rollout_id)
+
+    async def step(self, rollout_id: int, **kw) -> None:
+        """One optimizer step, then the weight update of rollout ``rollout_id``."""
+        self.model.step = rollout_id
+        await self.update_weights(rollout_id, **kw)
 
     async def settle(self) -> None:
-        await self.shard_pub.settle()
-        await asyncio.to_thread(self.trainer_pub.settle)
+        await self.lorapub.deployment.settle()
+        await asyncio.to_thread(self.path.publisher.settle)
 
-    def double_of(self, lora_id: str) -> SGLangDouble:
-        return next(d for d in self.doubles if lora_id in d.loaded)
+    def managed(self) -> set[str]:
+        return {n for d in self.doubles for n in d.registered() if n != LORA_ADAPTER_NAME}
+
+    def lifecycle_events(self, marks: list[int]) -> list[str]:
+        return [kind for d, m in zip(self.doubles, marks) for kind, _ in d.events[m:]
+                if kind in ("pause", "flush", "continue")]
 
 
-async def make_relax(tmp_path, *, enabled: bool, transport: str | None = None) -> Relax:
+async def make_relax(tmp_path, *, enabled: bool, settings: dict | None = None, registry_options: dict | None = None,
+                     background: bool = False, request_capacity: int | None = None) -> Relax:
     doubles = [await SGLangDouble("e0").start(), await SGLangDouble("e1").start()]
     urls = [d.url for d in doubles]
-    args = relax_args(tmp_path, enabled=enabled, transport=transport)
-    registry = None
-    options: dict[str, Any] = {}
+    args = relax_args(tmp_path, enabled=enabled, urls=urls, settings=settings)
+    shared = None
     if enabled:
-        registry = SharedRegistry(LocalRegistry(7, {engine_name(d.url): d.incarnation for d in doubles}))
-        options = {"registry": registry, "deadlines": FAST, "bucket_cap_bytes": 8 << 10}
-    shard_pub = RelaxLoraPublication(args, worker_urls=lambda: _async(urls), **options)  # _sglang_worker_urls
-    trainer_pub = BlockingRelaxLoraPublication(args, worker_urls=lambda: urls, **options)  # rollout_topology
-    backend = SGLangBackendAdapter(args, worker_urls=urls, lora_publication=shard_pub)
-    shard = AgenticSessionShard(args, backend=backend, lora_publication=shard_pub, worker_urls=lambda: urls)
-    trainer = Trainer()
-    device = DeviceDirectBackend(args, trainer.adapter, rollout_urls=urls, lora_publication=trainer_pub)
-    return Relax(doubles, shard, backend, device, trainer, shard_pub, trainer_pub, registry)
+        incarnations = {engine_name(d.url): d.incarnation for d in doubles}
+        shared = SharedRegistry(LocalRegistry(EPOCH, incarnations, **(registry_options or {})))
+        options = {"registry": shared, "deadlines": FAST, "bucket_cap_bytes": 8 << 10}
+        harness.INJECT["shard"] = options
+        harness.INJECT["trainer"] = {
+            "publisher": lambda: LorapubPublisher(args, worker_urls=urls, **options), "background": background,
+        }
+    try:
+        shard = AgenticSessionShard(args, request_capacity, None, None)
+        model = Model(peft_lora_state_dict)
+        device = DeviceDirectBackend(args, "nccl", None, [model], model_name="tiny-qwen3", quantization_config=None)
+    finally:
+        harness.INJECT["shard"], harness.INJECT["trainer"] = {}, {}
+    device.init_process_group_for_rollout({i: {"ip": "127.0.0.1", "port": _port(u)} for i, u in enumerate(urls)})
+    await shard.resume_generation(0)  # the runtime opens the train gate
+    return Relax(doubles, shard, device, model, shared, args)
 
 
-async def _async(value):
-    return value
+async def teardown(relax: Relax) -> None:
+    try:
+        await relax.shard.shutdown()
+        if relax.path is not None:
+            await asyncio.to_thread(relax.path.close)
+    finally:
+        for d in relax.doubles:
+            await d.stop()
 
 
 @pytest.fixture
@@ -142,404 +256,454 @@ async def relax_on(tmp_path):
     await teardown(relax)
 
 
-@pytest.fixture
-async def relax_off(tmp_path):
-    relax = await make_relax(tmp_path, enabled=False)
-    yield relax
-    await teardown(relax)
+def specs(*session_ids: str) -> tuple[SessionSpec, ...]:
+    return tuple(SessionSpec(metadata={}, input_payload=None, sampling_params=None, session_id=s) for s in session_ids)
 
 
-async def teardown(relax: Relax) -> None:
-    await relax.shard_pub.aclose()
-    await asyncio.to_thread(relax.trainer_pub.close)
-    await relax.backend.close()
-    for d in relax.doubles:
-        await d.stop()
+async def ask(shard: AgenticSessionShard, session_id: str, tokens, n: int = 4) -> dict:
+    """What an agent's OpenAI call reaches: ``chat`` (content = token ids, the template left out)."""
+    return await shard.chat(session_id=session_id, messages=[{"role": "user", "content": list(tokens)}], tools=[],
+                            chat_template_kwargs={}, max_completion_tokens=n, stop=None, seed=None)
 
 
-async def turn(relax: Relax, session_id: str, input_ids: list[int], n: int = 4) -> dict:
-    return await relax.shard.chat(session_id=session_id, input_ids=input_ids, max_completion_tokens=n)
+async def start_group(relax: Relax, group_id: str, *session_ids: str, rollout_id: int = 1, n: int = 4,
+                      lease: bool = True) -> dict[str, asyncio.Task]:
+    """``RuntimeDomain.prepare_group`` + ``lease_group``: every member's first turn is asked (the
+    first-request barrier), then the group is leased and its requests dispatched."""
+    await relax.shard.start_group("train", group_id, specs(*session_ids))
+    turns = {sid: asyncio.create_task(ask(relax.shard, sid, [1, 2, 3], n)) for sid in session_ids}
+    for _ in range(1000):
+        if relax.shard._groups[group_id].first_request_barrier_crossed:
+            break
+        await asyncio.sleep(0.002)
+    if lease:
+        await relax.shard.lease_group(group_id, rollout_id)
+    return turns
 
 
-def managed(relax: Relax) -> set[str]:
-    return {name for d in relax.doubles for name in d.registered() if name.startswith(MANAGED)}
-
-
-def events_since(relax: Relax, marks: list[int]) -> list[tuple[str, str]]:
-    return [e for d, m in zip(relax.doubles, marks) for e in d.events[m:]]
+def served(relax: Relax, session_id: str) -> dict:
+    """The lorapub provenance of the session's last response (its export metadata)."""
+    return relax.shard._session_records[session_id].forest.leaf_patch["lorapub"]
 
 
 # ------------------------------------------------------------------------------------------------
-# versioned publication on
+# The shard side
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", [None, "shared-dir"])
-async def test_adapter_bytes_reach_the_engines_over_http_unless_a_shared_dir_is_chosen(tmp_path, transport):
-    from lorapub.adapters.sglang_http import SGLangEngine
-    from lorapub.adapters.sglang_wire import SGLangWireEngine
-
-    relax = await make_relax(tmp_path, enabled=True, transport=transport)
+async def test_a_group_binds_as_one_across_a_publication(tmp_path):
+    # capacity 1 of the fleet-global SGLang permit: the second member's first request waits for the first's
+    relax = await make_relax(tmp_path, enabled=True, request_capacity=1)
     try:
-        await relax.update_weights()
-        a = relax.device.reports[-1]
-        record = await relax.register("s1")
-        out = await turn(relax, "s1", [1, 2, 3])
-        assert record.lora.lora_path == a.lora_name and out["lora_id"]
-        engines = relax.shard_pub._built_engines
-        stash = tmp_path / "stash"
-        staged = [p for p in stash.rglob("*") if p.is_file()] if stash.exists() else []
-        if transport is None:  # the default: each engine stages the bytes itself, nothing shared on disk
-            assert engines and all(type(e) is SGLangWireEngine for e in engines)
-            assert staged == []
-            assert all(d.staging.report()["attempts"] for d in relax.doubles)
-        else:
-            assert engines and all(type(e) is SGLangEngine for e in engines)
-            assert staged  # the version's folder the engines read
+        await relax.step(1)  # the first sync: Relax's base sync, then the adapter as version step1
+        generate, hold = relax.lorapub.generate, asyncio.Event()
+
+        async def held(session_id, payload):  # s1's first request binds, then waits holding the permit
+            if session_id == "s1" and not hold.is_set():
+                await relax.lorapub.member("s1").bind()
+                await hold.wait()
+            return await generate(session_id, payload)
+
+        relax.lorapub.generate = held
+        turns = await start_group(relax, "g1", "s1", "s2")
+        for _ in range(1000):
+            if relax.lorapub.member("s1").binding is not None:
+                break
+            await asyncio.sleep(0.002)
+        await relax.step(2)  # step2 becomes the default while s2's first request waits for the permit
+        assert relax.lorapub.member("s2").binding is None
+        hold.set()
+        results = await asyncio.gather(*turns.values())
+        assert all("error" not in r for r in results), results
+
+        assert served(relax, "s1")["version_id"] == "step1"
+        assert served(relax, "s2")["version_id"] == "step1"  # the group's version, not the new default
+        assert served(relax, "s2")["rebinds"] == 0
+        await relax.lorapub.deployment.reconcile()  # the shard's view of the fleet: step2 is the default
+        await ask(relax.shard, "s2", [6])
+        assert served(relax, "s2")["version_id"] == "step1" and served(relax, "s2")["lag"] == 1
+        again = await ask(relax.shard, "s1", [5, 5])
+        assert "error" not in again and served(relax, "s1")["version_id"] == "step1"
+
+        await asyncio.gather(*(await start_group(relax, "g2", "s3")).values())
+        assert served(relax, "s3")["version_id"] == "step2"  # a new group binds the new default
+        name = served(relax, "s1")["lora_name"]
+        assert name.endswith("-step1-" + relax.registry.digest_of("step1")[:12])
+
+        for sid in ("s1", "s2"):
+            await relax.shard.finish_agent(sid)
+        exports = await relax.shard.take_session_results("g1", ("s1", "s2"))
+        assert [e["metadata"]["lorapub"]["version_id"] for e in exports] == ["step1", "step1"]
     finally:
         await teardown(relax)
 
 
-async def test_first_generation_binds_and_tool_turns_reuse_the_bound_lora_path(relax_on):
-    record = await relax_on.register("s1")
-    assert record.lora is not None and record.lora.lora_path is None  # OPEN: nothing bound yet
-
-    early = await turn(relax_on, "s1", [1, 2, 3])  # before any publication: typed, never the base model
-    assert early["_http_status"] == 503 and early["error"]["code"] == "NO_PUBLISHED_VERSION"
-    assert record.lora.lora_path is None and record.lora.requests == 0
-
-    await relax_on.update_weights()  # step 1: the first sync publishes version A
-    a = relax_on.device.reports[-1]
-    assert a.lora_name.startswith(MANAGED) and "step1" in a.lora_name
-
-    ids = [1, 2, 3]
-    first = await turn(relax_on, "s1", ids)
-    assert record.lora.lora_path == a.lora_name  # bound on the first generation, kept on the record
-    serving = relax_on.double_of(first["lora_id"])
-    assert serving.lora_registry.get_all_adapters()[a.lora_name].lora_id == first["lora_id"]
-    for tool_output in ([7, 7], [8], [9, 9, 9]):  # tool turns: history + model output + tool tokens
-        ids = ids + first["output_ids"] + tool_output
-        first = await turn(relax_on, "s1", ids)
-        assert first["lora_id"] == serving.lora_registry.get_all_adapters()[a.lora_name].lora_id
-        assert record.lora.lora_path == a.lora_name
-    assert record.lora.requests == 4
-
-
-async def test_a_publication_mid_session_does_not_move_the_bound_session(relax_on):
-    await relax_on.update_weights()
-    a = relax_on.device.reports[-1]
-    await relax_on.register("old")
-    r1 = await turn(relax_on, "old", [5, 6, 7])
-    marks = [len(d.events) for d in relax_on.doubles]
-
-    relax_on.trainer.step = 2
-    await relax_on.update_weights()  # step 2: version B beside A, while "old" is mid-trajectory
-    b = relax_on.device.reports[-1]
-    assert b.lora_name != a.lora_name
-    happened = {kind for kind, _ in events_since(relax_on, marks)}
-    assert "pause" not in happened and "flush" not in happened  # no global pause, no KV flush
-    assert managed(relax_on) == {a.lora_name, b.lora_name}
-
-    r2 = await turn(relax_on, "old", [5, 6, 7] + r1["output_ids"] + [4])
-    assert relax_on.shard._session_records["old"].lora.lora_path == a.lora_name
-    assert r2["lora_id"] == r1["lora_id"]  # the same engine-local adapter as its first turn
-
-    new = await relax_on.register("new")
-    await turn(relax_on, "new", [5, 6, 7])
-    assert new.lora.lora_path == b.lora_name  # new sessions bind the new default
-
-
-async def test_resume_after_the_partial_resume_gate_and_a_legal_retry_keep_the_binding(relax_on):
-    await relax_on.update_weights()
-    a = relax_on.device.reports[-1]
-    record = await relax_on.register("s", rollout_id=1)
-    r1 = await turn(relax_on, "s", [3, 1, 4])
-
-    # Relax parks the session's next request behind the partial-resume gate at the end of rollout 1 ...
-    await relax_on.shard.gate_rollout_irs_for_partial_resume(rollout_id=1)
-    parked = asyncio.create_task(turn(relax_on, "s", [3, 1, 4] + r1["output_ids"] + [1]))
-    await asyncio.sleep(0.05)
-    assert not parked.done() and record.ir_queue
-    relax_on.trainer.step = 2
-    await relax_on.update_weights()  # ... the weights move on (version B) ...
-    b = relax_on.device.reports[-1]
-    await relax_on.shard.release_partial_resume_gate(rollout_id=2)  # ... and it resumes in rollout 2
-    resumed = await parked
-    assert "error" not in resumed and record.lora.lora_path == a.lora_name
-
-    # a failed request, retried by the agent (the agentic layer decides; nothing resends on its own)
-    serving = relax_on.double_of(resumed["lora_id"])
-    serving.inject("generate", "error", count=1, status=500)
-    failed = await turn(relax_on, "s", [2, 7])
-    assert failed["error"]["code"] == "ENGINE_ERROR"  # typed, code kept
-    retried = await turn(relax_on, "s", [2, 7])
-    assert "error" not in retried and record.lora.lora_path == a.lora_name
-    assert retried["lora_id"] == resumed["lora_id"] and b.lora_name != a.lora_name
-
-
-async def test_close_releases_exactly_once_and_the_old_version_is_reclaimed_after_settle(relax_on):
-    await relax_on.update_weights()
-    a = relax_on.device.reports[-1]
-    old = await relax_on.register("old")
-    await turn(relax_on, "old", [1, 1, 2])
-    relax_on.trainer.step = 2
-    await relax_on.update_weights()
-    b = relax_on.device.reports[-1]
-    new = await relax_on.register("new")
-    await turn(relax_on, "new", [1, 1, 2])
-    await relax_on.settle()
-    assert a.lora_name in managed(relax_on)  # an open session still holds A: not reclaimed
-
-    assert (await relax_on.shard.finalize_and_discard(session_id="old"))["status"] == "completed"
-    assert await relax_on.shard.discard_session(session_id="old") is False  # already gone
-    await relax_on.shard_pub.release(old.lora)  # a second release of the same record is a no-op
-    await relax_on.settle()
-
-    assert old.lora.released and old.lora not in relax_on.shard_pub.open_records
-    assert relax_on.registry.commands["CloseAndRelease"] == 1
-    assert managed(relax_on) == {b.lora_name}
-    for d in relax_on.doubles:
-        assert d.physical_unloads.count(a.lora_name) == 1
-    again = await turn(relax_on, "new", [1, 1, 2, 3])
-    assert "error" not in again and new.lora.lora_path == b.lora_name
-
-
-async def test_a_close_racing_an_in_flight_generation_releases_once_after_the_request_ends(relax_on):
-    await relax_on.update_weights()
-    a = relax_on.device.reports[-1]
-    old = await relax_on.register("old")
-    r1 = await turn(relax_on, "old", [4, 4])
-    serving = relax_on.double_of(r1["lora_id"])
-    relax_on.trainer.step = 2
-    await relax_on.update_weights()  # A is retired; only "old" keeps it
-
-    serving.inject("generate", "slow", count=1, delay=0.3)
-    pending = asyncio.create_task(turn(relax_on, "old", [4, 4] + r1["output_ids"]))
-    for _ in range(200):
-        if serving.refs(a.lora_name):
+async def test_pause_and_resume_keep_the_binding(relax_on):
+    await relax_on.step(1)
+    turns = await start_group(relax_on, "g", "long", "short", n=4)
+    await turns.pop("short")
+    await asyncio.gather(*turns.values())
+    record = relax_on.shard._session_records["long"]
+    pending = asyncio.create_task(ask(relax_on.shard, "long", [9, 9], n=400))  # a long turn
+    for _ in range(2000):
+        if any(d.running_rids for d in relax_on.doubles):
             break
-        await asyncio.sleep(0.005)
-    assert serving.refs(a.lora_name) == 1  # the request holds SGLang's native ref on A
+        await asyncio.sleep(0.002)
+    ir = next(iter(record.live_irs))
+    assert ir.backend_started and ir.abort_count == 0
 
-    assert await relax_on.shard.discard_session(session_id="old") is True
+    await relax_on.shard.pause_generation()  # aborts the running request; its IR waits behind the gate
+    assert ir.abort_count == 1 and ir.pending_status == "aborted" and ir in record.queued_irs
+    assert any(("abort_request", f"{ir.request_id}:0") in d.events for d in relax_on.doubles)
+    assert len(ir.pending_token_delta) < 400  # what it made before the abort is kept on the IR
+
+    await relax_on.step(2)  # the weights move on while paused
+    await relax_on.shard.resume_generation(2)
     answer = await pending
-    assert answer["error"]["code"] == "session_discarded"
+    assert "error" not in answer and len(answer["message"]["content"]) == 400
+    provenance = served(relax_on, "long")
+    assert provenance["version_id"] == "step1" and provenance["rebinds"] == 0  # resumed on its version
+    assert relax_on.lorapub.member("long").requests == 3  # first turn, the aborted attempt, the resumed one
+    assert record.rollout_id == 2
+
+
+async def test_finish_and_drop_release_refs_and_the_old_version_is_reclaimed(relax_on):
+    await relax_on.step(1)
+    await asyncio.gather(*(await start_group(relax_on, "g1", "a1", "a2")).values())
+    await relax_on.step(2)
+    await asyncio.gather(*(await start_group(relax_on, "g2", "b1", "b2")).values())
+    old = served(relax_on, "a1")["lora_name"]
+    new = served(relax_on, "b1")["lora_name"]
+
+    await relax_on.shard.finish_agent("a1")
     await relax_on.settle()
-    assert old.lora.released and relax_on.registry.commands["CloseAndRelease"] == 1
-    assert a.lora_name not in managed(relax_on)
-    assert all(d.physical_unloads.count(a.lora_name) == 1 for d in relax_on.doubles)
+    assert old in relax_on.managed()  # a2 still holds the group's version
 
-    with pytest.raises(SessionClosed):  # a late runner of the removed record never sends again
-        await relax_on.shard_pub.generate(old.lora, {"input_ids": [1], "sampling_params": {}})
+    await relax_on.shard.drop_group("g2")  # a failed group: both members released
+    assert relax_on.lorapub.member("b1") is None and relax_on.lorapub.member("b2") is None
+    assert relax_on.registry.commands["CloseAndRelease"] == 3
 
-
-async def test_a_crashed_or_cancelled_close_path_still_releases(relax_on):
-    await relax_on.update_weights()
-    a = relax_on.device.reports[-1]
-    crashed = await relax_on.register("crashed")
-    cancelled = await relax_on.register("cancelled")
-    r = await turn(relax_on, "crashed", [6, 6])
-    await turn(relax_on, "cancelled", [6, 6])
-    relax_on.trainer.step = 2
-    await relax_on.update_weights()
-
-    # crash: an in-flight request must be aborted, and no worker url is known -> RuntimeError
-    relax_on.double_of(r["lora_id"]).inject("generate", "slow", count=1, delay=0.3)
-    pending = asyncio.create_task(turn(relax_on, "crashed", [6, 6, 1]))
-    await asyncio.sleep(0.05)
-    urls, relax_on.shard._worker_urls = relax_on.shard._worker_urls, lambda: []
-    with pytest.raises(RuntimeError, match="no SGLang worker urls"):
-        await relax_on.shard.discard_session(session_id="crashed")
-    relax_on.shard._worker_urls = urls
-    pending.cancel()
-
-    # crash earlier still: the close path dies right after the record was removed
-    early = await relax_on.register("early")
-    await turn(relax_on, "early", [6, 6])
-
-    async def dies(**_):
-        raise RuntimeError("shard crashed")
-
-    finish, relax_on.shard._finish_discarded_session = relax_on.shard._finish_discarded_session, dies
-    with pytest.raises(RuntimeError, match="shard crashed"):
-        await relax_on.shard.discard_session(session_id="early")
-    relax_on.shard._finish_discarded_session = finish
-    with pytest.raises(SessionClosed):  # removed from the shard: refused at once, before any release ran
-        await relax_on.shard_pub.generate(early.lora, {"input_ids": [1], "sampling_params": {}})
-
-    # cancel: the discard is cancelled while it waits on the abort fan-out
-    relax_on.shard.abort_delay = 1.0
-    slow = relax_on.double_of(r["lora_id"])
-    slow.inject("generate", "slow", count=1, delay=0.3)
-    other = relax_on.doubles[1 - relax_on.doubles.index(slow)]
-    other.inject("generate", "slow", count=1, delay=0.3)
-    inflight = asyncio.create_task(turn(relax_on, "cancelled", [6, 6, 2]))
-    await asyncio.sleep(0.05)
-    discard = asyncio.create_task(relax_on.shard.discard_session(session_id="cancelled"))
-    while "cancelled" in relax_on.shard._session_records:
-        await asyncio.sleep(0.005)
-    discard.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await discard
-    inflight.cancel()  # its chat waiter is never answered: the close path died before it got there
-    await asyncio.gather(inflight, pending, return_exceptions=True)
-
+    await relax_on.shard.finish_agent("a2")  # the group's last member: the group lets step1 go
+    await relax_on.shard.release_group("g1")
     await relax_on.settle()
-    for _ in range(100):
-        if crashed.lora.released and cancelled.lora.released and early.lora.released:
-            break
-        await asyncio.sleep(0.01)
-    assert crashed.lora.released and cancelled.lora.released and early.lora.released
-    assert relax_on.registry.commands["CloseAndRelease"] == 3 and not relax_on.shard_pub.open_records
-    await relax_on.settle()
-    assert a.lora_name not in managed(relax_on)
+    assert relax_on.managed() == {new}
+    assert all(d.physical_unloads.count(old) == 1 for d in relax_on.doubles)
+    assert relax_on.registry.commands["CloseAndRelease"] == 4  # each member exactly once
 
 
-async def test_typed_errors_propagate_and_capacity_defers_the_publication(relax_on):
-    await relax_on.update_weights()
-    a = relax_on.device.reports[-1]
-    old = await relax_on.register("old")
-    await turn(relax_on, "old", [2, 2])
-    relax_on.trainer.step = 2
-    await relax_on.update_weights()
-    b = relax_on.device.reports[-1]
+async def test_drop_releases_a_member_whose_finish_did_not(relax_on):
+    await relax_on.step(1)
+    await asyncio.gather(*(await start_group(relax_on, "g", "x1", "x2")).values())
+    release = relax_on.lorapub.release
+    skipped: list[str] = []
 
-    relax_on.trainer.step = 3
-    await relax_on.update_weights()  # A (held by "old") and B (default) fill both slots
-    assert [e.code for e in relax_on.device.deferred] == ["CAPACITY_ERROR"]
-    assert isinstance(relax_on.device.deferred[0], CapacityError)
-    assert managed(relax_on) == {a.lora_name, b.lora_name}  # nothing of step 3 reached an engine
-    with pytest.raises(CapacityError) as direct:  # the hook itself raises it unchanged
-        await asyncio.to_thread(relax_on.trainer_pub.publish, peft_lora_state_dict(9),
-                                relax_on.device._lora_sync.config_dict(), weight_version=99)
-    assert direct.value.code == "CAPACITY_ERROR"
-    late = await relax_on.register("late")
-    await turn(relax_on, "late", [2, 2])
-    assert late.lora.lora_path == b.lora_name  # the default did not move
+    async def lost(session_id):  # a finish that never reached its release (it failed earlier)
+        skipped.append(session_id)
 
-    await relax_on.shard.finalize_and_discard(session_id="old")
-    await relax_on.settle()
-    await relax_on.update_weights()  # the deferred adapter is published by the next update
-    c = relax_on.device.reports[-1]
-    assert "step4" in c.lora_name and managed(relax_on) == {b.lora_name, c.lora_name}
-
-    with pytest.raises(SessionClosed) as closed:
-        await relax_on.shard_pub.generate(old.lora, {"input_ids": [1], "sampling_params": {}})
-    result = error_result(closed.value)
-    assert result["_http_status"] == 404 and result["error"]["code"] == "SESSION_CLOSED"
-    with pytest.raises(SessionClosed):  # a record without a lorapub session is refused, never sent bare
-        await relax_on.shard_pub.generate(None, {"input_ids": [1], "sampling_params": {}})
-    assert error_result(NoPublishedVersion("none yet"))["error"]["code"] == "NO_PUBLISHED_VERSION"
-
-
-async def test_the_wire_guard_refuses_a_record_that_would_change_version(tmp_path):
-    class Engine:  # the smallest EngineAdmin the deployment needs here: it only answers generations
-        name = "e0"
-        sent: list[str] = []
-
-        async def incarnation(self):
-            return "life0"
-
-        async def generate(self, payload):
-            self.sent.append(payload["lora_path"])
-            return {"output_ids": [1], "meta_info": {}}
-
-    pub = RelaxLoraPublication(relax_args(tmp_path, enabled=True), engines={"e0": Engine()})
-    await pub.start()
+    relax_on.lorapub.release = lost
     try:
-        guarded = pub.deployment.engines["e0"]
-
-        class Flipping:  # a session that (wrongly) changes version mid-life
-            names = iter(["relax_policy_lora@7-a-0", "relax_policy_lora@7-a-0", "relax_policy_lora@7-b-1"])
-
-            async def generate(self, payload):
-                return await guarded.generate({**payload, "lora_path": next(self.names)})
-
-        record = relax_lora.RelaxLoraSession("s", Flipping())
-        await pub.generate(record, {"input_ids": [1]})
-        await pub.generate(record, {"input_ids": [1]})
-        with pytest.raises(relax_lora.BindingChanged) as changed:
-            await pub.generate(record, {"input_ids": [1]})
-        assert changed.value.code == "BINDING_CHANGED" and isinstance(changed.value, lorapub.LorapubError)
-        assert Engine.sent == ["relax_policy_lora@7-a-0"] * 2  # the third request never left
-        assert record.lora_path == "relax_policy_lora@7-a-0" and record.requests == 2
+        await relax_on.shard.drop_group("g")
     finally:
+        relax_on.lorapub.release = release
+    assert sorted(skipped) == ["x1", "x2"]
+    assert relax_on.lorapub.member("x1") is None and relax_on.registry.commands["CloseAndRelease"] == 2
+
+
+async def test_shutdown_closes_lorapub_then_relaxs_backend(relax_on):
+    await relax_on.step(1)
+    await asyncio.gather(*(await start_group(relax_on, "g", "s1", "s2")).values())
+    backend = relax_on.shard._generation_backend
+    assert isinstance(backend, LorapubGenerationBackend)
+    deployment = relax_on.lorapub.deployment
+
+    await relax_on.shard.shutdown()
+    assert relax_on.registry.commands["CloseAndRelease"] == 2
+    assert deployment._closed and not relax_on.lorapub._members
+    assert backend.inner.shut_down  # Relax's own shutdown ran after lorapub's
+    with pytest.raises(lorapub.SessionClosed):
+        await relax_on.lorapub.start()
+
+
+async def test_chat_answers_lorapub_refusals_as_typed_relax_errors(tmp_path):
+    relax = await make_relax(tmp_path, enabled=True, registry_options={"max_lag": 0})
+    try:
+        shard = relax.shard
+        # NO_PUBLISHED_VERSION: nothing is published yet
+        early = await asyncio.gather(*(await start_group(relax, "g", "s1", "s2")).values())
+        assert [r["_http_status"] for r in early] == [503, 503]
+        assert {r["error"]["code"] for r in early} == {"NO_PUBLISHED_VERSION"}
+        assert early[0]["error"]["type"] == "lorapub_error"
+        assert "g" in shard._groups and len(shard._groups["g"].sessions) == 2  # the group is not dropped
+
+        await relax.step(1)
+        assert "error" not in await ask(shard, "s1", [4, 4])  # the same group binds once a version exists
+
+        # VERSION_MISSING: an engine refused the exact bound version
+        generate = relax.lorapub.generate
+
+        async def missing(session_id, payload):
+            relax.lorapub.generate = generate
+            raise VersionMissing("e0 does not hold the bound version")
+
+        relax.lorapub.generate = missing
+        refused = await ask(shard, "s2", [4, 4])
+        assert (refused["_http_status"], refused["error"]["code"]) == (503, "VERSION_MISSING")
+        assert "error" not in await ask(shard, "s2", [4, 4, 1])  # the agent's retry, same binding
+
+        # an error that is not lorapub's stays Relax's 500 (unchanged)
+        async def broken(session_id, payload):
+            relax.lorapub.generate = generate
+            raise RuntimeError("boom")
+
+        relax.lorapub.generate = broken
+        internal = await ask(shard, "s2", [4])
+        assert (internal["_http_status"], internal["error"]["code"]) == (500, "internal_error")
+
+        # a context-length refusal keeps Relax's own branch (BackendContextLengthExceededError)
+        long = await ask(shard, "s2", list(range(5000)))
+        assert long["error"]["code"] == "context_length_exceeded"
+
+        # BINDING_STALE: max_lag=0, so step1 retires when step2 commits
+        await relax.step(2)
+        await relax.lorapub.deployment.reconcile()  # the shard's view of the fleet
+        stale = await ask(shard, "s1", [4, 4, 2])
+        assert (stale["_http_status"], stale["error"]["code"]) == (410, "BINDING_STALE")
+        assert "s1" in shard._session_records and "g" in shard._groups  # the session ends the Relax way
+    finally:
+        await teardown(relax)
+
+
+async def test_without_a_lorapub_session_a_request_is_refused_typed_not_sent(relax_on):
+    await relax_on.step(1)
+    backend = relax_on.shard._generation_backend
+    with pytest.raises(harness.AgenticChatRequestError) as refused:
+        await backend.generate(input_ids=[1], sampling_params={"max_new_tokens": 1}, session_id="nobody",
+                               request_id="r:0")
+    assert (refused.value.code, refused.value.status_code) == ("SESSION_CLOSED", 404)
+    assert isinstance(refused.value.__cause__, lorapub.SessionClosed)
+    assert backend.inner.generate_calls == 0
+    assert relax_lorapub.error_result(NoPublishedVersion("none yet"))["error"]["code"] == "NO_PUBLISHED_VERSION"
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer side
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_the_weight_path_publishes_the_exact_tensors_with_no_pause_or_flush(relax_on):
+    device, path = relax_on.device, relax_on.path
+    assert path is not None and device.update_weights_for_rollout == path.update_weights_for_rollout
+    await relax_on.step(1)  # the first update is Relax's own: the base, once, under pause
+    assert device.base_syncs == 1 and relax_on.lifecycle_events([0, 0]).count("pause") == 2
+    engines = path.publisher.lorapub._built_engines
+    assert engines and all(type(e) is SGLangWireEngine and type(e.transport) is HTTPBytes for e in engines)
+
+    marks = [len(d.events) for d in relax_on.doubles]
+    await relax_on.step(2)
+    await relax_on.step(3, rollout_only=False)  # actor_fwd/reference too: Relax's path, nothing paused
+    assert relax_on.lifecycle_events(marks) == []  # no pause, no flush, no continue reached an engine
+    assert device.base_syncs == 1 and device.actor_fwd_syncs == 1 and device.weight_version == 3
+
+    config = device._lora_sync.config_dict()
+    outcomes = path.outcomes
+    assert [(o.version_id, o.status) for o in outcomes] == [("step1", "published"), ("step2", "published"),
+                                                          ("step3", "published")]
+    for step, outcome in enumerate(outcomes, start=1):
+        expected = Snapshot(peft_lora_state_dict(step), config).digest  # the bytes Relax would have pushed
+        assert outcome.digest == expected == relax_on.registry.digest_of(f"step{step}")
+    report = outcomes[-1].report
+    assert all(report.lora_name in d.registered() for d in relax_on.doubles)
+
+    await relax_on.update_weights(4)  # the adapter did not change: nothing to publish
+    assert len(path.outcomes) == 3 and device.weight_version == 4
+
+
+async def test_a_superseded_publication_is_logged_and_does_not_fail_the_step(tmp_path, caplog):
+    relax = await make_relax(tmp_path, enabled=True, settings={"publish_wait": 30}, background=True)
+    try:
+        path = relax.path
+        await relax.step(1)
+        await asyncio.to_thread(path.wait, 30)
+        await asyncio.gather(*(await start_group(relax, "g", "s1")).values())  # holds step1
+        await relax.step(2)
+        await asyncio.to_thread(path.wait, 30)
+        caplog.set_level(logging.INFO, logger="lorapub.integrations.relax")
+        await relax.step(3)  # both slots are held: step3 waits for one (the step returns at once)
+        for _ in range(2000):
+            if relax.registry.commands["Reserve"] >= 3:
+                break
+            await asyncio.sleep(0.005)
+        await relax.step(4)  # step4 takes step3's place in the wait
+        for _ in range(2000):
+            if path.outcomes[2].status != "pending":
+                break
+            await asyncio.sleep(0.005)
+        assert path.outcomes[2].status == "superseded"
+        assert any("superseded" in r.getMessage() and "step3" in r.getMessage() for r in caplog.records)
+
+        await relax.shard.finish_agent("s1")  # step1 is let go: step4 gets its slot
+        outcomes = await asyncio.to_thread(path.wait, 30)
+        assert [(o.version_id, o.status) for o in outcomes] == [
+            ("step1", "published"), ("step2", "published"), ("step3", "superseded"), ("step4", "published")]
+        relax.model.step = 5
+        await relax.update_weights(5)  # no failure is reported at the next update
+        await asyncio.to_thread(path.wait, 30)
+    finally:
+        await teardown(relax)
+
+
+async def test_with_lorapub_off_relaxs_own_paths_run_unchanged(tmp_path):
+    relax = await make_relax(tmp_path, enabled=False)
+    try:
+        shard, device = relax.shard, relax.device
+        assert type(shard._generation_backend) is SGLangBackendAdapter  # not wrapped
+        assert relax.path is None
+        assert device.update_weights_for_rollout.__func__ is DeviceDirectBackend.update_weights_for_rollout
+
+        await relax.step(1)
+        for d in relax.doubles:
+            kinds = [kind for kind, _ in d.events]
+            assert kinds.index("pause") < kinds.index("flush") < kinds.index("load") < kinds.index("continue")
+            assert d.registered() == [LORA_ADAPTER_NAME]
+        results = await asyncio.gather(*(await start_group(relax, "g", "s1", "s2")).values())
+        assert all("error" not in r for r in results)
+        assert shard._generation_backend.generate_calls == 2  # Relax's own request path
+        assert "lorapub" not in shard._session_records["s1"].forest.leaf_patch
+
+        marks = [len(d.events) for d in relax.doubles]
+        await relax.step(2)
+        assert relax.lifecycle_events(marks) == ["pause", "flush", "continue"] * 2  # the old overwrite, as before
+        await relax.shard.finish_agent("s1")
+        assert not relax.lorapub.enabled and relax.lorapub.deployment is None
+    finally:
+        await teardown(relax)
+
+
+# ------------------------------------------------------------------------------------------------
+# Names and options: no collision with Relax's
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("existing, clash", [
+    ("--enable-lorapub", "already defined"),
+    ("--lorapub", "prefix-conflicting"),  # a prefix of --lorapub-config
+    ("--lorapub-config-path", "prefix-conflicting"),
+    ("--enable-lorapub-all", "prefix-conflicting"),
+])
+def test_an_option_clash_is_refused_with_a_message_naming_it(existing, clash):
+    parser = argparse.ArgumentParser()
+    parser.add_argument(existing)
+    with pytest.raises(OptionClash, match=clash) as refused:
+        add_arguments(parser)
+    assert existing in str(refused.value) and "lorapub registers nothing" in str(refused.value)
+    assert ENABLE_FLAG not in parser._option_string_actions or existing == ENABLE_FLAG
+
+
+def test_an_attribute_clash_is_refused_too():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--use-lorapub", dest="enable_lorapub", action="store_true")
+    with pytest.raises(OptionClash, match=r"writes args\.enable_lorapub, which --use-lorapub already writes"):
+        add_arguments(parser)
+
+
+def test_relax_pr_377s_options_do_not_clash_but_both_switches_on_are_refused(tmp_path):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--enable-versioned-lora-publication", action="store_true")
+    parser.add_argument("--lora-publication-config")
+    add_arguments(parser)  # different names: both can be declared
+    args = parser.parse_args([ENABLE_FLAG, "--enable-versioned-lora-publication"])
+    args.lora_rank, args.lora_adapter_mode = 8, True
+    with pytest.raises(ValueError, match=r"--enable-versioned-lora-publication \(Relax PR #377's first design"):
+        validate_args(args)
+
+
+@pytest.mark.parametrize("prefix, family", [
+    ("relax_policy_lora@", "relax_policy_lora"),  # PR #377's first design, inside Relax's fixed name
+    ("relax_policy_lora_v2@", "relax_policy_lora"),  # lorapub's names would read as Relax's adapter
+    ("relax_policy@", "relax_policy@"),  # PR #377's redesign
+])
+def test_a_name_prefix_clashing_with_relaxs_names_is_refused(prefix, family):
+    with pytest.raises(OptionClash, match=f"clashes with '{family}'"):
+        check_name_prefix(prefix)
+    with pytest.raises(OptionClash):
+        LorapubConfig(name_prefix=prefix)
+    # a prefix must end its names' managed part with '@' (never in an id): "relax_" would make Relax's
+    # own fixed name look managed, and is refused for its form already
+    with pytest.raises(ValueError, match="followed by '@'"):
+        check_name_prefix("relax_")
+
+
+def test_the_default_prefix_is_outside_relaxs_names_and_goes_to_the_engines():
+    assert check_name_prefix(DEFAULT_NAME_PREFIX) == "lorapub@"
+    config = LorapubConfig()
+    assert relax_lorapub.engine_env(config) == {"SGLANG_LORAPUB_MANAGED_PREFIX": "lorapub@"}
+    assert relax_lorapub.sglang_overrides(LorapubConfig(capacity=3)) == {"max_loras_per_batch": 4, "max_loaded_loras": 4}
+
+
+async def test_the_prefix_is_passed_down_once_the_deployment_takes_it(tmp_path, monkeypatch, caplog):
+    taken: list[str] = []
+
+    class PrefixedDeployment(Deployment):  # what one core change gives: Deployment(name_prefix=...)
+        def __init__(self, engines, *, name_prefix, **options):
+            taken.append(name_prefix)
+            super().__init__(engines, **options)
+
+    double = await SGLangDouble("e0").start()
+    try:
+        args = relax_args(tmp_path, enabled=True, settings={"name_prefix": "lorapub_test@"})
+        engine = SGLangWireEngine("e0", double.url)
+        pub = relax_lorapub.RelaxLorapub(args, engines={"e0": engine}, deadlines=FAST)
+        with caplog.at_level(logging.WARNING, logger="lorapub.integrations.relax"):
+            await pub.start()  # today's Deployment takes no prefix: recorded and said
+        assert pub.name_prefix_applied is False and "not applied" in caplog.text
         await pub.aclose()
 
-
-# ------------------------------------------------------------------------------------------------
-# the switch off: the old overwrite path
-# ------------------------------------------------------------------------------------------------
-
-
-async def test_switch_off_keeps_the_old_overwrite_path(relax_off):
-    assert not relax_off.shard_pub.enabled and not relax_off.trainer_pub.enabled
-    record = await relax_off.register("s")
-    assert record.lora is None  # the record keeps Relax's own request path
-    with pytest.raises(RuntimeError, match="is off"):
-        await relax_off.shard_pub.generate(record.lora, {"input_ids": [1]})
-
-    await relax_off.update_weights()
-    assert isinstance(relax_off.trainer_pub.publication.deployment, OverwriteDeployment)
-    for d in relax_off.doubles:
-        kinds = [kind for kind, _ in d.events]
-        assert kinds.index("pause") < kinds.index("load") < len(kinds) - 1 - kinds[::-1].index("continue")
-        assert d.registered() == [LORA_ADAPTER_NAME] and not managed(relax_off)
-
-    r1 = await turn(relax_off, "s", [1, 2, 3])
-    relax_off.trainer.step = 2
-    await relax_off.update_weights()  # overwrite the fixed name under pause + flush
-    r2 = await turn(relax_off, "s", [1, 2, 3] + r1["output_ids"])
-    assert "error" not in r1 and "error" not in r2
-    assert r2["lora_id"] != r1["lora_id"]  # the old behaviour: the session moved mid-trajectory
-    assert all(d.events.count(("unload", LORA_ADAPTER_NAME)) == 1 for d in relax_off.doubles)
-
-    assert await relax_off.shard.discard_session(session_id="s") is True
-    await relax_off.shard_pub.release(None)  # nothing to release with the switch off
+        monkeypatch.setattr(relax_lorapub, "Deployment", PrefixedDeployment)
+        await engine.close()  # given engines are the caller's to close
+        engine = SGLangWireEngine("e0", double.url)
+        pub = relax_lorapub.RelaxLorapub(args, engines={"e0": engine}, deadlines=FAST)
+        await pub.start()
+        assert pub.name_prefix_applied is True and taken == ["lorapub_test@"]
+        await pub.aclose()
+        await engine.close()
+    finally:
+        await double.stop()
 
 
 # ------------------------------------------------------------------------------------------------
-# arguments, snapshot, imports
+# Arguments, configuration, imports
 # ------------------------------------------------------------------------------------------------
 
 
-def test_add_arguments_follows_relaxs_convention_and_defaults_off():
+def test_arguments_follow_relaxs_convention_and_the_config_is_one_block(tmp_path):
     parser = argparse.ArgumentParser()
     assert add_arguments(parser) is parser  # Relax chains `parser = add_x_arguments(parser)`
     off = parser.parse_args([])
-    assert off.enable_versioned_lora_publication is False and relax_lora.is_enabled(off) is False
-    on = parser.parse_args([ARGUMENT, "--lora-publication-epoch", "3"])
-    assert relax_lora.is_enabled(on) and on.lora_publication_registry == "relax_lora_publication"
+    assert off.enable_lorapub is False and relax_lorapub.config_from_args(off) is None
+    assert validate_args(off) is None
 
+    block = tmp_path / "lorapub.yaml"
+    block.write_text("capacity: 3\nmax_lag: 2\non_stale: rebind\ntransport: nccl\n")
+    on = parser.parse_args([ENABLE_FLAG, CONFIG_FLAG, str(block)])
     on.lora_rank, on.lora_adapter_mode, on.lora_merge_mode = 8, False, False
     with pytest.raises(ValueError, match="--lora-adapter-mode"):
         validate_args(on)
     on.lora_adapter_mode = True
-    validate_args(on)
-    unset = parser.parse_args([ARGUMENT])
-    unset.lora_rank, unset.lora_adapter_mode = 8, True
-    validate_args(unset)
-    epoch = unset.lora_publication_epoch
-    assert isinstance(epoch, int) and relax_lora.resolve_epoch(unset) == epoch  # fixed once
-    not_validated = parser.parse_args([ARGUMENT])
+    config = validate_args(on)
+    assert (config.capacity, config.max_lag, config.on_stale, config.transport) == (3, 2, "rebind", "nccl")
+    assert isinstance(config.epoch, int) and relax_lorapub.config_from_args(on) == config  # fixed once, on args
+    bare = parser.parse_args([ENABLE_FLAG])
     with pytest.raises(ValueError, match="validate_args"):  # an actor never picks its own epoch
-        RelaxLoraPublication(not_validated)
-
-
-def test_snapshot_from_relaxs_export_is_a_frozen_copy():
-    torch = pytest.importorskip("torch")
-    merged = {k: torch.from_numpy(v.copy()) for k, v in peft_lora_state_dict(1).items()}
-    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
-    snap = snapshot_from_export(merged, config)
-    digest = snap.digest
-    next(iter(merged.values())).add_(1.0)  # training steps on
-    assert snapshot_from_export(merged, config).digest != digest and snap.digest == digest
-    assert relax_lora.version_id_for(12) == "step12"
+        relax_lorapub.RelaxLorapub(bare)
+    block.write_text("capacity: 2\nbogus: 1\n")
+    with pytest.raises(ValueError, match="unknown lorapub setting"):
+        LorapubConfig.from_file(str(block))
+    assert relax_lorapub.version_id_for(12) == "step12"
     assert engine_name("http://10.0.0.7:30000/") == "10.0.0.7_30000"
 
 
 def test_the_hooks_import_without_relax_megatron_ray_torch_or_aiohttp():
-    blocked = ["aiohttp", "megatron", "ray", "relax", "safetensors", "sglang", "torch"]
+    blocked = ["aiohttp", "megatron", "ray", "relax", "safetensors", "sglang", "torch", "yaml"]
     code = (
         "import sys\n"
         "class Block:\n"
@@ -549,7 +713,9 @@ def test_the_hooks_import_without_relax_megatron_ray_torch_or_aiohttp():
         "sys.meta_path.insert(0, Block())\n"
         "import argparse, lorapub.integrations.relax as r\n"
         "args = r.add_arguments(argparse.ArgumentParser()).parse_args([])\n"
-        "pub = r.RelaxLoraPublication(args)\n"
+        "pub = r.RelaxLorapub(args)\n"
+        "inner = object()\n"
+        "assert pub.wrap_backend(inner) is inner and r.install_weight_path(type('B', (), {'args': args})()) is None\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in " + repr(blocked) + "]\n"
         "assert not bad, bad\n"
         "print('ok', pub.enabled)\n"
@@ -561,7 +727,7 @@ def test_the_hooks_import_without_relax_megatron_ray_torch_or_aiohttp():
 
 
 def test_the_hooks_use_only_lorapubs_public_face():
-    tree = ast.parse(pathlib.Path(relax_lora.__file__).read_text())
+    tree = ast.parse(pathlib.Path(relax_lorapub.__file__).read_text())
     modules, names = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lorapub"):
@@ -570,6 +736,16 @@ def test_the_hooks_use_only_lorapubs_public_face():
                 names |= {a.name for a in node.names}
         elif isinstance(node, ast.Import):
             modules |= {a.name for a in node.names if a.name.startswith("lorapub")}
-    assert modules <= {"lorapub", "lorapub.adapters.sglang_http", "lorapub.adapters.sglang_wire",
-                       "lorapub.adapters.ray_registry"}, modules
+    assert modules <= {"lorapub", "lorapub.adapters.sglang_wire", "lorapub.adapters.ray_registry"}, modules
     assert names <= set(lorapub.__all__), names
+
+
+def test_nothing_names_relaxs_gone_hooks_or_its_old_home():
+    gone = ["_register_session", "scope_id", "_discard_session_locked", "finalize_and_discard", "discard_session",
+            "_clear_removed_record_state", "partial_resume", "redai-infra"]
+    here = pathlib.Path(__file__).parent
+    files = [pathlib.Path(relax_lorapub.__file__), here / "relax_harness.py",
+             here.parent.parent / "docs" / "relax.md"]
+    for path in files:
+        text = path.read_text()
+        assert not [g for g in gone if g in text], path

@@ -13,7 +13,8 @@ installed SGLang's, or lorapub's verbatim copy of 0.5.23's where SGLang is absen
 * a prefix cache keyed by ``lora_id`` that reports ``cached_tokens``,
 * ``/lorapub/state`` as added by lorapub's SGLang patch (incarnation, adapters, refs),
 * ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` (plain-text answer) for
-  the legacy path, and ``/v1/models`` (the base model and one card per loaded adapter),
+  the legacy path, ``/abort_request`` (``{"rid": ...}``: the running request of that ``rid`` ends
+  at its next step with ``finish_reason`` ``abort`` and the tokens it made, as SGLang answers it), and ``/v1/models`` (the base model and one card per loaded adapter),
 * ``--api-key``/``--admin-api-key`` enforced as SGLang's HTTP middleware does (SGLang's own
   ``decide_request_auth`` where SGLang is installed), each route at SGLang's auth level,
 * ``stock=True``: an unpatched SGLang server (no lorapub route: 404; no managed protection),
@@ -52,6 +53,7 @@ ROUTE_AUTH_LEVELS: dict[tuple[str, str], str] = {
     ("POST", "/pause_generation"): ADMIN_OPTIONAL,
     ("POST", "/continue_generation"): ADMIN_OPTIONAL,
     ("POST", "/flush_cache"): ADMIN_OPTIONAL,
+    ("POST", "/abort_request"): ADMIN_OPTIONAL,
     ("GET", STATE_ROUTE): ADMIN_OPTIONAL,
     ("POST", "/generate"): NORMAL,
     ("GET", "/v1/models"): NORMAL,
@@ -232,6 +234,8 @@ class SGLangDouble:
         self.not_loading.set()
         self._holds = 0
         self.abort_gen = 0  # bumped by pause_generation(mode="abort"): running requests end aborted
+        self.running_rids: set[str] = set()  # rids of /generate requests running now
+        self.aborted_rids: set[str] = set()  # ... of which /abort_request asked these to end
         self.physical_unloads: list[str] = []
 
     def restart(self) -> None:
@@ -274,6 +278,7 @@ class SGLangDouble:
         r.add_post("/pause_generation", self.h_pause)
         r.add_post("/continue_generation", self.h_continue)
         r.add_post("/flush_cache", self.h_flush)
+        r.add_post("/abort_request", self.h_abort_request)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -525,6 +530,16 @@ class SGLangDouble:
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         ))
 
+    async def h_abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's ``/abort_request``: a running request of that ``rid`` ends aborted; an unknown
+        ``rid`` is ignored. Answers 200 with an empty body, as SGLang does."""
+        body = await request.json() if request.can_read_body else {}
+        rid = (body or {}).get("rid")
+        self.events.append(("abort_request", str(rid)))
+        if rid in self.running_rids:
+            self.aborted_rids.add(rid)
+        return web.Response(status=200)
+
     @property
     def is_paused(self) -> bool:
         """Whether generation stands paused (a pause without its continue)."""
@@ -572,6 +587,9 @@ class SGLangDouble:
 
         await self.paused.wait()  # like SGLang: new requests wait out a pause before resolving LoRA
         gen = self.abort_gen
+        rid = body.get("rid")
+        if isinstance(rid, str):
+            self.running_rids.add(rid)
         try:
             if name:
                 try:
@@ -602,6 +620,17 @@ class SGLangDouble:
                 self._slot_filled.add(lora_id)
                 await self._stop_steps(self.first_use_stop)
             for _ in range(max_new):
+                if rid in self.aborted_rids:  # /abort_request: what it made so far, finish_reason abort
+                    await release_once()
+                    return web.json_response({
+                        "text": " ".join(map(str, seq[len(ids):])),
+                        "output_ids": seq[len(ids):],
+                        "meta_info": {
+                            "id": rid, "prompt_tokens": len(ids), "completion_tokens": len(seq) - len(ids),
+                            "cached_tokens": cached, "lora_id": lora_id, "output_token_logprobs": logprobs,
+                            "finish_reason": {"type": "abort", "message": "Abort in decode"},
+                        },
+                    })
                 if gen != self.abort_gen:
                     await release_once()
                     return web.json_response({"error": {"message": "Request aborted by pause_generation"}}, status=503)
@@ -633,6 +662,9 @@ class SGLangDouble:
             await release_once()
             return web.json_response(out)
         finally:
+            if isinstance(rid, str):
+                self.running_rids.discard(rid)
+                self.aborted_rids.discard(rid)
             # client disconnect / abort / crash: exactly once, whatever the path
             await asyncio.shield(release_once())
 
