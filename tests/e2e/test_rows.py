@@ -271,9 +271,12 @@ async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first
     assert (await dep.state()).versions[a.version].state is VersionState.RECLAIMED
     with pytest.raises(SessionClosed):  # lorapub refuses before anything reaches the engine
         await s.generate(GEN)
-    # the hazard lorapub guards against: a raw late request makes unpatched SGLang reload A
-    await engines["e0"].generate({**GEN, "lora_path": a.lora_name})
-    assert ("implicit_reload", a.lora_name) in doubles["e0"].events
+    # the hazard lorapub guards against: a raw late request makes unpatched SGLang reload A from its
+    # folder; the shared-folder path removes a reclaimed version's folder, so even that is refused
+    assert not any((tmp_path / "stash" / "e0").glob("1-A-*"))
+    with pytest.raises(VersionMissing, match="Failed to implicitly load"):
+        await engines["e0"].generate({**GEN, "lora_path": a.lora_name})
+    assert ("implicit_reload", a.lora_name) not in doubles["e0"].events
 
 
 async def test_switch_off_keeps_the_old_overwrite_path(engines, doubles, tmp_path):

@@ -45,7 +45,8 @@ SERVER_KEEP_ALIVE_S = 5.0
 #: How long an idle connection of an adapter's own session stays open: well below the server's.
 IDLE_CONNECTION_S = 2.0
 
-_MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist")
+_MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist",
+                    "Failed to implicitly load")  # the last: live SGLang when a reload finds its files gone
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
 MAX_ENGINE_TEXT = 500
 
@@ -506,6 +507,7 @@ class SGLangEngine(SGLangAdminBase):
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)
+        await asyncio.to_thread(self.staging.remove_named, lora_name)  # its folder is loaded from no more
 
 
 class SGLangOverwriteAdmin:

@@ -98,6 +98,16 @@ class Staging:
             raise EngineError(f"{self.engine}: attempt {token} was never begun here")
         return found
 
+    def remove_named(self, lora_name: str) -> list[AttemptToken]:
+        """Remove the stash of every attempt that staged ``lora_name`` (its version was reclaimed:
+        nothing loads from it again); they stay refused. Returns their tokens."""
+        gone = [t for t, (request, _) in self._plans.items() if request.lora_name == lora_name]
+        for token in gone:
+            self._tombstones.add(token)
+            self._plans.pop(token, None)
+            shutil.rmtree(self.stash(token), ignore_errors=True)
+        return gone
+
     def prepare(self, request: SendBegin, incarnation: str) -> None:
         """A fresh stash with the serving config; the attempt is live from now on."""
         if request.token in self._tombstones:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Any, Mapping
 
-from lorapub.core.identity import VersionKey, _check_epoch
+from lorapub.core.identity import VersionKey, _check_epoch, check_id
 from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
@@ -39,11 +39,22 @@ def _check_engines(engines: Any) -> dict[str, Any]:
     if not isinstance(engines, Mapping) or not engines:
         raise InvalidInput("engines must be a non-empty mapping of engine name -> engine adapter")
     for key, engine in engines.items():
+        check_id("engine name", key)  # it names stash folders, routes and log fields
         name = getattr(engine, "name", None)
         if name != key:
             raise InvalidInput(
                 f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
                 "engines by name, so they must match"
+            )
+        if not isinstance(engine, EngineAdmin):
+            missing = [m for m in ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
+                       if not callable(getattr(engine, m, None))]
+            hint = (" — it is an engine of the switched-off path (OverwriteAdmin): with enabled=True pass "
+                    "lorapub.adapters.sglang_wire.SGLangWireEngine adapters"
+                    if isinstance(engine, OverwriteAdmin) else "")
+            raise InvalidInput(
+                f"engine {key!r} ({type(engine).__name__}) is not a lorapub.ports.EngineAdmin: it lacks "
+                f"{', '.join(missing)}{hint}"
             )
     return dict(engines)
 
@@ -198,7 +209,8 @@ class Deployment:
     async def _probe(self, engine: str | None) -> None:
         """A targeted restart check after an engine refused a version it should hold."""
         names = [engine] if engine is not None else list(self.engines)
-        for name in names:
+
+        async def probe(name: str) -> None:
             try:
                 incarnation = await self._incarnation(name)
                 result = await self.registry.handle(RegisterEngine(name, incarnation))
@@ -206,6 +218,8 @@ class Deployment:
                     await self.publisher.control.run(result.effects)
             except LorapubError as e:
                 log.warning("probe of %s failed: %s", name, e)
+
+        await asyncio.gather(*(probe(n) for n in names))
         self._on_fleet((await self.registry.handle(ReadFleet())).reply)
 
     async def close(self, grace: float = 5.0) -> None:
@@ -219,6 +233,7 @@ class Deployment:
             return
         self._started, self._closed = False, True
         await self.sessions.stop_renewals()
+        await self.publisher.close(grace)
         await self.reconciler.stop()
         await self.reclaimer.settle(timeout=grace)
         await self._close_engines()
@@ -290,6 +305,7 @@ class Deployment:
     async def refresh_engines(self) -> dict[str, str]:
         """Tell the registry about engines that restarted (their READYs and stashes are void).
         An engine that does not answer is left as the registry knows it (a begin to it fails)."""
+        self._require_started()
         found = {}
         for name in self.engines:
             try:
@@ -322,9 +338,17 @@ class Deployment:
         # waits for running requests) is not waited for: reserve then says CAPACITY_ERROR.
         await self.reclaimer.wait(seconds)
 
-    async def reclaim(self, version: VersionKey):
-        """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background)."""
+    async def reclaim(self, version: VersionKey | str):
+        """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background):
+        a :class:`~lorapub.VersionKey`, or a version id of this deployment's epoch."""
         self._require_started()
+        if isinstance(version, str):
+            version = VersionKey(self.epoch, version)
+        elif not isinstance(version, VersionKey):
+            raise InvalidInput(
+                f"reclaim takes a version id (str) or a lorapub.VersionKey, not {type(version).__name__}: "
+                f"e.g. deployment.reclaim('step41') or deployment.reclaim(VersionKey({self.epoch}, 'step41'))"
+            )
         return await self.reclaimer.reclaim(version)
 
     def session(self, session_id: str, nonce: str | None = None, *, group: str | None = None) -> Session:

@@ -136,6 +136,15 @@ def engines_source_factory(engines: Mapping[str, Any]) -> Callable[[Snapshot, An
     )
 
 
+@attrs.define
+class _Call:
+    """One publication running in this process, and how many callers await it."""
+
+    digest: str
+    task: asyncio.Future
+    callers: int = 0
+
+
 class Publisher:
     """One publisher, at most one attempt at a time (the registry enforces both)."""
 
@@ -164,7 +173,8 @@ class Publisher:
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
         self.frozen = FrozenCopies()
         self._wakeup = asyncio.Event()
-        self._running: dict[VersionKey, tuple[str, asyncio.Future]] = {}  # key -> (digest, the call)
+        self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
+        self._background: set[asyncio.Future] = set()  # cancelled publications still cleaning up
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
     @property
@@ -206,14 +216,28 @@ class Publisher:
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait < float("inf"):
             raise InvalidInput(f"wait must be a finite number of seconds >= 0, got {wait!r}")
         key = VersionKey(self.epoch, version_id)
-        running = self._running.get(key)
-        if running is not None and running[0] == snapshot.digest:
-            report = await asyncio.shield(running[1])
-            return attrs.evolve(report, reused=True)
-        task = asyncio.ensure_future(self._publish(snapshot, key, wait))
-        self._running[key] = (snapshot.digest, task)
-        task.add_done_callback(lambda t: self._running.pop(key, None) if self._running.get(key, (0, t))[1] is t else None)
-        return await asyncio.shield(task)
+        call = self._running.get(key)
+        if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
+            call = _Call(snapshot.digest, asyncio.ensure_future(self._publish(snapshot, key, wait)))
+            self._running[key] = call
+            call.task.add_done_callback(lambda t: self._running.pop(key, None) if self._running.get(key) is call else None)
+            joined = False
+        else:
+            joined = True
+        call.callers += 1
+        try:
+            report = await asyncio.shield(call.task)
+        except asyncio.CancelledError:
+            # The caller gave up. The last one out aborts the attempt; the publication cleans it up
+            # (shielded from this cancellation, bounded by the cleanup deadline), never leaves it ENDING.
+            call.callers -= 1
+            if call.callers == 0 and not call.task.done():
+                call.task.cancel()
+                self._background.add(call.task)
+                call.task.add_done_callback(self._background.discard)
+            raise
+        call.callers -= 1
+        return attrs.evolve(report, reused=True) if joined else report
 
     async def _publish(self, snapshot: Snapshot, key: VersionKey, wait: float) -> PublicationReport:
         started = self.clock.monotonic()
@@ -221,6 +245,15 @@ class Publisher:
         # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin (or, waiting, SUPERSEDED).
         reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), wait, started)
         reply = reserved.reply
+        if not reply.created:
+            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+            if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING):
+                # Our own attempt, which an earlier call of ours left behind (it raised OUTCOME_UNKNOWN):
+                # nobody drives it. Abort and clean it, then publish afresh (every step is idempotent).
+                log.warning("publication of %s: taking over our own unfinished attempt %s", key, reply.token)
+                await self._abort(reply.token, "replayed by its own publisher after an unknown outcome")
+                reserved, _, _ = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), 0.0, started)
+                reply = reserved.reply
         if not reply.created:
             report = await self._existing(key, reply, started)
             return attrs.evolve(report, waited=waited, waited_for=waited_for)
@@ -230,20 +263,27 @@ class Publisher:
             self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
             on_ready=ready.append, on_eligible=self.on_eligible,
         )
-        runlog = await runner.run(reserved.effects, RunLog(self.clock))
-        status = (await self.registry.handle(QueryAttempt(reply.token))).reply
-        if status.phase is Phase.READY and ready:
-            await self._confirm_lives(reply.token, status.targets, runlog)
+        try:
+            runlog = await runner.run(reserved.effects, RunLog(self.clock))
             status = (await self.registry.handle(QueryAttempt(reply.token))).reply
-        if status.phase is Phase.READY and ready:
-            receipt = await self._commit(key, reply.token, ready[-1].expected_default_revision, runlog)
-            return PublicationReport(
-                key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
-                runlog.phase_seconds(), runlog.collectives, waited=waited, waited_for=waited_for,
-                engine_phases=self._engine_phases(runlog, reply.token),
-            )
+            if status.phase is Phase.READY and ready:
+                await self._confirm_lives(reply.token, status.targets, runlog)
+                status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+            if status.phase is Phase.READY and ready:
+                receipt = await self._commit(key, reply.token, ready[-1].expected_default_revision, runlog)
+                log.info("publication committed: version=%s revision=%s seconds=%.3f waited=%.3f", key,
+                         receipt.default_revision, self.clock.monotonic() - started, waited)
+                return PublicationReport(
+                    key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
+                    runlog.phase_seconds(), runlog.collectives, waited=waited, waited_for=waited_for,
+                    engine_phases=self._engine_phases(runlog, reply.token),
+                )
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort(reply.token, "its publish call was cancelled"))
+            raise
         self.wake()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
+        log.info("publication failed: version=%s phase=%s reason=%s", key, status.phase.value, why[:300])
         if status.phase is Phase.CLEAN:
             raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
         raise PublicationBlocked(
@@ -252,6 +292,18 @@ class Publisher:
             f"(`await deployment.reconcile()` retries it now): {why}",
             version=key,
         )
+
+    async def _abort(self, token: AttemptToken, reason: str) -> None:
+        """Abort an attempt this publisher no longer drives and clean it on every engine, within the
+        cleanup deadline (what is not confirmed then is the reconciler's). A committed attempt
+        stays committed: the abort of it changes nothing."""
+        try:
+            async with asyncio.timeout(2 * self.deadlines.cleanup):
+                result = await self.registry.handle(RecordFailure(token, "publisher", reason))
+                await self.control.run(result.effects)
+        except (LorapubError, TimeoutError) as e:
+            log.warning("abort of %s (%s) not finished: %s; the reconciler cleans it", token, reason, e)
+        self.wake()
 
     async def _reserve_slot(self, command: Reserve, wait: float, started: float):
         """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``."""
@@ -332,6 +384,17 @@ class Publisher:
             if isinstance(detail, dict) and token in detail:
                 phases.setdefault(name, {}).update(detail.pop(token))
         return phases
+
+    async def close(self, grace: float = 5.0) -> None:
+        """Cancel the publications still running in this process (each aborts and cleans its attempt)
+        and wait up to ``grace`` s for those cleanups; the reconciler of the next process finishes
+        what is left."""
+        running = [c.task for c in self._running.values()]
+        for task in running:
+            task.cancel()
+        pending = {*running, *self._background}
+        if pending:
+            await asyncio.wait(pending, timeout=grace)
 
     async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
         """Re-check every target's life right before commit: a READY from a life that has

@@ -10,7 +10,6 @@ correct single writer under asyncio and inside a Ray actor alike.
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -21,6 +20,7 @@ from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session_table import SessionTable
 from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreError
 from lorapub.ports import RegistryStore
+from lorapub.runtime.clock import RegistryClock
 
 
 class MemoryStore:
@@ -54,12 +54,14 @@ class LocalRegistry:
         *,
         lease_ttl: float | None = R.DEFAULT_LEASE_TTL,
         tombstone_window: float | None = R.DEFAULT_TOMBSTONE_WINDOW,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         max_lag: int | None = None,
         on_stale: str = "error",
     ) -> None:
         self._store = store if store is not None else MemoryStore()
-        self._clock = clock  # wall time: leases must mean the same to every process and after a restart
+        # wall time (leases mean the same to every process and after a restart), advanced monotonically
+        # while this registry runs: a step of the host's clock never expires a lease
+        self._clock = clock if clock is not None else RegistryClock()
         self._logs_commands = _save_takes_command(self._store)
         where = _where(self._store)
         try:

@@ -53,6 +53,7 @@ from lorapub.errors import (
     VersionMissing,
 )
 from lorapub.ports import EngineAdmin, Registry
+from lorapub.runtime.clock import Elapsed
 from lorapub.runtime.runner import EffectRunner, OnEligible
 
 log = logging.getLogger(__name__)
@@ -245,17 +246,28 @@ class Session:
             fresh = await self._authorized(binding)
             if fresh.version != binding.version:
                 return await self._send(fresh, payload)
-            await self.service.engine_suspect(engine.name if engine is not None else None)
+            await self.service.engine_suspect(None)  # every engine: more than one may have restarted
             holders = self.service.holders(binding.version)
             if holders is not None and engine is not None and engine.name in holders:
                 raise  # the fleet still says it holds it: report the engine's own answer
+            if holders is not None and not holders:
+                raise self._unavailable(binding) from missing
             log.warning("%s: %s lost %s; sending the request to a holder", self.key, getattr(engine, "name", "?"), binding.version)
             try:
                 return await self._send(binding, payload)
             except VersionMissing:
+                await self.service.engine_suspect(None)
+                if not self.service.holders(binding.version):
+                    raise self._unavailable(binding) from missing
                 raise missing from None
         finally:
             self.last_active = time.monotonic()
+
+    def _unavailable(self, binding: Binding) -> EngineUnavailable:
+        return EngineUnavailable(
+            f"no engine holds {binding.version} right now (its engines restarted and it is being re-provisioned); "
+            "the session keeps its version: retry the request later", session=self.key, version=binding.version,
+        )
 
     async def _authorized(self, binding: Binding) -> Binding:
         """Ask the registry whether this session may still dispatch (expired? stale?)."""
@@ -369,14 +381,20 @@ class SessionService:
         self.kick: Callable[[], None] = lambda: None
         self.probe: Callable[[str | None], Awaitable[None]] | None = None
         self._renewer: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # closes retried in the background
         self.renewals = 0
         self.idle_expired = 0
         self.lease_ttl: float | None = None
+        # the registry's time, carried forward here: a session's nonce says when it was born in the
+        # registry's time, which the registry judges (never this host's wall clock)
+        self.registry_time = Elapsed()
 
     # -- the fleet view (no registry round trip per request) -----------------------
     def update_fleet(self, fleet: Any) -> None:
         """The registry's latest view: who holds what, the default revision, what is retiring."""
         self._holders = dict(fleet.holders)
+        if getattr(fleet, "now", None) is not None:
+            self.registry_time.set(fleet.now)
         self._view_revision = fleet.default_revision
         self.default_revision = max(self.default_revision, fleet.default_revision)
         self._revisions.update(fleet.revisions)
@@ -427,9 +445,10 @@ class SessionService:
 
     async def stop_renewals(self) -> None:
         task, self._renewer = self._renewer, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        tasks = [t for t in (task, *self._closing) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _renew_loop(self, every: float) -> None:
         while True:
@@ -464,10 +483,12 @@ class SessionService:
         return len(idle)
 
     async def renew_leases(self) -> int:
-        """Expire the idle sessions, then renew every other live local session's lease in one
-        call; mark the ones the registry expired."""
+        """Expire the idle sessions, retry the closes whose answer was lost, then renew every other
+        live local session's lease in one call; mark the ones the registry expired. A session whose
+        close is pending is never renewed: if its close never lands, its lease runs out."""
         await self.expire_idle()
-        live = [s for s in self.sessions.values() if s.state in (LocalState.OPEN, LocalState.BOUND, LocalState.FINALIZING)]
+        self.retry_closes()
+        live = [s for s in self.sessions.values() if s.state in LIVE]
         if not live or self.lease_ttl is None:
             return 0
         sent = time.monotonic()
@@ -479,6 +500,24 @@ class SessionService:
             else:
                 s.lease_seen = max(s.lease_seen, sent)
         return len(live)
+
+    def retry_closes(self) -> int:
+        """Start again, in the background, every close that failed (a lost reply, the registry away):
+        the caller's ``close()`` raised, the session's ref must still be released."""
+        failed = [s for s in self.sessions.values()
+                  if s.state is LocalState.FINALIZING and s._close_task is not None and _failed(s._close_task)]
+        for s in failed:
+            task = asyncio.get_running_loop().create_task(self._retry_close(s), name=f"lorapub-close-{s.key}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return len(failed)
+
+    async def _retry_close(self, session: Session) -> None:
+        try:
+            await session.close()
+            log.info("session closed: session=%s (retried)", session.key)
+        except LorapubError as e:
+            log.warning("retried close of %s failed (%s); trying again at the next renewal", session.key, e)
 
     def session(self, session_id: str, nonce: str | None = None, *, group: str | None = None) -> Session:
         """The local record for a session lifecycle (OPEN; nothing is bound until the first
@@ -493,7 +532,7 @@ class SessionService:
         else:
             found = self.sessions.get(SessionKey(self.epoch, session_id, nonce))
         if found is None:
-            key = SessionKey(self.epoch, session_id, nonce or new_nonce(time.time(), uuid.uuid4().hex[:16]))
+            key = SessionKey(self.epoch, session_id, nonce or new_nonce(self.registry_time(), uuid.uuid4().hex[:16]))
             found = self.sessions[key] = Session(self, key, group)
         elif group != found.group:
             raise InvalidInput(

@@ -554,7 +554,10 @@ class SGLangDouble:
                 raise ValueError(f"LoRA adapter {name} is managed and not loaded; implicit reload refused")
             ref = self.ref_cache[name]
             async with self.update_lock:  # the unpatched hazard: a fresh lora_id behind lorapub's back
-                await self._load(ref.lora_name, ref.lora_path, bool(ref.pinned))
+                try:
+                    await self._load(ref.lora_name, ref.lora_path, bool(ref.pinned))
+                except OSError as e:  # live SGLang answers 400 when the adapter's files are gone
+                    raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {e}") from None
             self.events.append(("implicit_reload", name))
         return await self.lora_registry.acquire(name)
 
