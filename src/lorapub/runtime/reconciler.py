@@ -340,7 +340,10 @@ class Reconciler:
                 self._spawn(("orphan", engine, what),
                             lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
         for key in [k for k in self.orphans if k[0] in inventories and k not in found]:
-            del self.orphans[key]  # gone: freed
+            if ("orphan", *key) in self._repairs:  # unregistered, its unload waits for running requests
+                self.orphans[key] = "unloading: unregistered, waiting for its running requests to end"
+            else:
+                del self.orphans[key]  # gone: freed
 
     async def _unload_orphan(self, engine: str, name: str) -> None:
         async with asyncio.timeout(self.deadlines.reclaim):

@@ -1,0 +1,237 @@
+"""Every fault heals by itself: a cancelled call, a lost reply, a clock step, an operator's unload,
+an engine pair that restarts, a slow unload. One test per defect, each failing on the code before
+its fix. (A publisher killed mid-publication: tests/e2e/test_publisher_death.py, real processes.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from lorapub import (
+    Deployment,
+    EngineUnavailable,
+    InvalidInput,
+    OutcomeUnknown,
+    VersionKey,
+    VersionReclaiming,
+    deploy,
+)
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_wire import SGLangWireEngine
+from lorapub.core.commands import CloseAndRelease, RecordPrepared
+from lorapub.core.session import SessionState
+from lorapub.core.version import VersionState
+from lorapub.runtime.registry import LocalRegistry
+from lorapub.runtime.runner import Deadlines
+from lorapub.testing import FaultyRegistry, MemoryEngine, SGLangDouble, lora_snapshot
+
+GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+QUICK = Deadlines(begin=1, bucket=1, end=3, cleanup=1, commit=1, reclaim=30)
+
+
+def memory_engines(**kw) -> dict[str, MemoryEngine]:
+    return {n: MemoryEngine(n, **kw) for n in ("e0", "e1")}
+
+
+async def faulty(engines, **options) -> tuple[Deployment, FaultyRegistry]:
+    incarnations = {n: await e.incarnation() for n, e in engines.items()}
+    registry = FaultyRegistry(LocalRegistry(1, incarnations, lease_ttl=options.pop("lease_ttl", 120.0),
+                                            max_lag=options.get("max_lag")))
+    options.setdefault("reconcile_interval", None)
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, **options).start()
+    return dep, registry
+
+
+def version(dep: Deployment, version_id: str):
+    return dep.registry.state.versions[VersionKey(1, version_id)]
+
+
+# -- item 2: a cancelled publish, a lost RecordPrepared reply --------------------------------------
+async def test_a_cancelled_publish_aborts_and_cleans_its_attempt_at_once():
+    engines = memory_engines()
+    dep, _ = await faulty(engines)
+    await dep.publish(lora_snapshot(1), "A")
+    for e in engines.values():
+        e.fail_next("end", "stall")  # an engine's end that answers only at its deadline (3 s)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(dep.publish(lora_snapshot(2), "B"), 0.3)
+    started = time.monotonic()
+    report = await dep.publish(lora_snapshot(3), "C", wait=5)  # not PUBLICATION_BLOCKED for minutes
+    assert report.state is VersionState.PUBLISHED and time.monotonic() - started < 2.5
+    assert version(dep, "B").state is VersionState.FAILED_CLEAN  # aborted and cleaned, never committed
+    assert all(version(dep, "B").lora_name not in e.loaded for e in engines.values())
+    await dep.close()
+
+
+async def test_a_replayed_publish_takes_over_its_own_attempt_after_a_lost_reply():
+    engines = memory_engines()
+    dep, registry = await faulty(engines)
+    registry.fail_next(RecordPrepared, "reply")  # applied, its reply lost: the call cannot go on
+    with pytest.raises(OutcomeUnknown):
+        await dep.publish(lora_snapshot(1), "B")
+    report = await asyncio.wait_for(dep.publish(lora_snapshot(1), "B"), 5)  # the replay finishes it
+    assert report.state is VersionState.PUBLISHED and dep.registry.state.default == VersionKey(1, "B")
+    assert (await dep.reconcile()).healthy
+    await dep.close()
+
+
+# -- item 4: a close whose reply was lost ---------------------------------------------------------------
+async def test_a_lost_close_is_retried_and_its_session_never_renewed():
+    engines = memory_engines()
+    dep, registry = await faulty(engines)
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    registry.fail_next(CloseAndRelease, "request")  # lost on the way: nothing released
+    with pytest.raises(OutcomeUnknown):
+        await s.close()
+    assert version(dep, "A").session_refs == 1
+    lease = dep.registry.state.sessions[s.key].lease_until
+    await dep.sessions.renew_leases()  # the worker's next round: retries the close, renews nothing of it
+    await asyncio.sleep(0.05)
+    record = dep.registry.state.sessions[s.key]
+    assert record.state is SessionState.CLOSED and record.lease_until == lease
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    await dep.close()
+
+
+# -- item 5: a slow unload stalls nothing else ---------------------------------------------------------------
+async def test_a_slow_unload_never_holds_a_reconcile_pass():
+    engines = memory_engines(generate_seconds=4.0)
+    dep, _ = await faulty(engines, max_lag=0)  # A retires at B's commit, under a running request
+    await dep.publish(lora_snapshot(1), "A")
+    running = asyncio.ensure_future(dep.session("s").generate(GEN))  # A's native ref for 4 s
+    await asyncio.sleep(0.1)
+    await dep.publish(lora_snapshot(2), "B")
+    engines["e1"].restart()  # meanwhile an engine restarts: the pass sees it now, not in 4 s
+    started = time.monotonic()
+    health = await dep.reconcile(wait=0.5)
+    assert time.monotonic() - started < 2.0, "the pass waited on the unload"
+    kinds = {(b.kind, b.subject) for b in health.blockers}
+    assert ("reclaim_pending", "1-A") in kinds, health.describe()
+    assert dep.registry.state.engines["e1"] == engines["e1"].incarnation_id  # the restart was registered
+    detail = next(b.detail for b in health.blockers if b.subject == "1-A")
+    assert "e0 (1 running request(s))" in detail  # what holds it, by name
+    assert (await running)["lorapub"]["version_id"] == "A"  # the request ran to its end
+    await dep.settle()
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    await dep.close()
+
+
+# -- item 6: clocks -----------------------------------------------------------------------------------
+async def test_a_step_of_the_hosts_wall_clock_expires_no_lease(monkeypatch):
+    engines = memory_engines()
+    dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None, lease_ttl=60.0).start()
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.generate(GEN)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 120.0)  # an NTP step, a VM resume
+    health = await dep.reconcile()
+    assert dep.registry.state.sessions[s.key].state is SessionState.BOUND and health.healthy
+    await s.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    assert version(dep, "A").state is VersionState.RETIRED  # kept: its session is alive
+    await dep.close()
+
+
+async def test_a_registry_two_hours_ahead_of_the_worker_refuses_no_new_session():
+    engines = memory_engines()
+    registry = LocalRegistry(1, {n: await e.incarnation() for n, e in engines.items()},
+                             clock=lambda: time.time() + 7200.0)
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    out = await dep.session("s").generate(GEN)  # its nonce is born in the registry's time
+    assert out["lorapub"]["version_id"] == "A"
+    await dep.close()
+
+
+# -- items 10 and 11: engines that lose versions ---------------------------------------------------------
+async def test_both_engines_restarted_is_engine_unavailable_not_version_missing():
+    engines = memory_engines()
+    dep, _ = await faulty(engines)
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.generate(GEN)
+    for e in engines.values():
+        e.restart()
+    with pytest.raises(EngineUnavailable, match="re-provisioned"):
+        await s.generate(GEN)
+    await dep.reconcile()
+    await dep.settle()
+    assert (await s.generate(GEN))["lorapub"]["version_id"] == "A"  # healed: same version, same session
+    await dep.close()
+
+
+async def test_a_version_an_operator_unloaded_is_noticed_and_loaded_again():
+    engines = memory_engines()
+    dep, _ = await faulty(engines)
+    a = await dep.publish(lora_snapshot(1), "A")
+    await engines["e0"].reclaim(a.lora_name, "an-operator")  # no restart: the incarnation is the same
+    assert a.lora_name not in engines["e0"].loaded
+    health = await dep.reconcile()
+    await dep.settle()
+    health = await dep.reconcile()
+    assert health.healthy, health.describe()
+    assert a.lora_name in engines["e0"].loaded and set(version(dep, "A").engines) == {"e0", "e1"}
+    for i in range(4):  # every session is served, on whichever engine
+        assert (await dep.session(f"s{i}").generate(GEN))["lorapub"]["version_id"] == "A"
+    await dep.close()
+
+
+# -- items 15-18: input and cleanup a new user meets ---------------------------------------------------------
+@pytest.mark.parametrize("bad", ["", "e/../x", "e\n", "x" * 200])
+async def test_engine_names_are_checked(bad):
+    engine = MemoryEngine("e0")
+    engine.name = bad
+    with pytest.raises(InvalidInput, match="engine name"):
+        Deployment({bad: engine}, epoch=1)
+
+
+async def test_a_started_deployment_is_needed_and_bad_arguments_are_named():
+    engines = memory_engines()
+    dep = Deployment(engines, epoch=1, reconcile_interval=None)
+    with pytest.raises(InvalidInput, match="start"):
+        await dep.refresh_engines()
+    await dep.start()
+    await dep.publish(lora_snapshot(1), "A")
+    with pytest.raises(InvalidInput, match="not list"):
+        await dep.session("s").generate([1, 2, 3])
+    assert version(dep, "A").session_refs == 0  # refused before binding: no ref taken
+    await dep.publish(lora_snapshot(2), "B")
+    await dep.settle()
+    assert await dep.reclaim("A") is VersionState.RECLAIMED  # a version id of this epoch works
+    with pytest.raises(InvalidInput, match="VersionKey"):
+        await dep.reclaim(3)
+    with pytest.raises(VersionReclaiming, match="new version id"):  # never answered as if published
+        await dep.publish(lora_snapshot(1), "A")
+    await dep.close()
+
+
+async def test_deploy_refuses_switched_off_engines_when_enabled():
+    double = await SGLangDouble("e0").start()
+    try:
+        with pytest.raises(InvalidInput, match="switched-off path"):
+            await deploy({"e0": SGLangOverwriteAdmin("e0", double.url)}, epoch=1, enabled=True)
+    finally:
+        await double.stop()
+
+
+async def test_closing_a_deployment_closes_its_engines_http_sessions():
+    doubles = [await SGLangDouble(f"e{i}").start() for i in range(2)]
+    try:
+        engines = {d.name: SGLangWireEngine(d.name, d.url) for d in doubles}
+        dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None).start()
+        await dep.publish(lora_snapshot(1), "A")
+        sessions = [e.client._http for e in engines.values()]
+        assert all(s is not None and not s.closed for s in sessions)
+        await dep.close()
+        assert all(s.closed for s in sessions)  # no "Unclosed client session" at exit
+    finally:
+        for d in doubles:
+            await d.stop()
