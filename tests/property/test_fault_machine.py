@@ -3,11 +3,14 @@
 Engines are :class:`lorapub.testing.MemoryEngine` (SGLang's observed behaviour, in
 process) that can lose any request or reply, refuse, stall past the deadline or
 restart; the registry is wrapped in :class:`lorapub.testing.FaultyRegistry`, which can
-lose any request or reply. Rollout workers crash (their sessions stop renewing), time
-passes on the registry's clock. Invariants hold after every step; at the end, with
-the faults stopped and every session closed or expired, the deployment must heal by
-itself: healthy, every retired version reclaimed, at most the default loaded, its
-frozen copy the only one kept, capacity free.
+lose any request or reply. Rollout workers crash (their sessions stop renewing), the
+publisher dies with its in-memory registry (a new trainer takes over at the next epoch),
+publish calls are cancelled, the registry's clock steps forward and back, an operator
+unloads a version behind lorapub's back. Invariants hold after every step; at the end,
+with the faults stopped, no session whose version an engine still holds gets a version
+error, and once every session closed or expired the deployment heals by itself within a
+bounded number of passes: healthy, every retired version reclaimed, at most the default
+loaded (a dead publisher's orphans too), its frozen copy the only one kept, capacity free.
 """
 
 from __future__ import annotations
@@ -51,17 +54,24 @@ class FaultMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.now = 1000.0
         self.engines = {name: MemoryEngine(name) for name in ENGINES}
+        self.epoch = 3
+        self.operator_unloaded: set[tuple[str, str, str]] = set()  # (engine, life, adapter) unloaded behind us
+        self.start_publisher()
+        self.next_version = 0
+        self.next_session = 0
+
+    def start_publisher(self):
+        """A trainer process: its in-memory registry and its deployment."""
         self.local = LocalRegistry(
-            3, {n: e.incarnation_id for n, e in self.engines.items()}, lease_ttl=TTL, clock=lambda: self.now,
+            self.epoch, {n: e.incarnation_id for n, e in self.engines.items()}, lease_ttl=TTL, clock=lambda: self.now,
         )
         self.registry = FaultyRegistry(self.local)
         self.dep = self.run(Deployment(
-            self.engines, epoch=3, registry=self.registry, deadlines=TINY, bucket_cap_bytes=256,
+            self.engines, epoch=self.epoch, registry=self.registry, deadlines=TINY, bucket_cap_bytes=256,
             reconcile_interval=None, reclaim_retries=2, reclaim_backoff=0.001, stale_attempt_after=0.05,
+            own_engines=False,
         ).start())
-        self.sessions = []  # every Session object ever made (crashed ones too)
-        self.next_version = 0
-        self.next_session = 0
+        self.sessions = []  # every Session object ever made by this trainer (crashed ones too)
 
     def teardown(self):
         if hasattr(self, "loop"):
@@ -139,6 +149,52 @@ class FaultMachine(RuleBasedStateMachine):
     def restart(self, engine):
         self.engines[engine].restart()
 
+    @rule()
+    def publisher_dies(self):
+        """SIGKILL: the trainer's registry (in memory) dies with it and nothing it started is cleaned;
+        a new trainer starts at the next epoch on the same engines."""
+        self.registry.enabled, self.registry.rate, self.registry.queries = True, 1.0, True  # gone
+        self.registry._planned.clear()
+        tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for t in tasks:
+            t.cancel()
+        self.run(asyncio.gather(*tasks, return_exceptions=True))
+        self.epoch += 1
+        self.next_version = 0
+        self.start_publisher()
+
+    @rule(seed=st.integers(0, len(SNAPSHOTS) - 1), steps=st.integers(0, 40))
+    def publish_cancelled(self, seed, steps):
+        """The caller gives up on a publication (asyncio.wait_for, a shutdown) at some point of it."""
+        version_id = f"v{self.next_version}"
+        self.next_version += 1
+        self.seeds = getattr(self, "seeds", {})
+        self.seeds[version_id] = seed
+
+        async def go():
+            task = asyncio.ensure_future(self.dep.publish(SNAPSHOTS[seed], version_id))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        self.run(go())
+
+    @rule(seconds=st.sampled_from([5.0, 60.0]))
+    def clock_steps_back(self, seconds):
+        self.now -= seconds  # the registry's clock stepped back (a correction): leases only last longer
+
+    @rule(engine=st.sampled_from(ENGINES), pick=st.integers(0, 7))
+    def operator_unloads(self, engine, pick):
+        """An operator unloads an idle managed adapter through SGLang, behind lorapub's back."""
+        e = self.engines[engine]
+        idle = sorted(n for n in e.loaded if not e.refs.get(n) and n not in e.unregistered)
+        if not idle:
+            return
+        name = idle[pick % len(idle)]  # (drawn whatever the engine holds: the draws never depend on timing)
+        del e.loaded[name]
+        self.operator_unloaded.add((engine, e.incarnation_id, name))
+
     @rule(engine=st.sampled_from(ENGINES), op=st.sampled_from(OPS), fault=st.sampled_from(FAULTS))
     def engine_fault(self, engine, op, fault):
         self.engines[engine].fail_next(op, fault)
@@ -177,6 +233,8 @@ class FaultMachine(RuleBasedStateMachine):
                 continue
             for name in v.engines:
                 engine = self.engines[name]
+                if (name, engine.incarnation_id, v.lora_name) in self.operator_unloaded:
+                    continue  # unloaded behind lorapub's back: noticed by the next check of that engine
                 if state.engines[name] == engine.incarnation_id:
                     assert v.lora_name in engine.loaded, f"{v.key} routed to {name}, which lacks it"
 
@@ -193,6 +251,15 @@ class FaultMachine(RuleBasedStateMachine):
         self.registry.enabled = False
         for e in self.engines.values():
             e._planned.clear()
+        self.run(self.dep.reconcile())
+        self.run(self.dep.settle(1.0))
+        for s in self.sessions:  # faults stopped: no version error while an engine holds the version
+            if s.binding is not None and s.key in self.dep.sessions.sessions and s.state is LocalState.BOUND:
+                result = self.attempt(s.generate(GEN))
+                if getattr(result, "code", None) == "VERSION_MISSING":
+                    held = [n for n, e in self.engines.items() if e.serves(s.binding.lora_name)
+                            and self.local.state.engines[n] == e.incarnation_id]
+                    assert not held, f"{s.key} got VERSION_MISSING while {held} hold {s.binding.version}"
         for s in self.sessions:
             if s.key in self.dep.sessions.sessions or s.state is LocalState.FINALIZING:
                 for _ in range(3):

@@ -781,9 +781,11 @@ class SGLangWireEngine(SGLangAdminBase):
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         # The engine tombstones the attempt first and waits for its in-flight operation, so nothing
-        # of it can be loaded after this answer; then the exact name is unloaded (if it was).
-        await self._stage(es.CLEANUP_ROUTE, {"token": es.token_to_json(token)}, self.load_timeout)
-        await self._unload(lora_name, f"cleanup-{token}")
+        # of it can be loaded after this answer; then the exact name is unloaded if this attempt
+        # loaded it (another attempt of the same version — a re-provisioning — may hold that name).
+        reply = await self._stage(es.CLEANUP_ROUTE, {"token": es.token_to_json(token)}, self.load_timeout)
+        if "loaded" not in reply or reply["loaded"]:  # (a staging that does not say: unloaded to be safe)
+            await self._unload(lora_name, f"cleanup-{token}")
         self._lives.pop(token, None)
         self._digests.pop(token, None)
         return await self.incarnation()

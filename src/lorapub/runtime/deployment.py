@@ -13,7 +13,7 @@ import logging
 from typing import Any, Mapping
 
 from lorapub.core.identity import VersionKey, _check_epoch, check_id
-from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
+from lorapub.core.commands import ReadFleet, ReadState, ReadVersion, RecordLost, RegisterEngine
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
     DEFAULT_LEASE_TTL,
@@ -23,7 +23,7 @@ from lorapub.core.registry import (
     check_max_lag,
 )
 from lorapub.errors import AlreadyStarted, EngineCapacityError, InvalidInput, LorapubError, OutcomeUnknown
-from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsLimits
+from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsInventory, ReportsLimits
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
 from lorapub.runtime.reconciler import Health, Reconciler
@@ -206,17 +206,34 @@ class Deployment:
         self.sessions.update_fleet(fleet)
         self.publisher.wake()
 
-    async def _probe(self, engine: str | None) -> None:
-        """A targeted restart check after an engine refused a version it should hold."""
+    async def _probe(self, engine: str | None, version: VersionKey | None = None, lora_name: str | None = None) -> None:
+        """A targeted check after an engine refused a version it should hold: did it restart (every
+        engine when ``engine`` is None), or lose ``version`` without a restart (an operator's unload)?"""
         names = [engine] if engine is not None else list(self.engines)
 
         async def probe(name: str) -> None:
             try:
-                incarnation = await self._incarnation(name)
+                adapter = self.engines[name]
+                if isinstance(adapter, ReportsInventory):
+                    async with asyncio.timeout(self.deadlines.begin):
+                        inventory = await adapter.inventory()
+                    incarnation = inventory.incarnation
+                else:
+                    inventory, incarnation = None, await self._incarnation(name)
                 result = await self.registry.handle(RegisterEngine(name, incarnation))
                 if result.effects:
                     await self.publisher.control.run(result.effects)
-            except LorapubError as e:
+                elif inventory is not None and version is not None and lora_name not in inventory.adapters:
+                    # lost only if the registry (read after this inventory) says the engine holds it and
+                    # the engine (read after the registry) still lacks it: never a load that was just made
+                    holders = (await self.registry.handle(ReadVersion(version))).reply.engines
+                    async with asyncio.timeout(self.deadlines.begin):
+                        again = await adapter.inventory()
+                    if name in holders and again.incarnation == incarnation and lora_name not in again.adapters:
+                        log.warning("version lost: engine=%s version=%s (found by a refused request)", name, version)
+                        await self.registry.handle(RecordLost(name, version))
+                        self.reconciler.kick()  # re-provision it there
+            except (LorapubError, TimeoutError) as e:
                 log.warning("probe of %s failed: %s", name, e)
 
         await asyncio.gather(*(probe(n) for n in names))

@@ -228,6 +228,14 @@ class Publisher:
         try:
             report = await asyncio.shield(call.task)
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and not current.cancelling():
+                # not this caller: the publication it joined was cancelled by the caller that started it
+                call.callers -= 1
+                raise PublicationBlocked(
+                    f"the publication of {key} this call joined was cancelled by its caller; its attempt is "
+                    "aborted and cleaned — publish again", version=key,
+                ) from None
             # The caller gave up. The last one out aborts the attempt; the publication cleans it up
             # (shielded from this cancellation, bounded by the cleanup deadline), never leaves it ENDING.
             call.callers -= 1

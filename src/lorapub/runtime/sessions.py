@@ -246,7 +246,8 @@ class Session:
             fresh = await self._authorized(binding)
             if fresh.version != binding.version:
                 return await self._send(fresh, payload)
-            await self.service.engine_suspect(None)  # every engine: more than one may have restarted
+            # every engine: more than one may have restarted, and the refusing one may have lost just it
+            await self.service.engine_suspect(None, binding)
             holders = self.service.holders(binding.version)
             if holders is not None and engine is not None and engine.name in holders:
                 raise  # the fleet still says it holds it: report the engine's own answer
@@ -256,7 +257,7 @@ class Session:
             try:
                 return await self._send(binding, payload)
             except VersionMissing:
-                await self.service.engine_suspect(None)
+                await self.service.engine_suspect(None, binding)
                 if not self.service.holders(binding.version):
                     raise self._unavailable(binding) from missing
                 raise missing from None
@@ -379,7 +380,7 @@ class SessionService:
         self._retiring: frozenset[VersionKey] = frozenset()
         self.on_stale = "error"
         self.kick: Callable[[], None] = lambda: None
-        self.probe: Callable[[str | None], Awaitable[None]] | None = None
+        self.probe: Callable[..., Awaitable[None]] | None = None
         self._renewer: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # closes retried in the background
         self.renewals = 0
@@ -427,10 +428,14 @@ class SessionService:
         """Commits behind the default, as this process last saw the default."""
         return max(0, self.default_revision - binding.revision)
 
-    async def engine_suspect(self, engine: str | None) -> None:
-        """An engine refused a version it should hold: probe it now (a restart) and refresh."""
+    async def engine_suspect(self, engine: str | None, binding: Binding | None = None) -> None:
+        """An engine refused a version it should hold: probe it now (a restart, or the version lost
+        without one) and refresh the fleet view."""
         if self.probe is not None:
-            await self.probe(engine)
+            if binding is None:
+                await self.probe(engine)
+            else:
+                await self.probe(engine, binding.version, binding.lora_name)
         self.kick()
 
     # -- leases -----------------------------------------------------------------------
