@@ -557,6 +557,19 @@ class Run:
                                                         "tool_output_len", "max_new_tokens", "tool_latency")},
                 "runs": runs, "compare": compare(runs)}
 
+    async def relax_route(self) -> dict:
+        """On SGLang 0.5.17 with Relax's patch: Relax's same-name replace route
+        (/update_lora_from_distributed) refuses a name lorapub manages, and the version stays served."""
+        name = self.dep.registry.state.versions[self.dep.registry.state.default].lora_name
+        out = {}
+        for s in (self.E0, self.E1):
+            status, text = await _post(s.url + "/update_lora_from_distributed", {
+                "lora_name": name, "config_dict": {"r": 8}, "names": [], "dtypes": [], "shapes": [], "pinned": True})
+            state = await self.http.state(s.url)
+            out[s.name] = {"status": status, "answer": text[:300], "refused_managed": status == 400 and "managed by lorapub" in text,
+                           "still_loaded": name in state["adapters"], "sglang": state.get("sglang")}
+        return out
+
     async def wire(self) -> dict:
         """The adapter's bytes over the wire into the patched servers (engine-side staging): for
         each transport, publish A's snapshot as a new version to E0/E1 and compare both engines'
@@ -762,6 +775,8 @@ class Run:
                 await self.section("patch_behaviour", self.patch_behaviour())
                 if "C2" in self.pubs:
                     await self.section("online", self.online())
+                if os.environ.get("LORAPUB_GPU_RELAX"):
+                    await self.section("relax_route", self.relax_route())
                 if os.environ.get("LORAPUB_GPU_WIRE"):
                     await self.section("wire", self.wire())
                 if os.environ.get("LORAPUB_GPU_ROUTER"):
@@ -775,6 +790,12 @@ class Run:
             self.report["servers_alive_at_end"] = {s.name: s.alive() for s in all_servers}
             srv.stop(all_servers)
         return self.report
+
+
+async def _post(url: str, body: dict) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status, await r.text()
 
 
 def report_of(pub) -> dict:
@@ -884,6 +905,11 @@ def verdicts(r: dict) -> dict[str, bool]:
             and "B" in run.get("publication", {}).get("version", "")
         v["router: cached-token ratio reported per version, A reclaimed after"] = all(
             x.get("cached_token_ratio") is not None for x in pv.values()) and rt.get("A_after_run") == "RECLAIMED"
+    if s.get("relax_route") is not None or os.environ.get("LORAPUB_GPU_RELAX"):
+        rr = s.get("relax_route") or {}
+        v["relax: the 0.5.17+relax build serves; its same-name replace route refuses a managed version, which stays loaded"] = \
+            len(rr) == 2 and all(x.get("refused_managed") and x.get("still_loaded") and x.get("sglang") == "0.5.17+relax"
+                                 for x in rr.values())
     if s.get("wire") is not None or os.environ.get("LORAPUB_GPU_WIRE"):
         w = s.get("wire") or {}
         v["wire: HTTP bytes and same-host IPC staged in the engine, numerics within eps of a disk-loaded copy"] = \

@@ -10,6 +10,17 @@ S=$(date +%s)
 SGL=${LORAPUB_SGL_DIR:-.sgl}  # .sgl-lite: the same bundle with its shared objects stripped (fits beside the router)
 xz -dc -T0 "$SGL/site.tar.xz" | tar -x -C /tmp/site || exit 3
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 4
+# Relax's image: SGLang 0.5.17 with Relax's own patch (carried as .relax/v0.5.17.patch, never committed), then
+# lorapub's patch tool on that tree (its diff form checked and applied on a copy) and the acceptance on it.
+if [ -n "${LORAPUB_GPU_RELAX:-}" ] && [ -f .relax/v0.5.17.patch ]; then
+  (cd /tmp/site/sglang && patch -p3 -s --fuzz=0 < "$OLDPWD/.relax/v0.5.17.patch") || exit 7
+  echo "relax patch applied: $(grep -c '^+++ ' .relax/v0.5.17.patch) files"
+  PYTHONPATH=/tmp/site:$PWD/src python3 -m lorapub.sglang_patch verify
+  PYTHONPATH=/tmp/site:$PWD/src python3 -m lorapub.sglang_patch check
+  rm -rf /tmp/sgl-diff && mkdir -p /tmp/sgl-diff && cp -r /tmp/site/sglang /tmp/sgl-diff/
+  PYTHONPATH=/tmp/site:$PWD/src python3 -m lorapub.sglang_patch apply --root /tmp/sgl-diff/sglang
+  PYTHONPATH=/tmp/site:$PWD/src python3 -m lorapub.sglang_patch check --root /tmp/sgl-diff/sglang
+fi
 [ -f "$SGL/triton-cache.tgz" ] && tar -C ~ -xzf "$SGL/triton-cache.tgz"
 if [ -f .rtr/sglang_router.tar.xz ]; then
   xz -dc -T0 .rtr/sglang_router.tar.xz | tar -x -C /tmp/site || exit 6
