@@ -560,13 +560,18 @@ class Run:
     async def relax_route(self) -> dict:
         """On SGLang 0.5.17 with Relax's patch: Relax's same-name replace route
         (/update_lora_from_distributed) refuses a name lorapub manages, and the version stays served."""
-        name = self.dep.registry.state.versions[self.dep.registry.state.default].lora_name
         out = {}
         for s in (self.E0, self.E1):
+            loaded = [n for n in (await self.http.state(s.url))["adapters"] if n.startswith("relax_policy_lora@")]
+            if not loaded:
+                out[s.name] = {"error": "no managed version loaded to check against"}
+                continue
+            name = loaded[0]
             status, text = await _post(s.url + "/update_lora_from_distributed", {
                 "lora_name": name, "config_dict": {"r": 8}, "names": [], "dtypes": [], "shapes": [], "pinned": True})
             state = await self.http.state(s.url)
-            out[s.name] = {"status": status, "answer": text[:300], "refused_managed": status == 400 and "managed by lorapub" in text,
+            out[s.name] = {"lora_name": name, "status": status, "answer": text[:300],
+                           "refused_managed": status == 400 and "managed by lorapub" in text,
                            "still_loaded": name in state["adapters"], "sglang": state.get("sglang")}
         return out
 

@@ -56,6 +56,7 @@ class FaultMachine(RuleBasedStateMachine):
         self.engines = {name: MemoryEngine(name) for name in ENGINES}
         self.epoch = 3
         self.operator_unloaded: set[tuple[str, str, str]] = set()  # (engine, life, adapter) unloaded behind us
+        self.stepped_back = 0.0  # how far the registry's clock was set back in all (leases last that much longer)
         self.start_publisher()
         self.next_version = 0
         self.next_session = 0
@@ -183,6 +184,7 @@ class FaultMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([5.0, 60.0]))
     def clock_steps_back(self, seconds):
         self.now -= seconds  # the registry's clock stepped back (a correction): leases only last longer
+        self.stepped_back += seconds
 
     @rule(engine=st.sampled_from(ENGINES), pick=st.integers(0, 7))
     def operator_unloads(self, engine, pick):
@@ -265,7 +267,7 @@ class FaultMachine(RuleBasedStateMachine):
                 for _ in range(3):
                     if not isinstance(self.attempt(s.close()), LorapubError):
                         break
-        self.now += TTL * 2  # crashed workers' leases run out
+        self.now += TTL * 2 + self.stepped_back  # crashed workers' leases run out (a step back delayed them)
         self.run(self.dep.settle())  # background reclaims end within their deadline (a stalled unload too)
         for _ in range(12):
             health = self.run(self.dep.reconcile())
