@@ -320,8 +320,8 @@ async def one_run(strategy: str, args, epoch: int) -> dict:
                 try:
                     return batch_request(endpoint, payload, get_rank)
                 except urllib.error.HTTPError as e:
-                    # SGLang refuses a flush (400) while aborted requests still drain; Relax's
-                    # RolloutEngine.flush_cache asks again until the engine flushes.
+                    # SGLang refuses a flush (400) while aborted requests still drain: ask again, every
+                    # 50 ms, as lorapub's SGLangOverwriteAdmin.flush_cache does (the stand-in asks once).
                     if endpoint != "/flush_cache" or e.code != 400 or attempt == 99:
                         raise
                     time.sleep(0.05)
@@ -639,9 +639,9 @@ def method(args) -> str:
         f"running delays the next, as a training step would), each adapter {adapter}. lorapub on: "
         "LorapubWeightPath publishes a Snapshot of the tensors in the background, with no pause and no flush "
         f"(capacity {args.capacity}, max_lag {args.max_lag}, publish_wait {args.wait:g} s). lorapub off: the "
-        "stand-in of Relax's update_weights_for_rollout: pause, flush, unload + load of relax_policy_lora on every "
-        "engine (from a folder, where Relax broadcasts over NCCL), continue. control: lorapub on, the first sync "
-        "only: nothing is published while the rollouts run.",
+        "stand-in of Relax's update_weights_for_rollout: pause, flush (asked again while the engine refuses it), "
+        "unload + load of relax_policy_lora on every engine (from a folder, where Relax broadcasts over NCCL), "
+        "continue. control: lorapub on, the first sync only: nothing is published while the rollouts run.",
         f"pause/flush/continue reaching the engines, from the rollouts' start to their end: counted from {counted}. "
         "The first sync's are shown apart.",
         "mixed-version groups (sessions): served by more than one version. lorapub: each turn's version as the "
