@@ -7,7 +7,10 @@
 
 bench/run.py starts one per engine and per run, so an engine's event loop, CPU and garbage
 collector are not the workload's (nor the other engine's). It prints ``URL <base url>`` once
-it serves on loopback, then serves until its standard input closes. The process lives for
+it serves on loopback, then serves until its standard input closes. A line ``events`` on its
+standard input is answered on its standard output with ``EVENTS {"pause": n, ...}``: how many
+of each kind of the double's ``events`` it has recorded so far (pause, flush, continue, load,
+unload, abort_request...), so a benchmark counts what reached the engine from the engine itself. The process lives for
 one run: once it serves, its start-up objects are frozen out of the collector and the
 collector is off (``gc.freeze()``, ``gc.disable()``), so no collection pause lands in the
 engine's timings.
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
+import json
 import os
 import sys
 
@@ -37,7 +42,12 @@ async def serve(args: argparse.Namespace) -> None:
     gc.freeze()
     gc.disable()
     print(f"URL {double.url}", flush=True)
-    await asyncio.to_thread(sys.stdin.read)  # until the benchmark closes our stdin (or dies)
+    while True:  # until the benchmark closes our stdin (or dies)
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            break
+        if line.strip() == "events":
+            print("EVENTS " + json.dumps(collections.Counter(kind for kind, _ in double.events)), flush=True)
     await double.stop()
 
 
