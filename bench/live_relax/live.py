@@ -13,6 +13,7 @@ for the servers to be stopped before it).
 
 import asyncio
 import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -40,6 +41,38 @@ def _live_online():
     return module
 
 
+async def relax_route_check(servers, adapter_dir: str) -> dict:
+    """On Relax's image: its same-name replace route (/update_lora_from_distributed) must refuse a
+    version lorapub manages, and that version stays loaded. A version is published for the check
+    and reclaimed after it (the servers are left as found)."""
+    import aiohttp
+
+    from lorapub import Deployment
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+    from tests.gpu.fixtures import adapter_snapshot
+
+    engines = {s.name: SGLangWireEngine(s.name, s.url) for s in servers}
+    dep = await Deployment(engines, epoch=int(time.time() * 1000), reconcile_interval=None).start()
+    out = {}
+    try:
+        report = await dep.publish(adapter_snapshot(adapter_dir), "relax-route-check")
+        async with aiohttp.ClientSession() as http:
+            for s in servers:
+                async with http.post(s.url + "/update_lora_from_distributed", json={
+                        "lora_name": report.lora_name, "config_dict": {"r": 64}, "names": [], "dtypes": [],
+                        "shapes": [], "pinned": True}) as r:
+                    status, text = r.status, await r.text()
+                state = await engines[s.name].state()
+                out[s.name] = {"sglang": state.get("sglang"), "status": status, "answer": text[:300],
+                               "refused_managed": status == 400 and "managed by lorapub" in text,
+                               "still_loaded": report.lora_name in state["adapters"]}
+        for e in engines.values():  # the check's version goes (nothing used it): the servers as found
+            await e.reclaim(report.lora_name, "relax-route-check")
+    finally:
+        await dep.close()
+    return out
+
+
 def _stop(signum, frame):
     raise SystemExit(128 + signum)  # run.sh's timeout: stop the servers on the way out
 
@@ -59,6 +92,10 @@ async def main() -> int:
         await srv.wait_healthy(engines)
         warm = await srv.warm_up(engines, os.path.join(online.MODEL, "A"))
         print(f"servers up {[round(s.boot_s) for s in engines]} s, warm-up {warm}", flush=True)
+        route = await relax_route_check(engines, os.path.join(online.MODEL, "A"))
+        print("relax route check:", json.dumps(route), flush=True)
+        with open(os.path.join(OUT, "relax-route.json"), "w") as f:
+            json.dump(route, f, indent=1)
         cmd = [sys.executable, os.path.join(ROOT, "bench", "live_relax", "driver.py"),
                *(a for s in engines for a in ("--engine-url", s.url)), "--adapter", os.path.join(online.MODEL, "B"),
                "--transport", "http", "--capacity", str(MAX_LORAS - 2), *ARGS,
