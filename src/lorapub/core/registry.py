@@ -303,7 +303,6 @@ class Fleet:
     expired_sessions: int
     lease_ttl: float | None
     default_revision: int = 0
-    revisions: Mapping[VersionKey, int] = attrs.field(factory=dict)  # committed, not reclaimed -> commit revision
     retiring: frozenset[VersionKey] = frozenset()
     max_lag: int | None = None
     on_stale: str = "error"
@@ -1100,8 +1099,6 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
         expired_sessions=state.expired_sessions,
         lease_ttl=state.lease_ttl,
         default_revision=state.default_revision,
-        revisions={k: v.commit.default_revision for k, v in state.versions.items()
-                   if v.commit is not None and v.state in SERVING},
         retiring=frozenset(k for k, v in state.versions.items() if v.retiring and v.state in SERVING),
         max_lag=state.max_lag,
         on_stale=state.on_stale,

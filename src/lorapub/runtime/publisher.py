@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 import attrs
 
 from lorapub.core.attempt import Phase
-from lorapub.core.effects import ReadyToCommit
+from lorapub.core.effects import ReadyToCommit, SendReclaim
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.commands import (
     CancelWait,
@@ -546,7 +546,7 @@ class Reclaimer:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
-        sent = any(type(fx).__name__ == "SendReclaim" for fx in result.effects)
+        sent = any(isinstance(fx, SendReclaim) for fx in result.effects)
         return (await self.registry.handle(ReadVersion(key))).reply.state, sent
 
     async def reclaim(self, key: VersionKey) -> VersionState:

@@ -376,7 +376,6 @@ class SessionService:
         self._holders: Mapping[VersionKey, frozenset[str]] | None = None
         self.default_revision = 0
         self._view_revision = -1  # the default revision of the last fleet view
-        self._revisions: dict[VersionKey, int] = {}
         self._retiring: frozenset[VersionKey] = frozenset()
         self.on_stale = "error"
         self.kick: Callable[[], None] = lambda: None
@@ -398,7 +397,6 @@ class SessionService:
             self.registry_time.set(fleet.now)
         self._view_revision = fleet.default_revision
         self.default_revision = max(self.default_revision, fleet.default_revision)
-        self._revisions.update(fleet.revisions)
         self._retiring = frozenset(fleet.retiring)
         self.on_stale = fleet.on_stale
 
@@ -406,7 +404,6 @@ class SessionService:
         self._holders = dict(holders)
 
     def note_binding(self, binding: Binding) -> None:
-        self._revisions.setdefault(binding.version, binding.revision)
         self.default_revision = max(self.default_revision, binding.revision)
 
     def holders(self, version: VersionKey) -> frozenset[str] | None:
