@@ -80,6 +80,12 @@ class FaultMachine(RuleBasedStateMachine):
                 self.check_heals()  # liveness at the end of every run
                 self.run(self.dep.close())
             finally:
+                # what dead trainers left running (their processes are gone) ends with the loop
+                tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+                for t in tasks:
+                    t.cancel()
+                if tasks:
+                    self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 self.loop.close()
 
     def run(self, coro):
@@ -159,7 +165,8 @@ class FaultMachine(RuleBasedStateMachine):
         tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
         for t in tasks:
             t.cancel()
-        self.run(asyncio.gather(*tasks, return_exceptions=True))
+        if tasks:
+            self.run(asyncio.gather(*tasks, return_exceptions=True))
         self.epoch += 1
         self.next_version = 0
         self.start_publisher()

@@ -287,7 +287,10 @@ class Publisher:
                     engine_phases=self._engine_phases(runlog, reply.token),
                 )
         except asyncio.CancelledError:
-            await asyncio.shield(self._abort(reply.token, "its publish call was cancelled"))
+            abort = asyncio.ensure_future(self._abort(reply.token, "its publish call was cancelled"))
+            self._background.add(abort)  # close() waits for it; a second cancel does not stop it
+            abort.add_done_callback(self._background.discard)
+            await asyncio.gather(asyncio.shield(abort), return_exceptions=True)
             raise
         self.wake()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
