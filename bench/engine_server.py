@@ -28,6 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
+from lorapub.core.identity import MANAGED_PREFIX  # noqa: E402
 from lorapub.testing import SGLangDouble  # noqa: E402
 
 
@@ -36,7 +37,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.name, decode_delay=args.decode_delay, load_delay=args.load_delay,
         prefill_per_token=args.prefill_per_token, blocking_load=args.blocking_load,
         install_stop=args.install_stop, first_use_stop=args.first_use_stop,
-        max_loaded_loras=args.max_loras, max_loras_per_batch=args.max_loras,
+        max_loaded_loras=args.max_loras, max_loras_per_batch=args.max_loras, managed_prefix=args.managed_prefix,
     ).start()
     gc.collect()
     gc.freeze()
@@ -61,6 +62,8 @@ def main() -> None:
     parser.add_argument("--install-stop", type=float, default=0.0)
     parser.add_argument("--first-use-stop", type=float, default=0.0)
     parser.add_argument("--max-loras", type=int, default=3, help="SGLang's --max-loaded-loras and --max-loras-per-batch")
+    parser.add_argument("--managed-prefix", default=MANAGED_PREFIX,
+                        help="the adapter names its patch protects (SGLANG_LORAPUB_MANAGED_PREFIX)")
     asyncio.run(serve(parser.parse_args()))
 
 

@@ -48,7 +48,8 @@ from lorapub.adapters.sglang_http import SGLangOverwriteAdmin  # noqa: E402
 from lorapub.adapters.sglang_wire import SGLangWireEngine  # noqa: E402
 from lorapub.demo.workload import RequestRecord, WorkloadResult  # noqa: E402
 from lorapub.errors import OutcomeUnknown  # noqa: E402
-from lorapub.integrations.relax import (  # noqa: E402
+from lorapub.integrations.relax import (
+    DEFAULT_NAME_PREFIX,  # noqa: E402
     CONFIG_FLAG,
     ENABLE_FLAG,
     RELAX_ADAPTER_NAME,
@@ -160,6 +161,7 @@ async def start_doubles(args) -> tuple[list[str], list[asyncio.subprocess.Proces
     capacity + 1, and one for Relax's fixed adapter, which the first sync loads."""
     flags = ["--decode-delay", str(args.decode_delay), "--load-delay", str(args.load_delay),
              "--prefill-per-token", str(args.prefill_per_token), "--max-loras", str(args.capacity + 2),
+             "--managed-prefix", DEFAULT_NAME_PREFIX,  # what the integration names versions (engine_env())
              *bench.ENGINE_MODELS[args.engine_model]["flags"]]
     procs = [await asyncio.create_subprocess_exec(sys.executable, ENGINE_SERVER, f"e{i}", *flags,
                                                   stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -294,7 +296,8 @@ async def one_run(strategy: str, args, epoch: int) -> dict:
                     incarnations[engine_name(u)] = await probe.incarnation()
                 finally:
                     await probe.close()
-            registry = SharedRegistry(LocalRegistry(epoch, incarnations, args.capacity, max_lag=args.max_lag))
+            registry = SharedRegistry(LocalRegistry(epoch, incarnations, args.capacity, max_lag=args.max_lag,
+                                                    name_prefix=DEFAULT_NAME_PREFIX))
             buckets = {} if args.adapter else {"bucket_cap_bytes": 64 << 10}
             options = {"registry": registry, "deadlines": Deadlines(), **buckets}
             harness.INJECT["shard"] = options

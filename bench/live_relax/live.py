@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
+from lorapub.integrations.relax import LorapubConfig, engine_env  # noqa: E402
 from tests.gpu import servers as srv  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/out")
@@ -51,8 +52,11 @@ async def relax_route_check(servers, adapter_dir: str) -> dict:
     from lorapub.adapters.sglang_wire import SGLangWireEngine
     from tests.gpu.fixtures import adapter_snapshot
 
+    from lorapub.integrations.relax import DEFAULT_NAME_PREFIX
+
     engines = {s.name: SGLangWireEngine(s.name, s.url) for s in servers}
-    dep = await Deployment(engines, epoch=int(time.time() * 1000), reconcile_interval=None).start()
+    dep = await Deployment(engines, epoch=int(time.time() * 1000), reconcile_interval=None,
+                           name_prefix=DEFAULT_NAME_PREFIX).start()
     out = {}
     try:
         report = await dep.publish(adapter_snapshot(adapter_dir), "relax-route-check")
@@ -86,7 +90,7 @@ async def main() -> int:
     print(f"model built in {time.monotonic() - t0:.0f} s", flush=True)
     engines = [srv.start(f"e{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT, patched=True,
                          max_lora_rank=64, mem_fraction=0.40, target_modules=online.ALL_LINEAR, decode_graphs=True,
-                         max_loras=MAX_LORAS)
+                         max_loras=MAX_LORAS, env=engine_env(LorapubConfig()))  # they protect its names
                for i in range(2)]
     try:
         await srv.wait_healthy(engines)

@@ -100,8 +100,9 @@ class Inventory:
     """What an engine holds now: its life, its managed adapters, its staged attempts."""
 
     incarnation: str
-    adapters: Mapping[str, HeldAdapter] = attrs.field(factory=dict)
+    adapters: Mapping[str, HeldAdapter] = attrs.field(factory=dict)  # every adapter, managed or not
     staged: tuple[StagedAttempt, ...] = ()
+    managed_prefix: str | None = None  # the names it protects (None: it does not say)
 
 
 @runtime_checkable

@@ -235,3 +235,32 @@ async def test_closing_a_deployment_closes_its_engines_http_sessions():
     finally:
         for d in doubles:
             await d.stop()
+
+
+# -- the engine-side name prefix (a deployment's own, e.g. an integration's) -------------------------------
+async def test_a_deployment_names_its_versions_with_its_prefix_and_engines_must_protect_it():
+    from lorapub import EngineError
+
+    doubles = [await SGLangDouble(f"e{i}", managed_prefix="lorapub@").start() for i in range(2)]
+    try:
+        engines = {d.name: SGLangWireEngine(d.name, d.url) for d in doubles}
+        with pytest.raises(EngineError, match="SGLANG_LORAPUB_MANAGED_PREFIX=relax_policy_lora@"):
+            await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None, own_engines=False).start()
+        dep = await Deployment(engines, epoch=2, deadlines=QUICK, reconcile_interval=None, name_prefix="lorapub@",
+                               own_engines=False).start()
+        a = await dep.publish(lora_snapshot(1), "A")
+        assert a.lora_name.startswith("lorapub@2-A-")
+        out = await dep.session("s").generate(GEN)
+        assert out["lorapub"]["lora_name"] == a.lora_name
+        # an adapter of another prefix is not this deployment's to sweep, whatever its epoch
+        await doubles[0]._load("relax_policy_lora@1-x-0", "unused", pinned=False, signature="x")
+        health = await dep.reconcile()
+        assert health.healthy and "relax_policy_lora@1-x-0" in doubles[0].registered(), health.describe()
+        with pytest.raises(InvalidInput, match="name_prefix"):
+            Deployment(engines, epoch=3, name_prefix="no-at-sign")
+        await dep.close()
+        for e in engines.values():
+            await e.close()
+    finally:
+        for d in doubles:
+            await d.stop()

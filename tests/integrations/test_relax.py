@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 import lorapub
-from lorapub import Deadlines, Deployment, NoPublishedVersion, Snapshot, VersionKey, VersionMissing
+from lorapub import Deadlines, Deployment, EngineError, NoPublishedVersion, Snapshot, VersionKey, VersionMissing
 from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 from lorapub.core.commands import ReadState
 from lorapub.integrations import relax as relax_lorapub
@@ -45,7 +45,7 @@ from lorapub.integrations.relax import (
     validate_args,
 )
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.testing import SGLangDouble, peft_lora_state_dict
+from lorapub.testing import SGLangDouble, lora_snapshot, peft_lora_state_dict
 
 from tests.integrations import relax_harness as harness
 from tests.integrations.relax_harness import (
@@ -216,13 +216,14 @@ class Relax:
 
 async def make_relax(tmp_path, *, enabled: bool, settings: dict | None = None, registry_options: dict | None = None,
                      background: bool = False, request_capacity: int | None = None) -> Relax:
-    doubles = [await SGLangDouble("e0").start(), await SGLangDouble("e1").start()]
+    prefix = (settings or {}).get("name_prefix", DEFAULT_NAME_PREFIX)  # the engines protect the integration's names
+    doubles = [await SGLangDouble("e0", managed_prefix=prefix).start(), await SGLangDouble("e1", managed_prefix=prefix).start()]
     urls = [d.url for d in doubles]
     args = relax_args(tmp_path, enabled=enabled, urls=urls, settings=settings)
     shared = None
     if enabled:
         incarnations = {engine_name(d.url): d.incarnation for d in doubles}
-        shared = SharedRegistry(LocalRegistry(EPOCH, incarnations, **(registry_options or {})))
+        shared = SharedRegistry(LocalRegistry(EPOCH, incarnations, name_prefix=prefix, **(registry_options or {})))
         options = {"registry": shared, "deadlines": FAST, "bucket_cap_bytes": 8 << 10}
         harness.INJECT["shard"] = options
         harness.INJECT["trainer"] = {
@@ -640,30 +641,24 @@ def test_the_default_prefix_is_outside_relaxs_names_and_goes_to_the_engines():
     assert relax_lorapub.sglang_overrides(LorapubConfig(capacity=3)) == {"max_loras_per_batch": 4, "max_loaded_loras": 4}
 
 
-async def test_the_prefix_is_passed_down_once_the_deployment_takes_it(tmp_path, monkeypatch, caplog):
-    taken: list[str] = []
-
-    class PrefixedDeployment(Deployment):  # what one core change gives: Deployment(name_prefix=...)
-        def __init__(self, engines, *, name_prefix, **options):
-            taken.append(name_prefix)
-            super().__init__(engines, **options)
-
-    double = await SGLangDouble("e0").start()
+async def test_versions_carry_the_integrations_prefix_which_the_engines_must_protect(tmp_path):
+    double = await SGLangDouble("e0", managed_prefix="lorapub_test@").start()
     try:
         args = relax_args(tmp_path, enabled=True, settings={"name_prefix": "lorapub_test@"})
         engine = SGLangWireEngine("e0", double.url)
         pub = relax_lorapub.RelaxLorapub(args, engines={"e0": engine}, deadlines=FAST)
-        with caplog.at_level(logging.WARNING, logger="lorapub.integrations.relax"):
-            await pub.start()  # today's Deployment takes no prefix: recorded and said
-        assert pub.name_prefix_applied is False and "not applied" in caplog.text
-        await pub.aclose()
-
-        monkeypatch.setattr(relax_lorapub, "Deployment", PrefixedDeployment)
-        await engine.close()  # given engines are the caller's to close
-        engine = SGLangWireEngine("e0", double.url)
-        pub = relax_lorapub.RelaxLorapub(args, engines={"e0": engine}, deadlines=FAST)
         await pub.start()
-        assert pub.name_prefix_applied is True and taken == ["lorapub_test@"]
+        assert pub.name_prefix_applied is True
+        report = await pub.deployment.publish(lora_snapshot(1), "step1")
+        assert report.lora_name.startswith("lorapub_test@")
+        await pub.aclose()
+        await engine.close()
+
+        other = relax_args(tmp_path, enabled=True, settings={"name_prefix": "lorapub_other@"})
+        engine = SGLangWireEngine("e0", double.url)
+        pub = relax_lorapub.RelaxLorapub(other, engines={"e0": engine}, deadlines=FAST)
+        with pytest.raises(EngineError, match="SGLANG_LORAPUB_MANAGED_PREFIX=lorapub_other@"):
+            await pub.start()  # the engine protects another prefix: refused before anything is sent
         await pub.aclose()
         await engine.close()
     finally:

@@ -23,6 +23,7 @@ from lorapub import errors
 from lorapub.core.commands import Command
 from lorapub.core.registry import COMMANDS, DEFAULT_LEASE_TTL, Result
 from lorapub.ports import RegistryStore
+from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import SQLiteStore
 
@@ -41,12 +42,12 @@ class _RegistryActor:
     def __init__(
         self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None,
         store_factory: Callable[[], RegistryStore] | None = None, lease_ttl: float | None = DEFAULT_LEASE_TTL,
-        max_lag: int | None = None, on_stale: str = "error",
+        max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
     ) -> None:
         if store_factory is None and store_path:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
-        self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale)
+        self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix)
         self._store_factory = store_factory
         self.registry: LocalRegistry | None = None
         try:
@@ -134,7 +135,7 @@ class RayRegistry:
         cls, name: str, epoch: int, engines: Mapping[str, str], capacity: int = 2, namespace: str = "lorapub",
         store_path: str | None = None, store_factory: Callable[[], RegistryStore] | None = None,
         call_timeout: float = 30.0, lease_ttl: float | None = DEFAULT_LEASE_TTL, batch: bool = True,
-        max_lag: int | None = None, on_stale: str = "error",
+        max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
     ) -> "RayRegistry":
         """A durable store lets Ray restart the actor without losing its state.
 
@@ -146,7 +147,7 @@ class RayRegistry:
         handle = RegistryActor.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
             max_restarts=-1 if durable else 0, max_task_retries=0,
-        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale)
+        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale, name_prefix)
         return cls(handle, call_timeout=call_timeout, batch=batch)
 
     @classmethod

@@ -34,7 +34,7 @@ import aiohttp
 from lorapub.adapters.staging import Staging
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id, is_managed_name
+from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.sglang_patch.engine_staging import token_from_json
@@ -364,7 +364,7 @@ class SGLangAdminBase:
         state = await self.client.state()
         adapters = {
             name: HeldAdapter(name, int(a.get("refs") or 0), a.get("lora_id"), bool(a.get("pinned")))
-            for name, a in state.get("adapters", {}).items() if is_managed_name(name)
+            for name, a in state.get("adapters", {}).items()
         }
         attempts = (state.get("staging") or {}).get("attempts") or {}
         staged = []
@@ -376,7 +376,8 @@ class SGLangAdminBase:
             except Exception:  # noqa: BLE001 - an attempt this client cannot name: left to the engine's aging
                 continue
             staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
-        return Inventory(state["incarnation"], adapters, tuple(staged))
+        prefix = state.get("managed_prefix")
+        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None)
 
     async def limits(self) -> EngineLimits:
         """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``

@@ -9,8 +9,12 @@ import attrs
 from lorapub.errors import InvalidInput
 
 LORA_NAME_PREFIX = "relax_policy_lora"
-#: Every managed adapter name starts with this; the SGLang patch protects exactly these names.
+#: The default start of every managed adapter name (a deployment may name its own, see
+#: :func:`check_name_prefix`); the SGLang patch protects the names that start with the prefix it is
+#: launched with (``SGLANG_LORAPUB_MANAGED_PREFIX``, this by default).
 MANAGED_PREFIX = LORA_NAME_PREFIX + "@"
+MANAGED_PREFIX_ENV = "SGLANG_LORAPUB_MANAGED_PREFIX"
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}@")
 #: The header that authorises the unload of a managed adapter (reclaim or cleanup).
 RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
 #: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads.
@@ -58,21 +62,29 @@ class VersionKey:
         return f"{self.deployment_epoch}-{self.version_id}"
 
 
-def lora_name_for(key: VersionKey, digest: str) -> str:
+def check_name_prefix(prefix: object) -> str:
+    """``prefix`` if it is 1-64 characters of ``[A-Za-z0-9_.:-]`` then ``@`` (ids hold no ``@``, so
+    no version id can make a name that looks like another prefix's), else :class:`InvalidInput`."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        raise InvalidInput(f"name_prefix must be 1-64 characters of [A-Za-z0-9_.:-] followed by '@', got {prefix!r}")
+    return prefix
+
+
+def lora_name_for(key: VersionKey, digest: str, prefix: str = MANAGED_PREFIX) -> str:
     """The immutable engine-side name; the digest prefix is for humans, the full digest is compared."""
     check_digest(digest)
-    return f"{MANAGED_PREFIX}{key.deployment_epoch}-{key.version_id}-{digest[:DIGEST_PREFIX_LEN]}"
+    return f"{prefix}{key.deployment_epoch}-{key.version_id}-{digest[:DIGEST_PREFIX_LEN]}"
 
 
-def is_managed_name(name: str) -> bool:
-    return name.startswith(MANAGED_PREFIX)
+def is_managed_name(name: str, prefix: str = MANAGED_PREFIX) -> bool:
+    return name.startswith(prefix)
 
 
-def epoch_of_name(name: str) -> int | None:
-    """The deployment epoch a managed adapter name was made in (None: not a managed name)."""
-    if not name.startswith(MANAGED_PREFIX):
+def epoch_of_name(name: str, prefix: str = MANAGED_PREFIX) -> int | None:
+    """The deployment epoch a managed adapter name was made in (None: not a name of ``prefix``)."""
+    if not name.startswith(prefix):
         return None
-    head = name[len(MANAGED_PREFIX):].split("-", 1)[0]
+    head = name[len(prefix):].split("-", 1)[0]
     return int(head) if head.isdigit() else None
 
 

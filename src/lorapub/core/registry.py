@@ -62,7 +62,16 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     StartReprovision,
 )
 from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
-from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, check_digest, check_id, lora_name_for
+from lorapub.core.identity import (
+    MANAGED_PREFIX,
+    AttemptToken,
+    SessionKey,
+    VersionKey,
+    check_digest,
+    check_id,
+    check_name_prefix,
+    lora_name_for,
+)
 from lorapub.core.manifest import BucketPlan
 from lorapub.core.group import GroupRecord, GroupState
 from lorapub.core.session import Binding, SessionRecord, SessionState
@@ -159,6 +168,8 @@ class RegistryState:
     waiter: Waiter | None = None
     # a version whose waiting publication a newer one superseded -> that newer version
     superseded: PMap = attrs.field(factory=pmap, converter=_frozen_map)
+    # how this deployment's versions are named on the engines (each engine protects one prefix)
+    name_prefix: str = MANAGED_PREFIX
 
     __getstate__ = _fields.getstate
     __setstate__ = _fields.setstate
@@ -310,6 +321,7 @@ class Fleet:
     slots: tuple[SlotHolder, ...] = ()
     waiting: Waiter | None = None
     now: float | None = None  # the registry's clock when it answered
+    name_prefix: str = MANAGED_PREFIX
     lora_names: Mapping[VersionKey, str] = attrs.field(factory=dict)  # every version engines may still hold
 
     @property
@@ -338,6 +350,7 @@ def new_registry(
     tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
     max_lag: int | None = None,
     on_stale: str = "error",
+    name_prefix: str = MANAGED_PREFIX,
 ) -> RegistryState:
     if not engines:
         raise InvalidInput("a registry needs at least one target engine")
@@ -350,9 +363,10 @@ def new_registry(
     if lease_ttl is not None and tombstone_window is not None and tombstone_window < 2 * lease_ttl:
         raise InvalidInput(f"tombstone_window ({tombstone_window:g}s) must be at least twice lease_ttl ({lease_ttl:g}s)")
     check_max_lag(max_lag, on_stale)
+    check_name_prefix(name_prefix)
     return RegistryState(
         epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
-        max_lag=max_lag, on_stale=on_stale,
+        max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
     )
 
 
@@ -488,7 +502,7 @@ def reserve(
     # A slot is free: this call takes it. A different publication still waiting is older: superseded.
     state = _supersede_waiter(state, key)
     token = AttemptToken(key, state.attempt_seq + 1)
-    name = lora_name_for(key, digest)
+    name = lora_name_for(key, digest, state.name_prefix)
     attempt, effects = att.start(token, name, digest, plan, state.engines, state.default_revision, publisher=publisher)
     if existing is not None:
         version = advance(existing, VersionState.LOADING, attempt=token)
@@ -1106,6 +1120,7 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
         slots=state.slot_holders(),
         waiting=state.waiter,
         now=now,
+        name_prefix=state.name_prefix,
         # every version whose adapter engines may hold as the registry knows it (loading, serving, being
         # unloaded, or failed and not yet cleaned): anything else managed of this epoch is an orphan
         lora_names={k: v.lora_name for k, v in state.versions.items()

@@ -502,23 +502,22 @@ class RelaxLorapub:
         options: dict[str, Any] = {"capacity": config.capacity, "max_lag": config.max_lag,
                                    "on_stale": config.on_stale, "idle_ttl": config.idle_ttl}
         options.update(self._deployment_options)
-        # TODO(core): `Deployment(name_prefix=...)`. The registry state must carry the prefix
-        # (core/registry.py: `new_registry(..., name_prefix)`, `RegistryState.name_prefix`, `Fleet.name_prefix`)
-        # and `core/identity.lora_name_for(key, digest, prefix)` / `is_managed_name(name, prefix)` use it instead
-        # of the constant MANAGED_PREFIX. Until the Deployment takes it, versions keep the core's built-in prefix.
+        # the engines' SGLang must protect the same prefix (engine_env(): SGLANG_LORAPUB_MANAGED_PREFIX);
+        # Deployment.start() refuses an engine that protects another
         self.name_prefix_applied = _takes(Deployment, "name_prefix")
         if self.name_prefix_applied:
             options["name_prefix"] = config.name_prefix
-        else:
+        else:  # an older lorapub
             log.warning(
                 "lorapub: name_prefix %r is not applied: this lorapub names versions with its built-in prefix "
-                "(the Deployment takes no name_prefix yet)", config.name_prefix,
+                "(the Deployment takes no name_prefix)", config.name_prefix,
             )
         registry = self._registry if self._registry is not None else await self._shared_registry(engines, options)
         if registry is not None:
             options["registry"] = registry
-            for shared in ("capacity", "max_lag", "on_stale", "name_prefix"):
+            for shared in ("capacity", "max_lag", "on_stale"):
                 options.pop(shared, None)  # a shared registry's settings are made where it is created
+            # (name_prefix stays: the deployment refuses a shared registry that names versions otherwise)
         self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
 
     async def _build_engines(self) -> dict[str, Any]:

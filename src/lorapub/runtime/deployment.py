@@ -12,7 +12,14 @@ import asyncio
 import logging
 from typing import Any, Mapping
 
-from lorapub.core.identity import VersionKey, _check_epoch, check_id
+from lorapub.core.identity import (
+    MANAGED_PREFIX,
+    MANAGED_PREFIX_ENV,
+    VersionKey,
+    _check_epoch,
+    check_id,
+    check_name_prefix,
+)
 from lorapub.core.commands import ReadFleet, ReadState, ReadVersion, RecordLost, RegisterEngine
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
@@ -22,7 +29,14 @@ from lorapub.core.registry import (
     RegistryState,
     check_max_lag,
 )
-from lorapub.errors import AlreadyStarted, EngineCapacityError, InvalidInput, LorapubError, OutcomeUnknown
+from lorapub.errors import (
+    AlreadyStarted,
+    EngineCapacityError,
+    EngineError,
+    InvalidInput,
+    LorapubError,
+    OutcomeUnknown,
+)
 from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsInventory, ReportsLimits
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
@@ -91,12 +105,15 @@ class Deployment:
         on_stale: str = "error",
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
         own_engines: bool = True,
+        name_prefix: str | None = None,
     ) -> None:
         self.engines = _check_engines(engines)
         _check_epoch(epoch)
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
             raise InvalidInput(f"capacity must be an int >= 1 (managed versions held at once), got {capacity!r}")
         check_max_lag(max_lag, on_stale)
+        if name_prefix is not None:
+            check_name_prefix(name_prefix)
         for name, value in (("reconcile_interval", reconcile_interval), ("lease_ttl", lease_ttl),
                             ("stale_attempt_after", stale_attempt_after), ("idle_ttl", idle_ttl)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
@@ -120,6 +137,7 @@ class Deployment:
         self.on_stale = on_stale
         self.idle_ttl = idle_ttl
         self.own_engines = own_engines  # close() closes the engine adapters too
+        self.name_prefix = name_prefix  # how versions are named on the engines (None: lorapub's default)
         # How generations reach engines: lorapub's sticky router by default, or e.g.
         # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
         self.router = router
@@ -137,10 +155,12 @@ class Deployment:
             self.registry = LocalRegistry(
                 self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
                 tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
+                name_prefix=self.name_prefix or MANAGED_PREFIX,
             )
         fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
         await self._check_limits(fleet.capacity)
+        await self._check_engines_protect(fleet.name_prefix)
         self.reclaimer = Reclaimer(
             self.registry, self.engines, self.deadlines,
             auto=self.auto_reclaim, retries=self.reclaim_retries, backoff=self.reclaim_backoff,
@@ -169,7 +189,7 @@ class Deployment:
 
     def _check_shared_settings(self, fleet: Fleet) -> None:
         """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
-        asked: dict[str, Any] = {"capacity": self.capacity}
+        asked: dict[str, Any] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
         if self.max_lag is not None or self.on_stale != "error":
             asked.update(max_lag=self.max_lag, on_stale=self.on_stale)
         for name, value in asked.items():
@@ -178,6 +198,21 @@ class Deployment:
                 raise InvalidInput(
                     f"{name}={value!r} was asked for, but the registry this deployment uses has {name}={has!r} "
                     "(a shared registry's settings are made once, where it is created)"
+                )
+
+    async def _check_engines_protect(self, prefix: str) -> None:
+        """Every engine that says which names it protects must protect this deployment's: an engine
+        launched for another prefix would let its versions be unloaded, overwritten or reloaded."""
+        for name, engine in sorted(self.engines.items()):
+            if not isinstance(engine, ReportsInventory):
+                continue
+            async with asyncio.timeout(self.deadlines.begin):
+                protected = (await engine.inventory()).managed_prefix
+            if protected is not None and protected != prefix:
+                raise EngineError(
+                    f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "
+                    f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix} (or give the deployment "
+                    f"name_prefix={protected!r})", engine=name,
                 )
 
     async def _check_limits(self, capacity: int) -> None:

@@ -313,7 +313,7 @@ class Reconciler:
         found: set[tuple[str, str]] = set()
         for engine, inventory in sorted(inventories.items()):
             for name, held in sorted(inventory.adapters.items()):
-                epoch = epoch_of_name(name)
+                epoch = epoch_of_name(name, fleet.name_prefix)  # another prefix's adapters are not ours
                 if epoch is None or epoch > fleet.epoch or (epoch == fleet.epoch and name in known):
                     continue
                 found.add((engine, name))

@@ -16,6 +16,7 @@ import attrs
 
 from lorapub.core import registry as R
 from lorapub.core.commands import Command, stamped
+from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session_table import SessionTable
 from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreError
@@ -57,6 +58,7 @@ class LocalRegistry:
         clock: Callable[[], float] | None = None,
         max_lag: int | None = None,
         on_stale: str = "error",
+        name_prefix: str = MANAGED_PREFIX,
     ) -> None:
         self._store = store if store is not None else MemoryStore()
         # wall time (leases mean the same to every process and after a restart), advanced monotonically
@@ -71,7 +73,8 @@ class LocalRegistry:
         except Exception as e:
             raise StoreError(f"registry store {where}: cannot load it: {type(e).__name__}: {e}") from None
         if loaded is None:
-            self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale)
+            self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale,
+                                         name_prefix)
             self._save(self._state, None)
         elif not isinstance(loaded, RegistryState):
             self.close()  # refused: the store is released for whoever repairs it

@@ -64,7 +64,7 @@ from contextlib import contextmanager
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 
 from lorapub.core.dtypes import SAFETENSORS_DTYPES  # the dtypes a snapshot may hold, and their codes
-from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+from lorapub.core.identity import MANAGED_PREFIX, MANAGED_PREFIX_ENV, AttemptToken, VersionKey, lora_name_for
 from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
 
 PREFIX = "/lorapub/stage"
@@ -324,6 +324,8 @@ class EngineHooks(Protocol):
         """Registered adapters: name -> {"lora_id", "pinned", "lora_path"}."""
 
     def max_loaded_loras(self) -> int | None: ...
+
+    # optional: def managed_prefix(self) -> str — the names the engine protects (MANAGED_PREFIX if absent)
 
     async def load_dir(self, lora_name: str, path: str) -> str | None:
         """Load the PEFT directory ``path`` pinned under ``lora_name``; None, or the engine's error text."""
@@ -726,12 +728,15 @@ class EngineStaging:
             return {"incarnation": self.incarnation, "duplicate": True}
         digest, lora_name = body.get("digest"), body.get("lora_name")
         plan = plan_from_json(body.get("plan"))
+        prefix = managed_prefix_of(self.hooks)
         try:
-            expected_name = lora_name_for(token.version, digest)
+            expected_name = lora_name_for(token.version, digest, prefix)
         except Exception:  # noqa: BLE001
             raise _bad(f"digest {digest!r:.80} is not a SHA-256 hex digest") from None
         if lora_name != expected_name:
-            raise _bad(f"lora_name {lora_name!r} is not the managed name of {token.version} ({expected_name})")
+            raise _bad(f"lora_name {lora_name!r} is not the managed name of {token.version} ({expected_name}): this "
+                       f"engine protects names starting with {prefix!r} (launch it with {MANAGED_PREFIX_ENV} set to the "
+                       "deployment's name_prefix)")
         if plan.digest != digest or manifest_digest(plan) != digest:
             raise Refused(400, "STAGE_DIGEST", f"the bucket plan does not describe digest {str(digest)[:12]}")
         transport = dict(body.get("transport") or {"kind": "http"})
@@ -1236,6 +1241,9 @@ class SGLangHooks:
     def max_loaded_loras(self) -> int | None:
         return max_loaded_loras(self._tm())
 
+    def managed_prefix(self) -> str:
+        return getattr(type(self._tm()), "lorapub_managed_prefix", MANAGED_PREFIX)
+
     async def load_dir(self, lora_name: str, path: str) -> str | None:
         tm = self._tm()
         request = type(tm).load_lora_adapter.__globals__["LoadLoRAAdapterReqInput"]
@@ -1258,6 +1266,12 @@ class SGLangHooks:
             kwargs["expected_checksums"] = checksums  # every TP rank re-checks each tensor's SHA-256
         result = await tm.load_lora_adapter_from_tensors(request(**kwargs), None)
         return None if result.success else str(result.error_message)
+
+
+def managed_prefix_of(hooks: Any) -> str:
+    """The names the engine protects (its patch's managed prefix)."""
+    prefix = getattr(hooks, "managed_prefix", None)
+    return prefix() if callable(prefix) else MANAGED_PREFIX
 
 
 def max_loaded_loras(tm: Any) -> Any:

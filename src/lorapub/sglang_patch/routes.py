@@ -39,6 +39,7 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
         "sglang": release,
         "patch": form,
         "managed_patch": form != "observe",
+        "managed_prefix": getattr(type(tm), "lorapub_managed_prefix", None) if form != "observe" else None,
         "max_loaded_loras": _max_loaded_loras(tm),
         "adapters": {
             name: {

@@ -179,6 +179,7 @@ class SGLangDouble:
         max_loaded_loras: int = 3,
         max_loras_per_batch: int | None = None,
         context_len: int = 4096,
+        managed_prefix: str = MANAGED_PREFIX,
         managed_patch: bool = True,
         decode_delay: float = 0.002,
         load_delay: float = 0.0,
@@ -193,6 +194,7 @@ class SGLangDouble:
     ) -> None:
         self.name = name
         self.max_loaded_loras = max_loaded_loras
+        self.managed_prefix = managed_prefix  # the names its patch protects (SGLANG_LORAPUB_MANAGED_PREFIX)
         # SGLang refuses max_loaded_loras < max_loras_per_batch; the double defaults them equal
         self.max_loras_per_batch = max_loaded_loras if max_loras_per_batch is None else max_loras_per_batch
         self.context_len = context_len
@@ -343,6 +345,7 @@ class SGLangDouble:
                 "incarnation": self.incarnation,
                 "max_loaded_loras": self.max_loaded_loras,
                 "managed_patch": self.managed_patch,
+                "managed_prefix": self.managed_prefix if self.managed_patch else None,
                 "adapters": adapters,
                 "pending_unloads": dict(self.pending_unloads),
                 "staging": self.staging.report(),
@@ -479,7 +482,7 @@ class SGLangDouble:
         ref = self.lora_registry.get_all_adapters().get(name)
         if (
             self.managed_patch
-            and name.startswith(MANAGED_PREFIX)
+            and name.startswith(self.managed_prefix)
             and name not in self.pending_unloads
             and ref is not None
             and not request.headers.get(RECLAIM_HEADER)
@@ -550,7 +553,7 @@ class SGLangDouble:
         if name not in self.lora_registry.get_all_adapters():
             if name not in self.ref_cache:
                 raise ValueError(f"Got LoRA adapter that has never been loaded: {name}")
-            if self.managed_patch and name.startswith(MANAGED_PREFIX):
+            if self.managed_patch and name.startswith(self.managed_prefix):
                 raise ValueError(f"LoRA adapter {name} is managed and not loaded; implicit reload refused")
             ref = self.ref_cache[name]
             async with self.update_lock:  # the unpatched hazard: a fresh lora_id behind lorapub's back
@@ -812,6 +815,9 @@ class _DoubleHooks:
 
     def max_loaded_loras(self) -> int:
         return self.double.max_loaded_loras
+
+    def managed_prefix(self) -> str:
+        return self.double.managed_prefix
 
     async def _load(self, lora_name: str, lora_path: str, signature: str | None) -> str | None:
         try:
