@@ -67,11 +67,16 @@ class FaultMachine(RuleBasedStateMachine):
             self.epoch, {n: e.incarnation_id for n, e in self.engines.items()}, lease_ttl=TTL, clock=lambda: self.now,
         )
         self.registry = FaultyRegistry(self.local)
-        self.dep = self.run(Deployment(
-            self.engines, epoch=self.epoch, registry=self.registry, deadlines=TINY, bucket_cap_bytes=256,
-            reconcile_interval=None, reclaim_retries=2, reclaim_backoff=0.001, stale_attempt_after=0.05,
-            own_engines=False,
-        ).start())
+        for tries in range(8):  # an engine fault may refuse a start: the trainer starts again
+            try:
+                self.dep = self.run(Deployment(
+                    self.engines, epoch=self.epoch, registry=self.registry, deadlines=TINY, bucket_cap_bytes=256,
+                    reconcile_interval=None, reclaim_retries=2, reclaim_backoff=0.001, stale_attempt_after=0.05,
+                    own_engines=False,
+                ).start())
+                break
+            except LorapubError:
+                assert tries < 7, "a trainer could not start on engines whose faults are single-shot"
         self.sessions = []  # every Session object ever made by this trainer (crashed ones too)
 
     def teardown(self):
