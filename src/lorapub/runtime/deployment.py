@@ -200,14 +200,22 @@ class Deployment:
                     "(a shared registry's settings are made once, where it is created)"
                 )
 
+    async def _within(self, name: str, what: str, call: Any) -> Any:
+        """An engine call at start, bounded by the begin deadline: no answer is OUTCOME_UNKNOWN."""
+        try:
+            async with asyncio.timeout(self.deadlines.begin):
+                return await call
+        except TimeoutError:
+            raise OutcomeUnknown(f"engine {name} did not say {what} within {self.deadlines.begin:g}s; "
+                                 "start again once it answers", engine=name) from None
+
     async def _check_engines_protect(self, prefix: str) -> None:
         """Every engine that says which names it protects must protect this deployment's: an engine
         launched for another prefix would let its versions be unloaded, overwritten or reloaded."""
         for name, engine in sorted(self.engines.items()):
             if not isinstance(engine, ReportsInventory):
                 continue
-            async with asyncio.timeout(self.deadlines.begin):
-                protected = (await engine.inventory()).managed_prefix
+            protected = (await self._within(name, "its inventory", engine.inventory())).managed_prefix
             if protected is not None and protected != prefix:
                 raise EngineError(
                     f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "
@@ -221,8 +229,7 @@ class Deployment:
             if not isinstance(engine, ReportsLimits):
                 log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
                 continue
-            async with asyncio.timeout(self.deadlines.begin):
-                limits = await engine.limits()
+            limits = await self._within(name, "its LoRA limits", engine.limits())
             holds = limits.managed_capacity()
             if holds is not None and holds < capacity:
                 raise EngineCapacityError(
