@@ -1,6 +1,7 @@
 """The layout is the architecture: who may import whom, checked on the source.
 
-core (pure) <- ports <- runtime <- adapters, demo, testing. errors is beneath all.
+core (pure) <- wire, ports <- runtime <- adapters, demo, testing. errors is beneath all; wire is the
+staging protocol both the publisher's adapter and the engine-side staging speak.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ ALLOWED = {
     "errors": set(),
     "core": {"errors"},
     "ports": {"core", "errors"},
-    "runtime": {"core", "errors", "ports"},
+    "wire": {"core", "errors"},
+    "runtime": {"core", "errors", "ports", "wire"},
 }
 NEVER_FROM_RUNTIME = {"adapters", "demo", "testing", "sglang_patch"}
 
@@ -72,9 +74,22 @@ def test_runtime_never_imports_adapters_demo_or_testing():
     assert not broken, broken
 
 
+def test_the_publishers_side_never_imports_the_engines_side():
+    """The client speaks the staging protocol (lorapub.wire); it never imports the server that
+    answers it (lorapub.sglang_patch, which runs inside SGLang)."""
+    broken = [
+        f"{name} imports {imported}"
+        for name, path in _modules()
+        if _layer(name) in {"adapters", "runtime", "integrations", "demo", "ports", "core", "wire"}
+        for imported in _imports(path)
+        if _layer(imported) == "sglang_patch"
+    ]
+    assert not broken, broken
+
+
 def test_the_layering_test_sees_the_layers():
     layers = {_layer(name) for name, _ in _modules()}
-    assert {"core", "runtime", "adapters", "demo", "testing", "ports", "errors"} <= layers
+    assert {"core", "wire", "runtime", "adapters", "demo", "testing", "ports", "errors"} <= layers
 
 
 def _blocked(code: str, blocked: set[str]) -> subprocess.CompletedProcess:
@@ -138,7 +153,7 @@ def test_the_vendored_registry_is_sglang_0523_verbatim():
 def test_engine_staging_runs_in_the_server_without_lorapubs_runtime():
     """The engine side (what the patched SGLang server imports) needs only the standard library,
     lorapub.core and, for its torch transport and tensor loads, torch."""
-    allowed = {"lorapub.core", "lorapub.errors"}
+    allowed = {"lorapub.core", "lorapub.errors", "lorapub.wire"}
     imported = _imports(SRC / "sglang_patch" / "engine_staging.py")
     assert {m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed)} == set()
     tree = ast.parse((SRC / "sglang_patch" / "engine_staging.py").read_text())
@@ -154,8 +169,8 @@ def test_engine_staging_runs_in_the_server_without_lorapubs_runtime():
         "bad = [m for m in sys.modules if m.startswith(('lorapub.runtime', 'lorapub.adapters', 'lorapub.testing'))\n"
         "       or m.split('.')[0] in {'aiohttp', 'torch', 'sglang', 'ray'}]\n"
         "assert not bad, bad\n"
-        "print(es.BEGIN_ROUTE)\n",
+        "print(es.EngineStaging.__name__)\n",
         {"aiohttp", "torch", "sglang", "ray", "safetensors", "fastapi", "starlette"},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "/lorapub/stage/begin"
+    assert out.stdout.strip() == "EngineStaging"

@@ -23,14 +23,14 @@ import types
 import pytest
 
 from lorapub.sglang_patch import PatchMismatch, targets
-from lorapub.sglang_patch import engine_staging
 from lorapub.sglang_patch.routes import add_staging_routes, add_state_route
 from lorapub.testing import sglang_double
+from lorapub.wire.routes import CLEANUP_ROUTE, ROUTES
 from tests import sglang_real
 from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
 
 LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter")
-LORAPUB_ROUTES = (("GET", targets.STATE_ROUTE), *engine_staging.ROUTES)
+LORAPUB_ROUTES = (("GET", targets.STATE_ROUTE), *ROUTES)
 # SGLang's own middleware answers with ORJSONResponse, which recent FastAPI marks deprecated
 pytestmark = pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated")
 
@@ -151,7 +151,7 @@ async def test_the_runtime_route_admits_exactly_whom_sglang_admits_to_its_lora_r
         app.state.tokenizer_manager = _FakeTokenizerManager(registry_module)
         add_state_route(app, release)
         add_staging_routes(app, release)
-        for path in [targets.STATE_ROUTE] + [p for _, p in engine_staging.ROUTES]:
+        for path in [targets.STATE_ROUTE] + [p for _, p in ROUTES]:
             endpoint = next(r.endpoint for r in app.routes if getattr(r, "path", None) == path)
             assert endpoint._auth_level is lora_level, path
         auth.add_api_key_middleware(app, api_key=api_key, admin_api_key=admin_api_key)
@@ -162,7 +162,7 @@ async def test_the_runtime_route_admits_exactly_whom_sglang_admits_to_its_lora_r
                 admin_api_key=admin_api_key, auth_level=lora_level,
             )
             status, body = await asgi_get(app, targets.STATE_ROUTE, caller)
-            staged = await asgi_get(app, engine_staging.CLEANUP_ROUTE, caller, "POST", cleanup)
+            staged = await asgi_get(app, CLEANUP_ROUTE, caller, "POST", cleanup)
             if expected.allowed:
                 assert status == 200 and body["sglang"] == release and body["adapters"] == {}, (caller, body)
                 assert staged[0] == 200 and staged[1]["incarnation"] == body["incarnation"], staged

@@ -24,6 +24,7 @@ from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
 from lorapub.testing.fixtures import lora_snapshot, peft_config
+from lorapub.wire.codec import plan_to_json, token_params, token_to_json
 from tests.sglang_patch import harness
 from tests.sglang_patch.test_auth_levels import sglang_auth_importable  # noqa: F401 - a fixture
 from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
@@ -70,8 +71,8 @@ def begin_body(snapshot: Snapshot, version_id: str, load: str, incarnation: str 
     token = AttemptToken(key, 1)
     plan = snapshot.plan(cap)
     return token, plan, {
-        "token": es.token_to_json(token), "incarnation": incarnation, "lora_name": lora_name_for(key, snapshot.digest),
-        "digest": snapshot.digest, "plan": es.plan_to_json(plan), "transport": {"kind": "http"}, "load": load,
+        "token": token_to_json(token), "incarnation": incarnation, "lora_name": lora_name_for(key, snapshot.digest),
+        "digest": snapshot.digest, "plan": plan_to_json(plan), "transport": {"kind": "http"}, "load": load,
     }
 
 
@@ -87,7 +88,7 @@ def raw_bucket(snapshot: Snapshot, bucket) -> bytes:
 
 
 def params(token, index: int, fmt: str = "raw", incarnation: str = LIFE) -> dict:
-    return {**es.token_params(token), "index": str(index), "incarnation": incarnation, "format": fmt}
+    return {**token_params(token), "index": str(index), "incarnation": incarnation, "format": fmt}
 
 
 async def stage_all(staging, snapshot, token, plan):

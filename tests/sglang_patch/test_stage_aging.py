@@ -18,6 +18,7 @@ import pytest
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.sglang_patch import engine_staging as es
+from lorapub.wire.codec import plan_to_json, token_from_json, token_to_json
 
 pytest.importorskip("torch")
 
@@ -28,8 +29,8 @@ def begin_body(snap, version: str, seq: int = 1) -> tuple[AttemptToken, object, 
     key = VersionKey(1, version)
     token = AttemptToken(key, seq)
     plan = snap.plan(1024)
-    body = {"token": es.token_to_json(token), "incarnation": LIFE, "lora_name": lora_name_for(key, snap.digest),
-            "digest": snap.digest, "plan": es.plan_to_json(plan), "transport": {"kind": "http"}, "load": "dir"}
+    body = {"token": token_to_json(token), "incarnation": LIFE, "lora_name": lora_name_for(key, snap.digest),
+            "digest": snap.digest, "plan": plan_to_json(plan), "transport": {"kind": "http"}, "load": "dir"}
     return token, plan, body
 
 
@@ -178,7 +179,7 @@ async def test_the_report_lists_every_staged_attempt_for_an_orphan_sweep(tmp_pat
     undriven_for(staging, ta, 30)
     report = staging.report()
     a, b = report["attempts"][str(ta)], report["attempts"][str(tb)]
-    assert es.token_from_json(a["token"]) == ta and es.token_from_json(b["token"]) == tb
+    assert token_from_json(a["token"]) == ta and token_from_json(b["token"]) == tb
     assert (a["lora_name"], a["phase"], a["buckets"], a["planned"]) == (body_a["lora_name"], "receiving", [1],
                                                                         len(plan_a.buckets))
     assert a["bytes"] == plan_a.buckets[1].nbytes == report["bytes"] and 30 <= a["idle_s"] < 60 and not a["driving"]

@@ -167,7 +167,7 @@ def test_numpy_dtypes_safetensors_cannot_store_are_refused():
             Snapshot({"x": np.zeros(3, dtype=dtype)}, {"r": 2})
 
 
-# what engine-side staging loads (lorapub.core.dtypes), and what it refuses though safetensors or the
+# what engine-side staging loads (lorapub.wire.dtypes), and what it refuses though safetensors or the
 # framework has it: a snapshot refuses those at once, before a reserve and a begin fail on them
 NUMPY_REFUSED = ["uint16", "uint32", "uint64", "complex64", "complex128", "longdouble", "clongdouble"]
 NUMPY_ACCEPTED = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", ">f4", ">i8"]
@@ -207,17 +207,18 @@ def test_a_torch_dtype_engine_staging_cannot_load_is_refused_naming_tensor_dtype
 
 
 def test_the_accepted_dtypes_are_exactly_what_engine_staging_loads():
-    from lorapub.core.dtypes import SAFETENSORS_DTYPES
     from lorapub.sglang_patch import engine_staging, prepared_load
+    from lorapub.wire import safetensors
+    from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 
     assert set(TORCH_ACCEPTED) == set(SAFETENSORS_DTYPES)
-    assert engine_staging.SAFETENSORS_DTYPES is SAFETENSORS_DTYPES  # one table
+    assert engine_staging.SAFETENSORS_DTYPES is SAFETENSORS_DTYPES is safetensors.SAFETENSORS_DTYPES  # one table
     assert prepared_load._SAFETENSORS_DTYPES == {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
 
 def test_every_accepted_dtype_is_snapshotted_with_its_name_in_the_manifest():
-    from lorapub.core.dtypes import SAFETENSORS_DTYPES
-    from lorapub.sglang_patch.engine_staging import safetensors_header
+    from lorapub.wire.dtypes import SAFETENSORS_DTYPES
+    from lorapub.wire.safetensors import safetensors_header
 
     snap = Snapshot({f"n{i:02d}": np.ones((2, 3), dtype=d) for i, d in enumerate(NUMPY_ACCEPTED)}, {"r": 2})
     assert [e.dtype for e in snap.manifest.tensors] == [np.dtype(d).name for d in NUMPY_ACCEPTED]

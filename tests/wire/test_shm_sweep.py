@@ -23,8 +23,8 @@ import pytest
 import lorapub
 from lorapub.adapters import sglang_wire as sw
 from lorapub.core.identity import AttemptToken, VersionKey
-from lorapub.sglang_patch import engine_staging as es
 from lorapub.testing.fixtures import lora_snapshot
+from lorapub.wire.routes import SHM_NAME
 
 TOKEN = AttemptToken(VersionKey(1, "v1"), 1)
 SRC = os.path.dirname(os.path.dirname(lorapub.__file__))
@@ -93,7 +93,7 @@ def test_a_sigkilled_publishers_bucket_files_are_removed_by_the_next_source(shm)
     child = publisher(shm)
     owners, buckets = lorapub_files(shm)
     assert len(owners) == 1 and len(buckets) == 2  # the bucket being read and the one written ahead
-    assert all(es.SHM_NAME.fullmatch(n) for n in buckets)  # names the engine accepts
+    assert all(SHM_NAME.fullmatch(n) for n in buckets)  # names the engine accepts
     assert all(n.startswith(owners[0][: -len(".owner")] + "-b") for n in buckets)
     (shm / "unrelated.bin").write_bytes(b"x")
     kill(child)  # no finalizer, no atexit: the kernel only drops the owner's lock

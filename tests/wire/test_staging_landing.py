@@ -21,6 +21,8 @@ import pytest
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.runtime.snapshot import Snapshot
 from lorapub.sglang_patch import engine_staging as es
+from lorapub.wire.codec import json_bytes, plan_to_json, token_params, token_to_json
+from lorapub.wire.safetensors import safetensors_header
 
 torch = pytest.importorskip("torch")
 
@@ -66,8 +68,8 @@ def begin_body(snap: Snapshot, load: str, kind: str = "http"):
     key = VersionKey(1, "A")
     token = AttemptToken(key, 1)
     plan = snap.plan(1024)
-    body = {"token": es.token_to_json(token), "incarnation": LIFE, "lora_name": lora_name_for(key, snap.digest),
-            "digest": snap.digest, "plan": es.plan_to_json(plan), "transport": {"kind": kind}, "load": load}
+    body = {"token": token_to_json(token), "incarnation": LIFE, "lora_name": lora_name_for(key, snap.digest),
+            "digest": snap.digest, "plan": plan_to_json(plan), "transport": {"kind": kind}, "load": load}
     return token, plan, body
 
 
@@ -78,7 +80,7 @@ def raw(snap: Snapshot, bucket) -> bytes:
 
 
 def params(token, index: int, fmt: str = "raw") -> dict:
-    return {**es.token_params(token), "index": str(index), "incarnation": LIFE, "format": fmt}
+    return {**token_params(token), "index": str(index), "incarnation": LIFE, "format": fmt}
 
 
 async def chunks_of(*parts):
@@ -96,7 +98,7 @@ async def test_a_dir_load_receives_each_bucket_into_the_adapters_file_and_end_on
     attempt = staging._attempts[token]
     file = attempt.peft[0]
     entries = [e for b in plan.buckets for e in b.entries]
-    header = es.safetensors_header(entries)
+    header = safetensors_header(entries)
     for b in plan.buckets:
         blob = raw(snap, b)
         status, answer = await staging.receive(params(token, b.index), chunks_of(blob[:5], blob[5:]), len(blob))
@@ -170,7 +172,7 @@ async def test_a_tensor_load_over_shared_memory_hands_sglang_the_publishers_page
         name = f"lorapub-{uuid.uuid4().hex}-b{b.index}.bucket"
         (shm / name).write_bytes(raw(snap, b))
         names.append(name)
-        status, answer = await staging.receive(params(token, b.index, "shm"), chunks_of(es.json_bytes({"name": name})))
+        status, answer = await staging.receive(params(token, b.index, "shm"), chunks_of(json_bytes({"name": name})))
         assert status == 200, answer
     attempt = staging._attempts[token]
     await asyncio.gather(*attempt.verifying.values())

@@ -17,7 +17,6 @@ from lorapub.errors import InvalidInput
 from lorapub.runtime.deployment import Deployment
 from lorapub.runtime.publisher import PublicationFailed, engines_source_factory
 from lorapub.runtime.snapshot import InlineBucketSource
-from lorapub.sglang_patch import engine_staging
 from lorapub.testing import SGLangDouble
 from lorapub.testing.fixtures import lora_snapshot
 from tests.e2e.conftest import FAST

@@ -37,7 +37,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
-from lorapub.sglang_patch.engine_staging import token_from_json
+from lorapub.wire.codec import token_from_json
 
 logger = logging.getLogger(__name__)
 #: SGLang's HTTP server closes a connection idle this long (its SGLANG_TIMEOUT_KEEP_ALIVE default).

@@ -45,7 +45,9 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.snapshot import Snapshot, tensor_bytes
-from lorapub.sglang_patch import engine_staging as es
+from lorapub.wire.codec import json_bytes, json_or_text, plan_to_json, token_params, token_to_json
+from lorapub.wire.collective import barrier, post_abort, running_kernel
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, LOAD_FORMS, RELEASE_ROUTE
 
 logger = logging.getLogger(__name__)
 SENDERS = ("auto", "thread", "loop")  # where HTTPBytes' bodies are posted from (see HTTPBytes)
@@ -95,8 +97,8 @@ class HTTPBytes:
     stateless = True
 
     def __init__(self, *, load: str = "dir", sender: str = "auto") -> None:
-        if load not in es.LOAD_FORMS:
-            raise InvalidInput(f"load must be one of {es.LOAD_FORMS}, got {load!r}")
+        if load not in LOAD_FORMS:
+            raise InvalidInput(f"load must be one of {LOAD_FORMS}, got {load!r}")
         if sender not in SENDERS:
             raise InvalidInput(f"sender must be one of {SENDERS}, got {sender!r}")
         self.load, self.sender = load, sender
@@ -160,7 +162,7 @@ class ShmBucket:
 
 
 #: A shared-memory bucket file, named after its owner: ``lorapub-<owner id>-b<index>.bucket`` (what the
-#: engine accepts, ``engine_staging.SHM_NAME``).
+#: engine accepts, ``lorapub.wire.routes.SHM_NAME``).
 SHM_BUCKET = re.compile(r"lorapub-([0-9a-f]{8,64})-b[0-9]{1,6}\.bucket")
 #: Beside an owner's bucket files, its owner file: locked (flock) while the owner has bucket files there.
 SHM_OWNER = re.compile(r"lorapub-([0-9a-f]{8,64})\.owner")
@@ -174,7 +176,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 def _owner_tag() -> str:
     """What an owner file starts with: the running kernel, the only one whose locks a sweeper can read."""
-    return f"lorapub-shm-owner v1\n{es.running_kernel()}\n"
+    return f"lorapub-shm-owner v1\n{running_kernel()}\n"
 
 
 class _ShmOwner:
@@ -530,14 +532,14 @@ class TorchBucketSource:
         """Every party of ``token``'s collective stops waiting (an engine refused or did not answer)."""
         self.failed = self.failed or reason
         if self.store is not None:
-            es.post_abort(self._prefixed(token), f"publisher: {reason}")
+            post_abort(self._prefixed(token), f"publisher: {reason}")
 
     def _join(self, token: AttemptToken, world: int) -> Any:
         import torch.distributed as dist
 
         span = datetime.timedelta(seconds=self.transport.timeout)
         store = self._prefixed(token)
-        es.barrier(store, "join", world, self.transport.timeout)  # every party is there before the group forms
+        barrier(store, "join", world, self.transport.timeout)  # every party is there before the group forms
         if self.transport.backend == "gloo":
             return dist.ProcessGroupGloo(store, 0, world, span)
         opts = dist.ProcessGroupNCCL.Options()  # pragma: no cover - needs GPUs
@@ -582,7 +584,7 @@ class TorchBucketSource:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = datetime.timedelta(seconds=self.transport.timeout)
-        es.barrier(self._prefixed(token), f"bucket-{index}", world, self.transport.timeout)
+        barrier(self._prefixed(token), f"bucket-{index}", world, self.transport.timeout)
         self._groups[token].broadcast([flat], opts).wait()
         if index == len(self.plan.buckets) - 1:  # the last bucket: leave the group here, off the loop
             self._groups.pop(token, None)
@@ -605,7 +607,7 @@ class TorchBucketSource:
         except Exception as e:  # noqa: BLE001 - a failed collective fails the attempt for every party
             self.failed = f"{type(e).__name__}: {e}"
             if self.store is not None:
-                es.post_abort(self._prefixed(token), f"publisher: {self.failed}")
+                post_abort(self._prefixed(token), f"publisher: {self.failed}")
             self._groups.pop(token, None)  # its sockets close: ranks still waiting fail at once
             error = EngineError(f"broadcast of bucket {index} of {token} failed: {self.failed}")
             self._sent[key].set_exception(error)
@@ -685,11 +687,11 @@ class SGLangWireEngine(SGLangAdminBase):
     # -- publication ------------------------------------------------------------------------------
     async def begin(self, request: SendBegin) -> str:
         body = {
-            "token": es.token_to_json(request.token), "incarnation": request.incarnation,
-            "lora_name": request.lora_name, "digest": request.digest, "plan": es.plan_to_json(request.plan),
+            "token": token_to_json(request.token), "incarnation": request.incarnation,
+            "lora_name": request.lora_name, "digest": request.digest, "plan": plan_to_json(request.plan),
             "transport": self.transport.begin_options(request, self.name), "load": self.transport.load,
         }
-        reply = await self._stage(es.BEGIN_ROUTE, body)
+        reply = await self._stage(BEGIN_ROUTE, body)
         self._lives[request.token] = reply["incarnation"]
         self._digests[request.token] = request.digest
         return reply["incarnation"]
@@ -698,7 +700,7 @@ class SGLangWireEngine(SGLangAdminBase):
         return self._lives.get(token) or await self.incarnation()
 
     async def receive_bucket(self, token: AttemptToken, index: int, payload: Any) -> str:
-        params = {**es.token_params(token), "index": str(index), "incarnation": await self._life(token)}
+        params = {**token_params(token), "index": str(index), "incarnation": await self._life(token)}
         headers = {**self.client._authorization(True)}
         source = None
         if isinstance(payload, RawBucket):
@@ -706,7 +708,7 @@ class SGLangWireEngine(SGLangAdminBase):
             headers["Content-Length"] = str(len(payload))
             headers["Content-Type"] = "application/octet-stream"
         elif isinstance(payload, ShmBucket):
-            params["format"], data = "shm", es.json_bytes({"name": payload.name})
+            params["format"], data = "shm", json_bytes({"name": payload.name})
             headers["Content-Type"] = "application/json"
         elif isinstance(self.transport, TorchDistributed) and not len(payload):
             source = self.transport.source_for(self._digests.get(token) or "")
@@ -715,7 +717,7 @@ class SGLangWireEngine(SGLangAdminBase):
             except Exception as e:
                 source.abort(token, f"{self.name}: {e}")
                 raise
-            params["format"], data = "torch", es.json_bytes({"rank": rank, "world_size": world, "src": 0})
+            params["format"], data = "torch", json_bytes({"rank": rank, "world_size": world, "src": 0})
             headers["Content-Type"] = "application/json"
         elif isinstance(payload, (bytes, bytearray, memoryview)):
             params["format"], data = "safetensors", payload  # a safetensors blob (Snapshot.bucket_bytes)
@@ -724,7 +726,7 @@ class SGLangWireEngine(SGLangAdminBase):
             raise InvalidInput(f"{self.name}: a bucket payload is bytes or a wire bucket, got {type(payload).__name__}")
         stored = False
         try:
-            url = self.base_url + es.BUCKET_ROUTE
+            url = self.base_url + BUCKET_ROUTE
             if isinstance(payload, RawBucket) and self._bodies_off_loop():
                 status, raw = await shared_sender().post(url, params=params, headers=headers, body=data,
                                                          timeout=self.transfer_timeout)
@@ -733,13 +735,13 @@ class SGLangWireEngine(SGLangAdminBase):
                 async with self.client.http.post(url, params=params, data=data, headers=headers, timeout=t) as r:
                     status, raw = r.status, await r.read()
             text = raw.decode("utf-8", errors="replace")
-            incarnation = self._staged(es.BUCKET_ROUTE, status, es.json_or_text(text))["incarnation"]
+            incarnation = self._staged(BUCKET_ROUTE, status, json_or_text(text))["incarnation"]
             stored = True
             return incarnation
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             if source is not None:
                 source.abort(token, f"{self.name} did not answer bucket {index}")
-            raise OutcomeUnknown(f"{self.name} {es.BUCKET_ROUTE}: no answer ({type(e).__name__})") from None
+            raise OutcomeUnknown(f"{self.name} {BUCKET_ROUTE}: no answer ({type(e).__name__})") from None
         except EngineError as e:
             if source is not None:  # the others must not wait for a rank that will not come
                 source.abort(token, f"{self.name} refused bucket {index}: {e.message}")
@@ -756,12 +758,12 @@ class SGLangWireEngine(SGLangAdminBase):
     async def end(self, token: AttemptToken) -> ReadyLocal:
         inc = await self._life(token)
         t0 = time.monotonic()
-        receipt = await self._stage(es.END_ROUTE, {"token": es.token_to_json(token), "incarnation": inc},
+        receipt = await self._stage(END_ROUTE, {"token": token_to_json(token), "incarnation": inc},
                                     self.load_timeout)
         t1 = time.monotonic()
         name, digest = receipt.get("lora_name"), receipt.get("digest")
         if receipt.get("incarnation") != inc or not isinstance(name, str) or not isinstance(digest, str):
-            raise EngineError(f"{self.name} {es.END_ROUTE} answered a malformed receipt: {receipt}", engine=self.name)
+            raise EngineError(f"{self.name} {END_ROUTE} answered a malformed receipt: {receipt}", engine=self.name)
         await self._probe(name)
         t2 = time.monotonic()
         state = await self.client.state()
@@ -783,7 +785,7 @@ class SGLangWireEngine(SGLangAdminBase):
         # The engine tombstones the attempt first and waits for its in-flight operation, so nothing
         # of it can be loaded after this answer; then the exact name is unloaded if this attempt
         # loaded it (another attempt of the same version — a re-provisioning — may hold that name).
-        reply = await self._stage(es.CLEANUP_ROUTE, {"token": es.token_to_json(token)}, self.load_timeout)
+        reply = await self._stage(CLEANUP_ROUTE, {"token": token_to_json(token)}, self.load_timeout)
         if "loaded" not in reply or reply["loaded"]:  # (a staging that does not say: unloaded to be safe)
             await self._unload(lora_name, f"cleanup-{token}")
         self._lives.pop(token, None)
@@ -792,7 +794,7 @@ class SGLangWireEngine(SGLangAdminBase):
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)
-        await self._stage(es.RELEASE_ROUTE, {"lora_name": lora_name})  # the engine frees what it still kept
+        await self._stage(RELEASE_ROUTE, {"lora_name": lora_name})  # the engine frees what it still kept
 
 
 __all__ = ["HTTPBytes", "RawBucket", "SGLangWireEngine", "SameHostIPC", "ShmBucket", "ShmBucketSource",

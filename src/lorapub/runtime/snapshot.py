@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Mapping
 
-from lorapub.core.dtypes import ACCEPTED, SAFETENSORS_DTYPES
+from lorapub.wire.dtypes import ACCEPTED, SAFETENSORS_DTYPES
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
 
@@ -40,7 +40,7 @@ def _refuse_dtype(name: str, dtype: Any) -> InvalidInput:
 
 def _check_tensor(name: str, t: Any) -> str:
     """``"torch"`` or ``"numpy"``; :class:`InvalidInput` naming ``name`` for anything else, and for a
-    dtype outside :data:`lorapub.core.dtypes.SAFETENSORS_DTYPES` (what engine-side staging loads)."""
+    dtype outside :data:`lorapub.wire.dtypes.SAFETENSORS_DTYPES` (what engine-side staging loads)."""
     if _torch_tensor(t):
         import torch
 
@@ -103,7 +103,7 @@ class Snapshot:
 
     Everything is checked here, before anything is sent to an engine: tensor names are
     non-empty strings, every tensor is a dense torch tensor or a numpy array (one kind per
-    snapshot) of a dtype engine-side staging loads (:data:`lorapub.core.dtypes.SAFETENSORS_DTYPES`:
+    snapshot) of a dtype engine-side staging loads (:data:`lorapub.wire.dtypes.SAFETENSORS_DTYPES`:
     bool, uint8, int8/16/32/64, float16, bfloat16, float32, float64), and the serving config is
     plain JSON (no NaN, string keys). A violation is :class:`~lorapub.errors.InvalidInput`
     naming the offending key.

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hashlib
 import json
 import logging
 import math
@@ -55,7 +54,6 @@ import mmap
 import os
 import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -63,20 +61,15 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 
-from lorapub.core.dtypes import SAFETENSORS_DTYPES  # the dtypes a snapshot may hold, and their codes
-from lorapub.core.identity import MANAGED_PREFIX, MANAGED_PREFIX_ENV, AttemptToken, VersionKey, lora_name_for
-from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
+from lorapub.core.identity import MANAGED_PREFIX, MANAGED_PREFIX_ENV, AttemptToken, lora_name_for
+from lorapub.core.manifest import Bucket, BucketPlan
+from lorapub.wire.codec import manifest_digest, plan_from_json, token_from_json, token_to_json
+from lorapub.wire.collective import barrier, post_abort, running_kernel
+from lorapub.wire.dtypes import SAFETENSORS_DTYPES
+from lorapub.wire.refusal import Refused, bad, refuse
+from lorapub.wire.routes import FORMATS, LOAD_FORMS, SHM_NAME
+from lorapub.wire.safetensors import raw_spans, safetensors_header, safetensors_layout, verify_spans
 
-PREFIX = "/lorapub/stage"
-BEGIN_ROUTE, BUCKET_ROUTE, END_ROUTE = f"{PREFIX}/begin", f"{PREFIX}/bucket", f"{PREFIX}/end"
-CLEANUP_ROUTE, RELEASE_ROUTE = f"{PREFIX}/cleanup", f"{PREFIX}/release"
-#: (method, path) of every staging route; all are admin-level, like SGLang's LoRA admin routes.
-ROUTES = (("POST", BEGIN_ROUTE), ("POST", BUCKET_ROUTE), ("POST", END_ROUTE), ("POST", CLEANUP_ROUTE),
-          ("POST", RELEASE_ROUTE))
-FORMATS = ("raw", "safetensors", "shm", "torch")
-LOAD_FORMS = ("dir", "tensors")
-#: A shared-memory bucket file is named like this, inside the engine's allowed shm folder.
-SHM_NAME = re.compile(r"lorapub-[0-9a-f]{8,64}-b[0-9]{1,6}\.bucket")
 _CHUNK = 1 << 20
 #: Beside each life's stash folder, its claim: a file locked (flock) while that life's process runs,
 #: naming the running kernel (its boot id) whose locks make the claim mean anything.
@@ -89,16 +82,6 @@ logger = logging.getLogger(__name__)
 #: exclude one process from itself).
 _LIVE_ROOTS: set[str] = set()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def running_kernel() -> str:
-    """The running kernel, whose ``flock`` locks this process can read (containers of one machine
-    included; another machine sharing a folder, or this one before a reboot, never)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"boot {f.read().strip()}"
-    except OSError:  # not Linux: the host name, and a folder shared between machines is not swept safely
-        return f"host {socket.gethostname()}"
 
 
 def _claim_tag() -> str:
@@ -122,151 +105,6 @@ def idle_timeout_setting() -> float:
     return seconds
 
 
-class Refused(Exception):
-    """A definite no: ``status`` and a stable ``code`` go back to the caller."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def _refuse(message: str, code: str = "STAGE_REFUSED", status: int = 409) -> Refused:
-    return Refused(status, code, message)
-
-
-def _bad(message: str) -> Refused:
-    return Refused(400, "STAGE_INVALID", message)
-
-
-# -- wire encodings shared with the publisher's adapter ---------------------------------------
-def token_to_json(token: AttemptToken) -> dict[str, Any]:
-    return {"epoch": token.version.deployment_epoch, "version_id": token.version.version_id, "seq": token.seq}
-
-
-def token_from_json(value: Any) -> AttemptToken:
-    try:
-        return AttemptToken(VersionKey(int(value["epoch"]), str(value["version_id"])), int(value["seq"]))
-    except Exception as e:  # noqa: BLE001 - anything malformed is a 400
-        raise _bad(f"not an attempt token: {value!r:.200} ({e})") from None
-
-
-def token_params(token: AttemptToken) -> dict[str, str]:
-    """The token as URL query parameters (a bucket's body is its bytes)."""
-    return {k: str(v) for k, v in token_to_json(token).items()}
-
-
-def plan_to_json(plan: BucketPlan) -> dict[str, Any]:
-    return {
-        "digest": plan.digest,
-        "serving_config_json": plan.serving_config_json,
-        "buckets": [{"index": b.index, "entries": [e.canonical() for e in b.entries]} for b in plan.buckets],
-    }
-
-
-def plan_from_json(value: Any) -> BucketPlan:
-    """The plan, with every bucket's size and digest recomputed here (never taken on trust)."""
-    try:
-        buckets = []
-        for i, b in enumerate(value["buckets"]):
-            if int(b["index"]) != i:
-                raise ValueError(f"bucket {i} says index {b['index']}")
-            entries = tuple(
-                TensorEntry(str(e["name"]), str(e["dtype"]), tuple(int(x) for x in e["shape"]), int(e["nbytes"]),
-                            str(e["sha256"]))
-                for e in b["entries"]
-            )
-            if not entries:
-                raise ValueError(f"bucket {i} is empty")
-            for e in entries:
-                if e.nbytes < 0 or any(x < 0 for x in e.shape) or not re.fullmatch(r"[0-9a-f]{64}", e.sha256):
-                    raise ValueError(f"tensor {e.name!r} has a bad size, shape or digest")
-            buckets.append(Bucket(i, entries, sum(e.nbytes for e in entries),
-                                  hashlib.sha256("".join(e.sha256 for e in entries).encode()).hexdigest()))
-        if not buckets:
-            raise ValueError("no buckets")
-        return BucketPlan(str(value["digest"]), tuple(buckets), str(value["serving_config_json"]))
-    except Refused:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise _bad(f"not a bucket plan: {e}") from None
-
-
-def manifest_digest(plan: BucketPlan) -> str:
-    """The digest of the manifest the plan's tensors and serving config describe."""
-    entries = [e for b in plan.buckets for e in b.entries]
-    try:
-        return Manifest.build(entries, json.loads(plan.serving_config_json)).digest
-    except Exception as e:  # noqa: BLE001 - unsorted/duplicate names, a config that is not JSON
-        raise _bad(f"the plan describes no valid manifest: {e}") from None
-
-
-def json_bytes(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return text
-
-
-# -- safetensors without a framework -----------------------------------------------------------
-def safetensors_header(entries: list[TensorEntry]) -> bytes:
-    """The header of a safetensors file holding ``entries`` back to back (8-byte length + JSON, padded)."""
-    header, offset = {}, 0
-    for e in entries:
-        if e.dtype not in SAFETENSORS_DTYPES:
-            raise _bad(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors cannot store")
-        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
-
-
-def safetensors_layout(blob: memoryview, bucket: Bucket) -> list[tuple[int, int]]:
-    """(start, end) of each entry's bytes inside a safetensors ``blob``, checked against the plan."""
-    if len(blob) < 8:
-        raise _bad("a safetensors body shorter than its length prefix")
-    size = int.from_bytes(blob[:8], "little")
-    if size > len(blob) - 8 or size > 100 << 20:
-        raise _bad("a safetensors header longer than the body")
-    try:
-        header = json.loads(bytes(blob[8 : 8 + size]))
-    except ValueError:
-        raise _bad("a safetensors header that is not JSON") from None
-    header.pop("__metadata__", None)
-    if sorted(header) != sorted(bucket.tensor_names):
-        raise _bad(f"bucket {bucket.index} holds {sorted(header)[:4]}…, the plan says {list(bucket.tensor_names)[:4]}…")
-    base, spans = 8 + size, []
-    for e in bucket.entries:
-        h = header[e.name]
-        start, end = (int(x) for x in h["data_offsets"])
-        if h.get("dtype") != SAFETENSORS_DTYPES.get(e.dtype) or list(h.get("shape", ())) != list(e.shape):
-            raise _bad(f"tensor {e.name!r} is {h.get('dtype')} {h.get('shape')}, the plan says {e.dtype} {list(e.shape)}")
-        if end - start != e.nbytes or base + end > len(blob) or start < 0:
-            raise _bad(f"tensor {e.name!r} has {end - start} bytes, the plan says {e.nbytes}")
-        spans.append((base + start, base + end))
-    return spans
-
-
-def verify_spans(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket) -> None:
-    """Every tensor's bytes against its manifest SHA-256 (one pass; run it off the event loop)."""
-    for (start, end), e in zip(spans, bucket.entries):
-        if hashlib.sha256(buf[start:end]).hexdigest() != e.sha256:
-            raise Refused(400, "STAGE_DIGEST", f"tensor {e.name!r} of bucket {bucket.index} does not match its SHA-256")
-
-
-def raw_spans(bucket: Bucket) -> list[tuple[int, int]]:
-    spans, offset = [], 0
-    for e in bucket.entries:
-        spans.append((offset, offset + e.nbytes))
-        offset += e.nbytes
-    return spans
-
-
 def _verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket, into: tuple[str, int] | None) -> None:
     """Check the bucket (:func:`verify_spans`); then, with ``into`` (file, offset), copy its verified
     tensors there, back to back in plan order, through a shared mapping of that file region (a
@@ -279,7 +117,7 @@ def _verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Buck
     try:
         window = Buffer.file_window(path, at, bucket.nbytes)
     except OSError as e:
-        raise _refuse(f"writing bucket {bucket.index} into the engine's folder failed: {e}", "STAGE_DISK") from None
+        raise refuse(f"writing bucket {bucket.index} into the engine's folder failed: {e}", "STAGE_DISK") from None
     try:
         offset = 0
         for start, end in spans:
@@ -287,33 +125,6 @@ def _verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Buck
             offset += end - start
     finally:
         window.close()
-
-
-def barrier(store: Any, key: str, world: int, timeout: float, abort_key: str = "abort") -> None:
-    """Every party of a collective announces itself on the group's store and waits for all
-    ``world`` of them (or an abort any party posts, or ``timeout``): a collective is entered only when
-    every rank is there, so no rank is left waiting in one that a party will never join."""
-    import time
-
-    store.add(key, 1)
-    deadline, pause = time.monotonic() + timeout, 0.001
-    while True:
-        if store.check([abort_key]):
-            raise RuntimeError(f"the collective was aborted: {store.get(abort_key).decode(errors='replace')}")
-        if store.add(key, 0) >= world:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {store.add(key, 0)} of {world} parties reached {key!r} within {timeout:g}s")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.002)
-
-
-def post_abort(store: Any, reason: str) -> None:
-    """Tell every party of a collective to stop waiting (best effort)."""
-    try:
-        store.set("abort", reason[:500])
-    except Exception:  # noqa: BLE001 - the store may already be gone
-        pass
 
 
 # -- what the staging needs from its engine ----------------------------------------------------
@@ -685,14 +496,14 @@ class EngineStaging:
     # -- helpers --------------------------------------------------------------------------------
     def _check_life(self, incarnation: Any) -> None:
         if incarnation != self.incarnation:
-            raise _refuse(f"message for engine life {incarnation!r}; this life is {self.incarnation!r}", "STAGE_LIFE")
+            raise refuse(f"message for engine life {incarnation!r}; this life is {self.incarnation!r}", "STAGE_LIFE")
 
     def _live(self, token: AttemptToken) -> _Attempt:
         if token in self._tombstones:
-            raise _refuse(f"attempt {token} was cleaned up here; refusing to recreate it", "STAGE_TOMBSTONE")
+            raise refuse(f"attempt {token} was cleaned up here; refusing to recreate it", "STAGE_TOMBSTONE")
         found = self._attempts.get(token)
         if found is None:
-            raise _refuse(f"attempt {token} was never begun in this engine life", "STAGE_UNKNOWN")
+            raise refuse(f"attempt {token} was never begun in this engine life", "STAGE_UNKNOWN")
         return found
 
     def _folder(self, token: AttemptToken) -> str:
@@ -712,19 +523,19 @@ class EngineStaging:
 
     async def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(body, Mapping):
-            raise _bad("begin takes a JSON object")
+            raise bad("begin takes a JSON object")
         token = token_from_json(body.get("token"))
         # Age out what nobody drives first: a vanished publisher's stash never blocks this begin (its
         # capacity check below). Nothing after this awaits, so what it checks still holds when it acts.
         await self.sweep()
         if token in self._tombstones:
-            raise _refuse(f"attempt {token} was cleaned up here; late begin refused", "STAGE_TOMBSTONE")
+            raise refuse(f"attempt {token} was cleaned up here; late begin refused", "STAGE_TOMBSTONE")
         self._check_life(body.get("incarnation"))
         found = self._attempts.get(token)
         if found is not None:  # a duplicate begin: the same answer, nothing set up twice
             found.last_driven = time.monotonic()
             if found.digest != body.get("digest"):
-                raise _refuse(f"attempt {token} was begun here with digest {found.digest[:12]}")
+                raise refuse(f"attempt {token} was begun here with digest {found.digest[:12]}")
             return {"incarnation": self.incarnation, "duplicate": True}
         digest, lora_name = body.get("digest"), body.get("lora_name")
         plan = plan_from_json(body.get("plan"))
@@ -732,9 +543,9 @@ class EngineStaging:
         try:
             expected_name = lora_name_for(token.version, digest, prefix)
         except Exception:  # noqa: BLE001
-            raise _bad(f"digest {digest!r:.80} is not a SHA-256 hex digest") from None
+            raise bad(f"digest {digest!r:.80} is not a SHA-256 hex digest") from None
         if lora_name != expected_name:
-            raise _bad(f"lora_name {lora_name!r} is not the managed name of {token.version} ({expected_name}): this "
+            raise bad(f"lora_name {lora_name!r} is not the managed name of {token.version} ({expected_name}): this "
                        f"engine protects names starting with {prefix!r} (launch it with {MANAGED_PREFIX_ENV} set to the "
                        "deployment's name_prefix)")
         if plan.digest != digest or manifest_digest(plan) != digest:
@@ -742,25 +553,25 @@ class EngineStaging:
         transport = dict(body.get("transport") or {"kind": "http"})
         kind = transport.get("kind", "http")
         if kind not in ("http", "shm", "torch"):
-            raise _bad(f"unknown transport {kind!r}")
+            raise bad(f"unknown transport {kind!r}")
         load = body.get("load", "dir")
         if load not in LOAD_FORMS:
-            raise _bad(f"unknown load form {load!r}; one of {LOAD_FORMS}")
+            raise bad(f"unknown load form {load!r}; one of {LOAD_FORMS}")
         if load == "tensors" or kind == "torch":
             try:
                 import torch  # noqa: F401
             except ImportError:
-                raise _refuse(f"{kind} transport / {load} load needs torch in the engine process") from None
+                raise refuse(f"{kind} transport / {load} load needs torch in the engine process") from None
         adapters = self.hooks.adapters()
         if lora_name in adapters:
-            raise _refuse(f"{lora_name} is already loaded")
+            raise refuse(f"{lora_name} is already loaded")
         limit = self.hooks.max_loaded_loras()
         if limit is not None and len(adapters) >= int(limit):
-            raise _refuse(f"no free LoRA slot ({len(adapters)} of {limit} loaded)", "STAGE_CAPACITY")
+            raise refuse(f"no free LoRA slot ({len(adapters)} of {limit} loaded)", "STAGE_CAPACITY")
         total = sum(b.nbytes for b in plan.buckets)
         held = sum(a.held_bytes for a in self._attempts.values())
         if self.max_stash_bytes is not None and held + total > self.max_stash_bytes:
-            raise _refuse(f"staging {total} bytes would exceed {self.max_stash_bytes} ({held} held)", "STAGE_CAPACITY")
+            raise refuse(f"staging {total} bytes would exceed {self.max_stash_bytes} ({held} held)", "STAGE_CAPACITY")
         if load == "dir":
             header = safetensors_header([e for b in plan.buckets for e in b.entries])  # refuses a dtype it cannot store
         attempt = _Attempt(token, lora_name, digest, plan, transport, load)
@@ -773,7 +584,7 @@ class EngineStaging:
             except OSError as e:
                 self._attempts.pop(token, None)
                 self._free(attempt)
-                raise _refuse(f"the engine cannot write {attempt.lora_name}'s folder: {e}", "STAGE_DISK") from None
+                raise refuse(f"the engine cannot write {attempt.lora_name}'s folder: {e}", "STAGE_DISK") from None
         return {"incarnation": self.incarnation, "duplicate": False}
 
     def _prepare_peft_file(self, attempt: _Attempt, header: bytes) -> None:
@@ -808,15 +619,15 @@ class EngineStaging:
     async def _receive(self, params: Mapping[str, str], chunks, length) -> dict[str, Any]:
         token = token_from_json(params)
         if token in self._tombstones:
-            raise _refuse(f"attempt {token} was cleaned up here; late bucket refused", "STAGE_TOMBSTONE")
+            raise refuse(f"attempt {token} was cleaned up here; late bucket refused", "STAGE_TOMBSTONE")
         self._check_life(params.get("incarnation"))
         try:
             index = int(params.get("index", ""))
         except ValueError:
-            raise _bad(f"bucket index {params.get('index')!r} is not an int") from None
+            raise bad(f"bucket index {params.get('index')!r} is not an int") from None
         fmt = params.get("format", "raw")
         if fmt not in FORMATS:
-            raise _bad(f"unknown bucket format {fmt!r}")
+            raise bad(f"unknown bucket format {fmt!r}")
         attempt = self._live(token)
         with self._driving(attempt):  # its idle time starts again when this ends
             return await self._receive_into(attempt, token, index, fmt, chunks, length)
@@ -826,20 +637,20 @@ class EngineStaging:
         async with attempt.lock:
             attempt = self._live(token)  # a cleanup may have come while we waited
             if attempt.failed:
-                raise _refuse(f"attempt {token} failed here: {attempt.failed}", "STAGE_FAILED")
+                raise refuse(f"attempt {token} failed here: {attempt.failed}", "STAGE_FAILED")
             if not 0 <= index < len(attempt.plan.buckets):
-                raise _bad(f"bucket index {index} is not in the plan of {token}")
+                raise bad(f"bucket index {index} is not in the plan of {token}")
             if index in attempt.buckets:  # duplicate: nothing stored twice, no second collective
                 if chunks is not None:
                     await _drain(chunks)
                 return {"incarnation": self.incarnation, "duplicate": True}
             if attempt.receipt is not None:
-                raise _refuse(f"attempt {token} is already loaded; bucket {index} is late")
+                raise refuse(f"attempt {token} is already loaded; bucket {index} is late")
             bucket = attempt.plan.buckets[index]
             shared = attempt.load == "tensors"
             if fmt == "torch":
                 if attempt.transport.get("kind") != "torch":
-                    raise _bad(f"attempt {token} was begun for the {attempt.transport.get('kind')} transport")
+                    raise bad(f"attempt {token} was begun for the {attempt.transport.get('kind')} transport")
                 control = json.loads(await _read_all(chunks, 1 << 16) or b"{}")
                 running = attempt.inflight.get(index)
                 if running is None:  # the collective runs outside the lock: a cleanup never waits for it
@@ -852,7 +663,7 @@ class EngineStaging:
                 buf, spans = await asyncio.to_thread(self._from_shm, attempt, bucket, control)
             elif fmt == "raw":
                 if length is not None and length != bucket.nbytes:
-                    raise _bad(f"bucket {index} has {bucket.nbytes} bytes in the plan, the body says {length}")
+                    raise bad(f"bucket {index} has {bucket.nbytes} bytes in the plan, the body says {length}")
                 buf = await asyncio.to_thread(self._landing, attempt, bucket)
                 try:
                     await _fill(buf.view, chunks, f"bucket {index}")
@@ -862,7 +673,7 @@ class EngineStaging:
                 spans = raw_spans(bucket)
             else:  # a safetensors blob: its bytes in a buffer of their own size, entries found by header
                 if length is None or length > bucket.nbytes + (100 << 20):
-                    raise _bad("a safetensors bucket needs a Content-Length within its plan's size")
+                    raise bad("a safetensors bucket needs a Content-Length within its plan's size")
                 buf = await asyncio.to_thread(Buffer, length, shared, populate=True)
                 try:
                     await _fill(buf.view, chunks, f"bucket {index}")
@@ -890,7 +701,7 @@ class EngineStaging:
         ``end`` waits for every check and copy before anything is loaded."""
         if attempt.token in self._tombstones:  # cleaned up while the bytes arrived: keep nothing
             buf.close()
-            raise _refuse(f"attempt {attempt.token} was cleaned up while bucket {index} arrived", "STAGE_TOMBSTONE")
+            raise refuse(f"attempt {attempt.token} was cleaned up while bucket {index} arrived", "STAGE_TOMBSTONE")
         attempt.buckets[index] = (buf, spans)
         bucket = attempt.plan.buckets[index]
         into = None if attempt.peft is None or buf.in_file else (attempt.peft[0], attempt.peft[1][index])
@@ -907,24 +718,24 @@ class EngineStaging:
             try:
                 return Buffer.file_window(attempt.peft[0], attempt.peft[1][bucket.index], bucket.nbytes)
             except OSError as e:
-                raise _refuse(f"bucket {bucket.index} cannot be placed in the engine's folder: {e}", "STAGE_DISK") from None
+                raise refuse(f"bucket {bucket.index} cannot be placed in the engine's folder: {e}", "STAGE_DISK") from None
         return Buffer(bucket.nbytes, attempt.load == "tensors", populate=True)
 
     def _from_shm(self, attempt: _Attempt, bucket: Bucket, control: Mapping[str, Any]) -> tuple[Buffer, list]:
         shared = attempt.load == "tensors"
         name = control.get("name")
         if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
-            raise _bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
+            raise bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
         path = os.path.join(self.shm_dir, name)
         try:  # read-write only where torch maps the file for SGLang's scheduler (it maps pages writable)
             fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | _NOFOLLOW)
         except OSError as e:
-            raise _refuse(f"shared-memory bucket {name} cannot be opened here ({e.strerror}); is the publisher "
+            raise refuse(f"shared-memory bucket {name} cannot be opened here ({e.strerror}); is the publisher "
                           "on this host?", "STAGE_SHM") from None
         try:
             size = os.fstat(fd).st_size
             if size != bucket.nbytes:
-                raise _bad(f"shared-memory bucket {name} has {size} bytes, the plan says {bucket.nbytes}")
+                raise bad(f"shared-memory bucket {name} has {size} bytes, the plan says {bucket.nbytes}")
             if shared and size:  # tensors for SGLang's scheduler: the publisher's pages, shared by descriptor
                 buf = Buffer.shared_file(fd, size)
                 if buf is not None:
@@ -935,7 +746,7 @@ class EngineStaging:
                     while got < size:
                         n = os.readv(fd, [buf.view[got:]])
                         if n <= 0:
-                            raise _bad(f"shared-memory bucket {name} ended after {got} of {size} bytes")
+                            raise bad(f"shared-memory bucket {name} ended after {got} of {size} bytes")
                         got += n
                 except BaseException:
                     buf.close()
@@ -960,7 +771,7 @@ class EngineStaging:
                 raise ValueError(f"backend {backend!r}, port {port}, timeout {timeout}")
         except Exception as e:  # noqa: BLE001
             self._attempts.pop(attempt.token, None)
-            raise _bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}") from None
+            raise bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}") from None
         done = threading.Event()
         attempt.group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
 
@@ -980,7 +791,7 @@ class EngineStaging:
     async def _broadcast(self, attempt: _Attempt, bucket: Bucket, control: Mapping[str, Any]) -> tuple[Buffer, list]:
         group = attempt.group
         if group is None:
-            raise _refuse(f"attempt {attempt.token} has no process group here (it failed or ended)", "STAGE_FAILED")
+            raise refuse(f"attempt {attempt.token} has no process group here (it failed or ended)", "STAGE_FAILED")
         t = attempt.transport
         timeout = float(t.get("timeout", 60.0))
         try:
@@ -988,9 +799,9 @@ class EngineStaging:
             if not (0 < rank < world and 0 <= src < world and src != rank):
                 raise ValueError(f"rank {rank}, world {world}, src {src}")
         except Exception as e:  # noqa: BLE001
-            raise _bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
+            raise bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
         if group["ranks"] not in (None, (rank, world, src)):
-            raise _bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
+            raise bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
         device = t.get("device", "cpu")
 
         def run() -> tuple[Buffer, list]:
@@ -1053,7 +864,7 @@ class EngineStaging:
 
     async def _end(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(body, Mapping):
-            raise _bad("end takes a JSON object")
+            raise bad("end takes a JSON object")
         token = token_from_json(body.get("token"))
         self._check_life(body.get("incarnation"))
         attempt = self._live(token)
@@ -1066,10 +877,10 @@ class EngineStaging:
             if attempt.receipt is not None:  # a duplicate end: the same receipt, nothing loaded twice
                 return dict(attempt.receipt, duplicate=True)
             if attempt.failed:
-                raise _refuse(f"attempt {token} failed here: {attempt.failed}", "STAGE_FAILED")
+                raise refuse(f"attempt {token} failed here: {attempt.failed}", "STAGE_FAILED")
             missing = [b.index for b in attempt.plan.buckets if b.index not in attempt.buckets]
             if missing:
-                raise _refuse(f"buckets {missing[:8]} of {token} never arrived", "STAGE_INCOMPLETE")
+                raise refuse(f"buckets {missing[:8]} of {token} never arrived", "STAGE_INCOMPLETE")
             started = time.monotonic()
             try:  # every tensor's SHA-256, checked as its bucket arrived
                 await asyncio.gather(*attempt.verifying.values())
@@ -1081,7 +892,7 @@ class EngineStaging:
                 raise Refused(400, "STAGE_DIGEST", f"the staged manifest does not hash to {attempt.digest[:12]}")
             adapters = self.hooks.adapters()
             if attempt.lora_name in adapters:
-                raise _refuse(f"{attempt.lora_name} is already loaded (not by this attempt)")
+                raise refuse(f"{attempt.lora_name} is already loaded (not by this attempt)")
             if attempt.load == "dir":  # the tensors are in the folder already (received and verified there)
                 path = await asyncio.to_thread(self._finish_peft_dir, attempt)
                 error = await self.hooks.load_dir(attempt.lora_name, path)
@@ -1092,12 +903,12 @@ class EngineStaging:
                 error = await self.hooks.load_tensors(attempt.lora_name, tensors, json.loads(attempt.plan.serving_config_json),
                                                       checksums)
             if error is not None:
-                raise _refuse(f"load of {attempt.lora_name} failed: {error}", "STAGE_LOAD")
+                raise refuse(f"load of {attempt.lora_name} failed: {error}", "STAGE_LOAD")
             entry = self.hooks.adapters().get(attempt.lora_name)
             if entry is None or not entry.get("pinned"):
-                raise _refuse(f"{attempt.lora_name} is not registered pinned after its load", "STAGE_LOAD")
+                raise refuse(f"{attempt.lora_name} is not registered pinned after its load", "STAGE_LOAD")
             if token in self._tombstones:  # pragma: no cover - cleanup waits for this lock
-                raise _refuse(f"attempt {token} was cleaned up during its load", "STAGE_TOMBSTONE")
+                raise refuse(f"attempt {token} was cleaned up during its load", "STAGE_TOMBSTONE")
             attempt.receipt = {"incarnation": self.incarnation, "lora_name": attempt.lora_name, "digest": attempt.digest,
                                "lora_id": entry.get("lora_id"), "lora_path": entry.get("lora_path", path),
                                "load": attempt.load,
@@ -1142,7 +953,7 @@ class EngineStaging:
 
     async def _cleanup(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(body, Mapping):
-            raise _bad("cleanup takes a JSON object")
+            raise bad("cleanup takes a JSON object")
         token = token_from_json(body.get("token"))
         self._tombstones.add(token)  # from now on begin / bucket / end of it are refused
         attempt = self._attempts.get(token)
@@ -1161,9 +972,9 @@ class EngineStaging:
     async def _release(self, body: Mapping[str, Any]) -> dict[str, Any]:
         name = body.get("lora_name") if isinstance(body, Mapping) else None
         if not isinstance(name, str):
-            raise _bad("release takes {\"lora_name\": ...}")
+            raise bad("release takes {\"lora_name\": ...}")
         if name in self.hooks.adapters():
-            raise _refuse(f"{name} is still loaded; unload it first")
+            raise refuse(f"{name} is still loaded; unload it first")
         freed = []
         for attempt in [a for a in self._attempts.values() if a.lora_name == name]:
             with self._driving(attempt):
@@ -1199,11 +1010,11 @@ async def _fill(view: memoryview, chunks: AsyncIterator[bytes] | None, what: str
         async for chunk in chunks:
             n = len(chunk)
             if got + n > len(view):
-                raise _bad(f"{what} is longer than its {len(view)} bytes")
+                raise bad(f"{what} is longer than its {len(view)} bytes")
             view[got : got + n] = chunk
             got += n
     if got != len(view):
-        raise _bad(f"{what} ended after {got} of {len(view)} bytes")
+        raise bad(f"{what} ended after {got} of {len(view)} bytes")
 
 
 async def _read_all(chunks: AsyncIterator[bytes] | None, limit: int) -> bytes:
@@ -1212,7 +1023,7 @@ async def _read_all(chunks: AsyncIterator[bytes] | None, limit: int) -> bytes:
         async for chunk in chunks:
             out += chunk
             if len(out) > limit:
-                raise _bad(f"a control body longer than {limit} bytes")
+                raise bad(f"a control body longer than {limit} bytes")
     return bytes(out)
 
 

@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from lorapub.core.dtypes import SAFETENSORS_DTYPES
+from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 
 logger = logging.getLogger(__name__)
 

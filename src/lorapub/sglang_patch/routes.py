@@ -18,6 +18,7 @@ from typing import Any
 from lorapub.sglang_patch import engine_staging
 from lorapub.sglang_patch.engine_staging import max_loaded_loras as _max_loaded_loras
 from lorapub.sglang_patch.targets import STATE_ROUTE, PatchMismatch
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
 #: The engine-side staging of this server life (set when the staging routes are added).
@@ -63,7 +64,7 @@ def _admin_level(app: Any) -> Any:
     except ImportError as e:  # both supported releases have per-route auth levels
         raise PatchMismatch(
             f"SGLang's auth levels (sglang.srt.utils.auth) are missing ({e}); lorapub's routes ({STATE_ROUTE}, "
-            f"{engine_staging.PREFIX}/*) are not added rather than served without --admin-api-key protection"
+            f"{PREFIX}/*) are not added rather than served without --admin-api-key protection"
         ) from None
     for route in getattr(app, "routes", []):
         if getattr(route, "path", None) == "/load_lora_adapter":
@@ -91,7 +92,7 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
     app, tokenizer_manager = _server_app(app)
     if app is None:
         return None
-    if any(getattr(r, "path", None) == engine_staging.BEGIN_ROUTE for r in app.routes):
+    if any(getattr(r, "path", None) == BEGIN_ROUTE for r in app.routes):
         return STAGING
     level = _admin_level(app)  # raises before anything is added where auth levels are missing
     from starlette.responses import JSONResponse
@@ -110,11 +111,11 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
         endpoint.__annotations__ = {"request": Request}
         app.add_api_route(path, endpoint, methods=["POST"])
 
-    route(engine_staging.BEGIN_ROUTE, lambda r: _with_json(r, staging.begin))
-    route(engine_staging.BUCKET_ROUTE, lambda r: engine_staging.starlette_receive(staging, r))
-    route(engine_staging.END_ROUTE, lambda r: _with_json(r, staging.end))
-    route(engine_staging.CLEANUP_ROUTE, lambda r: _with_json(r, staging.cleanup))
-    route(engine_staging.RELEASE_ROUTE, lambda r: _with_json(r, staging.release))
+    route(BEGIN_ROUTE, lambda r: _with_json(r, staging.begin))
+    route(BUCKET_ROUTE, lambda r: engine_staging.starlette_receive(staging, r))
+    route(END_ROUTE, lambda r: _with_json(r, staging.end))
+    route(CLEANUP_ROUTE, lambda r: _with_json(r, staging.cleanup))
+    route(RELEASE_ROUTE, lambda r: _with_json(r, staging.release))
     return staging
 
 
@@ -155,8 +156,8 @@ def _http_staging_block() -> str:
         "_LORAPUB_STAGING = _lorapub_engine_staging.for_server(\n"
         "    lambda: _global_state.tokenizer_manager, _LORAPUB_INCARNATION\n)\n\n\n"
     ]
-    for path in (engine_staging.BEGIN_ROUTE, engine_staging.BUCKET_ROUTE, engine_staging.END_ROUTE,
-                 engine_staging.CLEANUP_ROUTE, engine_staging.RELEASE_ROUTE):
+    for path in (BEGIN_ROUTE, BUCKET_ROUTE, END_ROUTE,
+                 CLEANUP_ROUTE, RELEASE_ROUTE):
         verb = path.rsplit("/", 1)[-1]
         if verb == "bucket":
             call = "await _lorapub_engine_staging.starlette_receive(_LORAPUB_STAGING, request)"

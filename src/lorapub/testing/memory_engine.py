@@ -31,7 +31,9 @@ from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import Clock, EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.runtime.clock import SystemClock
-from lorapub.sglang_patch import engine_staging
+from lorapub.wire.codec import manifest_digest
+from lorapub.wire.refusal import Refused
+from lorapub.wire.safetensors import safetensors_layout, verify_spans
 
 FAULTS = ("request", "reply", "error", "stall", "restart")
 OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
@@ -207,12 +209,12 @@ class MemoryEngine:
         the plan describes the digest, and every tensor of every bucket (a safetensors blob, as
         :meth:`~lorapub.Snapshot.bucket_bytes` makes it) matches its SHA-256 in the plan."""
         try:
-            if engine_staging.manifest_digest(request.plan) != request.digest:
-                raise engine_staging.Refused(400, "STAGE_DIGEST", f"the plan does not describe {request.digest[:12]}")
+            if manifest_digest(request.plan) != request.digest:
+                raise Refused(400, "STAGE_DIGEST", f"the plan does not describe {request.digest[:12]}")
             for bucket in request.plan.buckets:
                 blob = memoryview(buckets[bucket.index])
-                engine_staging.verify_spans(blob, engine_staging.safetensors_layout(blob, bucket), bucket)
-        except engine_staging.Refused as e:
+                verify_spans(blob, safetensors_layout(blob, bucket), bucket)
+        except Refused as e:
             raise EngineError(f"{self.name}: {request.lora_name} refused: {e.message}", engine=self.name) from None
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:

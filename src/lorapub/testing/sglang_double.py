@@ -41,6 +41,8 @@ from aiohttp import web
 from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
 from lorapub.sglang_patch import engine_staging
 from lorapub.testing._sglang_registry import lora_registry_module, registry_root
+from lorapub.wire.codec import json_bytes
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE, ROUTES
 
 NORMAL, ADMIN_OPTIONAL, ADMIN_FORCE = "normal", "admin_optional", "admin_force"
 
@@ -61,7 +63,7 @@ ROUTE_AUTH_LEVELS: dict[tuple[str, str], str] = {
     ("GET", "/health"): NORMAL,
 }
 # lorapub's engine-side staging routes: admin-level, like SGLang's LoRA admin routes (see below).
-ROUTE_AUTH_LEVELS.update({route: ADMIN_OPTIONAL for route in engine_staging.ROUTES})
+ROUTE_AUTH_LEVELS.update({route: ADMIN_OPTIONAL for route in ROUTES})
 
 
 def decide_request_auth(*, method: str, path: str, authorization_header: str | None, api_key: str | None,
@@ -731,9 +733,9 @@ class SGLangDouble:
         async def release(request: web.Request) -> web.Response:
             return answer(await self.staging.release(await json_of(request)))
 
-        for path, handler in ((engine_staging.BEGIN_ROUTE, begin), (engine_staging.BUCKET_ROUTE, bucket),
-                              (engine_staging.END_ROUTE, end), (engine_staging.CLEANUP_ROUTE, cleanup),
-                              (engine_staging.RELEASE_ROUTE, release)):
+        for path, handler in ((BEGIN_ROUTE, begin), (BUCKET_ROUTE, bucket),
+                              (END_ROUTE, end), (CLEANUP_ROUTE, cleanup),
+                              (RELEASE_ROUTE, release)):
             r.add_post(path, handler)
 
     # -- introspection for tests ----------------------------------------------------
@@ -843,7 +845,7 @@ class _DoubleHooks:
                     raise ValueError(f"[LORA-CHECK] adapter sync MISMATCH: {name}")
                 # the content's identity from each tensor's checked digest: one pass over the bytes
                 h.update(name.encode() + b"\0" + got.encode())
-            h.update(engine_staging.json_bytes(config))
+            h.update(json_bytes(config))
             return h.hexdigest()
 
         try:
