@@ -722,9 +722,9 @@ def test_the_hooks_import_without_relax_megatron_ray_torch_or_aiohttp():
 
 
 def test_the_hooks_use_only_lorapubs_public_face():
-    tree = ast.parse(pathlib.Path(relax_lorapub.__file__).read_text())
+    package = pathlib.Path(relax_lorapub.__file__).parent
     modules, names = set(), set()
-    for node in ast.walk(tree):
+    for node in (n for f in sorted(package.glob("*.py")) for n in ast.walk(ast.parse(f.read_text()))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lorapub"):
             modules.add(node.module)
             if node.module == "lorapub":
@@ -739,7 +739,7 @@ def test_nothing_names_relaxs_gone_hooks_or_its_old_home():
     gone = ["_register_session", "scope_id", "_discard_session_locked", "finalize_and_discard", "discard_session",
             "_clear_removed_record_state", "partial_resume", "redai-infra"]
     here = pathlib.Path(__file__).parent
-    files = [pathlib.Path(relax_lorapub.__file__), here / "relax_harness.py",
+    files = [*sorted(pathlib.Path(relax_lorapub.__file__).parent.glob("*.py")), here / "relax_harness.py",
              here.parent.parent / "docs" / "relax.md"]
     for path in files:
         text = path.read_text()

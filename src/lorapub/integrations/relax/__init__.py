@@ -1,0 +1,93 @@
+"""Relax integration: immutable LoRA versions for Relax's agentic rollouts, behind one flag.
+
+Relax (``redai-studio/Relax``) runs agentic sessions in ``AgenticSessionShard`` actors and pushes
+the trained adapter from ``DeviceDirectBackend``. The hooks below are what those places call;
+``docs/relax.md`` is the guide (the hook table, the switch, what lorapub needs upstream).
+Written against these Relax files (:data:`RELAX_COMMITS`):
+
+=====================================================  ===========================================
+Relax site                                             lorapub hook
+=====================================================  ===========================================
+``AgenticSessionShard.__init__``                        ``self._lorapub = RelaxLorapub(args)``;
+  (``self._generation_backend = ...``)                  ``self._generation_backend =
+                                                        self._lorapub.wrap_backend(...)``
+``AgenticSessionShard.start_group``                     ``await self._lorapub.open_group(group_id,
+                                                        session_ids)``: one lorapub group per
+                                                        Relax group, every member opened
+``AgenticSessionShard._run_ir``                         unchanged: its ``self._generation_backend
+  (``self._generation_backend.generate(...)``)          .generate(...)`` is the wrapper's; the
+                                                        group binds at its first request
+``AgenticSessionShard._apply_generate_result``          ``ir.pending_export_metadata_patch.update(
+                                                        export_metadata(result.meta_info))``
+``AgenticSessionShard._chat``                           unchanged: a lorapub refusal arrives as an
+                                                        ``AgenticChatRequestError`` keeping its code
+``AgenticSessionShard._finish_session_once``            ``await self._lorapub.release(session_id)``
+``AgenticSessionShard._drop_group``                     ``await self._lorapub.release_group(group_id)``
+``AgenticSessionShard._shutdown``                       unchanged: ``self._generation_backend
+                                                        .shutdown()`` closes lorapub first
+``DeviceDirectBackend.__init__``                        ``install_weight_path(self)``: an opt-in
+                                                        ``update_weights_for_rollout`` that
+                                                        publishes each adapter as a version
+``relax/utils/arguments.py``                            :func:`add_arguments` (last in the chain),
+                                                        :func:`validate_args` on the driver
+=====================================================  ===========================================
+
+Off (the default) nothing changes: :meth:`RelaxLorapub.wrap_backend` returns Relax's own backend,
+:func:`install_weight_path` leaves ``update_weights_for_rollout`` alone and every other hook
+returns at once. Importing this module needs neither Relax, Megatron, Ray, torch nor aiohttp.
+"""
+
+from __future__ import annotations
+
+from .errors import RelaxChatError, chat_error, error_result, export_metadata
+from .options import (
+    CONFIG_FLAG,
+    DEFAULT_NAME_PREFIX,
+    ENABLE_FLAG,
+    RELAX_ADAPTER_NAME,
+    RELAX_NAME_FAMILIES,
+    RELAX_OPTIONS,
+    TRANSPORTS,
+    LorapubConfig,
+    OptionClash,
+    add_arguments,
+    check_name_prefix,
+    check_parser,
+    config_from_args,
+    engine_env,
+    engine_name,
+    is_enabled,
+    sglang_overrides,
+    topology_urls,
+    validate_args,
+    version_id_for,
+)
+from .shard import GenerateResult, LorapubGenerationBackend, RelaxLorapub
+from .trainer import (
+    LorapubPublisher,
+    LorapubWeightPath,
+    PublishOutcome,
+    WeightPublicationFailed,
+    install_weight_path,
+    max_over,
+)
+
+__all__ = [
+    "CONFIG_FLAG", "ENABLE_FLAG", "DEFAULT_NAME_PREFIX", "RELAX_ADAPTER_NAME", "RELAX_COMMITS", "RELAX_NAME_FAMILIES",
+    "RELAX_OPTIONS", "TRANSPORTS", "GenerateResult", "LorapubConfig", "LorapubGenerationBackend", "LorapubPublisher",
+    "LorapubWeightPath", "OptionClash", "PublishOutcome", "RelaxChatError", "RelaxLorapub", "WeightPublicationFailed",
+    "add_arguments", "chat_error", "check_name_prefix", "check_parser", "config_from_args", "engine_env",
+    "engine_name", "error_result", "export_metadata", "install_weight_path", "is_enabled", "max_over", "sglang_overrides",
+    "topology_urls", "validate_args", "version_id_for",
+]
+
+#: The Relax files (and the commits of them) these hooks were written against.
+RELAX_COMMITS: dict[str, str] = {
+    "relax/agentic/session/service.py": "29f596af1fdcb6f045577f0b1d3eb28ed932da6d",
+    "relax/agentic/session/state.py": "29f596af1fdcb6f045577f0b1d3eb28ed932da6d",
+    "relax/agentic/pipeline/runtime.py": "b71db72d4370f8cb0e26fafbc5864fe46539a4e1",
+    "relax/distributed/checkpoint_service/backends/device_direct.py": "0a91dd1db44022920f61f05948e89a5cb83f8b38",
+    "relax/backends/megatron/weight_update/lora_adapter_sync.py": "b71db72d4370f8cb0e26fafbc5864fe46539a4e1",
+    "relax/utils/megatron_peft_utils.py": "0a91dd1db44022920f61f05948e89a5cb83f8b38",
+    "relax/utils/arguments.py": "02bf712a9e601780904cede4ed5ec3b662eeb929",
+}

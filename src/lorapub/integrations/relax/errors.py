@@ -1,0 +1,72 @@
+"""lorapub's refusals in Relax's shape: chat errors keeping their code, error results, and the
+exported sample metadata."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from lorapub import LorapubError
+
+# ---------------------------------------------------------------------------------------------
+# Errors in Relax's shape
+# ---------------------------------------------------------------------------------------------
+
+_CHAT_STATUS = {
+    "NO_PUBLISHED_VERSION": 503, "VERSION_MISSING": 503, "VERSION_RECLAIMING": 503, "ENGINE_UNAVAILABLE": 503,
+    "ENGINE_CLOSED": 503, "BINDING_STALE": 410, "SESSION_EXPIRED": 410, "GROUP_CLOSED": 410, "SESSION_CLOSED": 404,
+    "OUTCOME_UNKNOWN": 504, "ENGINE_ERROR": 502, "INVALID_INPUT": 400,
+}
+CONTEXT_MARKERS = ("maximum context length", "Requested token count exceeds")
+
+
+class RelaxChatError(Exception):
+    """Shaped like Relax's ``AgenticChatRequestError`` (same constructor and attributes), for where
+    that class is not at hand; the shard passes Relax's own to :meth:`RelaxLorapub.wrap_backend`."""
+
+    def __init__(
+        self,
+        message,
+        *,
+        code="invalid_request_error",
+        param=None,
+        status_code=400,
+        error_type="invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = message
+        self.code = code
+        self.param = param
+        self.status_code = status_code
+        self.error_type = error_type
+
+
+def chat_error(exc: LorapubError, error_type: type | None = None) -> Exception:
+    """A lorapub error as Relax's chat error: ``_chat`` answers it with its status and code kept (never
+    a 500, never a group drop). The lorapub error is its ``__cause__`` and ``lorapub_error``."""
+    cls = error_type or RelaxChatError
+    error = cls(
+        str(exc), code=exc.code, param=None, status_code=_CHAT_STATUS.get(exc.code, 500), error_type="lorapub_error"
+    )
+    error.__cause__ = exc
+    try:
+        error.lorapub_error = exc
+    except AttributeError:  # a class with __slots__
+        pass
+    return error
+
+
+def error_result(exc: LorapubError) -> dict[str, Any]:
+    """What Relax's ``_error_from_exception`` makes of :func:`chat_error` (its error-result dict)."""
+    error = chat_error(exc)
+    return {
+        "_http_status": error.status_code,
+        "error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.code},
+    }
+
+
+def export_metadata(meta_info: Mapping[str, Any]) -> dict[str, Any]:
+    """The provenance of one generation, for the exported sample's metadata (``{"lorapub": {...}}``:
+    version, version_id, lag, lora_name, rebinds); empty when lorapub did not serve it."""
+    provenance = meta_info.get("lorapub") if isinstance(meta_info, Mapping) else None
+    return {"lorapub": dict(provenance)} if provenance else {}

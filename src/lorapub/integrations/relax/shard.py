@@ -1,0 +1,339 @@
+"""The shard side: :class:`RelaxLorapub` in an ``AgenticSessionShard`` and the generation
+backend wrapper that binds each Relax group to one version."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import time
+import uuid
+from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
+
+from lorapub import Deployment, EngineError, LorapubError, SessionClosed
+
+from .errors import CONTEXT_MARKERS, chat_error
+from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
+
+log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whole integration
+
+# ---------------------------------------------------------------------------------------------
+# The shard side
+# ---------------------------------------------------------------------------------------------
+
+WorkerUrls = Union[Sequence[str], Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]]
+
+
+def _failed(task: asyncio.Task | None) -> bool:
+    return task is not None and task.done() and (task.cancelled() or task.exception() is not None)
+
+
+@dataclasses.dataclass
+class _Group:
+    key: str  # the lorapub group: one per start_group, so a reused Relax group id starts afresh
+    members: dict[str, Any]
+
+
+class RelaxLorapub:
+    """lorapub in one Relax process: an ``AgenticSessionShard`` (``role="shard"``) or rank 0 of the
+    trainer (``role="trainer"``, through :class:`LorapubPublisher`).
+
+    It starts on first use: engines are built from ``worker_urls`` (a list, or a callable, sync or
+    async; a shard's default is its backend's ``_worker_urls``) unless ``engines`` are given. With the
+    switch off every hook returns at once and nothing is started.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        *,
+        config: LorapubConfig | None = None,
+        worker_urls: WorkerUrls | None = None,
+        engines: Mapping[str, Any] | None = None,
+        registry: Any = None,
+        role: str = "shard",
+        **deployment_options: Any,
+    ) -> None:
+        self.args = args
+        self.config = config if config is not None else config_from_args(args)
+        self.enabled = self.config is not None
+        if self.enabled and self.config.epoch is None:
+            # Each actor picking its own epoch would split one run into several deployments.
+            raise ValueError(f"{ENABLE_FLAG}: the epoch is unset; call validate_args(args) on the driver first")
+        if role not in ("shard", "trainer"):
+            raise ValueError(f"role must be 'shard' or 'trainer', got {role!r}")
+        self.role = role
+        self.deployment: Any = None
+        #: Whether the deployment names versions with ``config.name_prefix`` (None until started).
+        self.name_prefix_applied: bool | None = None
+        self._worker_urls = worker_urls
+        self._given_engines = dict(engines) if engines is not None else None
+        self._built_engines: list[Any] = []
+        self._registry = registry
+        self._deployment_options = deployment_options
+        self._start: asyncio.Task | None = None
+        self._groups: dict[str, _Group] = {}
+        self._members: dict[str, Any] = {}
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> "RelaxLorapub":
+        """Idempotent; concurrent first callers share one start (a failed start is retried)."""
+        if not self.enabled:
+            return self
+        if self._closed:
+            raise SessionClosed("this shard's lorapub was closed (shard shutdown)")
+        if self._start is None or _failed(self._start):
+            self._start = asyncio.get_running_loop().create_task(self._start_once())
+        await asyncio.shield(self._start)
+        return self
+
+    async def _start_once(self) -> None:
+        engines = self._given_engines if self._given_engines is not None else await self._build_engines()
+        if not engines:
+            raise RuntimeError("lorapub needs at least one SGLang worker")
+        config = self.config
+        options: dict[str, Any] = {"capacity": config.capacity, "max_lag": config.max_lag,
+                                   "on_stale": config.on_stale, "idle_ttl": config.idle_ttl}
+        options.update(self._deployment_options)
+        # the engines' SGLang must protect the same prefix (engine_env(): SGLANG_LORAPUB_MANAGED_PREFIX);
+        # Deployment.start() refuses an engine that protects another
+        self.name_prefix_applied = takes_keyword(Deployment, "name_prefix")
+        if self.name_prefix_applied:
+            options["name_prefix"] = config.name_prefix
+        else:  # an older lorapub
+            log.warning(
+                "lorapub: name_prefix %r is not applied: this lorapub names versions with its built-in prefix "
+                "(the Deployment takes no name_prefix)", config.name_prefix,
+            )
+        registry = self._registry if self._registry is not None else await self._shared_registry(engines, options)
+        if registry is not None:
+            options["registry"] = registry
+            for shared in ("capacity", "max_lag", "on_stale"):
+                options.pop(shared, None)  # a shared registry's settings are made where it is created
+            # (name_prefix stays: the deployment refuses a shared registry that names versions otherwise)
+        self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
+
+    async def _build_engines(self) -> dict[str, Any]:
+        urls = self._worker_urls
+        if callable(urls):
+            urls = urls()
+            if inspect.isawaitable(urls):
+                urls = await urls
+        from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine  # aiohttp: lazily
+
+        transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
+        engines = {
+            engine_name(url): SGLangWireEngine(
+                engine_name(url), url, transport=transport,
+                api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
+            )
+            for url in sorted(set(urls or ()))
+        }
+        self._built_engines = list(engines.values())
+        return engines
+
+    async def _shared_registry(self, engines: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
+        if not self.config.registry:
+            return None  # in-process: one process publishes and serves sessions
+        from lorapub.adapters.ray_registry import RayRegistry  # ray: lazily
+
+        incarnations = {name: await engine.incarnation() for name, engine in engines.items()}
+        extra = {"name_prefix": self.config.name_prefix} if takes_keyword(RayRegistry.create, "name_prefix") else {}
+        # get-if-exists: the first process to get here creates it (with these settings), every other joins it
+        return RayRegistry.create(
+            f"{self.config.registry}-{self.config.epoch}", self.config.epoch, incarnations,
+            capacity=options["capacity"], store_path=self.config.registry_store, max_lag=options["max_lag"],
+            on_stale=options["on_stale"], **extra,
+        )
+
+    async def aclose(self) -> None:
+        """``_shutdown``: release every member still open, stop the deployment, close the engines."""
+        self._closed = True
+        if self._members:
+            await asyncio.gather(*(self._close(sid) for sid in list(self._members)), return_exceptions=True)
+        self._groups.clear()
+        if self.deployment is not None:
+            await self.deployment.close()
+        for engine in self._built_engines:
+            await engine.close()
+        self._built_engines = []
+
+    # -- hooks of AgenticSessionShard ----------------------------------------------------------
+    async def open_group(self, group_id: str, session_ids: Sequence[str]) -> None:
+        """``start_group``: one lorapub group for the Relax group, every member opened now, so the
+        group keeps the version it binds at its first request while any member is open."""
+        if not self.enabled:
+            return
+        await self.start()
+        if group_id in self._groups:
+            raise ValueError(f"Relax group {group_id!r} is already open in lorapub")
+        key = f"{safe_id(group_id, 'group', 100)}.{uuid.uuid4().hex[:8]}"
+        members = {sid: self.deployment.session(safe_id(sid, "session"), group=key) for sid in session_ids}
+        self._groups[group_id] = _Group(key, members)
+        self._members.update(members)
+        await asyncio.gather(*(member.open() for member in members.values()))
+
+    def member(self, session_id: str) -> Any:
+        """The lorapub session of a Relax session record (None when none is open)."""
+        return self._members.get(session_id)
+
+    async def generate(self, session_id: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """One backend request of the session: the group's first one binds the current default for the
+        whole group; every later one (tool turns, aborts and resumes) carries the same ``lora_path``.
+        SGLang's reply, with ``reply["lorapub"]`` (version, version_id, lag, lora_name, rebinds)."""
+        member = self._members.get(session_id)
+        if member is None:
+            raise SessionClosed(
+                f"Relax session {session_id!r} holds no lorapub session (its group was not opened, or the session "
+                "was released); nothing was sent"
+            )
+        return await member.generate(payload)
+
+    async def release(self, session_id: str) -> None:
+        """``_finish_session_once``, once the session's requests are aborted and joined: release its
+        ref exactly once. A failure is logged: its lease expires and the version is reclaimed anyway."""
+        if self.enabled:
+            await self._close(session_id)
+
+    async def release_group(self, group_id: str) -> None:
+        """``_drop_group``: release every member of the group not released yet, forget the group."""
+        if not self.enabled:
+            return
+        group = self._groups.pop(group_id, None)
+        if group is not None:
+            await asyncio.gather(*(self._close(sid) for sid in group.members))
+
+    async def _close(self, session_id: str) -> None:
+        member = self._members.pop(session_id, None)
+        if member is None:
+            return
+        try:
+            await member.close()
+        except LorapubError as e:
+            log.warning("lorapub: releasing Relax session %s failed (its lease will expire): %s", session_id, e)
+
+    # -- the backend ------------------------------------------------------------------------------
+    def wrap_backend(
+        self,
+        backend: Any,
+        *,
+        chat_error_type: type | None = None,
+        context_length_error_type: type | None = None,
+        result_type: Callable[..., Any] | None = None,
+        sanitize_tokens: Callable[[list[int]], list[int]] | None = None,
+    ) -> Any:
+        """``__init__``: the shard's generation backend. Off: ``backend`` itself (Relax's path unchanged)."""
+        if not self.enabled:
+            return backend
+        if self._worker_urls is None and self._given_engines is None:
+            self._worker_urls = backend._worker_urls  # the router's healthy workers
+        return LorapubGenerationBackend(
+            backend, self, chat_error_type=chat_error_type, context_length_error_type=context_length_error_type,
+            result_type=result_type, sanitize_tokens=sanitize_tokens,
+        )
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """The fields of Relax's ``BackendGenerateResult`` (used where that class is not passed)."""
+
+    new_tokens: list[int]
+    new_log_probs: list[float]
+    finish_type: str
+    meta_info: dict[str, Any]
+    elapsed: float
+
+
+class LorapubGenerationBackend:
+    """Relax's ``SGLangBackendAdapter`` with lorapub on: ``generate`` has its exact keywords and sends
+    through the session's lorapub binding; everything else (``tokenizer``, ``compiler``,
+    ``abort_request``, ``close_session``) is Relax's own; ``shutdown`` closes lorapub first."""
+
+    def __init__(
+        self,
+        inner: Any,
+        lorapub: RelaxLorapub,
+        *,
+        chat_error_type: type | None = None,
+        context_length_error_type: type | None = None,
+        result_type: Callable[..., Any] | None = None,
+        sanitize_tokens: Callable[[list[int]], list[int]] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.lorapub = lorapub
+        self._chat_error_type = chat_error_type
+        self._context_length_error_type = context_length_error_type
+        self._result_type = result_type or GenerateResult
+        self._sanitize_tokens = sanitize_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def generate(
+        self,
+        *,
+        input_ids,
+        sampling_params,
+        session_id,
+        request_id,
+        image_data=None,
+        audio_data=None,
+        video_data=None,
+        return_logprob=True,
+    ) -> Any:
+        args = self.lorapub.args
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "rid": request_id,
+            "return_logprob": return_logprob,
+        }
+        if getattr(args, "use_rollout_routing_replay", False):
+            payload["return_routed_experts"] = True
+        if image_data:
+            payload["image_data"] = image_data
+        if audio_data:
+            payload["audio_data"] = list(audio_data)
+        if video_data:
+            payload["video_data"] = video_data
+        if session_id and getattr(args, "agentic_session_lifecycle", False):
+            payload["session_id"] = session_id
+        started = time.monotonic()
+        try:
+            output = await self.lorapub.generate(session_id, payload)
+        except EngineError as e:
+            if e.details.get("status") == 400 and any(m in str(e) for m in CONTEXT_MARKERS):
+                if self._context_length_error_type is not None:
+                    raise self._context_length_error_type(str(e)) from e
+            raise chat_error(e, self._chat_error_type) from e
+        except LorapubError as e:
+            raise chat_error(e, self._chat_error_type) from e
+        return self._result(output, time.monotonic() - started)
+
+    def _result(self, output: Mapping[str, Any], elapsed: float) -> Any:
+        meta_info = dict(output.get("meta_info") or {})
+        meta_info["lorapub"] = dict(output["lorapub"])
+        items = list(meta_info.get("output_token_logprobs") or ())
+        if items and all(isinstance(item, (list, tuple)) for item in items):  # SGLang: [logprob, token_id, text]
+            tokens = [int(item[1]) for item in items]
+            logprobs = [float(item[0]) for item in items]
+        else:
+            tokens = [int(t) for t in output["output_ids"]]
+            logprobs = [float(x) for x in items]
+        if self._sanitize_tokens is not None:
+            tokens = self._sanitize_tokens(tokens)
+        return self._result_type(
+            new_tokens=tokens,
+            new_log_probs=logprobs,
+            finish_type=str(meta_info["finish_reason"]["type"]),
+            meta_info=meta_info,
+            elapsed=elapsed,
+        )
+
+    async def shutdown(self) -> None:
+        try:
+            await self.lorapub.aclose()
+        finally:
+            await self.inner.shutdown()
