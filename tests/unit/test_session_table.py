@@ -243,7 +243,7 @@ def test_a_file_store_an_earlier_release_wrote_resumes_as_a_table(tmp_path, boun
 
 
 def test_a_sqlite_snapshot_an_earlier_release_wrote_resumes_as_a_table(tmp_path, bound_state, monkeypatch):
-    import lorapub.runtime.stores as stores
+    from lorapub.runtime.stores import sqlite_store as stores
 
     def earlier_parts(state, entries):  # the snapshot layout before the session table
         old = _earlier_state(state)
@@ -255,7 +255,7 @@ def test_a_sqlite_snapshot_an_earlier_release_wrote_resumes_as_a_table(tmp_path,
             for i in range(0, len(items), entries):
                 yield (name, items[i:i + entries])
 
-    monkeypatch.setattr(stores, "_snapshot_parts", earlier_parts)
+    monkeypatch.setattr(stores, "snapshot_parts", earlier_parts)
     store = SQLiteStore(str(tmp_path / "r.db"), part_entries=7)
     store.save(bound_state)
     store.close()

@@ -267,24 +267,24 @@ def _corrupt_record(path):
 # The two rewrites below give a record a valid checksum; they pick one before the last: the last
 # record's checksum is also in the store's mark, which refuses a rewritten last record on its own.
 def _unpicklable_record(path):
-    from lorapub.runtime import stores
+    from lorapub.runtime.stores import records
 
     db = sqlite3.connect(str(path), isolation_level=None)
     (seq,) = db.execute("SELECT MAX(seq) - 1 FROM log").fetchone()
     record = pickle.dumps(BindFirst(sk(1))).replace(b"BindFirst", b"BindLast\x00")  # names no class
     db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
-               (record, stores._checksum(stores._key("log", seq), record), seq))
+               (record, records.checksum(records.key("log", seq), record), seq))
     db.close()
 
 
 def _unreplayable_record(path):
-    from lorapub.runtime import stores
+    from lorapub.runtime.stores import records
 
     db = sqlite3.connect(str(path), isolation_level=None)
     (seq,) = db.execute("SELECT MAX(seq) - 1 FROM log").fetchone()
     record = pickle.dumps(OpenSession(SessionKey(EP + 5, "x", "n")))  # another epoch: the core refuses it
     db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
-               (record, stores._checksum(stores._key("log", seq), record), seq))
+               (record, records.checksum(records.key("log", seq), record), seq))
     db.close()
 
 
@@ -384,10 +384,10 @@ def test_a_store_missing_beside_its_mark_is_refused_not_started_afresh(tmp_path)
 def test_a_new_sqlite_store_never_appears_at_its_path_unfinished(tmp_path, monkeypatch):
     """SQLite creates a database file empty: a creation cut short in place would leave an empty file,
     refused as a store cut to nothing. The store is built beside its path and linked into place."""
-    from lorapub.runtime import stores
+    from lorapub.runtime.stores import sqlite_store
 
     path = tmp_path / "r.db"
-    monkeypatch.setattr(stores, "_TABLES", stores._TABLES + ("CREATE TABLE broken (",))  # creation fails midway
+    monkeypatch.setattr(sqlite_store, "TABLES", sqlite_store.TABLES + ("CREATE TABLE broken (",))  # creation fails midway
     with pytest.raises(StoreError, match="cannot create it") as e:
         sqlite_registry(path)
     assert str(path) in e.value.message
@@ -610,9 +610,9 @@ def test_a_kill_without_damage_reopens_with_every_acknowledged_decision(tmp_path
 
 
 def stores_mark(path):
-    from lorapub.runtime.stores import _Mark
+    from lorapub.runtime.stores.mark import Mark
 
-    return _Mark.decode(path.read_bytes())
+    return Mark.decode(path.read_bytes())
 
 
 def test_a_store_without_its_mark_opens_and_gets_one(tmp_path):
@@ -643,7 +643,7 @@ def test_a_damaged_mark_is_store_corrupted_naming_it(tmp_path, damage):
 
 
 def test_a_last_record_rewritten_under_a_valid_checksum_is_refused_by_the_mark(tmp_path):
-    from lorapub.runtime import stores
+    from lorapub.runtime.stores import records
 
     path = tmp_path / "r.db"
     with_sessions(path, 5).close()
@@ -651,7 +651,7 @@ def test_a_last_record_rewritten_under_a_valid_checksum_is_refused_by_the_mark(t
     (seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
     record = pickle.dumps(BindFirst(sk("forged")))
     db.execute("UPDATE log SET record = ?, checksum = ? WHERE seq = ?",
-               (record, stores._checksum(stores._key("log", seq), record), seq))
+               (record, records.checksum(records.key("log", seq), record), seq))
     db.close()
     with pytest.raises(StoreCorrupted, match=f"log record {seq} is not the one acknowledged") as e:
         sqlite_registry(path)
@@ -659,18 +659,17 @@ def test_a_last_record_rewritten_under_a_valid_checksum_is_refused_by_the_mark(t
 
 
 def test_a_mark_that_cannot_be_written_stops_the_next_decision_not_the_acknowledged_one(tmp_path, monkeypatch):
-    from lorapub.runtime import stores
 
     registry = with_sessions(tmp_path / "r.db", 2)
     real = os.pwrite
-    monkeypatch.setattr(stores.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
     registry.apply(BindFirst(sk("in")))  # committed before its mark failed: durable, acknowledged
     before = registry.state
     with pytest.raises(StoreError, match="cannot write its mark") as e:
         registry.apply(BindFirst(sk("out")))
     assert str(tmp_path / "r.db-mark") in e.value.message
     assert registry.state is before  # not applied
-    monkeypatch.setattr(stores.os, "pwrite", real)
+    monkeypatch.setattr(os, "pwrite", real)
     registry.apply(BindFirst(sk("out")))  # writable again: the mark catches up, decisions go on
     assert stores_mark(tmp_path / "r.db-mark").seq == registry.store.stats()["seq"]
     state = registry.state
@@ -679,13 +678,13 @@ def test_a_mark_that_cannot_be_written_stops_the_next_decision_not_the_acknowled
 
 @pytest.mark.parametrize("every, synced", [(0, 6), (3600, 0)])
 def test_the_mark_is_written_after_every_commit_and_fsynced_as_often_as_asked(tmp_path, monkeypatch, every, synced):
-    from lorapub.runtime import stores
+    from lorapub.runtime.stores import records
 
     registry = with_sessions(tmp_path / "r.db", 2)
     registry = reopen(registry, mark_sync_every=every)
     syncs = []
-    real = stores._fdatasync
-    monkeypatch.setattr(stores, "_fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
+    real = records.fdatasync
+    monkeypatch.setattr(records, "fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
     for i in range(6):
         registry.apply(BindFirst(sk(f"m{i}")))
         assert stores_mark(tmp_path / "r.db-mark").seq == registry.store.stats()["seq"]  # written every time

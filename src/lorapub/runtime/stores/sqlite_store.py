@@ -1,29 +1,8 @@
-"""Registry stores: where the single writer keeps its state between calls.
-
-* ``MemoryStore`` (in :mod:`lorapub.runtime.registry`) is the default: the state lives
-  as long as the process.
-* :class:`SQLiteStore` is the recommended durable store. It keeps a **command log**
-  (each applied command, pickled with a checksum, committed before its reply leaves)
-  plus **snapshots** written a slice at a time; loading is the latest snapshot plus a
-  replay of the later commands through the pure core, which is deterministic, so the
-  state is the one the registry had. A decision costs one small insert and one commit,
-  whatever the number of sessions. A high-water mark beside it (``<path>-mark``) turns a
-  write-ahead log that lost acknowledged decisions (damaged or cut after a crash: SQLite
-  drops every frame after the first bad one, silently) into ``StoreCorrupted``.
-* :class:`FileStore` pickles and fsyncs the whole state on every decision (write, fsync,
-  rename). Simple, but a decision costs O(state): fine for small registries, and it reads
-  the files it wrote before.
-
-Every failure is typed: a store that cannot be read or written raises
-:class:`~lorapub.errors.StoreError`, one whose contents fail their integrity check
-raises :class:`~lorapub.errors.StoreCorrupted`; both name the file. A failed ``save``
-leaves the previously saved state as the durable one.
-"""
+"""SQLiteStore: an append-only command log with snapshots written a slice at a time, and the
+high-water mark beside it (:mod:`.mark`) that tells a damaged write-ahead log."""
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import itertools
 import logging
 import math
@@ -31,7 +10,6 @@ import os
 import pickle
 import sqlite3
 import tempfile
-import time
 import urllib.parse
 from typing import Any, Iterator
 
@@ -44,134 +22,23 @@ from lorapub.core.registry import RegistryState
 from lorapub.core.session_table import SessionTable
 from lorapub.errors import InvalidInput, LorapubError, StoreCorrupted, StoreError
 
-__all__ = ["FileStore", "SQLiteStore"]
+from .file_store import looks_like_file_store
+from .mark import NO_TAG, HighWaterMark, Mark
+from .records import CollectorPaused, encode, fsync_dir
+from .records import checksum as checksum_of
+from .records import key as key_of
+from .records import size as file_size
 
-log = logging.getLogger(__name__)
+__all__ = ["MARK_SYNC_EVERY", "SCHEMA", "TABLES", "SQLiteStore"]
 
-
-def _checksum(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _encode(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+log = logging.getLogger("lorapub.runtime.stores")
 
 
-class _CollectorPaused:
-    """Slice and encode a part of a snapshot without starting a garbage collection.
-
-    A slice allocates short-lived objects (its item tuples, attrs' getstate dict per
-    record) and frees them all once encoded: no cycle is made. Left on, the collector
-    would run meanwhile, and with a large state each young-generation pass walks the whole
-    young persistent map (pyrsistent's vector reports every element to the collector):
-    tens of milliseconds at 100k sessions.
-    """
-
-    def __enter__(self) -> None:
-        self.enabled = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            gc.enable()
-
-
-# -- FileStore: the whole state, rewritten on every decision ---------------------------------
-_FILE_MAGIC = b"LORAPUB-FILESTORE/1\n"
-_FILE_HEAD = len(_FILE_MAGIC) + 16  # the magic and the body's checksum
-
-
-class FileStore:
-    """The whole state in one file, replaced atomically (write, fsync, rename) on every save.
-
-    The file is ``MAGIC + blake2b(pickle) + pickle``; a plain pickle (what earlier
-    releases wrote) is still read.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = os.path.abspath(path)
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"registry store {self.path}: cannot create its folder: {e}") from None
-
-    def load(self) -> Any | None:
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StoreError(f"registry store {self.path}: cannot read it: {e}") from None
-        if len(data) < _FILE_HEAD:
-            # the store never leaves a partial file (it writes a temporary one and renames it), and
-            # no registry state pickles to so few bytes: the file was cut short or overwritten
-            raise StoreCorrupted(
-                f"registry store {self.path}: the file is {'empty (cut to nothing)' if not data else f'{len(data)} bytes'}"
-                f", shorter than a FileStore header ({_FILE_HEAD} bytes): it was cut short or overwritten; restore "
-                f"it from a copy, or move it away to start a new store"
-            )
-        if data.startswith(_FILE_MAGIC):
-            head = len(_FILE_MAGIC)
-            digest, body = data[head:head + 16], data[head + 16:]
-            if _checksum(body) != digest:
-                raise StoreCorrupted(
-                    f"registry store {self.path}: checksum mismatch ({len(data)} bytes; truncated or overwritten)"
-                )
-        else:
-            body = data  # a plain pickle from an earlier release: no checksum to verify
-        try:
-            return pickle.loads(body)
-        except Exception as e:  # any unpickling failure means the bytes are not what was saved
-            raise StoreCorrupted(f"registry store {self.path}: cannot decode it: {type(e).__name__}: {e}") from None
-
-    def save(self, state: Any, command: Command | None = None) -> None:
-        """Replace the file with ``state``; ``command`` is not needed (the whole state is kept)."""
-        try:
-            body = _encode(state)
-        except Exception as e:
-            raise StoreError(f"registry store {self.path}: cannot encode the state: {type(e).__name__}: {e}") from None
-        tmp = None
-        try:
-            # write-then-rename: a crash leaves either the old state or the new one, never half
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".registry-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(_FILE_MAGIC + _checksum(body) + body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            tmp = None
-            _fsync_dir(os.path.dirname(self.path))
-        except OSError as e:
-            raise StoreError(f"registry store {self.path}: save failed, state not stored: {e}") from None
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- SQLiteStore: command log + snapshots written a slice at a time --------------------------
 SCHEMA = "lorapub.registry.log/1"
 #: Default for ``SQLiteStore(mark_sync_every=)``: seconds between fsyncs of the high-water mark.
 MARK_SYNC_EVERY = 1.0
 
-_TABLES = (
+TABLES = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     # one row per applied command; seq is dense from 1
     "CREATE TABLE log (seq INTEGER PRIMARY KEY, record BLOB NOT NULL, checksum BLOB NOT NULL)",
@@ -188,42 +55,13 @@ _PARTS_PER_COLLECT = 8  # snapshot parts (each up to a few tens of kB) deleted p
 
 
 def _create_tables(db: sqlite3.Connection) -> None:
-    for ddl in _TABLES:
+    for ddl in TABLES:
         db.execute(ddl)
     db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA,))
 
 
-# The high-water mark: the last acknowledged log record, kept outside SQLite. SQLite's WAL
-# recovery stops at the first frame that fails its checksum and drops every later frame, so a
-# damaged (or cut) log reopens without error, holding fewer decisions than were acknowledged;
-# only something outside the log can tell. One fixed-size record, rewritten in place.
-_MARK_MAGIC = b"LORAPUB-MARK/1\n\x00"
-_MARK_SIZE = len(_MARK_MAGIC) + 8 + 16 + 16  # magic, seq, tag, checksum
-_NO_TAG = bytes(16)
 
-
-@attrs.frozen
-class _Mark:
-    seq: int  # the last log record committed (or snapshot taken) when the mark was written
-    tag: bytes  # that record's checksum as committed; _NO_TAG where no record was logged yet
-
-    def encode(self) -> bytes:
-        body = _MARK_MAGIC + self.seq.to_bytes(8, "big", signed=True) + self.tag
-        return body + _checksum(b"mark", body)
-
-    @classmethod
-    def decode(cls, data: bytes) -> "_Mark | None":
-        body, check = data[:-16], data[-16:]
-        if len(data) != _MARK_SIZE or not body.startswith(_MARK_MAGIC) or _checksum(b"mark", body) != check:
-            return None
-        head = len(_MARK_MAGIC)
-        return cls(int.from_bytes(body[head:head + 8], "big", signed=True), body[head + 8:])
-
-
-_fdatasync = getattr(os, "fdatasync", os.fsync)  # data only where the platform has it: the size never changes
-
-
-def _snapshot_parts(state: RegistryState, entries: int) -> Iterator[Any]:
+def snapshot_parts(state: RegistryState, entries: int) -> Iterator[Any]:
     """The state in slices: its maps emptied first, then ``entries`` map items per slice
     (the session table's items as its atoms: tuples of str/int/float, no objects to rebuild).
 
@@ -242,19 +80,19 @@ class _Build:
 
     def __init__(self, snap: int, state: RegistryState, entries: int) -> None:
         self.snap = snap
-        self.parts = _snapshot_parts(state, entries)
+        self.parts = snapshot_parts(state, entries)
         self.written = 0  # parts committed
         self.ready: bytes | None = None  # the next part, encoded, not yet committed
         self.exhausted = False
 
     def next_part(self) -> bytes | None:
         if self.ready is None and not self.exhausted:
-            with _CollectorPaused():
+            with CollectorPaused():
                 item = next(self.parts, None)
                 if item is None:
                     self.exhausted = True
                 else:
-                    self.ready = _encode(item)
+                    self.ready = encode(item)
                 del item
         return self.ready
 
@@ -307,16 +145,13 @@ class SQLiteStore:
                 f"every commit), got {mark_sync_every!r}"
             )
         self.path = os.path.abspath(path)
-        self.mark_path = self.path + "-mark"
         self.snapshot_every = snapshot_every
         self.part_entries = part_entries
         self.gc_batch = gc_batch
         self.mark_sync_every = mark_sync_every
         self._db: sqlite3.Connection | None = None
-        self._mark_fd: int | None = None
-        self._mark_synced = 0.0  # time.monotonic() of the mark's last fsync
-        self._mark_failed: OSError | None = None  # the mark write after the last commit failed
-        self._tag = _NO_TAG  # checksum of log record _seq as committed
+        self._mark = HighWaterMark(self.path, mark_sync_every)
+        self._tag = NO_TAG  # checksum of log record _seq as committed
         self._seq = 0  # last committed log record
         self._snap = -1  # latest complete snapshot (-1: none)
         self._build: _Build | None = None
@@ -338,16 +173,16 @@ class SQLiteStore:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         except OSError as e:
             raise StoreError(f"registry store {self.path}: cannot create its folder: {e}") from None
-        mark = self._read_mark()
-        size = _size(self.path)
+        mark = self._mark.read()
+        size = file_size(self.path)
         if size is None:
             if mark is not None:
                 raise StoreCorrupted(
-                    f"registry store {self.path} is missing, but its mark {self.mark_path} says decisions up to "
+                    f"registry store {self.path} is missing, but its mark {self._mark.path} says decisions up to "
                     f"{mark.seq} were acknowledged; restore the store beside it, or move the mark away to start "
                     f"a new store"
                 )
-            if _size(self.path + "-wal"):
+            if file_size(self.path + "-wal"):
                 # SQLite would replay the log onto a new, empty file: pages it never held would be missing
                 raise StoreCorrupted(
                     f"registry store {self.path} is missing but its write-ahead log {self.path}-wal is there; "
@@ -364,7 +199,7 @@ class SQLiteStore:
                 f"overwritten; restore it from a copy, or move it away (with its -wal file) to start a new store"
             )
         if mark is not None:
-            self._verify_mark(mark)
+            self._mark.verify(mark, self._open_error)
         db = None
         try:
             # mode=rw: open the file that was checked, never create one in its place
@@ -390,8 +225,8 @@ class SQLiteStore:
             )
             self._snap = db.execute("SELECT COALESCE(MAX(snap), -1) FROM snapshots").fetchone()[0]
             row = db.execute("SELECT CAST(checksum AS BLOB) FROM log WHERE seq=?", (self._seq,)).fetchone()
-            self._tag = bytes(row[0]) if row else mark.tag if mark is not None and mark.seq == self._seq else _NO_TAG
-            self._open_mark(mark)
+            self._tag = bytes(row[0]) if row else mark.tag if mark is not None and mark.seq == self._seq else NO_TAG
+            self._mark.open(Mark(self._seq, self._tag), mark)
         except LorapubError:
             if db is not None:
                 db.close()
@@ -406,140 +241,13 @@ class SQLiteStore:
         return db
 
     def _open_error(self, e: BaseException) -> StoreError:
-        if _looks_like_file_store(self.path):
+        if looks_like_file_store(self.path):
             return StoreCorrupted(
                 f"registry store {self.path}: this is a FileStore file (a pickled state), not a "
                 f"SQLiteStore; open it with FileStore (RayRegistry.create(store_factory=functools.partial("
                 f"FileStore, path))) or give the SQLiteStore a new path"
             )
         return self._error("cannot open it", e)
-
-    # -- the high-water mark ---------------------------------------------------------------
-    def _read_mark(self) -> _Mark | None:
-        try:
-            with open(self.mark_path, "rb") as f:
-                data = f.read(_MARK_SIZE + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StoreError(f"registry store {self.path}: cannot read its mark {self.mark_path}: {e}") from None
-        mark = _Mark.decode(data)
-        if mark is None:
-            raise StoreCorrupted(
-                f"registry store {self.path}: its mark {self.mark_path} is damaged ({len(data)} bytes that fail "
-                f"their check), so whether the store still holds every acknowledged decision cannot be told; "
-                f"restore the mark from a copy, or move it away to accept the store as it is (a new mark is then "
-                f"written from what it holds)"
-            )
-        return mark
-
-    def _verify_mark(self, mark: _Mark) -> None:
-        """Refuse a store holding less than its mark says was acknowledged. Read through a read-only
-        connection: closing a writable one would checkpoint what SQLite recovered into the file and
-        delete the damaged log, so the damage is left exactly as found."""
-        shm = self.path + "-shm"
-        had_shm = os.path.exists(shm)
-        probe = None
-        try:
-            probe = sqlite3.connect(f"file:{urllib.parse.quote(self.path)}?mode=ro", uri=True, isolation_level=None,
-                                    check_same_thread=False, timeout=0)
-            tables = {r[0] for r in probe.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            if not tables:
-                held, tag = None, None
-            elif not {"log", "snapshots"} <= tables:
-                return  # not a registry log at all: the schema check says so
-            else:
-                held = max(probe.execute("SELECT COALESCE(MAX(seq), 0) FROM log").fetchone()[0],
-                           probe.execute("SELECT COALESCE(MAX(snap), 0) FROM snapshots").fetchone()[0])
-                row = probe.execute("SELECT CAST(checksum AS BLOB) FROM log WHERE seq=?", (mark.seq,)).fetchone()
-                tag = bytes(row[0]) if row else None
-        except sqlite3.Error as e:
-            raise self._open_error(e) from None
-        finally:
-            if probe is not None:
-                probe.close()
-            if not had_shm:
-                try:
-                    os.unlink(shm)  # the read-only connection's shared index; the store's own runs in memory
-                except OSError:
-                    pass
-        wal = f"{self.path}-wal ({_size(self.path + '-wal') or 0} bytes)"
-        if held is None or held < mark.seq:
-            what = "holds no registry log" if held is None else f"holds decisions up to record {held}"
-            first = (held or 0) + 1
-            missing = f"records {first} to {mark.seq} are" if first < mark.seq else f"record {mark.seq} is"
-            raise StoreCorrupted(
-                f"registry store {self.path}: {what}, but decisions up to record {mark.seq} were acknowledged "
-                f"(its mark {self.mark_path}): {missing} missing. Its write-ahead log {wal} was damaged or "
-                f"cut short (SQLite drops every frame after the first bad one) or the store was replaced by an "
-                f"older copy. Restore the store from a copy holding them, or move the mark away to accept the "
-                f"store as it is, losing those decisions"
-            )
-        if tag is not None and mark.tag != _NO_TAG and tag != mark.tag:
-            raise StoreCorrupted(
-                f"registry store {self.path}: log record {mark.seq} is not the one acknowledged (its checksum "
-                f"differs from the one in its mark {self.mark_path}): the store was rewritten or replaced by "
-                f"another one; restore it from a copy, or move the mark away to accept it as it is"
-            )
-
-    def _open_mark(self, mark: _Mark | None) -> None:
-        """Bring the mark up to what the store holds (it may be a commit behind: written after the
-        commit, by a process that died between the two; or missing: an earlier release's store)."""
-        self._close_mark()
-        now = _Mark(self._seq, self._tag)
-        if mark is None:  # written whole, then renamed into place: never a partial mark
-            folder = os.path.dirname(self.mark_path)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".registry-mark-")
-            try:
-                os.write(fd, now.encode())
-                os.fsync(fd)
-                os.close(fd)
-                fd = -1
-                os.replace(tmp, self.mark_path)
-                tmp = None
-                _fsync_dir(folder)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-                if tmp is not None:
-                    os.unlink(tmp)
-        fd = os.open(self.mark_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-        try:
-            if mark is not None:  # synced now whatever it held: a killed writer may have left it unsynced
-                if mark != now:
-                    os.pwrite(fd, now.encode(), 0)
-                _fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._mark_fd, self._mark_synced, self._mark_failed = fd, time.monotonic(), None
-
-    def _put_mark(self, sync: bool = False) -> None:
-        """After a commit: the mark says what is now committed. A failure cannot undo the commit
-        (it is durable and its reply is due), so it is kept and the next save refuses until the
-        mark can be written again."""
-        try:
-            if self._mark_fd is None:
-                raise OSError("the mark is not open")
-            os.pwrite(self._mark_fd, _Mark(self._seq, self._tag).encode(), 0)
-            now = time.monotonic()
-            if sync or now - self._mark_synced >= self.mark_sync_every:
-                _fdatasync(self._mark_fd)
-                self._mark_synced = now
-            self._mark_failed = None
-        except OSError as e:
-            if self._mark_failed is None:
-                log.warning("registry store %s: cannot write its mark %s: %s", self.path, self.mark_path, e)
-            self._mark_failed = e
-
-    def _close_mark(self) -> None:
-        if self._mark_fd is not None:
-            try:
-                _fdatasync(self._mark_fd)
-            except OSError:
-                pass
-            os.close(self._mark_fd)
-            self._mark_fd = None
 
     def _create(self) -> None:
         """Make a new store. SQLite creates a database file empty and writes it later, so a process
@@ -572,7 +280,7 @@ class SQLiteStore:
             except OSError:  # a filesystem without hard links
                 if not os.path.exists(self.path):
                     os.replace(tmp, self.path)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         except (sqlite3.Error, OSError) as e:
             raise self._error("cannot create it", e) from None
         finally:
@@ -602,11 +310,11 @@ class SQLiteStore:
                 pass
             self._db = None
             self._build = None
-        self._close_mark()
+        self._mark.close()
 
     # -- reading ---------------------------------------------------------------------------
     def _decode(self, what: str, record: bytes, checksum: bytes, *key: bytes) -> Any:
-        if _checksum(*key, record) != checksum:
+        if checksum_of(*key, record) != checksum:
             raise StoreCorrupted(f"registry store {self.path}: {what}: checksum mismatch")
         try:
             return pickle.loads(record)
@@ -640,12 +348,12 @@ class SQLiteStore:
             raise StoreCorrupted(
                 f"registry store {self.path}: snapshot {snap} has {len(rows)} of its {parts} parts"
             )
-        state = self._decode(f"snapshot {snap} part 0", rows[0][1], rows[0][2], _key("part", snap, 0))
+        state = self._decode(f"snapshot {snap} part 0", rows[0][1], rows[0][2], key_of("part", snap, 0))
         if not isinstance(state, RegistryState):
             raise StoreCorrupted(f"registry store {self.path}: snapshot {snap} holds a {type(state).__name__}")
         maps: dict[str, dict] = {}
         for part, record, checksum in rows[1:]:
-            name, items = self._decode(f"snapshot {snap} part {part}", record, checksum, _key("part", snap, part))
+            name, items = self._decode(f"snapshot {snap} part {part}", record, checksum, key_of("part", snap, part))
             maps.setdefault(name, {}).update(items)
         # every field through its converter again: a snapshot an earlier release wrote holds its
         # sessions as a PMap of records, which becomes a session table here
@@ -665,7 +373,7 @@ class SQLiteStore:
         for seq, record, checksum in replay:
             if seq != expected:
                 raise StoreCorrupted(f"registry store {self.path}: log record {expected} is missing (next is {seq})")
-            command = self._decode(f"log record {seq}", record, checksum, _key("log", seq))
+            command = self._decode(f"log record {seq}", record, checksum, key_of("log", seq))
             if type(command) not in R.COMMANDS or isinstance(command, R.QUERIES):
                 raise StoreCorrupted(f"registry store {self.path}: log record {seq} is a {type(command).__name__}")
             try:
@@ -694,18 +402,18 @@ class SQLiteStore:
         records = []
         for _, command in items:
             try:
-                records.append(_encode(command))
+                records.append(encode(command))
             except Exception as e:
                 raise StoreError(
                     f"registry store {self.path}: cannot encode {type(command).__name__}: {type(e).__name__}: {e}"
                 ) from None
         if self._snap < 0:
             raise StoreError(f"registry store {self.path}: save a whole state before logging commands on it")
-        if self._mark_failed is not None:
-            self._put_mark(sync=True)
-            if self._mark_failed is not None:
+        if self._mark.failed is not None:
+            self._mark.put(Mark(self._seq, self._tag), sync=True)
+            if self._mark.failed is not None:
                 raise StoreError(
-                    f"registry store {self.path}: cannot write its mark {self.mark_path} ({self._mark_failed}); "
+                    f"registry store {self.path}: cannot write its mark {self._mark.path} ({self._mark.failed}); "
                     f"nothing is stored until it can be (the mark is what tells a damaged log at the next open)"
                 )
         first = self._seq + 1
@@ -721,13 +429,13 @@ class SQLiteStore:
             db.execute("BEGIN IMMEDIATE")
             for i, record in enumerate(records):
                 seq = first + i
-                tag = _checksum(_key("log", seq), record)
+                tag = checksum_of(key_of("log", seq), record)
                 db.execute("INSERT INTO log VALUES (?, ?, ?)", (seq, record, tag))
             if build is not None:
                 if part is not None:
                     db.execute(
                         "INSERT INTO snapshot_parts VALUES (?, ?, ?, ?)",
-                        (build.snap, build.written, part, _checksum(_key("part", build.snap, build.written), part)),
+                        (build.snap, build.written, part, checksum_of(key_of("part", build.snap, build.written), part)),
                     )
                 else:  # every part is in: the snapshot is complete, older ones are garbage
                     db.execute("INSERT INTO snapshots VALUES (?, ?)", (build.snap, build.written))
@@ -743,7 +451,7 @@ class SQLiteStore:
             raise self._error(f"{what} not stored", e) from None
         seq = first + len(records) - 1
         self._seq, self._tag = seq, tag  # the loop's last record
-        self._put_mark()
+        self._mark.put(Mark(self._seq, self._tag))
         if build is not None:
             if finished:
                 self._snap, self._build, self._garbage = build.snap, None, True
@@ -771,7 +479,7 @@ class SQLiteStore:
     def _checkpoint(self, db: sqlite3.Connection, state: RegistryState) -> None:
         snap = self._seq
         try:
-            parts = [_encode(p) for p in _snapshot_parts(state, self.part_entries)]
+            parts = [encode(p) for p in snapshot_parts(state, self.part_entries)]
         except Exception as e:
             raise StoreError(f"registry store {self.path}: cannot encode the state: {type(e).__name__}: {e}") from None
         try:
@@ -779,7 +487,7 @@ class SQLiteStore:
             db.execute("DELETE FROM snapshot_parts WHERE snap >= ?", (snap,))
             db.executemany(
                 "INSERT INTO snapshot_parts VALUES (?, ?, ?, ?)",
-                ((snap, i, p, _checksum(_key("part", snap, i), p)) for i, p in enumerate(parts)),
+                ((snap, i, p, checksum_of(key_of("part", snap, i), p)) for i, p in enumerate(parts)),
             )
             db.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?)", (snap, len(parts)))
             db.execute("DELETE FROM snapshots WHERE snap < ?", (snap,))
@@ -789,7 +497,7 @@ class SQLiteStore:
             self._rollback(db)
             raise self._error("checkpoint not stored", e) from None
         self._snap, self._build, self._garbage = snap, None, True
-        self._put_mark(sync=True)
+        self._mark.put(Mark(self._seq, self._tag), sync=True)
 
     def _rollback(self, db: sqlite3.Connection) -> None:
         try:
@@ -816,23 +524,3 @@ class SQLiteStore:
             "bytes": sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p)),
         }
 
-
-def _looks_like_file_store(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_FILE_MAGIC))
-    except OSError:
-        return False
-    return head == _FILE_MAGIC or head[:1] == b"\x80"  # FileStore's header, or an older plain pickle
-
-
-def _size(path: str) -> int | None:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return None
-
-
-def _key(kind: str, *numbers: int) -> bytes:
-    """What a record's checksum binds it to besides its bytes: its place in the store."""
-    return kind.encode() + b"".join(n.to_bytes(8, "big", signed=True) for n in numbers)
