@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import types
+import time
 
 import pytest
 
@@ -231,14 +232,14 @@ def test_an_id_already_loaded_or_already_preparing_keeps_the_stock_path(classes)
 def test_only_single_gpu_cuda_schedulers_prepare(classes, monkeypatch):
     scheduler_cls, manager_cls = classes
     cpu = scheduler_cls(manager_cls())
-    assert prepared_load._preparer(cpu) is None  # host device: SGLang's own load
+    assert prepared_load.preparer_of(cpu) is None  # host device: SGLang's own load
     out = cpu.load_lora_adapter(Req("a"))
     assert out["success"] and out["by"] == threading.current_thread().name
     manager = manager_cls()
     manager.device = types.SimpleNamespace(type="cuda")
-    assert prepared_load._preparer(scheduler_cls(manager, tp_size=2)) is None
+    assert prepared_load.preparer_of(scheduler_cls(manager, tp_size=2)) is None
     monkeypatch.setenv(prepared_load.ENV, "0")
-    assert prepared_load._preparer(scheduler_cls(manager)) is None
+    assert prepared_load.preparer_of(scheduler_cls(manager)) is None
 
 
 def test_a_peft_folder_is_read_exactly_as_safetensors_reads_it(tmp_path):
@@ -279,7 +280,7 @@ def test_install_is_idempotent(classes):
 
 
 def slots(pool, slot):
-    return [b[slot].clone() for b in prepared_load._slot_buffers(pool)]
+    return [b[slot].clone() for b in prepared_load.slot_image.slot_buffers(pool)]
 
 
 def test_a_slot_image_fills_a_slot_as_sglangs_own_fill_does_and_touches_nothing_else(monkeypatch):
@@ -290,14 +291,14 @@ def test_a_slot_image_fills_a_slot_as_sglangs_own_fill_does_and_touches_nothing_
     prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
     pool, twin = pool_cls(), pool_cls()
     for p in (pool, twin):  # an earlier adapter's weights are still in every slot
-        for b in prepared_load._slot_buffers(p):
+        for b in prepared_load.slot_image.slot_buffers(p):
             b.fill_(7.0)
     adapter = lora(r=2, seed=1)
     manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}])
     image = prepared_load.build_slot_image(manager, adapter)
     assert image is not None
     assert pool.fills == [("u1", 0, False)]  # SGLang's own fill ran once, on a copy, never pinning
-    assert all(torch.equal(b, torch.full_like(b, 7.0)) for b in prepared_load._slot_buffers(pool))  # pool untouched
+    assert all(torch.equal(b, torch.full_like(b, 7.0)) for b in prepared_load.slot_image.slot_buffers(pool))  # pool untouched
     adapter.__dict__[prepared_load.IMAGE_ATTR] = image
     others = slots(pool, 0), slots(pool, 2)
 
@@ -383,7 +384,7 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
         def synchronize(self):
             pass
 
-    monkeypatch.setattr(prepared_load, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(prepared_load.preparer, "CHUNK_BYTES", 1000)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -395,7 +396,7 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
         "t": torch.randn(9, 4, generator=g).to(torch.bfloat16).t(),  # not contiguous
     }) for _ in range(3)]
     adapter = types.SimpleNamespace(layers=layers, embedding_layers={"e": torch.arange(10, dtype=torch.int64)})
-    want = [{k: v.clone() for k, v in d.items()} for d in prepared_load._weight_dicts(adapter)]
+    want = [{k: v.clone() for k, v in d.items()} for d in prepared_load.reading.weight_dicts(adapter)]
     preparer = prepared_load.Preparer.__new__(prepared_load.Preparer)
     steps = []
     preparer.gate = types.SimpleNamespace(step=lambda: steps.append(1))
@@ -406,7 +407,7 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
     tensors = sum(len(d) for d in want)
     # a gate step before each tensor is cast and before each part of a tensor goes into a chunk
     assert len(steps) >= 2 * tensors
-    got = prepared_load._weight_dicts(adapter)
+    got = prepared_load.reading.weight_dicts(adapter)
     assert total >= sum(t.numel() * t.element_size() for d in got for t in d.values())
     storages = {t.untyped_storage().data_ptr() for d in got for t in d.values()}
     assert len(storages) == 1  # one buffer holds them all
@@ -430,7 +431,7 @@ def test_slot_images_are_built_only_when_asked_for(classes, monkeypatch):
 @pytest.mark.parametrize("raw, seconds", [("200", 0.0002), ("0", None), ("-5", None), ("fast", None), ("", None)])
 def test_a_bad_switch_interval_is_ignored_not_fatal(monkeypatch, raw, seconds):
     monkeypatch.setenv(prepared_load.SWITCH_ENV, raw)
-    assert prepared_load._switch_interval() == seconds
+    assert prepared_load.settings.switch_interval() == seconds
 
 
 def test_the_trace_reports_the_iterations_that_ended_while_a_load_was_prepared(classes, caplog, monkeypatch):
@@ -438,7 +439,7 @@ def test_the_trace_reports_the_iterations_that_ended_while_a_load_was_prepared(c
     preparer.ticks.extend([0.0, 0.010, 0.020, 0.050, 0.060, 0.100])  # iterations of 10, 10, 30, 10, 40 ms
     caplog.set_level("INFO", logger=prepared_load.logger.name)
     with monkeypatch.context() as m:
-        m.setattr(prepared_load.time, "perf_counter", lambda: 0.100)
+        m.setattr(time, "perf_counter", lambda: 0.100)
         preparer._log_iterations("B", since=0.050)  # prepared from 50 to 100 ms; before: 0 to 50 ms
     [line] = [r.getMessage() for r in caplog.records if "scheduler iterations" in r.getMessage()]
     assert "while preparing B (50 ms): n=2 max 40.0 ms" in line
@@ -474,10 +475,10 @@ def test_a_closed_gate_holds_the_preparing_step_until_the_scheduler_opens_it():
 def test_back_to_back_prefills_delay_a_preparation_but_never_stop_it():
     gate = prepared_load.PrefillGate(max_wait_s=0.02, slice_s=0.05)
     gate.close()  # never opened again
-    t0 = prepared_load.time.perf_counter()
+    t0 = time.perf_counter()
     for _ in range(200):
         gate.step()
-    took = prepared_load.time.perf_counter() - t0
+    took = time.perf_counter() - t0
     # one wait per slice: after a timed-out wait the steps run for slice_s without looking
     assert 1 <= gate.timeouts == gate.waits and took < 2.0
     assert gate.timeouts <= 1 + took / 0.05
@@ -488,18 +489,18 @@ def test_a_disabled_gate_never_waits():
     gate.close()
     assert gate._open.is_set()  # the scheduler's close does nothing
     gate._open.clear()  # and even a closed event does not hold a step
-    t0 = prepared_load.time.perf_counter()
+    t0 = time.perf_counter()
     gate.step()
-    assert gate.waits == 0 and prepared_load.time.perf_counter() - t0 < 1.0
+    assert gate.waits == 0 and time.perf_counter() - t0 < 1.0
 
 
 def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
     gate = prepared_load.PrefillGate(max_wait_s=0.05, slice_s=0.0, budget_s=0.2)
     gate.close()  # back-to-back prefills
-    t0 = prepared_load.time.perf_counter()
+    t0 = time.perf_counter()
     for _ in range(100):
         gate.step()
-    took = prepared_load.time.perf_counter() - t0
+    took = time.perf_counter() - t0
     assert 0.18 <= gate.waited_s <= 0.35 and took < 1.0  # about the budget, then no more waiting
     assert gate.reset().endswith("budget spent")
     assert gate.waited_s == 0.0  # the next preparation has its own budget

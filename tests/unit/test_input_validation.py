@@ -213,7 +213,7 @@ def test_the_accepted_dtypes_are_exactly_what_engine_staging_loads():
 
     assert set(TORCH_ACCEPTED) == set(SAFETENSORS_DTYPES)
     assert engine_staging.SAFETENSORS_DTYPES is SAFETENSORS_DTYPES is safetensors.SAFETENSORS_DTYPES  # one table
-    assert prepared_load._SAFETENSORS_DTYPES == {code: name for name, code in SAFETENSORS_DTYPES.items()}
+    assert prepared_load.reading.SAFETENSORS_CODES == {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
 
 def test_every_accepted_dtype_is_snapshotted_with_its_name_in_the_manifest():

@@ -1,0 +1,203 @@
+"""Adapter loads that (almost) never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
+
+Stock SGLang (0.5.17 and 0.5.23) loads an adapter on the scheduler thread, so a load stops every
+running decode twice: once while the scheduler reads the adapter into host memory (tens to hundreds
+of ms for an adapter of a few hundred MB) and once at the first batch that uses it, which pins the
+host tensors and copies them to the device before the forward pass.
+
+With this patch the scheduler hands a folder load (``load_lora_adapter``, what lorapub's engine-side
+staging and SGLang's ``/load_lora_adapter`` route send) to one background thread of its own process,
+which
+
+1. reads and normalises the adapter with SGLang's own code (``LoRAManager.load_lora_weights``, run
+   against a private view of the manager, so no shared state is touched),
+2. packs every tensor into fixed pinned chunks and copies them to one device buffer on a side stream,
+3. with ``LORAPUB_SGLANG_SLOT_IMAGE=1``, builds the adapter's slot image from it: what SGLang's own
+   per-weight slot fill would write into a memory-pool slot (:class:`SlotImage`); the weights then
+   stay in host memory, as SGLang keeps them (a fill the image does not fit then pins them, as
+   SGLang does). Opt-in: measured live in one run with the gate below (docs/gpu-acceptance.md).
+
+Between its Python steps the thread waits while the scheduler thread launches a prefill batch
+(:class:`PrefillGate`): a prefill's eager kernel launches otherwise wait for the GIL it holds.
+
+The scheduler keeps running batches meanwhile. Each loop iteration it polls; a finished
+preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
+release's own follow-up such as 0.5.23's KV-event names), with the weights taken from the prepared
+adapter instead of disk, and the stock reply goes to the tokenizer manager then. A batch that needs
+the adapter in a slot fills it: from the image with one ``_foreach_copy_`` where there is one, else
+with SGLang's own fill (device to device from the prepared weights when images are off).
+
+A preparation that fails (unreadable folder, device memory) changes nothing: SGLang's own load then
+runs as before and answers with its own error. Only single-GPU schedulers take this path (tp, pp and
+dp of 1): with several ranks every rank would have to swap the adapter in on the same iteration;
+they keep SGLang's own blocking load, as do tensor loads (``load_lora_adapter_from_tensors``).
+``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: each adapter's weights (or its slot
+image, one pool slot) stay on the device until it is unloaded.
+
+Both forms of lorapub's patch install this the same way: the runtime form starts SGLang's
+schedulers through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of
+SGLang's ``scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from typing import Any
+
+from .gate import PrefillGate
+from .preparer import CHUNK_BYTES, Preparer
+from .reading import read_peft_folder
+from .settings import ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled
+from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_slot_fills
+
+__all__ = ["CHUNK_BYTES", "ENV", "GATE_ENV", "IMAGE_ATTR", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "PrefillGate",
+           "Preparer", "build_slot_image", "enabled", "install", "preparer_of", "read_peft_folder", "route_schedulers",
+           "run_scheduler_process"]
+
+logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
+
+
+def preparer_of(scheduler: Any) -> Preparer | None:
+    """This scheduler's preparer, or None where the stock load must run."""
+    found = scheduler.__dict__.get("_lorapub_preparer", False)
+    if found is not False:
+        return found
+    preparer = None
+    try:
+        manager = getattr(scheduler.tp_worker.model_runner, "lora_manager", None)
+        args = scheduler.server_args
+        single = all(int(getattr(args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
+        if enabled() and single and manager is not None and getattr(manager.device, "type", manager.device) == "cuda":
+            preparer = Preparer(scheduler, manager)
+    except Exception as e:  # pragma: no cover - depends on the server's shape
+        logger.warning("lorapub: adapter loads keep SGLang's own path (%s)", e)
+    scheduler.__dict__["_lorapub_preparer"] = preparer
+    return preparer
+
+
+def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = None) -> None:
+    """Patch SGLang's Scheduler, LoRAManager and LoRAMemoryPool classes in this process. Idempotent."""
+    if scheduler_cls is None:
+        from sglang.srt.managers.scheduler import Scheduler as scheduler_cls
+    if manager_cls is None:
+        from sglang.srt.lora.lora_manager import LoRAManager as manager_cls
+    if pool_cls is None:
+        from sglang.srt.lora.mem_pool import LoRAMemoryPool as pool_cls
+    if not getattr(pool_cls, MARK, False):  # opt-in: otherwise SGLang's own method, untouched
+        if os.environ.get(IMAGE_ENV) == "1":
+            install_slot_fill(pool_cls)
+        if os.environ.get(TRACE_ENV) == "1":
+            trace_slot_fills(pool_cls)
+        setattr(pool_cls, MARK, True)
+    if not getattr(manager_cls, MARK, False):
+        _install_weights(manager_cls)
+    if getattr(scheduler_cls, MARK, False):
+        return
+    stock_load = scheduler_cls.load_lora_adapter
+    stock_process = scheduler_cls.process_input_requests
+
+    def load_lora_adapter(self, recv_req):
+        preparer = preparer_of(self)
+        if preparer is not None and preparer.submit(recv_req, stock_load):
+            return None  # answered by poll() once the adapter is ready
+        return stock_load(self, recv_req)
+
+    def process_input_requests(self, recv_reqs):
+        result = stock_process(self, recv_reqs)
+        preparer = preparer_of(self)  # made on the first loop iteration, before any batch runs
+        if preparer:
+            if preparer.trace:
+                preparer.tick()
+            preparer.poll()
+        return result
+
+    for fn, stock in ((load_lora_adapter, stock_load), (process_input_requests, stock_process)):
+        fn.__wrapped__ = stock
+        fn.__doc__ = stock.__doc__
+        setattr(scheduler_cls, fn.__name__, fn)
+    _wrap_run_batch(scheduler_cls)
+    _wrap_idle_sleep(scheduler_cls)
+    setattr(scheduler_cls, MARK, True)
+
+
+def _install_weights(manager_cls: Any) -> None:
+    stock_weights = manager_cls.load_lora_weights
+
+    def load_lora_weights(self, lora_ref):
+        """SGLang's weight read, served by a prepared adapter of the same id and config when there is one."""
+        adapter = self.__dict__.get("_lorapub_prepared", {}).pop(lora_ref.lora_id, None)
+        config = self.configs.get(lora_ref.lora_id)
+        if adapter is None or config is None or config.hf_config != adapter.config.hf_config:
+            return stock_weights(self, lora_ref)
+        adapter.config = config  # the config object SGLang's own load just built and validated
+        self.loras[lora_ref.lora_id] = adapter
+        return None
+
+    load_lora_weights.__wrapped__ = stock_weights
+    manager_cls.load_lora_weights = load_lora_weights
+    setattr(manager_cls, MARK, True)
+
+
+def _wrap_run_batch(scheduler_cls: Any) -> None:
+    # A prefill batch closes the preparing thread's gate (PrefillGate); the next poll opens it.
+    stock_run = getattr(scheduler_cls, "run_batch", None)
+    if stock_run is None:  # pragma: no cover - both supported releases have it
+        return
+
+    def run_batch(self, batch, *args, **kwargs):
+        preparer = self.__dict__.get("_lorapub_preparer")
+        if preparer:
+            preparer.batch_started(batch)
+        return stock_run(self, batch, *args, **kwargs)
+
+    run_batch.__wrapped__ = stock_run
+    run_batch.__doc__ = stock_run.__doc__
+    scheduler_cls.run_batch = run_batch
+
+
+def _wrap_idle_sleep(scheduler_cls: Any) -> None:
+    # An idle scheduler sleeps on its sockets (up to 1 s); a finished preparation must not wait.
+    stock_sleep = getattr(scheduler_cls, "maybe_sleep_on_idle", None)
+    if stock_sleep is None:  # pragma: no cover - both supported releases have it
+        return
+
+    def maybe_sleep_on_idle(self):
+        preparer = self.__dict__.get("_lorapub_preparer")
+        if preparer and preparer.pending:  # wake as soon as the oldest preparation ends
+            concurrent.futures.wait([preparer.pending[0][1]], timeout=0.005)
+            return None
+        return stock_sleep(self)
+
+    maybe_sleep_on_idle.__wrapped__ = stock_sleep
+    scheduler_cls.maybe_sleep_on_idle = maybe_sleep_on_idle
+
+
+def run_scheduler_process(*args: Any, **kwargs: Any) -> Any:
+    """SGLang's scheduler process entry with this patch installed (runtime form; spawn-safe)."""
+    from sglang.srt.managers import scheduler
+
+    install(scheduler.Scheduler)
+    return scheduler.run_scheduler_process(*args, **kwargs)
+
+
+def route_schedulers(engine_cls: Any = None, stock_entry: Any = None) -> None:
+    """Runtime form, in the server process: start SGLang's schedulers through
+    :func:`run_scheduler_process` (SGLang's own entry, unless a caller passed its own)."""
+    if engine_cls is None:
+        from sglang.srt.entrypoints.engine import Engine as engine_cls
+    if getattr(engine_cls, MARK, False):
+        return
+    if stock_entry is None:
+        from sglang.srt.managers.scheduler import run_scheduler_process as stock_entry
+
+    stock = engine_cls.__dict__["_launch_subprocesses"].__func__
+
+    def _launch_subprocesses(cls, *args, **kwargs):
+        if kwargs.get("run_scheduler_process_func", stock_entry) is stock_entry:
+            kwargs["run_scheduler_process_func"] = run_scheduler_process
+        return stock(cls, *args, **kwargs)
+
+    engine_cls._launch_subprocesses = classmethod(_launch_subprocesses)
+    setattr(engine_cls, MARK, True)
