@@ -9,14 +9,14 @@ import runpy
 
 
 def main() -> None:
-    from lorapub import sglang_patch
     from lorapub.core.identity import MANAGED_PREFIX, MANAGED_PREFIX_ENV, check_name_prefix
+    from lorapub.sglang_patch import apply, verify
     from lorapub.sglang_patch.routes import add_state_route
 
     if os.environ.get("LORAPUB_SGLANG_PATCH", "apply") == "observe":
-        add_state_route(None, sglang_patch.verify(), form="observe")
+        add_state_route(None, verify(), form="observe")
     else:  # the names it protects: as the diff form, from SGLANG_LORAPUB_MANAGED_PREFIX
-        sglang_patch.apply(managed_prefix=check_name_prefix(os.environ.get(MANAGED_PREFIX_ENV, MANAGED_PREFIX)))
+        apply(managed_prefix=check_name_prefix(os.environ.get(MANAGED_PREFIX_ENV, MANAGED_PREFIX)))
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 
