@@ -1,0 +1,89 @@
+"""The one owner of a deployment's background tasks.
+
+Lease renewals, the reconciler's loop and its repairs, background reclaims, session closes the
+registry did not confirm, the abort of a cancelled publication: each is spawned here, under a name
+and, where only one may run at a time, a key. ``close`` cancels what is left after a grace period
+and joins every task, so nothing a deployment started outlives it, and a task that fails is logged
+once with its name instead of "Task exception was never retrieved".
+
+Like an :class:`asyncio.TaskGroup` it joins its children; unlike one, a failing child never
+cancels its siblings (a failed reclaim must not stop lease renewals) and it lives from a
+deployment's ``start`` to its ``close`` rather than one ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any
+
+__all__ = ["TaskOwner"]
+
+log = logging.getLogger(__name__)
+
+
+class TaskOwner:
+    def __init__(self, name: str = "lorapub") -> None:
+        self.name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._keyed: dict[Hashable, asyncio.Task[Any]] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"TaskOwner({self.name!r}, running={len(self._tasks)})"
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str, key: Hashable | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background. With ``key``: unless a task of that key still runs, whose
+        task is returned instead (``coro`` is then closed unrun)."""
+        if key is not None and key in self._keyed:
+            coro.close()
+            return self._keyed[key]
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self.name}: closed; no background task is started after close()")
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}-{name}")
+        self._tasks.add(task)
+        if key is not None:
+            self._keyed[key] = task
+        task.add_done_callback(lambda t: self._done(t, key))
+        return task
+
+    def _done(self, task: asyncio.Task[Any], key: Hashable | None) -> None:
+        self._tasks.discard(task)
+        if key is not None and self._keyed.get(key) is task:
+            del self._keyed[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task %s failed: %r", task.get_name(), task.exception())
+
+    def running(self, key: Hashable) -> asyncio.Task[Any] | None:
+        return self._keyed.get(key)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self, timeout: float | None = None, *, where: Callable[[Hashable], bool] | None = None) -> bool:
+        """Wait for the running tasks (only those whose key ``where`` accepts, when given) for at most
+        ``timeout`` s, tasks spawned meanwhile included; True when none is left."""
+        def pending() -> list[asyncio.Task[Any]]:
+            if where is None:
+                return list(self._tasks)
+            return [t for k, t in self._keyed.items() if where(k)]
+
+        try:
+            async with asyncio.timeout(timeout):
+                while left := pending():
+                    await asyncio.gather(*left, return_exceptions=True)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Let the tasks finish for ``grace`` s, cancel the rest, and join them all. No task starts after."""
+        self._closed = True
+        if grace > 0:
+            await self.wait(grace)
+        for task in list(self._tasks):
+            task.cancel()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
