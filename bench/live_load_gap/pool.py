@@ -1,10 +1,10 @@
-"""Pool the decode-gap runs kept in docs/gpu/load-gap (runN-SERVER.json) that have a control as long as
+"""Pool the decode-gap runs kept in bench/results/2026-12-03-load-gap (runN-SERVER.json) that have a control as long as
 the publication (control + control_b windows; runs 7 on): per server and adapter, each repetition's
 longest gap over its load and first-use windows minus the longest over its two control windows, from
-every run, with their median. Usage: python pool.py [FOLDER]   (default: docs/gpu/load-gap)"""
+every run, with their median. Usage: python pool.py [FOLDER]   (default: bench/results/2026-12-03-load-gap)"""
 import json, math, os, re, statistics, sys
 
-folder = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "..", "docs", "gpu", "load-gap")
+folder = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "results", "2026-12-03-load-gap")
 pooled: dict = {}
 for name in sorted(os.listdir(folder)):
     m = re.fullmatch(r"run(\d+)-(.+)\.json", name)

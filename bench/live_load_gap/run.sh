@@ -1,11 +1,11 @@
 #!/bin/bash
 # Decode gaps on live SGLang while an adapter is loaded: stock server beside lorapub's patched one.
 # On a GPU machine, from the checkout root, with the SGLang bundle as .sgl/ and lorapub's extra wheels
-# as .whl/ (see tests/gpu/run_on_device.sh):   bash bench/live_load_gap/run.sh
+# as .whl/ (docs/gpu-acceptance.md, "Reproduce", says how to make them):   bash bench/live_load_gap/run.sh
 # Builds a 4B-shaped random Qwen3 and 264 MB r=64 adapters (A, B, B32 = B in fp32), boots the
 # servers (STALL_ORDER, stock and patched by default), measures each in turn (STALL_REPS=3 loads of B, STALL_REPS32=2 of B32, each against a control as long as
 # its load and first use), then prints
-# the summary. About 400 s on one H200 plus machine start; in $OUT: summary.txt and results.tgz (JSON per
+# the summary. About 400 s on one H200; in $OUT: summary.txt and results.tgz (JSON per
 # server, token events, server logs and their lorapub lines).
 set -u -o pipefail
 here=$(cd "$(dirname "$0")" && pwd)

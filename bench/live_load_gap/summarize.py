@@ -1,4 +1,4 @@
-"""Summarise the device results (OUT folder with one NAME.json and NAME_events.txt.gz per server).
+"""Summarise a GPU run's results (OUT folder with one NAME.json and NAME_events.txt.gz per server).
 'action gap' = longest interval with no token on any stream that STARTS between the HTTP call and
 its response (the stall the call caused, one decode step included). 'window max' = longest gap
 ending inside the 3 s window (what the lorapub goal compares with the control).

@@ -30,7 +30,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # workload (while sessions run and arrive):
 # * "busy": 192 sessions arriving every 30 ms, 8 new tokens a turn, 50 ms tools. Many completions a
 #   second, but more arrivals than the servers prefill: a run of it with three publications
-#   (docs/gpu/online/run-3) showed decoding starved while sessions kept arriving (each new
+#   (bench/results/2026-12-03-online-live-run3) showed decoding starved while sessions kept arriving (each new
 #   request's prefill, launch-bound with a rank-64 adapter on every module, runs before any decode
 #   step) and requests completing in bursts once arrivals stopped, so the control's own longest
 #   gap was 0.7-1.5 s; and lorapub deferred two of its three publications for capacity (sessions
@@ -39,7 +39,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # * "steady": 64 sessions arriving every 50 ms, 32 new tokens a turn, 0.5 s tools: fewer
 #   arrivals than the servers prefill, so decoding runs between them.
 # (An earlier run with 256 sessions, 32 tokens and no decode CUDA graphs kept 128 requests per
-# engine decoding in lockstep at ~60 ms a step: docs/gpu/online/attempt-2.)
+# engine decoding in lockstep at ~60 ms a step: bench/results/2026-12-03-online-live-attempts/attempt-2-bench.txt.)
 ONE_PUBLICATION = ["--publications", "1", "--cadence", "2.0"]
 # * "long": longer trajectories at training cadence (8-12 tool turns, GRPO groups of 4 binding as
 #   one), the freshness workload of lorapub's own: sessions outlive several publications.

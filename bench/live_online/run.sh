@@ -1,7 +1,7 @@
 #!/bin/bash
 # bench/run.py's online figures on live SGLang (two patched servers on one GPU; see driver.py).
 # On a GPU machine, from the checkout root, with the SGLang bundle as .sgl/ and lorapub's extra wheels
-# as .whl/ (see tests/gpu/run_on_device.sh):   bash bench/live_online/run.sh
+# as .whl/ (docs/gpu-acceptance.md, "Reproduce", says how to make them):   bash bench/live_online/run.sh
 # In $OUT: bench.txt (what bench/run.py printed), online.json, timeline.png (where matplotlib is
 # installed) and the servers' logs (gzipped).
 set -u -o pipefail

@@ -1,7 +1,7 @@
 #!/bin/bash
 # driver.py's Relax-shaped rollouts on live SGLang: two patched servers on one GPU (see live.py).
 # On a GPU machine, from the checkout root, with the SGLang bundle as .sgl/ and lorapub's extra wheels
-# as .whl/ (see tests/gpu/run_on_device.sh):   bash bench/live_relax/run.sh
+# as .whl/ (docs/gpu-acceptance.md, "Reproduce", says how to make them):   bash bench/live_relax/run.sh
 # With .relax/v0.5.17.patch present (Relax's SGLang patch; it is not part of this repository), the
 # bundle's SGLang is patched with it before the servers boot. lorapub.sglang_patch's verify and check
 # show which build the run serves (0.5.17+relax when Relax's patch is in).

@@ -1,6 +1,6 @@
 """The decode-gap benchmark's offline parts (bench/live_load_gap): its summary compares a publication
 with a control as long as it, and the pooled figures the docs quote are what pool.py prints from the
-live runs kept in docs/gpu/load-gap."""
+live runs kept in bench/results/2026-12-03-load-gap."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_a_median_interval_covers_at_least_what_it_says():
     pool = importlib.util.module_from_spec(spec)
     saved = sys.argv
     try:
-        sys.argv = ["pool.py", os.path.join(ROOT, "docs", "gpu", "load-gap")]
+        sys.argv = ["pool.py", os.path.join(ROOT, "bench", "results", "2026-12-03-load-gap")]
         spec.loader.exec_module(pool)
     finally:
         sys.argv = saved
