@@ -11,7 +11,7 @@ nothing.
 from __future__ import annotations
 
 import enum
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import attrs
 
@@ -271,6 +271,3 @@ def on_engine_restarted(attempt: Attempt, engine: str, incarnation: str) -> Step
     attempt = attempt._with_target(target)
     return attempt, [SendCleanup(engine, incarnation, attempt.token, attempt.lora_name)]
 
-
-def unresolved_engines(attempt: Attempt) -> Iterable[str]:
-    return (t.engine for t in attempt.targets if t.state is not TargetState.CLEANED)

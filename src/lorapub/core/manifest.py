@@ -121,12 +121,6 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def entry(self, name: str) -> TensorEntry:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
 
 @attrs.frozen
 class Bucket:
