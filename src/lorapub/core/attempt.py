@@ -100,6 +100,8 @@ class Attempt:
 
 
 Step = tuple[Attempt, list[Effect]]
+#: What :func:`progress` returns: phase, bucket, the parties done with it, each target's (life, state).
+Progress = tuple[Phase, int, frozenset[str], tuple[tuple[str, TargetState], ...]]
 
 
 def start(
@@ -132,7 +134,7 @@ def resend_begins(attempt: Attempt) -> list[Effect]:
     ]
 
 
-def progress(attempt: Attempt) -> tuple:
+def progress(attempt: Attempt) -> Progress:
     """A value that changes whenever the attempt moves (the reconciler's staleness check)."""
     return (attempt.phase, attempt.bucket, attempt.bucket_done, tuple((t.incarnation, t.state) for t in attempt.targets))
 

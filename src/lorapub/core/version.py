@@ -5,6 +5,7 @@ digest may start a fresh attempt (FAILED_CLEAN -> LOADING)."""
 from __future__ import annotations
 
 import enum
+from typing import TypedDict, Unpack
 
 import attrs
 
@@ -108,7 +109,17 @@ class Version:
         return self.state not in NOT_DISPATCHABLE
 
 
-def advance(version: Version, to: VersionState, **changes: object) -> Version:
+class VersionChanges(TypedDict, total=False):
+    """The fields a lifecycle move may set besides the state."""
+
+    attempt: AttemptToken
+    engines: tuple[str, ...]
+    commit: CommitReceipt
+    reclaim_id: str
+    reclaim_pending: frozenset[str]
+
+
+def advance(version: Version, to: VersionState, **changes: Unpack[VersionChanges]) -> Version:
     if to not in _ALLOWED[version.state]:
         raise InvalidTransition(f"version {version.key}: {version.state.value} -> {to.value} is not a lifecycle move")
     return attrs.evolve(version, state=to, **changes)
