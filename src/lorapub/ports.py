@@ -45,8 +45,9 @@ class EngineAdmin(Protocol):
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         """Unregister the exact name, wait for the native request refs to reach 0, unload once."""
 
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One backend generation, sent once: never resent by the transport."""
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
+        """One backend generation, sent once: never resent by the transport. The reply is the
+        engine's JSON (SGLang's ``/generate`` answer)."""
 
 
 @attrs.frozen
@@ -131,7 +132,16 @@ class OverwriteAdmin(Protocol):
 
     async def unload_adapter(self, lora_name: str) -> None: ...
 
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
+
+
+class GenerationTarget(Protocol):
+    """Where a session's generation is sent: an :class:`EngineAdmin`, or a router in front of the
+    engines (:class:`lorapub.adapters.sglang_router.RoutedGeneration`)."""
+
+    name: str
+
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
 
 
 class BucketSource(Protocol):

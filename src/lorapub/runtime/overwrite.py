@@ -130,7 +130,7 @@ class OverwriteSession:
         self.lora_name = lora_name
         self.resumed = 0
 
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
         if not isinstance(payload, Mapping):
             raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
         # The old agentic layer resumes requests that a publication's pause aborted.
