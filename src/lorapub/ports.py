@@ -4,6 +4,10 @@ Adapters implement them; the core never sees them. Every engine operation
 either returns, raises :class:`~lorapub.errors.EngineError` (a definite no),
 or raises :class:`~lorapub.errors.OutcomeUnknown` (no answer: it may have
 happened). Nothing else.
+
+The types the ports take and return are importable from here too: :class:`AttemptToken`,
+:class:`SendBegin`, :class:`ReadyLocal`, and the states a report names (:class:`Phase`,
+:class:`VersionState`).
 """
 
 from __future__ import annotations
@@ -12,11 +16,18 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import attrs
 
-from lorapub.core.attempt import ReadyLocal
+from lorapub.core.attempt import Phase, ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.core.commands import Command
 from lorapub.core.registry import RegistryState, Result
+from lorapub.core.version import VersionState
+
+__all__ = [
+    "EngineAdmin", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
+    "OverwriteAdmin", "GenerationTarget", "BucketSource", "Registry", "RegistryStore", "Clock", "AttemptToken",
+    "Phase", "ReadyLocal", "SendBegin", "VersionState",
+]
 
 
 @runtime_checkable

@@ -8,8 +8,8 @@ import lorapub.testing
 import lorapub.errors
 
 PUBLIC = {
-    "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey", "Snapshot",
-    "VersionKey", "WaitReport", "deploy",
+    "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
+    "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 } | {
     "AlreadyStarted", "BindingStale", "CapacityError", "EngineCapacityError", "EngineClosed", "EngineError",
     "EngineUnavailable", "EpochMismatch", "GroupClosed", "InvalidInput", "InvalidTransition", "LorapubError",
@@ -72,3 +72,16 @@ def test_lorapub_testing_is_public_and_explicit():
     assert set(lorapub.testing.__all__) == TESTING
     for name in TESTING:
         assert getattr(lorapub.testing, name).__doc__, f"lorapub.testing.{name} is undocumented"
+
+
+def test_the_port_and_report_types_are_importable_from_ports_and_lorapub():
+    import lorapub.ports
+    from lorapub.core.attempt import Phase, ReadyLocal
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken
+    from lorapub.core.version import VersionState
+
+    for cls in (ReadyLocal, SendBegin, AttemptToken, VersionState, Phase):
+        assert getattr(lorapub.ports, cls.__name__) is cls and cls.__name__ in lorapub.ports.__all__
+    assert lorapub.VersionState is VersionState and lorapub.AttemptToken is AttemptToken
+
