@@ -20,6 +20,12 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan
 from lorapub.errors import InvalidTransition
 
+__all__ = [
+    "Phase", "ACTIVE", "RESOLVED", "TargetState", "ReadyLocal", "Target", "Attempt", "Step", "Progress", "start",
+    "resend_begins", "progress", "on_prepared", "on_bucket_done", "on_ready", "all_ready_current", "mark_committed",
+    "abort", "on_cleaned", "on_cleanup_unknown", "retry_cleanup", "on_engine_restarted",
+]
+
 
 class Phase(enum.Enum):
     BEGINNING = "BEGINNING"

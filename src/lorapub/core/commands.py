@@ -19,6 +19,15 @@ from lorapub.core.attempt import ReadyLocal
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
 from lorapub.core.manifest import BucketPlan
 
+__all__ = [
+    "RegisterEngine", "Reserve", "CancelWait", "RecordPrepared", "RecordBucketDone", "RecordReady", "RecordFailure",
+    "RecordUnknown", "RecordCleaned", "RetryCleanup", "Commit", "OpenSession", "BindFirst", "Rebind", "RenewLeases",
+    "ExpireSessions", "ExpireLeases", "StartReprovision", "RecordLost", "AbortStale", "BeginClose", "CloseAndRelease",
+    "ForgetSessions", "ClaimReclaim", "RecordUnloaded", "RetryReclaim", "AuthorizeDispatch", "QueryAttempt",
+    "ReadVersion", "ListReclaimable", "ReadState", "ReadFleet", "ReadSessionsOf", "Command", "QUERIES", "STAMPED",
+    "stamped",
+]
+
 
 def _session_keys(keys: Iterable[SessionKey]) -> tuple[SessionKey, ...]:
     return tuple(keys)

@@ -15,6 +15,10 @@ import attrs
 
 from lorapub.errors import InvalidInput
 
+__all__ = [
+    "MANIFEST_FORMAT", "TensorEntry", "canonical_json", "check_serving_config", "Manifest", "Bucket", "BucketPlan",
+]
+
 MANIFEST_FORMAT = "lorapub-manifest/1"
 
 

@@ -104,6 +104,22 @@ from lorapub.errors import (
     VersionReclaiming,
 )
 
+__all__ = [
+    "DEFAULT_CAPACITY", "DEFAULT_LEASE_TTL", "DEFAULT_TOMBSTONE_WINDOW", "ON_STALE", "Waiter", "RegistryState",
+    "Outcome", "ReserveReply", "SlotHolder", "Waiting", "SessionsOf", "Fleet", "AttemptStatus", "new_registry",
+    "check_max_lag", "register_engine", "reserve", "cancel_wait", "record_prepared", "record_bucket_done",
+    "record_ready", "record_failure", "record_unknown", "record_cleaned", "retry_cleanup", "commit", "query_attempt",
+    "open_session", "bind_first", "rebind", "begin_close", "close_and_release", "forget_sessions", "renew_leases",
+    "expire_sessions", "expire_leases", "authorize_dispatch", "read_sessions_of", "claim_reclaim", "record_unloaded",
+    "retry_reclaim", "start_reprovision", "record_lost", "abort_stale", "read_fleet", "COMMANDS", "handle", "Result",
+    "AbortStale", "AuthorizeDispatch", "BeginClose", "BindFirst", "CancelWait", "ClaimReclaim", "CloseAndRelease",
+    "ExpireLeases", "ExpireSessions", "Command", "Commit", "ForgetSessions", "ListReclaimable", "OpenSession",
+    "QUERIES", "QueryAttempt", "ReadFleet", "ReadSessionsOf", "ReadState", "ReadVersion", "Rebind",
+    "RecordBucketDone", "RecordCleaned", "RecordFailure", "RecordLost", "RecordPrepared", "RecordReady",
+    "RecordUnknown", "RecordUnloaded", "RegisterEngine", "RenewLeases", "Reserve", "RetryCleanup", "RetryReclaim",
+    "StartReprovision",
+]
+
 DEFAULT_CAPACITY = 2
 #: Seconds a session's ref outlives the last renewal from its worker (None: no leases).
 DEFAULT_LEASE_TTL = 120.0

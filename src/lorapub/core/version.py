@@ -13,6 +13,11 @@ from lorapub.core import _fields
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.errors import InvalidTransition
 
+__all__ = [
+    "VersionState", "SLOT_HOLDING", "NOT_DISPATCHABLE", "SERVING", "HELD_BY_ENGINES", "CommitReceipt", "Version",
+    "VersionChanges", "advance", "add_session_ref", "drop_session_ref",
+]
+
 
 class VersionState(enum.Enum):
     LOADING = "LOADING"

@@ -47,6 +47,8 @@ from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Routing, Session, SessionService
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
+__all__ = ["Deployment", "DeploymentOptions", "deploy"]
+
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 

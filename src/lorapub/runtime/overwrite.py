@@ -21,6 +21,8 @@ from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnkno
 from lorapub.ports import OverwriteAdmin
 from lorapub.runtime.snapshot import Snapshot
 
+__all__ = ["FIXED_LORA_NAME", "OverwritePublisher", "OverwriteSession", "OverwriteDeployment"]
+
 FIXED_LORA_NAME = LORA_NAME_PREFIX
 
 

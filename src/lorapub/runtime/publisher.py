@@ -48,6 +48,8 @@ from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 
+__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "engines_source_factory", "Publisher", "Reclaimer"]
+
 log = logging.getLogger(__name__)
 
 

@@ -57,6 +57,8 @@ from lorapub.ports import EngineAdmin, GenerationTarget, Registry
 from lorapub.runtime.clock import Elapsed
 from lorapub.runtime.runner import EffectRunner, OnEligible
 
+__all__ = ["DEFAULT_IDLE_TTL", "LocalState", "LIVE", "Routing", "Probe", "StickyRouter", "Session", "SessionService"]
+
 log = logging.getLogger(__name__)
 
 #: Seconds without a generation after which a session expires even in a live worker (None: never).

@@ -19,6 +19,8 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
 
+__all__ = ["DEFAULT_BUCKET_CAP", "tensor_bytes", "Snapshot", "load_safetensors", "InlineBucketSource"]
+
 if TYPE_CHECKING:  # for the type checker only: a snapshot of numpy arrays needs no torch
     import numpy.typing as npt
     import torch
