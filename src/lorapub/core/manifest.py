@@ -52,14 +52,14 @@ class TensorEntry:
         }
 
 
-def canonical_json(value: Any) -> str:
+def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 _MAX_CONFIG_DEPTH = 32
 
 
-def _check_json(value: Any, where: str, depth: int) -> None:
+def _check_json(value: object, where: str, depth: int) -> None:
     if depth > _MAX_CONFIG_DEPTH:
         raise InvalidInput(f"{where} nests deeper than {_MAX_CONFIG_DEPTH} levels (or refers to itself)")
     if value is None or isinstance(value, (bool, str)):
