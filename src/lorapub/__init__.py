@@ -5,12 +5,14 @@ The public face::
     from lorapub import Deployment, Snapshot, PublicationReport
 
 plus :func:`deploy` (the one switch between versioned publication and the old
-overwrite path), the keys and the typed errors. Engine adapters live in
+overwrite path), the keys (and :class:`AttemptToken`), :class:`VersionState` (what a
+report says a version is) and the typed errors. Engine adapters live in
 :mod:`lorapub.adapters`, the protocols to implement in :mod:`lorapub.ports`, test
 aids in :mod:`lorapub.testing`.
 """
 
-from lorapub.core.identity import SessionKey, VersionKey
+from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
+from lorapub.core.version import VersionState
 from lorapub.errors import (
     AlreadyStarted,
     BindingStale,
@@ -57,6 +59,6 @@ __all__ = [
     "NoPublishedVersion", "NotReady", "NotReclaimable", "OutcomeUnknown", "PublicationBlocked", "PublicationFailed",
     "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
-    "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
-    "Snapshot", "VersionKey", "WaitReport", "deploy",
+    "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
+    "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 ]

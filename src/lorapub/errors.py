@@ -6,6 +6,14 @@ the messages are for humans and name the objects involved.
 
 from __future__ import annotations
 
+__all__ = [
+    "LorapubError", "VersionConflict", "CapacityError", "EngineCapacityError", "PublicationSuperseded",
+    "BindingStale", "GroupClosed", "NoPublishedVersion", "VersionMissing", "VersionReclaiming", "PublicationFailed",
+    "PublicationBlocked", "NotReady", "StaleAttempt", "SessionClosed", "NotReclaimable", "UnknownVersion",
+    "UnknownEngine", "EpochMismatch", "InvalidInput", "EngineError", "OutcomeUnknown", "InvalidTransition",
+    "SessionExpired", "EngineUnavailable", "StoreError", "StoreCorrupted", "EngineClosed", "AlreadyStarted",
+]
+
 
 class LorapubError(Exception):
     """Base of every error lorapub raises on purpose."""

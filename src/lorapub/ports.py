@@ -4,6 +4,10 @@ Adapters implement them; the core never sees them. Every engine operation
 either returns, raises :class:`~lorapub.errors.EngineError` (a definite no),
 or raises :class:`~lorapub.errors.OutcomeUnknown` (no answer: it may have
 happened). Nothing else.
+
+The types the ports take and return are importable from here too: :class:`AttemptToken`,
+:class:`SendBegin`, :class:`ReadyLocal`, and the states a report names (:class:`Phase`,
+:class:`VersionState`).
 """
 
 from __future__ import annotations
@@ -12,11 +16,18 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import attrs
 
-from lorapub.core.attempt import ReadyLocal
+from lorapub.core.attempt import Phase, ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.core.commands import Command
 from lorapub.core.registry import RegistryState, Result
+from lorapub.core.version import VersionState
+
+__all__ = [
+    "EngineAdmin", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
+    "OverwriteAdmin", "GenerationTarget", "BucketSource", "Registry", "RegistryStore", "Clock", "AttemptToken",
+    "Phase", "ReadyLocal", "SendBegin", "VersionState",
+]
 
 
 @runtime_checkable
@@ -45,8 +56,9 @@ class EngineAdmin(Protocol):
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         """Unregister the exact name, wait for the native request refs to reach 0, unload once."""
 
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One backend generation, sent once: never resent by the transport."""
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
+        """One backend generation, sent once: never resent by the transport. The reply is the
+        engine's JSON (SGLang's ``/generate`` answer)."""
 
 
 @attrs.frozen
@@ -131,7 +143,16 @@ class OverwriteAdmin(Protocol):
 
     async def unload_adapter(self, lora_name: str) -> None: ...
 
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
+
+
+class GenerationTarget(Protocol):
+    """Where a session's generation is sent: an :class:`EngineAdmin`, or a router in front of the
+    engines (:class:`lorapub.adapters.sglang_router.RoutedGeneration`)."""
+
+    name: str
+
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
 
 
 class BucketSource(Protocol):

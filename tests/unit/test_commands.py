@@ -26,3 +26,15 @@ def test_a_query_never_changes_the_state():
     state = R.new_registry(1, {"e0": "life"})
     for query in (C.ReadState(), C.ListReclaimable()):
         assert R.handle(state, query).state is state
+
+
+
+def test_every_command_that_takes_the_clock_is_stamped():
+    from lorapub.core.identity import SessionKey
+
+    assert set(C.STAMPED) == {cls for cls in R.COMMANDS if "now" in attrs.fields_dict(cls)}
+    key = SessionKey(1, "s", "n")
+    assert C.stamped(C.ExpireLeases(), 5.0) == C.ExpireLeases(now=5.0)
+    assert C.stamped(C.OpenSession(key), 5.0) == C.OpenSession(key, now=5.0)
+    assert C.stamped(C.OpenSession(key, now=1.0), 5.0) == C.OpenSession(key, now=1.0)  # stamped once
+    assert C.stamped(C.ReadState(), 5.0) == C.ReadState()

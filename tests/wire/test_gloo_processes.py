@@ -14,9 +14,8 @@ import pytest
 
 from lorapub.adapters.sglang_wire import SGLangWireEngine, TorchDistributed
 from lorapub.core.version import VersionState
-from lorapub.errors import PublicationBlocked
+from lorapub.errors import PublicationBlocked, PublicationFailed
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.publisher import PublicationFailed
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing.fixtures import lora_snapshot
 

@@ -27,6 +27,8 @@ from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import SQLiteStore
 
+__all__ = ["RegistryActor", "RayRegistry"]
+
 _ERRORS = {
     cls.code: cls
     for cls in vars(errors).values()

@@ -39,6 +39,11 @@ from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnkno
 from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.wire.codec import token_from_json
 
+__all__ = [
+    "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "OwnedHTTPSession", "SGLangHTTP",
+    "SGLangAdminBase", "SGLangEngine", "SGLangOverwriteAdmin",
+]
+
 logger = logging.getLogger(__name__)
 #: SGLang's HTTP server closes a connection idle this long (its SGLANG_TIMEOUT_KEEP_ALIVE default).
 SERVER_KEEP_ALIVE_S = 5.0

@@ -47,6 +47,13 @@ import attrs
 from lorapub.adapters.sglang_http import _MISSING_MARKERS, OwnedHTTPSession, SGLangEngine, _message
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
 
+__all__ = [
+    "ROUTER_VERSION", "REQUIRED_ROUTER_FLAGS", "router_command", "normalize_url", "engine_name", "RouterWorker",
+    "SGLangRouter", "RoutedGeneration", "RouterRouting", "WorkerJoined", "WorkerLeft", "WorkerRestarted",
+    "WorkerUnreachable", "WorkerQuarantined", "WorkerHealed", "HealFailed", "WorkerReadmitted", "WorkerEvent",
+    "WorkerStatus", "Heal", "reconcile_heal", "WorkerWatcher",
+]
+
 log = logging.getLogger("lorapub.router")
 
 ROUTER_VERSION = "0.3.2"

@@ -25,6 +25,8 @@ from lorapub.core.identity import AttemptToken, VersionKey, check_id
 from lorapub.errors import EngineError, InvalidInput
 from lorapub.runtime.snapshot import Snapshot, load_safetensors
 
+__all__ = ["Staging"]
+
 
 def _read_buckets(paths: list[str]) -> list[dict[str, Any]]:
     """Each bucket file's tensors: numpy arrays where numpy holds every dtype (torch is then never

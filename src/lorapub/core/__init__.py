@@ -1,31 +1,7 @@
 """Pure core: immutable state and transition functions. No I/O, clocks or randomness.
 
-Importable without torch, ray, aiohttp or sglang.
+Importable without torch, ray, aiohttp or sglang. Each name is imported from the module that
+defines it (``lorapub.core.registry``, ``lorapub.core.identity``…); this package re-exports nothing.
 """
 
-from lorapub.core import registry
-from lorapub.core.attempt import Phase, ReadyLocal, TargetState
-from lorapub.core.effects import (
-    SOURCE,
-    Ignored,
-    ReadyToCommit,
-    ReclaimEligible,
-    SendBegin,
-    SendCleanup,
-    SendEnd,
-    SendReclaim,
-    TransferBucket,
-)
-from lorapub.core.identity import AttemptToken, SessionKey, VersionKey, is_managed_name, lora_name_for
-from lorapub.core.manifest import Bucket, BucketPlan, Manifest, TensorEntry
-from lorapub.core.registry import Outcome, RegistryState, Result, handle, new_registry
-from lorapub.core.session import Binding, SessionState
-from lorapub.core.version import CommitReceipt, VersionState
-
-__all__ = [
-    "SOURCE", "AttemptToken", "Binding", "Bucket", "BucketPlan", "CommitReceipt", "Ignored", "Manifest",
-    "Outcome", "Phase", "ReadyLocal", "Result", "ReadyToCommit", "ReclaimEligible", "RegistryState", "SendBegin",
-    "SendCleanup", "SendEnd", "SendReclaim", "SessionKey", "SessionState", "TargetState", "TensorEntry",
-    "TransferBucket", "VersionKey", "VersionState", "handle", "is_managed_name", "lora_name_for", "new_registry",
-    "registry",
-]
+__all__: list[str] = []

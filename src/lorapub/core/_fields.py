@@ -11,16 +11,15 @@ first read); these give it its default instead. A class opts in by naming both i
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
+from attrs import AttrsInstance
 
 
-def getstate(self: Any) -> dict[str, Any]:
+def getstate(self: AttrsInstance) -> dict[str, object]:
     return {a.name: getattr(self, a.name) for a in attrs.fields(type(self))}
 
 
-def setstate(self: Any, state: Any) -> None:
+def setstate(self: AttrsInstance, state: dict[str, object] | tuple[object, ...]) -> None:
     if isinstance(state, tuple):  # attrs before 22.2 pickled the values in field order
         state = {a.name: v for a, v in zip(attrs.fields(type(self)), state)}
     for a in attrs.fields(type(self)):

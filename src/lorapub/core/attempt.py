@@ -11,7 +11,7 @@ nothing.
 from __future__ import annotations
 
 import enum
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import attrs
 
@@ -19,6 +19,12 @@ from lorapub.core.effects import SOURCE, Effect, Ignored, SendBegin, SendCleanup
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan
 from lorapub.errors import InvalidTransition
+
+__all__ = [
+    "Phase", "ACTIVE", "RESOLVED", "TargetState", "ReadyLocal", "Target", "Attempt", "Step", "Progress", "start",
+    "resend_begins", "progress", "on_prepared", "on_bucket_done", "on_ready", "all_ready_current", "mark_committed",
+    "abort", "on_cleaned", "on_cleanup_unknown", "retry_cleanup", "on_engine_restarted",
+]
 
 
 class Phase(enum.Enum):
@@ -100,6 +106,8 @@ class Attempt:
 
 
 Step = tuple[Attempt, list[Effect]]
+#: What :func:`progress` returns: phase, bucket, the parties done with it, each target's (life, state).
+Progress = tuple[Phase, int, frozenset[str], tuple[tuple[str, TargetState], ...]]
 
 
 def start(
@@ -132,7 +140,7 @@ def resend_begins(attempt: Attempt) -> list[Effect]:
     ]
 
 
-def progress(attempt: Attempt) -> tuple:
+def progress(attempt: Attempt) -> Progress:
     """A value that changes whenever the attempt moves (the reconciler's staleness check)."""
     return (attempt.phase, attempt.bucket, attempt.bucket_done, tuple((t.incarnation, t.state) for t in attempt.targets))
 
@@ -271,6 +279,3 @@ def on_engine_restarted(attempt: Attempt, engine: str, incarnation: str) -> Step
     attempt = attempt._with_target(target)
     return attempt, [SendCleanup(engine, incarnation, attempt.token, attempt.lora_name)]
 
-
-def unresolved_engines(attempt: Attempt) -> Iterable[str]:
-    return (t.engine for t in attempt.targets if t.state is not TargetState.CLEANED)

@@ -10,12 +10,27 @@ whose :func:`~lorapub.core.registry.handle` is the one door.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import attrs
 
 from lorapub.core import _fields
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
 from lorapub.core.manifest import BucketPlan
+
+__all__ = [
+    "RegisterEngine", "Reserve", "CancelWait", "RecordPrepared", "RecordBucketDone", "RecordReady", "RecordFailure",
+    "RecordUnknown", "RecordCleaned", "RetryCleanup", "Commit", "OpenSession", "BindFirst", "Rebind", "RenewLeases",
+    "ExpireSessions", "ExpireLeases", "StartReprovision", "RecordLost", "AbortStale", "BeginClose", "CloseAndRelease",
+    "ForgetSessions", "ClaimReclaim", "RecordUnloaded", "RetryReclaim", "AuthorizeDispatch", "QueryAttempt",
+    "ReadVersion", "ListReclaimable", "ReadState", "ReadFleet", "ReadSessionsOf", "Command", "QUERIES", "STAMPED",
+    "stamped",
+]
+
+
+def _session_keys(keys: Iterable[SessionKey]) -> tuple[SessionKey, ...]:
+    return tuple(keys)
 
 
 # requests and reports: they may change the state
@@ -142,7 +157,7 @@ class Rebind:
 class RenewLeases:
     """Renew the leases of sessions a live worker still holds (one batch, not per request)."""
 
-    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
+    keys: tuple[SessionKey, ...] = attrs.field(converter=_session_keys)
     now: float | None = None
 
 
@@ -151,7 +166,7 @@ class ExpireSessions:
     """Expire these sessions now (their worker saw no generation for its idle TTL): EXPIRED
     tombstones, each ref released once."""
 
-    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
+    keys: tuple[SessionKey, ...] = attrs.field(converter=_session_keys)
     now: float | None = None
 
 
@@ -201,7 +216,7 @@ class CloseAndRelease:
 
 @attrs.frozen
 class ForgetSessions:
-    keys: tuple[SessionKey, ...] = attrs.field(converter=tuple)
+    keys: tuple[SessionKey, ...] = attrs.field(converter=_session_keys)
 
 
 @attrs.frozen
@@ -283,12 +298,19 @@ QUERIES: tuple[type, ...] = (
 )
 
 
-def stamped(command: "Command", now: float) -> "Command":
+#: The commands that take the registry's clock reading (a ``now`` field).
+STAMPED = (
+    Reserve, OpenSession, BindFirst, Rebind, BeginClose, CloseAndRelease, RenewLeases, ExpireSessions, ExpireLeases,
+    ReadFleet,
+)
+
+
+def stamped(command: Command, now: float) -> Command:
     """The command with the registry's clock reading filled in where it takes one.
 
     The core reads no clock: the single writer stamps the time once, before the
     transition, so a logged command replays to the same state.
     """
-    if getattr(command, "now", 0.0) is None:
+    if isinstance(command, STAMPED) and command.now is None:
         return attrs.evolve(command, now=now)
     return command

@@ -11,6 +11,11 @@ import attrs
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.manifest import BucketPlan
 
+__all__ = [
+    "SOURCE", "SendBegin", "TransferBucket", "SendEnd", "ReadyToCommit", "SendCleanup", "SendReclaim",
+    "ReclaimEligible", "Ignored", "Effect",
+]
+
 SOURCE = "<source>"  # the sending side of a bucket collective, next to the engine names
 
 

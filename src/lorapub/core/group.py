@@ -17,6 +17,8 @@ from lorapub.core import _fields
 from lorapub.core.identity import VersionKey
 from lorapub.errors import GroupClosed
 
+__all__ = ["GroupState", "GroupRecord", "joined", "bound", "rebound", "left"]
+
 
 class GroupState(enum.Enum):
     OPEN = "OPEN"

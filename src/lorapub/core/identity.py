@@ -8,6 +8,12 @@ import attrs
 
 from lorapub.errors import InvalidInput
 
+__all__ = [
+    "LORA_NAME_PREFIX", "MANAGED_PREFIX", "MANAGED_PREFIX_ENV", "RECLAIM_HEADER", "STATE_ROUTE", "DIGEST_PREFIX_LEN",
+    "check_id", "check_digest", "VersionKey", "check_name_prefix", "lora_name_for", "is_managed_name",
+    "epoch_of_name", "AttemptToken", "new_nonce", "born_of", "SessionKey",
+]
+
 LORA_NAME_PREFIX = "relax_policy_lora"
 #: The default start of every managed adapter name (a deployment may name its own, see
 #: :func:`check_name_prefix`); the SGLang patch protects the names that start with the prefix it is

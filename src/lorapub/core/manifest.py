@@ -9,20 +9,36 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import attrs
 
 from lorapub.errors import InvalidInput
 
+__all__ = [
+    "MANIFEST_FORMAT", "TensorEntry", "canonical_json", "check_serving_config", "Manifest", "Bucket", "BucketPlan",
+]
+
 MANIFEST_FORMAT = "lorapub-manifest/1"
+
+
+def _shape(dims: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dims)
+
+
+def _entries(entries: Iterable[TensorEntry]) -> tuple[TensorEntry, ...]:
+    return tuple(entries)
+
+
+def _buckets(buckets: Iterable[Bucket]) -> tuple[Bucket, ...]:
+    return tuple(buckets)
 
 
 @attrs.frozen
 class TensorEntry:
     name: str
     dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
     nbytes: int
     sha256: str
 
@@ -36,14 +52,14 @@ class TensorEntry:
         }
 
 
-def canonical_json(value: Any) -> str:
+def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 _MAX_CONFIG_DEPTH = 32
 
 
-def _check_json(value: Any, where: str, depth: int) -> None:
+def _check_json(value: object, where: str, depth: int) -> None:
     if depth > _MAX_CONFIG_DEPTH:
         raise InvalidInput(f"{where} nests deeper than {_MAX_CONFIG_DEPTH} levels (or refers to itself)")
     if value is None or isinstance(value, (bool, str)):
@@ -73,14 +89,15 @@ def check_serving_config(config: object) -> dict[str, Any]:
     if not isinstance(config, Mapping):
         raise InvalidInput(f"serving_config must be a mapping (the adapter_config.json), got {type(config).__name__}")
     _check_json(config, "serving_config", 0)
-    return json.loads(canonical_json(dict(config)))
+    copy: dict[str, Any] = json.loads(canonical_json(dict(config)))
+    return copy
 
 
 @attrs.frozen
 class Manifest:
     """Tensors sorted by name plus the serving config (PEFT adapter_config)."""
 
-    tensors: tuple[TensorEntry, ...] = attrs.field(converter=tuple)
+    tensors: tuple[TensorEntry, ...] = attrs.field(converter=_entries)
     serving_config_json: str
     # Computed once, at construction: a publication asks for it many times (~3 ms at 504 tensors).
     _digest: str = attrs.field(init=False, eq=False, repr=False)
@@ -121,17 +138,11 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def entry(self, name: str) -> TensorEntry:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
 
 @attrs.frozen
 class Bucket:
     index: int
-    entries: tuple[TensorEntry, ...] = attrs.field(converter=tuple)
+    entries: tuple[TensorEntry, ...] = attrs.field(converter=_entries)
     nbytes: int
     sha256: str  # over the member entries' digests, in order
 
@@ -145,7 +156,7 @@ class BucketPlan:
     """Fixed transfer order: every engine receives bucket i before bucket i+1."""
 
     digest: str
-    buckets: tuple[Bucket, ...] = attrs.field(converter=tuple)
+    buckets: tuple[Bucket, ...] = attrs.field(converter=_buckets)
     serving_config_json: str = "{}"  # travels with begin: engines rebuild the adapter dir from it
 
     def __len__(self) -> int:

@@ -9,6 +9,8 @@ from lorapub.core.effects import Effect, Ignored, SendReclaim
 from lorapub.core.version import Version, VersionState, advance
 from lorapub.errors import NotReclaimable
 
+__all__ = ["reclaim_id_for", "claim", "sends", "confirm"]
+
 
 def reclaim_id_for(version: Version, seq: int) -> str:
     return f"reclaim-{version.key}-{seq}"

@@ -13,7 +13,7 @@ here); each has one transition function below of the same name in snake case.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Concatenate, Iterable, Mapping, ParamSpec, TypeVar
 
 import attrs
 from pyrsistent import PMap, pmap
@@ -104,6 +104,22 @@ from lorapub.errors import (
     VersionReclaiming,
 )
 
+__all__ = [
+    "DEFAULT_CAPACITY", "DEFAULT_LEASE_TTL", "DEFAULT_TOMBSTONE_WINDOW", "ON_STALE", "Waiter", "RegistryState",
+    "Outcome", "ReserveReply", "SlotHolder", "Waiting", "SessionsOf", "Fleet", "AttemptStatus", "new_registry",
+    "check_max_lag", "register_engine", "reserve", "cancel_wait", "record_prepared", "record_bucket_done",
+    "record_ready", "record_failure", "record_unknown", "record_cleaned", "retry_cleanup", "commit", "query_attempt",
+    "open_session", "bind_first", "rebind", "begin_close", "close_and_release", "forget_sessions", "renew_leases",
+    "expire_sessions", "expire_leases", "authorize_dispatch", "read_sessions_of", "claim_reclaim", "record_unloaded",
+    "retry_reclaim", "start_reprovision", "record_lost", "abort_stale", "read_fleet", "COMMANDS", "handle", "Result",
+    "AbortStale", "AuthorizeDispatch", "BeginClose", "BindFirst", "CancelWait", "ClaimReclaim", "CloseAndRelease",
+    "ExpireLeases", "ExpireSessions", "Command", "Commit", "ForgetSessions", "ListReclaimable", "OpenSession",
+    "QUERIES", "QueryAttempt", "ReadFleet", "ReadSessionsOf", "ReadState", "ReadVersion", "Rebind",
+    "RecordBucketDone", "RecordCleaned", "RecordFailure", "RecordLost", "RecordPrepared", "RecordReady",
+    "RecordUnknown", "RecordUnloaded", "RegisterEngine", "RenewLeases", "Reserve", "RetryCleanup", "RetryReclaim",
+    "StartReprovision",
+]
+
 DEFAULT_CAPACITY = 2
 #: Seconds a session's ref outlives the last renewal from its worker (None: no leases).
 DEFAULT_LEASE_TTL = 120.0
@@ -130,23 +146,57 @@ class Waiter:
     __setstate__ = _fields.setstate
 
 
-def _frozen_map(value) -> PMap:
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_P = ParamSpec("_P")
+
+
+def _frozen_map(value: Mapping[_K, _V]) -> PMap[_K, _V]:
     # attrs.evolve re-runs converters: an existing PMap must pass through, not be copied.
     return value if isinstance(value, PMap) else pmap(value)
 
 
-def _session_table(value) -> SessionTable:
+# One converter a field (mypy's attrs plugin types the field's argument by its converter's).
+def _engines(value: Mapping[str, str]) -> PMap[str, str]:
+    return _frozen_map(value)
+
+
+def _versions(value: Mapping[VersionKey, Version]) -> PMap[VersionKey, Version]:
+    return _frozen_map(value)
+
+
+def _attempts(value: Mapping[AttemptToken, Attempt]) -> PMap[AttemptToken, Attempt]:
+    return _frozen_map(value)
+
+
+def _reprovisions(value: Mapping[tuple[str, VersionKey], AttemptToken]) -> PMap[tuple[str, VersionKey], AttemptToken]:
+    return _frozen_map(value)
+
+
+def _groups(value: Mapping[str, GroupRecord]) -> PMap[str, GroupRecord]:
+    return _frozen_map(value)
+
+
+def _superseded(value: Mapping[VersionKey, VersionKey]) -> PMap[VersionKey, VersionKey]:
+    return _frozen_map(value)
+
+
+def _session_table(value: Mapping[SessionKey, SessionRecord]) -> SessionTable:
     # as _frozen_map: an existing table passes through; a mapping of records becomes one
     return value if isinstance(value, SessionTable) else SessionTable(value)
+
+
+def _effects(effects: Iterable[Effect]) -> tuple[Effect, ...]:
+    return tuple(effects)
 
 
 @attrs.frozen
 class RegistryState:
     epoch: int
-    engines: PMap = attrs.field(converter=_frozen_map)  # engine -> current incarnation
+    engines: PMap[str, str] = attrs.field(converter=_engines)  # engine -> current incarnation
     capacity: int = DEFAULT_CAPACITY
-    versions: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # VersionKey -> Version
-    attempts: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # AttemptToken -> Attempt
+    versions: PMap[VersionKey, Version] = attrs.field(factory=pmap, converter=_versions)
+    attempts: PMap[AttemptToken, Attempt] = attrs.field(factory=pmap, converter=_attempts)
     # SessionKey -> SessionRecord, held as atoms the garbage collector does not track, with
     # the lease and tombstone indexes ExpireLeases reads (see lorapub.core.session_table)
     sessions: SessionTable = attrs.field(factory=SessionTable, converter=_session_table)
@@ -156,7 +206,7 @@ class RegistryState:
     reclaim_seq: int = 0
     lease_ttl: float | None = DEFAULT_LEASE_TTL
     # (engine, VersionKey) -> the re-provisioning attempt loading it there again
-    reprovisions: PMap = attrs.field(factory=pmap, converter=_frozen_map)
+    reprovisions: PMap[tuple[str, VersionKey], AttemptToken] = attrs.field(factory=pmap, converter=_reprovisions)
     expired_sessions: int = 0
     tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW
     forgotten_sessions: int = 0
@@ -164,10 +214,10 @@ class RegistryState:
     # (None: a session keeps its version for life, the RFC's rule).
     max_lag: int | None = None
     on_stale: str = "error"
-    groups: PMap = attrs.field(factory=pmap, converter=_frozen_map)  # group id -> GroupRecord
+    groups: PMap[str, GroupRecord] = attrs.field(factory=pmap, converter=_groups)  # group id -> GroupRecord
     waiter: Waiter | None = None
     # a version whose waiting publication a newer one superseded -> that newer version
-    superseded: PMap = attrs.field(factory=pmap, converter=_frozen_map)
+    superseded: PMap[VersionKey, VersionKey] = attrs.field(factory=pmap, converter=_superseded)
     # how this deployment's versions are named on the engines (each engine protects one prefix)
     name_prefix: str = MANAGED_PREFIX
 
@@ -228,8 +278,9 @@ class RegistryState:
 @attrs.frozen
 class Outcome:
     state: RegistryState
+    # what the command answers: its type depends on the command (see each transition and query)
     reply: Any = None
-    effects: tuple[Effect, ...] = attrs.field(default=(), converter=tuple)
+    effects: tuple[Effect, ...] = attrs.field(default=(), converter=_effects)
 
 
 @attrs.frozen
@@ -310,7 +361,7 @@ class Fleet:
     reclaimable: tuple[VersionKey, ...]
     reclaiming: tuple[VersionKey, ...]
     cleaning: tuple[AttemptToken, ...]  # aborted attempts whose cleanup is not confirmed
-    active: Mapping[AttemptToken, tuple]  # live attempts -> their progress value
+    active: Mapping[AttemptToken, att.Progress]  # live attempts -> their progress value
     expired_sessions: int
     lease_ttl: float | None
     default_revision: int = 0
@@ -564,11 +615,14 @@ def _put_attempt(state: RegistryState, new: Attempt) -> RegistryState:
     return attrs.evolve(state, versions=state.versions.set(version.key, version))
 
 
-def _step_attempt(state: RegistryState, token: AttemptToken, fn, *args) -> Outcome:
+def _step_attempt(
+    state: RegistryState, token: AttemptToken, fn: Callable[Concatenate[Attempt, _P], att.Step],
+    *args: _P.args, **kwargs: _P.kwargs,
+) -> Outcome:
     a = state.attempts.get(token)
     if a is None:
         return Outcome(state, None, [Ignored(f"attempt {token} is unknown here")])
-    new, effects = fn(a, *args)
+    new, effects = fn(a, *args, **kwargs)
     if new.reprovision:
         return _step_reprovision(state, new, effects)
     state = _put_attempt(state, new)
@@ -639,6 +693,7 @@ def commit(state: RegistryState, key: VersionKey, token: AttemptToken, expected_
     if token.version != key:
         raise StaleAttempt(f"attempt {token} does not belong to version {key}")
     if a.phase is Phase.COMMITTED:  # a replay says again what the commit said
+        assert version.commit is not None
         return Outcome(state, version.commit, _reclaim_eligible(state, version.commit.retired))
     if version.attempt != token or version.state is not VersionState.LOADING:
         raise StaleAttempt(f"attempt {token} is not the live attempt of {key} ({version.state.value})")
@@ -715,7 +770,9 @@ def _beyond_window(state: RegistryState, key: SessionKey, now: float | None) -> 
     )
 
 
-def _refuse_beyond_window(state: RegistryState, key: SessionKey, record, now: float | None, what: str) -> None:
+def _refuse_beyond_window(
+    state: RegistryState, key: SessionKey, record: SessionRecord | None, now: float | None, what: str
+) -> None:
     if record is None and _beyond_window(state, key, now):
         raise SessionExpired(
             f"session {key} began more than {state.tombstone_window:g}s ago and is not live here "
@@ -723,9 +780,14 @@ def _refuse_beyond_window(state: RegistryState, key: SessionKey, record, now: fl
         )
 
 
-def _binding(state: RegistryState, record: SessionRecord) -> Binding:
+def _version_of(record: SessionRecord | GroupRecord) -> VersionKey:
+    """The version a bound session or group is bound to (every bound one has one)."""
     assert record.version is not None
-    v = state.versions[record.version]
+    return record.version
+
+
+def _binding(state: RegistryState, record: SessionRecord) -> Binding:
+    v = state.versions[_version_of(record)]
     revision = v.commit.default_revision if v.commit is not None else 0
     return Binding(record.key, v.key, v.lora_name, v.digest, revision, record.group, record.rebinds)
 
@@ -740,7 +802,7 @@ def _stale_reason(state: RegistryState, record: SessionRecord) -> str | None:
         group = state.groups[record.group]
         if group.version != record.version:
             return f"its group {record.group!r} was rebound to {group.version}"
-    version = state.versions[record.version]
+    version = state.versions[_version_of(record)]
     if version.retiring:
         lag = version.lag(state.default_revision)
         return f"its version {version.key} is {lag} commits behind the default (max_lag {state.max_lag})"
@@ -801,29 +863,30 @@ def bind_first(state: RegistryState, key: SessionKey, now: float | None = None, 
         return Outcome(state, _binding(state, record))  # a replay: same answer, nothing changes
     if record is not None and record.state in ses.ENDING:
         ses.opened(record, key)  # raises the typed refusal (closed or expired)
-    if state.default is None:
+    default = state.default
+    if default is None:
         raise NoPublishedVersion(f"no version is published yet in epoch {state.epoch}")
     state, gid = _join_group(state, record, key, group)
     if gid is None:
-        version, holds = state.default, True
+        version, holds = default, True
         state = _add_ref(state, version)
     else:
         g = state.groups[gid]
         if g.state is GroupState.OPEN:
-            g = grp.bound(g, state.default)
-            state = _add_ref(state, state.default)
-        elif state.versions[g.version].retiring:
+            g = grp.bound(g, default)
+            state = _add_ref(state, default)
+        elif state.versions[_version_of(g)].retiring:
             if state.on_stale != "rebind":
-                lag = state.versions[g.version].lag(state.default_revision)
+                lag = state.versions[_version_of(g)].lag(state.default_revision)
                 raise BindingStale(
                     f"session {key}: its group {gid!r} is bound to {g.version}, {lag} commits behind the default "
                     f"(max_lag {state.max_lag}); a stale group retires together — start a new group",
                     session=key, version=g.version,
                 )
-            g, release = grp.rebound(g, state.default)
-            state = _add_ref(_drop_ref(state, release), state.default)
+            g, release = grp.rebound(g, default)
+            state = _add_ref(_drop_ref(state, release), default)
         state = attrs.evolve(state, groups=state.groups.set(gid, g))
-        version, holds = g.version, False
+        version, holds = _version_of(g), False
     record = ses.leased(ses.bound(record, key, version, holds_ref=holds, group=gid), _lease_until(state, now))
     state = attrs.evolve(state, sessions=state.sessions.set(key, record))
     return Outcome(state, _binding(state, record))
@@ -837,17 +900,19 @@ def rebind(state: RegistryState, key: SessionKey, now: float | None = None) -> O
     if state.on_stale != "rebind":
         _refuse_if_stale(state, record)
         return Outcome(state, _binding(state, record))
+    default = state.default
+    assert default is not None  # a bound session's version was the default once, and there is always one since
     if record.group is not None:
         g = state.groups[record.group]
-        if state.versions[g.version].retiring and g.version != state.default:
-            g, release = grp.rebound(g, state.default)
-            state = _add_ref(_drop_ref(state, release), state.default)
+        if state.versions[_version_of(g)].retiring and g.version != default:
+            g, release = grp.rebound(g, default)
+            state = _add_ref(_drop_ref(state, release), default)
             state = attrs.evolve(state, groups=state.groups.set(record.group, g))
         if record.version != g.version:
             record = attrs.evolve(record, version=g.version, rebinds=record.rebinds + 1)
-    elif state.versions[record.version].retiring and record.version != state.default:
-        state = _add_ref(_drop_ref(state, record.version if record.holds_ref else None), state.default)
-        record = attrs.evolve(record, version=state.default, holds_ref=True, rebinds=record.rebinds + 1)
+    elif state.versions[_version_of(record)].retiring and record.version != default:
+        state = _add_ref(_drop_ref(state, record.version if record.holds_ref else None), default)
+        record = attrs.evolve(record, version=default, holds_ref=True, rebinds=record.rebinds + 1)
     state = attrs.evolve(state, sessions=state.sessions.set(key, ses.leased(record, _lease_until(state, now))))
     return Outcome(state, _binding(state, record))
 
@@ -891,7 +956,7 @@ def close_and_release(state: RegistryState, key: SessionKey, now: float | None =
 
 def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome:
     """Drop CLOSED tombstones the caller knows can get no late message any more."""
-    drop = {}
+    drop: dict[SessionKey, None] = {}
     for key in keys:
         record = state.sessions.get(key)
         if record is not None and record.state is SessionState.CLOSED:
@@ -1007,7 +1072,8 @@ def authorize_dispatch(state: RegistryState, key: SessionKey) -> Binding:
 def read_sessions_of(state: RegistryState, key: VersionKey, limit: int = 8) -> "SessionsOf":
     """Who holds refs on ``key``: a scan of the sessions (for health and error messages only)."""
     state.version(key)
-    sessions, names = 0, []
+    sessions = 0
+    names: list[tuple[str, str, float | None]] = []
     for skey, record in state.sessions.items():
         if record.holds_ref and record.version == key:
             sessions += 1
@@ -1129,7 +1195,9 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
 
 
 # -- the one door ----------------------------------------------------------------
-_TRANSITIONS = {
+# Tables keyed by a command's type: each entry takes that type's fields (a transition) or the
+# command itself (a query), which no one callable type says for every key.
+_TRANSITIONS: dict[type, Callable[..., Outcome]] = {
     RegisterEngine: register_engine, Reserve: reserve, CancelWait: cancel_wait, RecordPrepared: record_prepared,
     RecordBucketDone: record_bucket_done, RecordReady: record_ready, RecordFailure: record_failure,
     RecordUnknown: record_unknown, RecordCleaned: record_cleaned, RetryCleanup: retry_cleanup, Commit: commit,
@@ -1141,7 +1209,7 @@ _TRANSITIONS = {
     StartReprovision: start_reprovision, AbortStale: abort_stale, RecordLost: record_lost,
 }
 
-_QUERIES = {
+_QUERIES: dict[type, Callable[[RegistryState, Any], object]] = {
     AuthorizeDispatch: lambda state, c: authorize_dispatch(state, c.key),
     QueryAttempt: lambda state, c: query_attempt(state, c.token),
     ReadVersion: lambda state, c: state.version(c.key),
@@ -1170,5 +1238,5 @@ class Result:
     """What a registry answers, in process or across an actor boundary: the reply and the
     effects the caller must run, never the state."""
 
-    reply: Any = None
-    effects: tuple[Effect, ...] = attrs.field(default=(), converter=tuple)
+    reply: Any = None  # its type depends on the command, as Outcome's
+    effects: tuple[Effect, ...] = attrs.field(default=(), converter=_effects)

@@ -16,6 +16,11 @@ from lorapub.core import _fields
 from lorapub.core.identity import SessionKey, VersionKey
 from lorapub.errors import InvalidTransition, SessionClosed, SessionExpired
 
+__all__ = [
+    "SessionState", "ENDING", "TOMBSTONES", "LEASED", "SessionRecord", "Binding", "opened", "bound", "closing",
+    "closed", "leased", "expired", "require_dispatchable",
+]
+
 
 class SessionState(enum.Enum):
     OPEN = "OPEN"

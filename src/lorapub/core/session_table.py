@@ -37,19 +37,46 @@ rebuilt on load.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Final, TypeVar, overload
 
 from lorapub.core.identity import SessionKey, VersionKey, born_of
 from lorapub.core.session import LEASED, TOMBSTONES, SessionRecord, SessionState
 
 __all__ = ["SessionTable"]
 
-_EMPTY_NODE = (0,)
-_MISSING = object()
+#: ``(deployment_epoch, session_id, nonce)``
+KeyAtoms = tuple[int, str, str]
+#: ``(deployment_epoch, version_id)``
+VersionAtoms = tuple[int, str]
+#: ``(state value, version atoms, holds_ref, lease_until)``, with ``group, rebinds`` after them for a
+#: group member or a rebound session
+RecordAtoms = (
+    tuple[str, VersionAtoms | None, bool, float | None]
+    | tuple[str, VersionAtoms | None, bool, float | None, str | None, int]
+)
+Pair = tuple[KeyAtoms, RecordAtoms]
+#: ``(lease_until or born, key atoms)``
+IndexEntry = tuple[float, KeyAtoms]
+#: ``(chunks, maxes)``: sorted chunks of entries and the last entry of each
+Index = tuple[tuple[tuple[IndexEntry, ...], ...], tuple[IndexEntry, ...]]
+#: A trie node, ``(bitmap, k0, v0, k1, v1, ...)`` or ``(-1, hash, k0, v0, ...)``: an int, then key atoms
+#: and record atoms in turn, a slot whose key is None holding a child node. Its items are told apart by
+#: position, which no tuple type can say, hence ``Any``.
+Node = tuple[Any, ...]
+_T = TypeVar("_T")
+
+
+class _Missing(enum.Enum):
+    MISSING = enum.auto()
+
+
+_EMPTY_NODE: Node = (0,)
+_MISSING: Final = _Missing.MISSING
 _HASH_MASK = (1 << 64) - 1
 _CHUNK = 256  # index entries per chunk (a chunk is split above twice this)
 
@@ -59,44 +86,44 @@ _TOMBSTONES = frozenset(s.value for s in TOMBSTONES)
 
 
 # -- values <-> atoms ---------------------------------------------------------------------
-def _key_atoms(key: SessionKey) -> tuple:
+def _key_atoms(key: SessionKey) -> KeyAtoms:
     return (key.deployment_epoch, key.session_id, key.nonce)
 
 
 # A version is held by many sessions: its atoms are made once and shared (and its key made
 # once on the way out). Both caches hold immutable values: a few entries an epoch.
 @functools.lru_cache(maxsize=1024)
-def _shared_version_atoms(key: VersionKey) -> tuple:
+def _shared_version_atoms(key: VersionKey) -> VersionAtoms:
     return (key.deployment_epoch, key.version_id)
 
 
 @functools.lru_cache(maxsize=1024)
-def _shared_version(atoms: tuple) -> VersionKey:
+def _shared_version(atoms: VersionAtoms) -> VersionKey:
     return VersionKey(*atoms)
 
 
-def _version_atoms(key: VersionKey | None) -> tuple | None:
+def _version_atoms(key: VersionKey | None) -> VersionAtoms | None:
     return None if key is None else _shared_version_atoms(key)
 
 
-def _version(atoms: tuple | None) -> VersionKey | None:
+def _version(atoms: VersionAtoms | None) -> VersionKey | None:
     return None if atoms is None else _shared_version(atoms)
 
 
-def _record_atoms(record: SessionRecord) -> tuple:
+def _record_atoms(record: SessionRecord) -> RecordAtoms:
     if record.group is None and not record.rebinds:  # the common record: four atoms, as before groups
         return (record.state.value, _version_atoms(record.version), record.holds_ref, record.lease_until)
     return (record.state.value, _version_atoms(record.version), record.holds_ref, record.lease_until,
             record.group, record.rebinds)
 
 
-def _record(key: SessionKey, r: tuple) -> SessionRecord:
+def _record(key: SessionKey, r: RecordAtoms) -> SessionRecord:
     if len(r) == 4:
         return SessionRecord(key, _STATE_OF[r[0]], _version(r[1]), r[2], r[3])
     return SessionRecord(key, _STATE_OF[r[0]], _version(r[1]), r[2], r[3], r[4], r[5])
 
 
-def _lease_entry(k: tuple, r: tuple) -> tuple | None:
+def _lease_entry(k: KeyAtoms, r: RecordAtoms) -> IndexEntry | None:
     """The lease index entry of a record: a lease keeps its ref alive until ``lease_until``."""
     lease = r[3]
     if lease is None or r[0] not in _LEASED:
@@ -105,7 +132,7 @@ def _lease_entry(k: tuple, r: tuple) -> tuple | None:
     return (-math.inf if lease != lease else lease, k)
 
 
-def _tomb_entry(k: tuple, r: tuple) -> tuple | None:
+def _tomb_entry(k: KeyAtoms, r: RecordAtoms) -> IndexEntry | None:
     if r[0] not in _TOMBSTONES:
         return None
     born = born_of(k[2])
@@ -113,18 +140,20 @@ def _tomb_entry(k: tuple, r: tuple) -> tuple | None:
 
 
 # -- the trie ---------------------------------------------------------------------------------
-def _hash(k: tuple) -> int:
+def _hash(k: KeyAtoms) -> int:
     return hash(k) & _HASH_MASK
 
 
-def _lookup(node: tuple, h: int, key: tuple) -> Any:
+def _lookup(node: Node, h: int, key: KeyAtoms) -> RecordAtoms | _Missing:
+    value: RecordAtoms
     shift = 0
     while True:
         bitmap = node[0]
         if bitmap < 0:  # one full hash
             for i in range(2, len(node), 2):
                 if node[i] == key:
-                    return node[i + 1]
+                    value = node[i + 1]
+                    return value
             return _MISSING
         bit = 1 << ((h >> shift) & 31)
         if not bitmap & bit:
@@ -134,12 +163,13 @@ def _lookup(node: tuple, h: int, key: tuple) -> Any:
         if k is None:
             node, shift = node[i + 1], shift + 5
         elif k == key:
-            return node[i + 1]
+            value = node[i + 1]
+            return value
         else:
             return _MISSING
 
 
-def _pair(shift: int, h1: int, k1: tuple, v1: Any, h2: int, k2: tuple, v2: Any) -> tuple:
+def _pair(shift: int, h1: int, k1: KeyAtoms, v1: RecordAtoms, h2: int, k2: KeyAtoms, v2: RecordAtoms) -> Node:
     if h1 == h2:
         return (-1, h1, k1, v1, k2, v2)
     b1, b2 = (h1 >> shift) & 31, (h2 >> shift) & 31
@@ -150,7 +180,7 @@ def _pair(shift: int, h1: int, k1: tuple, v1: Any, h2: int, k2: tuple, v2: Any) 
     return ((1 << b1) | (1 << b2), k2, v2, k1, v1)
 
 
-def _assoc(node: tuple, shift: int, h: int, key: tuple, value: Any) -> tuple[tuple, bool]:
+def _assoc(node: Node, shift: int, h: int, key: KeyAtoms, value: RecordAtoms) -> tuple[Node, bool]:
     """``node`` with ``key -> value``; and whether the key is new."""
     bitmap = node[0]
     if bitmap < 0:
@@ -175,7 +205,7 @@ def _assoc(node: tuple, shift: int, h: int, key: tuple, value: Any) -> tuple[tup
     return node[:i] + (None, child) + node[i + 2:], True
 
 
-def _without(node: tuple, shift: int, h: int, key: tuple) -> tuple | None:
+def _without(node: Node, shift: int, h: int, key: KeyAtoms) -> Node | None:
     """``node`` without ``key`` (``None`` when nothing is left); the caller checked it is there."""
     bitmap = node[0]
     if bitmap < 0:
@@ -189,7 +219,7 @@ def _without(node: tuple, shift: int, h: int, key: tuple) -> tuple | None:
     if node[i] is None:
         child = _without(node[i + 1], shift + 5, h, key)
         if child is None:
-            replacement: tuple = ()
+            replacement: Node = ()
         elif len(child) == 4 and child[0] == -1:  # a one-key hash node: pulled up as a plain slot
             replacement = (child[2], child[3])
         elif len(child) == 3 and child[0] >= 0 and child[1] is not None:  # one plain slot: pulled up
@@ -206,7 +236,7 @@ def _without(node: tuple, shift: int, h: int, key: tuple) -> tuple | None:
     return node[:i] + replacement + node[i + 2:]
 
 
-def _items(root: tuple) -> Iterator[tuple]:
+def _items(root: Node) -> Iterator[Pair]:
     stack = [root]
     while stack:
         node = stack.pop()
@@ -219,19 +249,20 @@ def _items(root: tuple) -> Iterator[tuple]:
                 yield k, node[i + 1]
 
 
-def _build(entries: list[tuple], shift: int) -> tuple:
+def _build(entries: list[tuple[int, KeyAtoms, RecordAtoms]], shift: int) -> Node:
     """A node of ``entries`` ``(hash, key, value)`` (distinct keys, at least one)."""
-    groups: dict[int, list[tuple]] = {}
+    groups: dict[int, list[tuple[int, KeyAtoms, RecordAtoms]]] = {}
     for e in entries:
         groups.setdefault((e[0] >> shift) & 31, []).append(e)
-    bitmap, slots = 0, []
+    bitmap = 0
+    slots: list[object] = []
     for b in sorted(groups):
         group = groups[b]
         bitmap |= 1 << b
         if len(group) == 1:
             slots += (group[0][1], group[0][2])
         elif all(e[0] == group[0][0] for e in group):
-            node = [-1, group[0][0]]
+            node: list[object] = [-1, group[0][0]]
             for e in group:
                 node += (e[1], e[2])
             slots += (None, tuple(node))
@@ -241,23 +272,23 @@ def _build(entries: list[tuple], shift: int) -> tuple:
 
 
 # -- the sorted indexes: (chunks, maxes), chunks a tuple of sorted tuples -----------------------
-_NO_INDEX: tuple = ((), ())
+_NO_INDEX: Index = ((), ())
 
 
-def _index_of(entries: list[tuple]) -> tuple:
+def _index_of(entries: list[IndexEntry]) -> Index:
     entries.sort()
     chunks = tuple(tuple(entries[i:i + _CHUNK]) for i in range(0, len(entries), _CHUNK))
     return chunks, tuple(c[-1] for c in chunks)
 
 
-def _index_add(index: tuple, entries: list[tuple]) -> tuple:
+def _index_add(index: Index, entries: list[IndexEntry]) -> Index:
     if not entries:
         return index
     chunks, maxes = index
     if not chunks:
         return _index_of(entries)
     last = len(chunks) - 1
-    groups: dict[int, list[tuple]] = {}
+    groups: dict[int, list[IndexEntry]] = {}
     for e in entries:
         groups.setdefault(min(bisect_left(maxes, e), last), []).append(e)
     chunks_, maxes_ = list(chunks), list(maxes)
@@ -278,12 +309,12 @@ def _index_add(index: tuple, entries: list[tuple]) -> tuple:
     return tuple(chunks_), tuple(maxes_)
 
 
-def _index_drop(index: tuple, entries: list[tuple]) -> tuple:
+def _index_drop(index: Index, entries: list[IndexEntry]) -> Index:
     """``index`` without ``entries`` (each is in it)."""
     if not entries:
         return index
     chunks, maxes = index
-    groups: dict[int, list[tuple]] = {}
+    groups: dict[int, list[IndexEntry]] = {}
     for e in entries:
         groups.setdefault(bisect_left(maxes, e), []).append(e)
     chunks_, maxes_ = list(chunks), list(maxes)
@@ -308,7 +339,7 @@ def _index_drop(index: tuple, entries: list[tuple]) -> tuple:
     return tuple(chunks_), tuple(maxes_)
 
 
-def _index_below(index: tuple, bound: float) -> list[tuple]:
+def _index_below(index: Index, bound: float) -> list[IndexEntry]:
     """Entries whose first item is < ``bound``, in order."""
     chunks, maxes = index
     probe = (bound,)  # sorts before every (bound, key): strictly below
@@ -320,21 +351,25 @@ def _index_below(index: tuple, bound: float) -> list[tuple]:
     return due
 
 
-def _index_entries(index: tuple) -> list[tuple]:
+def _index_entries(index: Index) -> list[IndexEntry]:
     return [e for chunk in index[0] for e in chunk]
 
 
 # -- the table ------------------------------------------------------------------------------------
-class SessionTable(Mapping):
+class SessionTable(Mapping[SessionKey, SessionRecord]):
     """``SessionKey -> SessionRecord``, persistent, with a lease index and a tombstone index."""
 
     __slots__ = ("_root", "_size", "_leases", "_tombs")
+    _root: Node
+    _size: int
+    _leases: Index
+    _tombs: Index
 
     def __init__(self, records: Mapping[SessionKey, SessionRecord] | None = None) -> None:
         raw = [] if records is None else [(_key_atoms(k), _record_atoms(r)) for k, r in records.items()]
         self._fill(raw)
 
-    def _fill(self, raw: list[tuple]) -> None:
+    def _fill(self, raw: list[Pair]) -> None:
         self._root = _build([(_hash(k), k, r) for k, r in raw], 0) if raw else _EMPTY_NODE
         self._size = len(raw)
         self._leases = _index_of([e for e in (_lease_entry(k, r) for k, r in raw) if e is not None])
@@ -345,17 +380,17 @@ class SessionTable(Mapping):
             self._tombs = _NO_INDEX
 
     @classmethod
-    def from_atoms(cls, raw: Iterable[tuple]) -> "SessionTable":
+    def from_atoms(cls, raw: Iterable[Pair]) -> "SessionTable":
         """A table of ``(key atoms, record atoms)`` pairs, as :meth:`atoms` gives them."""
         table = cls.__new__(cls)
         table._fill(list(raw))
         return table
 
-    def atoms(self) -> Iterator[tuple]:
+    def atoms(self) -> Iterator[Pair]:
         """Every ``(key atoms, record atoms)`` pair (what a snapshot stores)."""
         return _items(self._root)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[Iterable[Pair]], SessionTable], tuple[list[Pair]]]:
         return (SessionTable.from_atoms, (list(self.atoms()),))
 
     # -- reads -------------------------------------------------------------------------------
@@ -368,7 +403,13 @@ class SessionTable(Mapping):
             raise KeyError(key)
         return found
 
-    def get(self, key: SessionKey, default: Any = None) -> Any:
+    @overload
+    def get(self, key: SessionKey, /) -> SessionRecord | None: ...
+
+    @overload
+    def get(self, key: SessionKey, default: SessionRecord | _T, /) -> SessionRecord | _T: ...
+
+    def get(self, key: SessionKey, default: object = None) -> object:
         if not isinstance(key, SessionKey):
             return default
         k = _key_atoms(key)
@@ -385,10 +426,11 @@ class SessionTable(Mapping):
         for k, _ in _items(self._root):
             yield SessionKey(*k)
 
-    def items(self):  # type: ignore[override]
+    # A list (made once), not Mapping's view that would look every key up again.
+    def items(self) -> list[tuple[SessionKey, SessionRecord]]:  # type: ignore[override]
         return [(key, _record(key, r)) for key, r in ((SessionKey(*k), r) for k, r in _items(self._root))]
 
-    def values(self):  # type: ignore[override]
+    def values(self) -> list[SessionRecord]:  # type: ignore[override]
         return [v for _, v in self.items()]
 
     def __eq__(self, other: object) -> bool:
@@ -415,7 +457,7 @@ class SessionTable(Mapping):
         """Tombstones of sessions whose nonce says they were born before ``cutoff``."""
         return [SessionKey(*k) for _, k in _index_below(self._tombs, cutoff)]
 
-    def index_entries(self) -> tuple[list[tuple], list[tuple]]:
+    def index_entries(self) -> tuple[list[IndexEntry], list[IndexEntry]]:
         """The lease and tombstone indexes, as sorted lists (for tests)."""
         return _index_entries(self._leases), _index_entries(self._tombs)
 
@@ -436,12 +478,12 @@ class SessionTable(Mapping):
         """A new table without ``keys`` (keys it does not hold are skipped)."""
         return self._change((), [_key_atoms(k) for k in keys])
 
-    def _change(self, sets, removes) -> "SessionTable":
+    def _change(self, sets: Iterable[Pair], removes: Iterable[KeyAtoms]) -> "SessionTable":
         root, size = self._root, self._size
-        lease_drop: list = []
-        lease_add: dict = {}
-        tomb_drop: list = []
-        tomb_add: dict = {}
+        lease_drop: list[IndexEntry] = []
+        lease_add: dict[IndexEntry, None] = {}
+        tomb_drop: list[IndexEntry] = []
+        tomb_add: dict[IndexEntry, None] = {}
         for k, r in sets:
             h = _hash(k)
             old = _lookup(root, h, k)
@@ -473,7 +515,7 @@ class SessionTable(Mapping):
         return table
 
 
-def _step(drop: list, add: dict, old: tuple | None, new: tuple | None) -> None:
+def _step(drop: list[IndexEntry], add: dict[IndexEntry, None], old: IndexEntry | None, new: IndexEntry | None) -> None:
     """Record an index entry changing from ``old`` to ``new`` (either may be None)."""
     if old == new:
         return

@@ -5,12 +5,18 @@ digest may start a fresh attempt (FAILED_CLEAN -> LOADING)."""
 from __future__ import annotations
 
 import enum
+from typing import TypedDict, Unpack
 
 import attrs
 
 from lorapub.core import _fields
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.errors import InvalidTransition
+
+__all__ = [
+    "VersionState", "SLOT_HOLDING", "NOT_DISPATCHABLE", "SERVING", "HELD_BY_ENGINES", "CommitReceipt", "Version",
+    "VersionChanges", "advance", "add_session_ref", "drop_session_ref",
+]
 
 
 class VersionState(enum.Enum):
@@ -108,7 +114,17 @@ class Version:
         return self.state not in NOT_DISPATCHABLE
 
 
-def advance(version: Version, to: VersionState, **changes: object) -> Version:
+class VersionChanges(TypedDict, total=False):
+    """The fields a lifecycle move may set besides the state."""
+
+    attempt: AttemptToken
+    engines: tuple[str, ...]
+    commit: CommitReceipt
+    reclaim_id: str
+    reclaim_pending: frozenset[str]
+
+
+def advance(version: Version, to: VersionState, **changes: Unpack[VersionChanges]) -> Version:
     if to not in _ALLOWED[version.state]:
         raise InvalidTransition(f"version {version.key}: {version.state.value} -> {to.value} is not a lifecycle move")
     return attrs.evolve(version, state=to, **changes)

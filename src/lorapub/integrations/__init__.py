@@ -7,3 +7,5 @@ where the framework is absent.
 * :mod:`lorapub.integrations.relax` — Relax (agentic session service, LoRA adapter mode);
   where each hook goes is ``docs/relax.md``.
 """
+
+__all__: list[str] = []

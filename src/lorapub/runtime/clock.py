@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+__all__ = ["SystemClock", "RegistryClock", "Elapsed"]
+
 
 class SystemClock:
     def monotonic(self) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping
+from typing import Awaitable, Literal, Mapping, TypedDict, TypeVar, Unpack, cast, overload
 
 from lorapub.core.identity import (
     MANAGED_PREFIX,
@@ -21,6 +21,7 @@ from lorapub.core.identity import (
     check_name_prefix,
 )
 from lorapub.core.commands import ReadFleet, ReadState, ReadVersion, RecordLost, RegisterEngine
+from lorapub.core.version import VersionState
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
     DEFAULT_LEASE_TTL,
@@ -43,13 +44,16 @@ from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
 from lorapub.runtime.reconciler import Health, Reconciler
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
-from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Session, SessionService
+from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Routing, Session, SessionService
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
+__all__ = ["Deployment", "DeploymentOptions", "deploy"]
+
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
-def _check_engines(engines: Any) -> dict[str, Any]:
+def _check_engines(engines: object) -> dict[str, EngineAdmin]:
     if not isinstance(engines, Mapping) or not engines:
         raise InvalidInput("engines must be a non-empty mapping of engine name -> engine adapter")
     for key, engine in engines.items():
@@ -99,7 +103,7 @@ class Deployment:
         tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
         reconcile_interval: float | None = 5.0,
         stale_attempt_after: float | None = None,
-        router: Any = None,
+        router: Routing | None = None,
         capacity: int | None = None,
         max_lag: int | None = None,
         on_stale: str = "error",
@@ -189,7 +193,7 @@ class Deployment:
 
     def _check_shared_settings(self, fleet: Fleet) -> None:
         """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
-        asked: dict[str, Any] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
+        asked: dict[str, object] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
         if self.max_lag is not None or self.on_stale != "error":
             asked.update(max_lag=self.max_lag, on_stale=self.on_stale)
         for name, value in asked.items():
@@ -200,7 +204,7 @@ class Deployment:
                     "(a shared registry's settings are made once, where it is created)"
                 )
 
-    async def _within(self, name: str, what: str, call: Any) -> Any:
+    async def _within(self, name: str, what: str, call: Awaitable[_T]) -> _T:
         """An engine call at start, bounded by the begin deadline: no answer is OUTCOME_UNKNOWN."""
         try:
             async with asyncio.timeout(self.deadlines.begin):
@@ -240,7 +244,7 @@ class Deployment:
                     engine=name, limits=limits, capacity=capacity,
                 )
 
-    def _on_reclaim_done(self, version: VersionKey, state: Any = None) -> None:
+    def _on_reclaim_done(self, version: VersionKey) -> None:
         self.publisher.wake()  # a slot may be free
         self.reconciler.kick()
 
@@ -265,7 +269,8 @@ class Deployment:
                 result = await self.registry.handle(RegisterEngine(name, incarnation))
                 if result.effects:
                     await self.publisher.control.run(result.effects)
-                elif inventory is not None and version is not None and lora_name not in inventory.adapters:
+                elif (inventory is not None and isinstance(adapter, ReportsInventory) and version is not None
+                      and lora_name not in inventory.adapters):
                     # lost only if the registry (read after this inventory) says the engine holds it and
                     # the engine (read after the registry) still lacks it: never a load that was just made
                     holders = (await self.registry.handle(ReadVersion(version))).reply.engines
@@ -397,7 +402,7 @@ class Deployment:
         # waits for running requests) is not waited for: reserve then says CAPACITY_ERROR.
         await self.reclaimer.wait(seconds)
 
-    async def reclaim(self, version: VersionKey | str):
+    async def reclaim(self, version: VersionKey | str) -> VersionState:
         """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background):
         a :class:`~lorapub.VersionKey`, or a version id of this deployment's epoch."""
         self._require_started()
@@ -418,14 +423,60 @@ class Deployment:
         return self.sessions.session(session_id, nonce, group=group)
 
 
+class DeploymentOptions(TypedDict, total=False):
+    """The keyword options of :class:`Deployment` that :func:`deploy` passes on (besides ``epoch``
+    and ``stash_dir``)."""
+
+    registry: Registry | None
+    auto_reclaim: bool
+    deadlines: Deadlines | None
+    bucket_cap_bytes: int
+    reclaim_retries: int
+    reclaim_backoff: float
+    lease_ttl: float | None
+    tombstone_window: float | None
+    reconcile_interval: float | None
+    stale_attempt_after: float | None
+    router: Routing | None
+    capacity: int | None
+    max_lag: int | None
+    on_stale: str
+    idle_ttl: float | None
+    own_engines: bool
+    name_prefix: str | None
+
+
+@overload
 async def deploy(
-    engines: Mapping[str, Any], *, epoch: int, enabled: bool, stash_dir: str | None = None, **options: Any
+    engines: Mapping[str, EngineAdmin], *, epoch: int, enabled: Literal[True], stash_dir: str | None = None,
+    **options: Unpack[DeploymentOptions],
+) -> Deployment: ...
+
+
+@overload
+async def deploy(
+    engines: Mapping[str, OverwriteAdmin], *, epoch: int, enabled: Literal[False], stash_dir: str | None = None,
+    **options: Unpack[DeploymentOptions],
+) -> OverwriteDeployment: ...
+
+
+@overload
+async def deploy(
+    engines: Mapping[str, EngineAdmin] | Mapping[str, OverwriteAdmin], *, epoch: int, enabled: bool,
+    stash_dir: str | None = None, **options: Unpack[DeploymentOptions],
+) -> Deployment | OverwriteDeployment: ...
+
+
+async def deploy(
+    engines: Mapping[str, EngineAdmin] | Mapping[str, OverwriteAdmin], *, epoch: int, enabled: bool,
+    stash_dir: str | None = None, **options: Unpack[DeploymentOptions],
 ) -> Deployment | OverwriteDeployment:
     """The one switch. ``enabled=True``: a started :class:`Deployment` over
     :class:`~lorapub.ports.EngineAdmin` engines. ``enabled=False``: the old overwrite path
     over :class:`~lorapub.ports.OverwriteAdmin` engines (``options`` concern versioned
     publication only and are not used there)."""
+    # which protocol the engines follow is checked where they are taken (a typed refusal names it)
     if enabled:
-        return await Deployment(engines, epoch=epoch, stash_dir=stash_dir, **options).start()
-    overwrite_engines: Mapping[str, OverwriteAdmin] = engines
-    return await OverwriteDeployment(overwrite_engines, stash_dir=stash_dir).start()
+        return await Deployment(cast(Mapping[str, EngineAdmin], engines), epoch=epoch, stash_dir=stash_dir,
+                                **options).start()
+    return await OverwriteDeployment(cast(Mapping[str, OverwriteAdmin], engines), stash_dir=stash_dir).start()

@@ -21,6 +21,8 @@ from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnkno
 from lorapub.ports import OverwriteAdmin
 from lorapub.runtime.snapshot import Snapshot
 
+__all__ = ["FIXED_LORA_NAME", "OverwritePublisher", "OverwriteSession", "OverwriteDeployment"]
+
 FIXED_LORA_NAME = LORA_NAME_PREFIX
 
 
@@ -130,7 +132,7 @@ class OverwriteSession:
         self.lora_name = lora_name
         self.resumed = 0
 
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
         if not isinstance(payload, Mapping):
             raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
         # The old agentic layer resumes requests that a publication's pause aborted.

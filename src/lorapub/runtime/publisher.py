@@ -16,6 +16,7 @@ import attrs
 from lorapub.core.attempt import Phase
 from lorapub.core.effects import ReadyToCommit, SendReclaim
 from lorapub.core.identity import AttemptToken, VersionKey
+from lorapub.core.manifest import BucketPlan
 from lorapub.core.commands import (
     CancelWait,
     ClaimReclaim,
@@ -46,6 +47,8 @@ from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+
+__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "engines_source_factory", "Publisher", "Reclaimer"]
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class FrozenCopies:
         return len(self._copies)
 
 
-def engines_source_factory(engines: Mapping[str, Any]) -> Callable[[Snapshot, Any], BucketSource]:
+def engines_source_factory(engines: Mapping[str, object]) -> Callable[[Snapshot, BucketPlan], BucketSource]:
     """The bucket source the engines' transport needs: engines that declare a
     ``bucket_source_factory`` (a wire transport) must all declare the same one; engines that declare
     none take :class:`InlineBucketSource` (safetensors bytes per bucket)."""
@@ -156,7 +159,7 @@ class Publisher:
         epoch: int,
         deadlines: Deadlines | None = None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
-        source_factory: Callable[[Snapshot, Any], BucketSource] | None = None,
+        source_factory: Callable[[Snapshot, BucketPlan], BucketSource] | None = None,
         commit_retries: int = 5,
         clock: Clock | None = None,
         on_eligible: OnEligible | None = None,

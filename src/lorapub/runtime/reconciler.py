@@ -59,6 +59,8 @@ from lorapub.ports import Clock, EngineAdmin, Inventory, Registry, ReportsInvent
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner
 
+__all__ = ["Blocker", "Health", "Reconciler"]
+
 log = logging.getLogger(__name__)
 
 

@@ -23,6 +23,8 @@ from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreErr
 from lorapub.ports import RegistryStore
 from lorapub.runtime.clock import RegistryClock
 
+__all__ = ["MemoryStore", "LocalRegistry"]
+
 
 class MemoryStore:
     """The default store: the state lives as long as the process."""

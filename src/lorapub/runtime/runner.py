@@ -43,6 +43,8 @@ from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnkno
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 
+__all__ = ["OnReady", "OnEligible", "Deadlines", "RunLog", "EffectRunner"]
+
 log = logging.getLogger(__name__)
 
 OnReady = Callable[[ReadyToCommit], None]

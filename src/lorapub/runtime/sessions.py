@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 from lorapub.core.commands import (
     AuthorizeDispatch,
@@ -42,6 +42,7 @@ from lorapub.core.commands import (
     RenewLeases,
 )
 from lorapub.core.identity import SessionKey, VersionKey, check_id, new_nonce
+from lorapub.core.registry import Fleet
 from lorapub.core.session import Binding
 from lorapub.errors import (
     BindingStale,
@@ -52,9 +53,11 @@ from lorapub.errors import (
     SessionExpired,
     VersionMissing,
 )
-from lorapub.ports import EngineAdmin, Registry
+from lorapub.ports import EngineAdmin, GenerationTarget, Registry
 from lorapub.runtime.clock import Elapsed
 from lorapub.runtime.runner import EffectRunner, OnEligible
+
+__all__ = ["DEFAULT_IDLE_TTL", "LocalState", "LIVE", "Routing", "Probe", "StickyRouter", "Session", "SessionService"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,25 @@ class LocalState(enum.Enum):
 
 
 LIVE = frozenset({LocalState.OPEN, LocalState.BOUND})
+
+
+class Routing(Protocol):
+    """Where a session's generations go: :class:`StickyRouter` (lorapub's own, the default), or
+    :class:`lorapub.adapters.sglang_router.RouterRouting` behind the SGLang router."""
+
+    def pick(self, session: "Session", holders: frozenset[str] | None = None) -> GenerationTarget:
+        """The target of the session's next generation; ``holders``: the engines that hold its
+        version now (None: not known)."""
+        ...
+
+
+class Probe(Protocol):
+    """The deployment's targeted check of an engine that refused a version it should hold (every
+    engine when ``engine`` is None)."""
+
+    def __call__(
+        self, engine: str | None, version: VersionKey | None = None, lora_name: str | None = None
+    ) -> Awaitable[None]: ...
 
 
 class StickyRouter:
@@ -214,7 +236,7 @@ class Session:
         return new
 
     # -- dispatch -----------------------------------------------------------
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
         """One backend request (first turn, tool turn, legal retry, resume) on the bound version.
 
         It is sent once. An unknown outcome is raised to the caller, never resent here. The
@@ -282,7 +304,7 @@ class Session:
         self.lease_seen = time.monotonic()
         return binding
 
-    async def _send(self, binding: Binding, payload: Mapping[str, Any]) -> dict[str, Any]:
+    async def _send(self, binding: Binding, payload: Mapping[str, object]) -> dict[str, Any]:
         body = dict(payload)
         body["lora_path"] = binding.lora_name
         lag = self.service.lag(binding)
@@ -294,7 +316,7 @@ class Session:
             }
         return out
 
-    async def _dispatch(self, binding: Binding, body: dict[str, Any]) -> dict[str, Any]:
+    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> dict[str, Any]:
         engine = self.service.router.pick(self, self.service.holders(binding.version))
 
         async def dispatch() -> dict[str, Any]:
@@ -360,14 +382,14 @@ class SessionService:
         engines: Mapping[str, EngineAdmin],
         *,
         epoch: int,
-        router: StickyRouter | None = None,
+        router: Routing | None = None,
         on_eligible: OnEligible | None = None,
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
         self.epoch = epoch
-        self.router = router or StickyRouter(self.engines)
+        self.router: Routing = router or StickyRouter(self.engines)
         self.control = EffectRunner(registry, self.engines, on_eligible=on_eligible)
         self.sessions: dict[SessionKey, Session] = {}
         self._by_id: dict[str, Session] = {}
@@ -379,7 +401,7 @@ class SessionService:
         self._retiring: frozenset[VersionKey] = frozenset()
         self.on_stale = "error"
         self.kick: Callable[[], None] = lambda: None
-        self.probe: Callable[..., Awaitable[None]] | None = None
+        self.probe: Probe | None = None
         self._renewer: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # closes retried in the background
         self.renewals = 0
@@ -390,11 +412,12 @@ class SessionService:
         self.registry_time = Elapsed()
 
     # -- the fleet view (no registry round trip per request) -----------------------
-    def update_fleet(self, fleet: Any) -> None:
+    def update_fleet(self, fleet: Fleet) -> None:
         """The registry's latest view: who holds what, the default revision, what is retiring."""
         self._holders = dict(fleet.holders)
-        if getattr(fleet, "now", None) is not None:
-            self.registry_time.set(fleet.now)
+        now = getattr(fleet, "now", None)
+        if now is not None:
+            self.registry_time.set(now)
         self._view_revision = fleet.default_revision
         self.default_revision = max(self.default_revision, fleet.default_revision)
         self._retiring = frozenset(fleet.retiring)

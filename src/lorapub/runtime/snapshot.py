@@ -12,16 +12,26 @@ import hashlib
 import json
 import os
 import sys
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeAlias, TypeGuard
 
 from lorapub.wire.dtypes import ACCEPTED, SAFETENSORS_DTYPES
+from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
+
+__all__ = ["DEFAULT_BUCKET_CAP", "tensor_bytes", "Snapshot", "load_safetensors", "InlineBucketSource"]
+
+if TYPE_CHECKING:  # for the type checker only: a snapshot of numpy arrays needs no torch
+    import numpy.typing as npt
+    import torch
+
+    #: What a snapshot holds: a dense torch tensor or a numpy array (of any dtype the wire table has).
+    Tensor: TypeAlias = torch.Tensor | npt.NDArray[Any]
 
 DEFAULT_BUCKET_CAP = 64 << 20
 
 
-def _torch_tensor(t: Any) -> bool:
+def _torch_tensor(t: object) -> TypeGuard[torch.Tensor]:
     torch = sys.modules.get("torch")  # a torch tensor cannot exist unless torch was imported
     return torch is not None and isinstance(t, torch.Tensor)
 
@@ -79,11 +89,11 @@ def _freeze(name: str, t: Any) -> Any:
         raise InvalidInput(f"tensor {name!r} cannot be copied to CPU memory: {e}") from None
 
 
-def _is_torch(t: Any) -> bool:
+def _is_torch(t: object) -> TypeGuard[torch.Tensor]:
     return _torch_tensor(t)
 
 
-def tensor_bytes(t: Any) -> memoryview:
+def tensor_bytes(t: Tensor) -> memoryview:
     """A read-only byte view of a frozen tensor's memory (no copy): what is hashed and what travels."""
     if _is_torch(t):
         import torch
@@ -109,7 +119,7 @@ class Snapshot:
     naming the offending key.
     """
 
-    def __init__(self, state_dict: Mapping[str, Any], serving_config: Mapping[str, Any]) -> None:
+    def __init__(self, state_dict: Mapping[str, Tensor], serving_config: Mapping[str, object]) -> None:
         if not isinstance(state_dict, Mapping) or not isinstance(serving_config, Mapping):
             raise InvalidInput("Snapshot(state_dict, serving_config) takes two mappings")
         if not state_dict:
@@ -148,8 +158,9 @@ class Snapshot:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensor(self, name: str) -> Any:
-        return self._tensors[name]
+    def tensor(self, name: str) -> Tensor:
+        frozen: Tensor = self._tensors[name]
+        return frozen
 
     def plan(self, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP) -> BucketPlan:
         return BucketPlan.for_manifest(self.manifest, bucket_cap_bytes)
@@ -211,11 +222,11 @@ class InlineBucketSource:
         self.plan = plan
         self._cache: dict[int, bytes] = {}
 
-    async def send(self, token, index: int, engines) -> None:
+    async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         if index not in self._cache:  # serialize off the event loop: rollouts share it
             self._cache[index] = await asyncio.to_thread(self.snapshot.bucket_bytes, self.plan, index)
 
-    def payload(self, token, index: int) -> bytes:
+    def payload(self, token: AttemptToken, index: int) -> bytes:
         if index not in self._cache:
             self._cache[index] = self.snapshot.bucket_bytes(self.plan, index)
         return self._cache[index]

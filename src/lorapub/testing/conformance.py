@@ -50,6 +50,14 @@ from lorapub.errors import EngineError, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineAdmin
 from lorapub.testing.fixtures import lora_snapshot
 
+__all__ = [
+    "DEFAULT_DEADLINE", "EngineUnderTest", "EngineFactory", "ConformanceFailure", "NotChecked", "NotCheckedWarning",
+    "ConformanceResult", "idempotent_lifecycle", "late_messages_after_cleanup", "reclaim_waits_for_native_refs",
+    "generation_never_resent", "unknown_is_not_a_definite_error", "end_verifies_the_digest",
+    "stale_incarnation_refused", "no_fallback_on_a_missing_version", "new_incarnation_after_restart", "CHECKS",
+    "check_engine_admin",
+]
+
 #: Seconds one check may take (its engine's start and close each get as long again).
 DEFAULT_DEADLINE = 60.0
 

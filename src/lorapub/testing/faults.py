@@ -21,6 +21,8 @@ from lorapub.core.registry import Result
 from lorapub.errors import OutcomeUnknown
 from lorapub.ports import Registry
 
+__all__ = ["MODES", "FaultyRegistry"]
+
 MODES = ("request", "reply")
 
 

@@ -7,6 +7,8 @@ import hashlib
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
 from lorapub.runtime.snapshot import Snapshot
 
+__all__ = ["peft_lora_state_dict", "peft_config", "lora_snapshot", "fake_manifest", "fake_plan"]
+
 
 def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: int = 8, modules=("q_proj", "v_proj")):
     """Seeded PEFT-named ``lora_A``/``lora_B`` float32 tensors (numpy), both non-zero."""

@@ -35,6 +35,8 @@ from lorapub.wire.codec import manifest_digest
 from lorapub.wire.refusal import Refused
 from lorapub.wire.safetensors import safetensors_layout, verify_spans
 
+__all__ = ["FAULTS", "OPS", "MemoryEngine", "MemoryUnderTest"]
+
 FAULTS = ("request", "reply", "error", "stall", "restart")
 OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
 

@@ -25,6 +25,8 @@ from aiohttp import web
 
 from lorapub.testing.sglang_double import SGLangDouble
 
+__all__ = ["main"]
+
 
 def _gloo_sink(body: dict) -> int:
     import torch

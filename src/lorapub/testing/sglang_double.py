@@ -44,6 +44,11 @@ from lorapub.testing._sglang_registry import lora_registry_module, registry_root
 from lorapub.wire.codec import json_bytes
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE, ROUTES
 
+__all__ = [
+    "NORMAL", "ADMIN_OPTIONAL", "ADMIN_FORCE", "ROUTE_AUTH_LEVELS", "decide_request_auth", "content_signature",
+    "token_logprob", "next_token", "Fault", "SGLangDouble", "SGLangUnderTest", "SGLangWireUnderTest",
+]
+
 NORMAL, ADMIN_OPTIONAL, ADMIN_FORCE = "normal", "admin_optional", "admin_force"
 
 #: Each route's auth level, as SGLang's ``http_server.py`` marks it with ``@auth_level`` (unmarked:

@@ -15,7 +15,7 @@ __all__ = ["token_to_json", "token_from_json", "token_params", "plan_to_json", "
            "json_bytes", "json_or_text"]
 
 
-def token_to_json(token: AttemptToken) -> dict[str, Any]:
+def token_to_json(token: AttemptToken) -> dict[str, int | str]:
     return {"epoch": token.version.deployment_epoch, "version_id": token.version.version_id, "seq": token.seq}
 
 
@@ -76,7 +76,7 @@ def manifest_digest(plan: BucketPlan) -> str:
         raise bad(f"the plan describes no valid manifest: {e}") from None
 
 
-def json_bytes(value: Any) -> bytes:
+def json_bytes(value: object) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 

@@ -7,12 +7,24 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any
+from typing import Protocol
 
-__all__ = ["barrier", "post_abort", "running_kernel"]
+__all__ = ["Store", "barrier", "post_abort", "running_kernel"]
 
 
-def barrier(store: Any, key: str, world: int, timeout: float, abort_key: str = "abort") -> None:
+class Store(Protocol):
+    """What the barrier uses of a collective group's key-value store (``torch.distributed.Store``)."""
+
+    def add(self, key: str, amount: int, /) -> int: ...
+
+    def check(self, keys: list[str], /) -> bool: ...
+
+    def get(self, key: str, /) -> bytes: ...
+
+    def set(self, key: str, value: str, /) -> None: ...
+
+
+def barrier(store: Store, key: str, world: int, timeout: float, abort_key: str = "abort") -> None:
     """Every party of a collective announces itself on the group's store and waits for all
     ``world`` of them (or an abort any party posts, or ``timeout``): a collective is entered only when
     every rank is there, so no rank is left waiting in one that a party will never join."""
@@ -29,7 +41,7 @@ def barrier(store: Any, key: str, world: int, timeout: float, abort_key: str = "
         pause = min(pause * 2, 0.002)
 
 
-def post_abort(store: Any, reason: str) -> None:
+def post_abort(store: Store, reason: str) -> None:
     """Tell every party of a collective to stop waiting (best effort)."""
     try:
         store.set("abort", reason[:500])

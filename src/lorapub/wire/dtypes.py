@@ -12,6 +12,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
+__all__ = ["SAFETENSORS_DTYPES", "ACCEPTED"]
+
 #: manifest dtype name -> safetensors dtype code, for every dtype a version may hold.
 SAFETENSORS_DTYPES: Mapping[str, str] = MappingProxyType({
     "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64", "int32": "I32",
