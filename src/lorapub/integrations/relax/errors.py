@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 from lorapub import LorapubError
 
+__all__ = ['CONTEXT_MARKERS', 'RelaxChatError', 'chat_error', 'error_result', 'export_metadata']
+
 # ---------------------------------------------------------------------------------------------
 # Errors in Relax's shape
 # ---------------------------------------------------------------------------------------------

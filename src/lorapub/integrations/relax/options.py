@@ -14,6 +14,8 @@ import time
 from typing import Any, Callable, Mapping
 
 
+__all__ = ['CONFIG_FLAG', 'DEFAULT_NAME_PREFIX', 'ENABLE_FLAG', 'LorapubConfig', 'OptionClash', 'RELAX_ADAPTER_NAME', 'RELAX_NAME_FAMILIES', 'RELAX_OPTIONS', 'TRANSPORTS', 'add_arguments', 'check_name_prefix', 'check_parser', 'config_from_args', 'engine_env', 'engine_name', 'is_enabled', 'sglang_overrides', 'topology_urls', 'validate_args', 'version_id_for']
+
 # ---------------------------------------------------------------------------------------------
 # Names: lorapub's options and engine-side names never collide with Relax's
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from lorapub import Deployment, EngineError, LorapubError, SessionClosed
 from .errors import CONTEXT_MARKERS, chat_error
 from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
 
+__all__ = ['GenerateResult', 'LorapubGenerationBackend', 'RelaxLorapub']
+
 log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whole integration
 
 # ---------------------------------------------------------------------------------------------

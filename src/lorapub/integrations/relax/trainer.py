@@ -16,6 +16,8 @@ from lorapub import CapacityError, PublicationBlocked, PublicationSuperseded, Sn
 from .options import config_from_args, is_enabled, topology_urls, version_id_for
 from .shard import RelaxLorapub
 
+__all__ = ['LorapubPublisher', 'LorapubWeightPath', 'PublishOutcome', 'WeightPublicationFailed', 'install_weight_path', 'max_over']
+
 log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whole integration
 
 # ---------------------------------------------------------------------------------------------
