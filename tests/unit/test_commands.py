@@ -17,9 +17,9 @@ def _snake(name: str) -> str:
 def test_every_command_has_one_handler_of_its_name():
     values = {cls for cls in vars(C).values() if isinstance(cls, type) and attrs.has(cls) and cls.__module__ == C.__name__}
     assert values == set(R.COMMANDS)
-    assert set(C.QUERIES) == set(R._QUERIES)
+    assert set(C.QUERIES) == set(R.QUERY_HANDLERS)
     for cls in set(R.COMMANDS) - set(C.QUERIES):
-        assert R._TRANSITIONS[cls] is getattr(R, _snake(cls.__name__)), cls
+        assert R.TRANSITIONS[cls] is getattr(R, _snake(cls.__name__)), cls
 
 
 def test_a_query_never_changes_the_state():

@@ -1,0 +1,44 @@
+"""Reclaim: claim a retired version no one can use, and count its engines' unloads."""
+
+from __future__ import annotations
+
+
+import attrs
+
+from lorapub.core import reclaim as rec
+from lorapub.core.effects import Ignored
+from lorapub.core.identity import VersionKey
+from lorapub.core.version import VersionState, advance
+from lorapub.errors import UnknownEngine
+
+from .state import Outcome, RegistryState
+
+__all__ = ['claim_reclaim', 'record_unloaded', 'retry_reclaim']
+
+
+# -- reclaim -------------------------------------------------------------------
+def claim_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
+    version = state.version(key)
+    new, effects = rec.claim(version, rec.reclaim_id_for(version, state.reclaim_seq + 1))
+    if new is version:
+        return Outcome(state, version.reclaim_id, effects)
+    if not new.reclaim_pending:  # every holder restarted: nothing is loaded anywhere
+        new = advance(new, VersionState.RECLAIMED)
+    state = attrs.evolve(state, versions=state.versions.set(key, new), reclaim_seq=state.reclaim_seq + 1)
+    return Outcome(state, new.reclaim_id, effects)
+
+
+def record_unloaded(state: RegistryState, key: VersionKey, reclaim_id: str, engine: str) -> Outcome:
+    """One engine's UNLOADED receipt for ``reclaim_id``."""
+    if engine not in state.engines:
+        raise UnknownEngine(f"engine {engine} is not registered")
+    version = state.version(key)
+    new, effects = rec.confirm(version, reclaim_id, engine)
+    return Outcome(attrs.evolve(state, versions=state.versions.set(key, new)), new.state, effects)
+
+
+def retry_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
+    version = state.version(key)
+    if version.state is not VersionState.RECLAIMING:
+        return Outcome(state, version.state, [Ignored(f"{key} is {version.state.value}; nothing to retry")])
+    return Outcome(state, version.state, rec.sends(version))

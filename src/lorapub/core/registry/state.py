@@ -1,0 +1,335 @@
+"""The registry's state, what its transitions return, and the replies of its queries."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, TypeVar
+
+import attrs
+from pyrsistent import PMap, pmap
+
+from lorapub.core import _fields
+from lorapub.core import attempt as att
+from lorapub.core.attempt import Attempt, Phase
+from lorapub.core.effects import Effect
+from lorapub.core.identity import MANAGED_PREFIX, AttemptToken, SessionKey, VersionKey, check_name_prefix
+from lorapub.core.group import GroupRecord
+from lorapub.core.session import SessionRecord
+from lorapub.core.session_table import SessionTable
+from lorapub.core.version import CommitReceipt, Version, VersionState
+from lorapub.errors import EpochMismatch, InvalidInput, StaleAttempt, UnknownVersion
+
+__all__ = ['AttemptStatus', 'DEFAULT_CAPACITY', 'DEFAULT_LEASE_TTL', 'DEFAULT_TOMBSTONE_WINDOW', 'Fleet', 'ON_STALE',
+    'Outcome', 'RegistryState', 'ReserveReply', 'SessionsOf', 'SlotHolder', 'Waiter', 'Waiting', 'as_effects',
+    'check_epoch', 'check_max_lag', 'new_registry']
+
+
+DEFAULT_CAPACITY = 2
+#: Seconds a session's ref outlives the last renewal from its worker (None: no leases).
+DEFAULT_LEASE_TTL = 120.0
+#: Seconds a closed or expired session's tombstone is kept after the session began (None: for
+#: the epoch). Messages for a session born before the window are refused without one.
+DEFAULT_TOMBSTONE_WINDOW = 3600.0
+#: What a session bound to a version more than ``max_lag`` commits behind the default gets at
+#: its next generation: ``"error"`` (BINDING_STALE, the session generates no more) or
+#: ``"rebind"`` (it moves to the default at that turn boundary, recorded in its provenance).
+ON_STALE = ("error", "rebind")
+
+
+@attrs.frozen
+class Waiter:
+    """The one publication waiting for a slot (the newest: a newer one supersedes it)."""
+
+    key: VersionKey
+    digest: str
+    publisher: str
+    since: float | None  # registry time it began waiting
+    until: float | None  # registry time its caller stops waiting (dropped after that)
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _frozen_map(value: Mapping[_K, _V]) -> PMap[_K, _V]:
+    # attrs.evolve re-runs converters: an existing PMap must pass through, not be copied.
+    return value if isinstance(value, PMap) else pmap(value)
+
+
+# One converter a field (mypy's attrs plugin types the field's argument by its converter's).
+def _engines(value: Mapping[str, str]) -> PMap[str, str]:
+    return _frozen_map(value)
+
+
+def _versions(value: Mapping[VersionKey, Version]) -> PMap[VersionKey, Version]:
+    return _frozen_map(value)
+
+
+def _attempts(value: Mapping[AttemptToken, Attempt]) -> PMap[AttemptToken, Attempt]:
+    return _frozen_map(value)
+
+
+def _reprovisions(value: Mapping[tuple[str, VersionKey], AttemptToken]) -> PMap[tuple[str, VersionKey], AttemptToken]:
+    return _frozen_map(value)
+
+
+def _groups(value: Mapping[str, GroupRecord]) -> PMap[str, GroupRecord]:
+    return _frozen_map(value)
+
+
+def _superseded(value: Mapping[VersionKey, VersionKey]) -> PMap[VersionKey, VersionKey]:
+    return _frozen_map(value)
+
+
+def _session_table(value: Mapping[SessionKey, SessionRecord]) -> SessionTable:
+    # as _frozen_map: an existing table passes through; a mapping of records becomes one
+    return value if isinstance(value, SessionTable) else SessionTable(value)
+
+
+def as_effects(effects: Iterable[Effect]) -> tuple[Effect, ...]:
+    return tuple(effects)
+
+
+@attrs.frozen
+class RegistryState:
+    epoch: int
+    engines: PMap[str, str] = attrs.field(converter=_engines)  # engine -> current incarnation
+    capacity: int = DEFAULT_CAPACITY
+    versions: PMap[VersionKey, Version] = attrs.field(factory=pmap, converter=_versions)
+    attempts: PMap[AttemptToken, Attempt] = attrs.field(factory=pmap, converter=_attempts)
+    # SessionKey -> SessionRecord, held as atoms the garbage collector does not track, with
+    # the lease and tombstone indexes ExpireLeases reads (see lorapub.core.session_table)
+    sessions: SessionTable = attrs.field(factory=SessionTable, converter=_session_table)
+    default: VersionKey | None = None
+    default_revision: int = 0
+    attempt_seq: int = 0
+    reclaim_seq: int = 0
+    lease_ttl: float | None = DEFAULT_LEASE_TTL
+    # (engine, VersionKey) -> the re-provisioning attempt loading it there again
+    reprovisions: PMap[tuple[str, VersionKey], AttemptToken] = attrs.field(factory=pmap, converter=_reprovisions)
+    expired_sessions: int = 0
+    tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW
+    forgotten_sessions: int = 0
+    # Bounded staleness: a version more than max_lag commits behind the default is retiring
+    # (None: a session keeps its version for life, the RFC's rule).
+    max_lag: int | None = None
+    on_stale: str = "error"
+    groups: PMap[str, GroupRecord] = attrs.field(factory=pmap, converter=_groups)  # group id -> GroupRecord
+    waiter: Waiter | None = None
+    # a version whose waiting publication a newer one superseded -> that newer version
+    superseded: PMap[VersionKey, VersionKey] = attrs.field(factory=pmap, converter=_superseded)
+    # how this deployment's versions are named on the engines (each engine protects one prefix)
+    name_prefix: str = MANAGED_PREFIX
+
+    __getstate__ = _fields.getstate
+    __setstate__ = _fields.setstate
+
+    # -- reads ---------------------------------------------------------------
+    @property
+    def slots_held(self) -> int:
+        return sum(1 for v in self.versions.values() if v.holds_slot)
+
+    def slot_holders(self) -> tuple["SlotHolder", ...]:
+        return tuple(
+            SlotHolder(k, v.state, v.session_refs, v.lag(self.default_revision), v.retiring,
+                       tuple(sorted(v.reclaim_pending)))
+            for k, v in sorted(self.versions.items()) if v.holds_slot
+        )
+
+    def unresolved_attempt(self) -> Attempt | None:
+        # Versions hold at most `capacity` live attempts, so this scan is tiny.
+        for v in self.versions.values():
+            a = self.attempts[v.attempt]
+            if not a.resolved:
+                return a
+        return None
+
+    def version(self, key: VersionKey) -> Version:
+        try:
+            return self.versions[key]
+        except KeyError:
+            raise UnknownVersion(f"version {key} was never reserved in epoch {self.epoch}") from None
+
+    def attempt(self, token: AttemptToken) -> Attempt:
+        try:
+            return self.attempts[token]
+        except KeyError:
+            raise StaleAttempt(f"attempt {token} was never issued by this registry") from None
+
+    def reclaimable(self) -> list[VersionKey]:
+        return sorted(k for k, v in self.versions.items() if v.reclaimable)
+
+    def needed(self) -> list[Version]:
+        """Versions sessions can still use: the default and RETIRED versions with refs (not retiring)."""
+        return [
+            v for k, v in sorted(self.versions.items())
+            if v.state is VersionState.PUBLISHED
+            or (v.state is VersionState.RETIRED and v.session_refs > 0 and not v.retiring)
+        ]
+
+    def missing(self) -> list[tuple[str, VersionKey]]:
+        """(engine, version) pairs to re-provision: a needed version an engine lost in a restart."""
+        return [
+            (engine, v.key) for v in self.needed() for engine in sorted(self.engines)
+            if engine not in v.engines and (engine, v.key) not in self.reprovisions
+        ]
+
+
+@attrs.frozen
+class Outcome:
+    state: RegistryState
+    # what the command answers: its type depends on the command (see each transition and query)
+    reply: Any = None
+    effects: tuple[Effect, ...] = attrs.field(default=(), converter=as_effects)
+
+
+@attrs.frozen
+class ReserveReply:
+    token: AttemptToken
+    lora_name: str
+    state: VersionState
+    expected_default_revision: int
+    created: bool
+
+
+@attrs.frozen
+class SlotHolder:
+    """A version that holds one of the managed slots, and what keeps it."""
+
+    version: VersionKey
+    state: VersionState
+    session_refs: int
+    lag: int | None
+    retiring: bool
+    unloading_on: tuple[str, ...] = ()  # RECLAIMING: engines whose unload is not confirmed
+
+    def describe(self) -> str:
+        what = f"{self.version} {self.state.value}"
+        if self.lag is not None and self.state is not VersionState.PUBLISHED:
+            what += f" (lag {self.lag})"
+        if self.state is VersionState.RETIRED and self.session_refs and not self.retiring:
+            what += f": kept by {self.session_refs} session ref(s) until they close or expire"
+        elif self.state is VersionState.RETIRED:
+            what += ": being reclaimed"
+        elif self.state is VersionState.RECLAIMING:
+            what += f": waiting for requests still running on {', '.join(self.unloading_on) or 'its engines'}"
+        elif self.state is VersionState.ABORTED:
+            what += ": cleanup of its failed attempt not confirmed"
+        return what
+
+
+@attrs.frozen
+class Waiting:
+    """Reserve's reply to a call that waits: no slot yet (``holders`` keep them), or an
+    unresolved ``attempt`` runs. Ask again; a newer publication supersedes this one."""
+
+    key: VersionKey
+    since: float | None
+    holders: tuple[SlotHolder, ...]
+    attempt: AttemptToken | None = None
+    attempt_phase: str | None = None
+
+    def describe(self) -> str:
+        if self.attempt is not None:
+            return f"attempt {self.attempt} is {self.attempt_phase}"
+        return "every slot is held: " + "; ".join(h.describe() for h in self.holders)
+
+
+@attrs.frozen
+class SessionsOf:
+    """What :class:`ReadSessionsOf` answers: who holds refs on a version."""
+
+    version: VersionKey
+    sessions: int  # solo sessions holding a ref
+    groups: int  # groups holding a ref
+    session_ids: tuple[tuple[str, str, float | None], ...]  # (session id, state, lease_until), at most limit
+    group_ids: tuple[tuple[str, int], ...]  # (group id, open members), at most limit
+
+
+@attrs.frozen
+class Fleet:
+    """What the reconciler and the session router need, without the sessions (cheap to ship).
+
+    ``holders`` maps each version sessions may still use to the engines that hold it now.
+    """
+
+    epoch: int
+    engines: Mapping[str, str]
+    default: VersionKey | None
+    holders: Mapping[VersionKey, frozenset[str]]
+    missing: tuple[tuple[str, VersionKey], ...]
+    reclaimable: tuple[VersionKey, ...]
+    reclaiming: tuple[VersionKey, ...]
+    cleaning: tuple[AttemptToken, ...]  # aborted attempts whose cleanup is not confirmed
+    active: Mapping[AttemptToken, att.Progress]  # live attempts -> their progress value
+    expired_sessions: int
+    lease_ttl: float | None
+    default_revision: int = 0
+    retiring: frozenset[VersionKey] = frozenset()
+    max_lag: int | None = None
+    on_stale: str = "error"
+    capacity: int = DEFAULT_CAPACITY
+    slots: tuple[SlotHolder, ...] = ()
+    waiting: Waiter | None = None
+    now: float | None = None  # the registry's clock when it answered
+    name_prefix: str = MANAGED_PREFIX
+    lora_names: Mapping[VersionKey, str] = attrs.field(factory=dict)  # every version engines may still hold
+
+    @property
+    def routable(self) -> frozenset[str]:
+        """Engines that hold every version sessions may still use."""
+        if not self.holders:
+            return frozenset(self.engines)
+        return frozenset.intersection(*self.holders.values())
+
+
+@attrs.frozen
+class AttemptStatus:
+    token: AttemptToken
+    phase: Phase
+    version_state: VersionState
+    commit: CommitReceipt | None
+    targets: tuple[tuple[str, str], ...]  # (engine, target state)
+    publisher: str = ""  # who started it (its own replay may take it over)
+
+
+def new_registry(
+    epoch: int,
+    engines: Mapping[str, str],
+    capacity: int = DEFAULT_CAPACITY,
+    lease_ttl: float | None = DEFAULT_LEASE_TTL,
+    tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
+    max_lag: int | None = None,
+    on_stale: str = "error",
+    name_prefix: str = MANAGED_PREFIX,
+) -> RegistryState:
+    if not engines:
+        raise InvalidInput("a registry needs at least one target engine")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise InvalidInput(f"capacity must be an int >= 1, got {capacity!r}")
+    if lease_ttl is not None and (not isinstance(lease_ttl, (int, float)) or not lease_ttl > 0):
+        raise InvalidInput(f"lease_ttl must be a positive number of seconds or None, got {lease_ttl!r}")
+    if tombstone_window is not None and (not isinstance(tombstone_window, (int, float)) or not tombstone_window > 0):
+        raise InvalidInput(f"tombstone_window must be a positive number of seconds or None, got {tombstone_window!r}")
+    if lease_ttl is not None and tombstone_window is not None and tombstone_window < 2 * lease_ttl:
+        raise InvalidInput(f"tombstone_window ({tombstone_window:g}s) must be at least twice lease_ttl ({lease_ttl:g}s)")
+    check_max_lag(max_lag, on_stale)
+    check_name_prefix(name_prefix)
+    return RegistryState(
+        epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
+        max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
+    )
+
+
+def check_max_lag(max_lag: object, on_stale: object) -> None:
+    if max_lag is not None and (not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0):
+        raise InvalidInput(f"max_lag must be an int >= 0 (commits behind the default) or None, got {max_lag!r}")
+    if on_stale not in ON_STALE:
+        raise InvalidInput(f"on_stale must be one of {', '.join(map(repr, ON_STALE))}, got {on_stale!r}")
+
+
+def check_epoch(state: RegistryState, epoch: int, what: object) -> None:
+    if epoch != state.epoch:
+        raise EpochMismatch(f"{what} belongs to epoch {epoch}; this registry serves epoch {state.epoch}")
