@@ -255,3 +255,65 @@ async def test_a_duplicate_torch_receive_starts_no_second_collective(tmp_path):
     finally:
         await engine.close()
         await d.stop()
+
+
+async def test_a_cleanup_that_comes_during_the_engines_load_leaves_no_adapter_behind(tmp_path):
+    """The engine tombstones the attempt at once and waits for its load; a load that ends after that
+    is refused as cleaned up (the staging then answers ``loaded: null``), yet it did register the
+    adapter: the cleanup unloads it, so the failed version holds no slot."""
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+    from lorapub.demo.workload import until
+    from lorapub.errors import EngineError
+
+    d = SGLangDouble("e0", load_delay=0.5)
+    d.stash_root = str(tmp_path / "disk")
+    await d.start()
+    engine = SGLangWireEngine("e0", d.url, probe_timeout=10)
+    try:
+        snapshot = lora_snapshot(8)
+        plan = snapshot.plan(4 << 10)
+        key = VersionKey(1, "L")
+        token, name = AttemptToken(key, 1), lora_name_for(key, snapshot.digest)
+        source = engine.transport.bucket_source_factory(snapshot, plan)
+        inc = await engine.begin(SendBegin("e0", await engine.incarnation(), token, name, snapshot.digest, plan))
+        for b in plan.buckets:
+            assert await engine.receive_bucket(token, b.index, source.payload(token, b.index)) == inc
+        ending = asyncio.create_task(engine.end(token))
+        await until(lambda: d.staging._attempts[token].lock.locked(), timeout=5)  # end runs: it loads for 0.5 s
+        await asyncio.sleep(0.1)
+        assert await engine.cleanup(token, name) == inc  # while the load runs
+        with pytest.raises(EngineError, match="cleaned up"):
+            await ending
+        assert name not in d.registered() and d.physical_unloads.count(name) == 1
+        assert d.staging.report()["attempts"] == {}
+    finally:
+        await engine.close()
+        await d.stop()
+
+
+async def test_a_cleanup_of_another_attempt_never_unloads_the_version_an_attempt_holds(tmp_path):
+    """Another attempt of the same version (a re-provisioning, a replayed one) may hold the name: the
+    cleanup of one that loaded nothing leaves it loaded."""
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+
+    d = SGLangDouble("e0")
+    d.stash_root = str(tmp_path / "disk")
+    await d.start()
+    engine = SGLangWireEngine("e0", d.url, probe_timeout=10)
+    try:
+        snapshot = lora_snapshot(9)
+        plan = snapshot.plan(4 << 10)
+        key = VersionKey(1, "R")
+        holder, other, name = AttemptToken(key, 2), AttemptToken(key, 1), lora_name_for(key, snapshot.digest)
+        source = engine.transport.bucket_source_factory(snapshot, plan)
+        inc = await engine.begin(SendBegin("e0", await engine.incarnation(), holder, name, snapshot.digest, plan))
+        for b in plan.buckets:
+            await engine.receive_bucket(holder, b.index, source.payload(holder, b.index))
+        await engine.end(holder)
+        assert await engine.cleanup(other, name) == inc
+        assert name in d.registered() and d.physical_unloads == []
+    finally:
+        await engine.close()
+        await d.stop()

@@ -786,11 +786,24 @@ class SGLangWireEngine(SGLangAdminBase):
         # of it can be loaded after this answer; then the exact name is unloaded if this attempt
         # loaded it (another attempt of the same version — a re-provisioning — may hold that name).
         reply = await self._stage(CLEANUP_ROUTE, {"token": token_to_json(token)}, self.load_timeout)
-        if "loaded" not in reply or reply["loaded"]:  # (a staging that does not say: unloaded to be safe)
+        if "loaded" not in reply or reply["loaded"] or await self._left_behind(lora_name):
+            # (a staging that does not say: unloaded to be safe)
             await self._unload(lora_name, f"cleanup-{token}")
         self._lives.pop(token, None)
         self._digests.pop(token, None)
         return await self.incarnation()
+
+    async def _left_behind(self, lora_name: str) -> bool:
+        """The engine holds ``lora_name`` though no attempt staged there claims it: the load of the
+        attempt just cleaned up, which ended after the cleanup tombstoned it (the staging then
+        answers ``loaded: null`` for a load that did happen). A name another attempt holds or is
+        loading (a re-provisioning of the same version) is that attempt's, and stays."""
+        state = await self.client.state()
+        if lora_name not in state.get("adapters", {}):
+            return False
+        attempts = (state.get("staging") or {}).get("attempts") or {}
+        return not any(isinstance(a, dict) and a.get("lora_name") == lora_name
+                       for a in (attempts.values() if isinstance(attempts, dict) else ()))
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)
