@@ -1,24 +1,26 @@
-"""Adapter bytes over the wire into a patched SGLang server, staged **inside the engine**.
+"""Adapter bytes into a patched SGLang server, staged and verified **inside the engine**.
 
-:class:`SGLangWireEngine` is an :class:`~lorapub.ports.EngineAdmin` whose begin / buckets / end /
-cleanup run in the engine process (the routes lorapub's SGLang patch adds,
+:class:`SGLangWireEngine` is lorapub's :class:`~lorapub.ports.EngineAdmin` for SGLang: its begin /
+buckets / end / cleanup run in the engine process (the routes lorapub's SGLang patch adds,
 :mod:`lorapub.sglang_patch.engine_staging`): the publisher keeps one frozen snapshot and does no
 per-engine byte work; each engine verifies every tensor's SHA-256 and the manifest digest before
-the pinned fresh load. No filesystem is shared. The transport is chosen per deployment:
+the pinned fresh load. How the bytes travel is the deployment's :class:`~lorapub.ports.Transport`,
+named once (``Deployment(engines, transport=...)``) and handed to every engine:
 
 * :class:`HTTPBytes` (default, cross-host): each bucket's tensors are streamed as the body of one
   POST, straight from the frozen snapshot's memory (no serialisation, no copy);
 * :class:`SameHostIPC`: the publisher writes each bucket once into a shared-memory file that every
   engine on the host reads; the engine loads through SGLang's own ``load_lora_adapter_from_tensors``
   (tensors handed to the scheduler over SGLang's IPC, nothing written to disk);
+* :class:`SharedDir`: the same bucket files, in a folder the publisher and the engines both mount
+  (the engine reads them from its ``LORAPUB_SHM_DIR``, its own mount of that folder);
 * :class:`TorchDistributed`: the engine joins a process group with the publisher (gloo on CPUs,
   NCCL on GPUs) and receives each bucket as one ordered broadcast; a duplicate receive starts no
   second collective, and a failed collective fails the attempt on every party (every wait is
   bounded by the transport's ``timeout``).
 
-Each transport is also the publisher's bucket source: engines built with one transport make
-:class:`~lorapub.runtime.publisher.Publisher` (and so ``Deployment``/``deploy``) use its
-``bucket_source_factory``.
+Each transport is also the publisher's bucket source (:meth:`~lorapub.ports.Transport.source`) and
+says what an engine posts for each bucket (:meth:`~lorapub.ports.Transport.bucket_request`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
+from lorapub.ports import BucketPost, Transport
 from lorapub.runtime.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes, json_or_text, plan_to_json, token_params, token_to_json
 from lorapub.wire.collective import barrier, post_abort, running_kernel
@@ -89,12 +92,12 @@ class HTTPBytes:
     engine's session. ``"auto"`` (default): the thread, unless the engine was given an aiohttp
     session of the caller's (whose settings, such as a TLS context or a proxy, every request to
     that engine then keeps).
+
+    Instances made with the same options are one way of sending (equal); a subclass that keeps
+    per-attempt state of its own (as :class:`TorchDistributed` does) equals only itself.
     """
 
     kind = "http"
-    #: No per-process state: instances made with the same options are one way of sending
-    #: (a subclass that keeps state of its own sets this False and equals only itself).
-    stateless = True
 
     def __init__(self, *, load: str = "dir", sender: str = "auto") -> None:
         if load not in LOAD_FORMS:
@@ -109,27 +112,33 @@ class HTTPBytes:
     def _value(self) -> tuple:
         return (type(self), self.load, self.sender)
 
-    # Engines built with the default each get their own instance and still form one deployment.
     def __eq__(self, other: object) -> bool:
-        if not (self.stateless and isinstance(other, HTTPBytes) and other.stateless):
-            return self is other
-        return self._value() == other._value()
+        return isinstance(other, HTTPBytes) and self._value() == other._value()
 
     def __hash__(self) -> int:
-        return hash(self._value()) if self.stateless else object.__hash__(self)
+        return hash(self._value())
+
+    def source(self, snapshot: Snapshot, plan: BucketPlan) -> "WireBucketSource":
+        return WireBucketSource(snapshot, plan)
 
     def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:
         return {"kind": self.kind}
 
-    def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> "WireBucketSource":
-        return WireBucketSource(snapshot, plan)
+    async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
+        """A :class:`RawBucket` is streamed (``raw``); bytes are one safetensors blob (``safetensors``,
+        e.g. :meth:`~lorapub.runtime.snapshot.Snapshot.bucket_bytes`)."""
+        if isinstance(payload, RawBucket):
+            return BucketPost("raw", payload.chunks(), length=len(payload), sender=self.sender)
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            return BucketPost("safetensors", payload)
+        raise InvalidInput(f"{engine}: a bucket payload is bytes or a wire bucket, got {type(payload).__name__}")
 
 
 class WireBucketSource:
     """The publisher's half for :class:`HTTPBytes`: nothing to prepare; each engine's receive streams
     the bucket from the frozen snapshot (no serialisation, no per-engine copy)."""
 
-    carries_bytes = True
+    collective = False
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan) -> None:
         if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
@@ -340,7 +349,7 @@ class ShmBucketSource:
     killed mid-publication leaves files the next source made on the host removes (:func:`sweep_shm`,
     run off the event loop when a source is made; ``sweeping`` is that thread)."""
 
-    carries_bytes = True
+    collective = False
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan, shm_dir: str) -> None:
         if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
@@ -417,18 +426,27 @@ class ShmBucketSource:
         return sorted(self._owner.paths)
 
 
+def _folder(kind: str, value: object) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not os.path.isdir(value):
+        raise InvalidInput(f"{kind} must be an existing folder, got {value!r}")
+    return value
+
+
 class SameHostIPC(HTTPBytes):
     """Buckets through shared memory on one host (``shm_dir``, default ``/dev/shm``; the engine reads
     only lorapub's bucket files from its own ``LORAPUB_SHM_DIR``, the same folder), loaded through
-    SGLang's own ``load_lora_adapter_from_tensors`` by default."""
+    SGLang's own ``load_lora_adapter_from_tensors`` by default.
+
+    Each bucket is written once into a file of the folder (:class:`ShmBucketSource`) and every
+    engine is sent only its name; the engine maps it, verifies it and stores it like any bucket."""
 
     kind = "shm"
 
     def __init__(self, *, shm_dir: str = "/dev/shm", load: str = "tensors") -> None:
         super().__init__(load=load)
-        if not isinstance(shm_dir, str) or not os.path.isdir(shm_dir):
-            raise InvalidInput(f"shm_dir must be an existing folder, got {shm_dir!r}")
-        self.shm_dir = shm_dir
+        self.shm_dir = _folder("shm_dir", shm_dir)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shm_dir={self.shm_dir!r}, load={self.load!r})"
@@ -436,8 +454,39 @@ class SameHostIPC(HTTPBytes):
     def _value(self) -> tuple:
         return (type(self), self.load, os.path.realpath(self.shm_dir))
 
-    def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> ShmBucketSource:
+    def source(self, snapshot: Snapshot, plan: BucketPlan) -> ShmBucketSource:
         return ShmBucketSource(snapshot, plan, self.shm_dir)
+
+    async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
+        if not isinstance(payload, ShmBucket):
+            return await super().bucket_request(token, index, payload, engine)
+        # the file goes once every engine read it, or at once when one could not (the attempt is over)
+        return BucketPost("shm", json_bytes({"name": payload.name}), "application/json",
+                          settle=lambda stored, why: payload.read_by(engine, ok=stored))
+
+
+class SharedDir(SameHostIPC):
+    """Buckets as files in a folder the publisher and the engines both mount (``path``, the
+    publisher's mount): :class:`SameHostIPC`'s mechanism over that folder. Each bucket is written
+    there once; every engine is sent only its file's name and reads it from **its own**
+    ``LORAPUB_SHM_DIR``, which the operator sets, in the engine's environment, to the engine's
+    mount of the same folder (the mount points may differ). The engine verifies every tensor
+    before anything is loaded; ``load="dir"`` (default) has it write the adapter's PEFT folder on
+    its own disk and load that.
+
+    The folder must keep a removed file readable to a reader that opened it (a local filesystem
+    or a host folder mounted into containers: the publisher removes each bucket file once every
+    engine answered it)."""
+
+    def __init__(self, path: str | os.PathLike, *, load: str = "dir") -> None:
+        super().__init__(shm_dir=_folder("path", path), load=load)
+
+    @property
+    def path(self) -> str:
+        return self.shm_dir
+
+    def __repr__(self) -> str:
+        return f"SharedDir({self.shm_dir!r}, load={self.load!r})"
 
 
 # -- torch.distributed ----------------------------------------------------------------------------------
@@ -445,7 +494,10 @@ class TorchDistributed(HTTPBytes):
     """Buckets as ordered broadcasts in a process group of the publisher (rank 0) and the attempt's
     engines (ranks 1.. in engine-name order): ``backend`` gloo (CPU) or nccl (GPU, ``device`` cuda).
     The publisher hosts the group's store at ``host`` (an address every engine can reach) on a free
-    port per attempt; ``timeout`` bounds every join and broadcast on every party."""
+    port per attempt; ``timeout`` bounds every join and broadcast on every party.
+
+    It tracks the sources it made (each attempt's group): one instance serves a deployment, and
+    equals only itself."""
 
     kind = "torch"
 
@@ -460,27 +512,43 @@ class TorchDistributed(HTTPBytes):
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.host, self.backend, self.device, self.timeout = host, backend, device, float(timeout)
         self._sources: weakref.WeakValueDictionary[str, TorchBucketSource] = weakref.WeakValueDictionary()
+        self._attempts: weakref.WeakValueDictionary[AttemptToken, TorchBucketSource] = weakref.WeakValueDictionary()
 
-    # It tracks the sources it made (each attempt's group): one instance serves a deployment.
-    stateless = False
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
-    def bucket_source_factory(self, snapshot: Snapshot, plan: BucketPlan) -> "TorchBucketSource":
+    def source(self, snapshot: Snapshot, plan: BucketPlan) -> "TorchBucketSource":
         source = TorchBucketSource(snapshot, plan, self)
         self._sources[plan.digest] = source
-        return source
-
-    def source_for(self, digest: str) -> "TorchBucketSource":
-        source = self._sources.get(digest)
-        if source is None:
-            raise EngineError(f"no torch.distributed bucket source is publishing {digest[:12]} in this process")
         return source
 
     def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:
         source = self._sources.get(request.digest)
         if source is None:  # a caller that hands the buckets' bytes itself (no collective to join)
             return {"kind": "http"}
+        self._attempts[request.token] = source
         return {"kind": self.kind, "host": self.host, "port": source.port, "backend": self.backend,
                 "device": self.device, "timeout": self.timeout}
+
+    async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
+        if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload):
+            return await super().bucket_request(token, index, payload, engine)
+        # no bytes: the engine joins the broadcast of bucket ``index``
+        source = self._attempts.get(token)
+        if source is None:
+            raise EngineError(f"no torch.distributed bucket source is publishing {token} in this process")
+        try:
+            rank, world = await source.rank_of(token, engine)
+        except Exception as e:
+            source.abort(token, f"{engine}: {e}")
+            raise
+
+        def settle(stored: bool, why: str | None) -> None:
+            if not stored and why is not None:  # the others must not wait for a rank that will not come
+                source.abort(token, why)
+
+        return BucketPost("torch", json_bytes({"rank": rank, "world_size": world, "src": 0}), "application/json",
+                          settle=settle)
 
 
 class TorchBucketSource:
@@ -488,7 +556,7 @@ class TorchBucketSource:
     bucket, once the attempt's engines are known; bucket ``i`` is broadcast at most once, from a
     flat copy made while bucket ``i-1`` was on the wire (two reused bucket-sized buffers)."""
 
-    carries_bytes = False
+    collective = True
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan, transport: TorchDistributed) -> None:
         import torch.distributed as dist
@@ -621,15 +689,20 @@ class TorchBucketSource:
 
 
 # -- the engine adapter ----------------------------------------------------------------------------------
-class SGLangWireEngine(SGLangAdminBase):
-    """A patched SGLang server (0.5.17 or 0.5.23) whose staging runs inside it.
+#: The transport of an engine no deployment gave one (buckets as HTTP bodies).
+DEFAULT_TRANSPORT = HTTPBytes()
 
-    ``transport``: :class:`HTTPBytes` (default), :class:`SameHostIPC` or :class:`TorchDistributed`.
-    ``load_timeout`` bounds ``end`` (verification and the engine's load) and ``cleanup`` (which
-    waits for an in-flight ``end``); ``transfer_timeout`` one bucket's request. The other options
-    are :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s; every staging route
-    is admin-level and carries the admin key. ``bucket_source_factory`` is the transport's: a
-    deployment of these engines sends buckets the transport's way.
+
+class SGLangWireEngine(SGLangAdminBase):
+    """A patched SGLang server (0.5.17 or 0.5.23) whose staging runs inside it: lorapub's one
+    SGLang engine adapter.
+
+    Its buckets travel its deployment's transport: ``Deployment(engines, transport=...)`` hands it
+    to every engine (:meth:`use_transport`); an engine no deployment gave one sends them as HTTP
+    bodies (:data:`DEFAULT_TRANSPORT`). ``load_timeout`` bounds ``end`` (verification and the
+    engine's load) and ``cleanup`` (which waits for an in-flight ``end``); ``transfer_timeout`` one
+    bucket's request. The other options are :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s;
+    every staging route is admin-level and carries the admin key.
     """
 
     def __init__(
@@ -637,7 +710,6 @@ class SGLangWireEngine(SGLangAdminBase):
         name: str,
         base_url: str,
         *,
-        transport: HTTPBytes | None = None,
         http: aiohttp.ClientSession | None = None,
         request_timeout: float | None = None,
         probe_timeout: float | None = 30.0,
@@ -652,14 +724,10 @@ class SGLangWireEngine(SGLangAdminBase):
             require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
         )
         self.name = self.client.name
-        transport = HTTPBytes() if transport is None else transport
-        if not isinstance(transport, HTTPBytes):
-            raise InvalidInput(f"transport must be HTTPBytes, SameHostIPC or TorchDistributed, got {transport!r}")
-        self.transport = transport
+        self._transport: Transport | None = None  # the one its deployment gave it
         self.transfer_timeout = transfer_timeout  # one bucket's request (None: the runner's deadline bounds it)
         self.load_timeout = load_timeout  # end (verify + the engine's load) and cleanup (waits for it)
         self._lives: dict[AttemptToken, str] = {}
-        self._digests: dict[AttemptToken, str] = {}
         #: where each recent ``end`` spent its time (seconds): the engine's last SHA-256 checks and load,
         #: the exact-version probe, the state check. The publication report carries them per engine.
         self.end_timings: dict[AttemptToken, dict[str, float]] = {}
@@ -668,8 +736,21 @@ class SGLangWireEngine(SGLangAdminBase):
         return f"SGLangWireEngine({self.client!r}, transport={self.transport!r})"
 
     @property
-    def bucket_source_factory(self):
-        return self.transport.bucket_source_factory
+    def transport(self) -> Transport:
+        """How this engine's buckets travel: its deployment's transport, else :data:`DEFAULT_TRANSPORT`."""
+        return self._transport if self._transport is not None else DEFAULT_TRANSPORT
+
+    def use_transport(self, transport: Transport) -> None:
+        """Send buckets ``transport``'s way (what a deployment does with its transport). An engine
+        given another transport before (by another deployment) refuses: :class:`InvalidInput` naming it."""
+        if not isinstance(transport, Transport):
+            raise InvalidInput(f"{self.name}: a transport is a lorapub.ports.Transport (HTTPBytes, SameHostIPC, "
+                               f"SharedDir, TorchDistributed), got {transport!r}")
+        if self._transport is None:
+            self._transport = transport
+        elif self._transport != transport:
+            raise InvalidInput(f"engine {self.name} already sends buckets {self._transport!r}; it cannot also send "
+                               f"them {transport!r} (one transport per engine adapter: build another for this deployment)")
 
     async def _stage(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         status, reply = await self.client.request("POST", path, json_body=body,
@@ -689,11 +770,10 @@ class SGLangWireEngine(SGLangAdminBase):
         body = {
             "token": token_to_json(request.token), "incarnation": request.incarnation,
             "lora_name": request.lora_name, "digest": request.digest, "plan": plan_to_json(request.plan),
-            "transport": self.transport.begin_options(request, self.name), "load": self.transport.load,
+            "transport": dict(self.transport.begin_options(request, self.name)), "load": self.transport.load,
         }
         reply = await self._stage(BEGIN_ROUTE, body)
         self._lives[request.token] = reply["incarnation"]
-        self._digests[request.token] = request.digest
         return reply["incarnation"]
 
     async def _life(self, token: AttemptToken) -> str:
@@ -701,58 +781,37 @@ class SGLangWireEngine(SGLangAdminBase):
 
     async def receive_bucket(self, token: AttemptToken, index: int, payload: Any) -> str:
         params = {**token_params(token), "index": str(index), "incarnation": await self._life(token)}
-        headers = {**self.client._authorization(True)}
-        source = None
-        if isinstance(payload, RawBucket):
-            params["format"], data = "raw", payload.chunks()
-            headers["Content-Length"] = str(len(payload))
-            headers["Content-Type"] = "application/octet-stream"
-        elif isinstance(payload, ShmBucket):
-            params["format"], data = "shm", json_bytes({"name": payload.name})
-            headers["Content-Type"] = "application/json"
-        elif isinstance(self.transport, TorchDistributed) and not len(payload):
-            source = self.transport.source_for(self._digests.get(token) or "")
-            try:
-                rank, world = await source.rank_of(token, self.name)
-            except Exception as e:
-                source.abort(token, f"{self.name}: {e}")
-                raise
-            params["format"], data = "torch", json_bytes({"rank": rank, "world_size": world, "src": 0})
-            headers["Content-Type"] = "application/json"
-        elif isinstance(payload, (bytes, bytearray, memoryview)):
-            params["format"], data = "safetensors", payload  # a safetensors blob (Snapshot.bucket_bytes)
-            headers["Content-Type"] = "application/octet-stream"
-        else:
-            raise InvalidInput(f"{self.name}: a bucket payload is bytes or a wire bucket, got {type(payload).__name__}")
-        stored = False
+        post = await self.transport.bucket_request(token, index, payload, self.name)
+        params["format"] = post.format
+        headers = {**self.client._authorization(True), "Content-Type": post.content_type}
+        if post.length is not None:
+            headers["Content-Length"] = str(post.length)
+        stored, why = False, None
         try:
             url = self.base_url + BUCKET_ROUTE
-            if isinstance(payload, RawBucket) and self._bodies_off_loop():
-                status, raw = await shared_sender().post(url, params=params, headers=headers, body=data,
+            if post.sender is not None and self._bodies_off_loop(post.sender):
+                status, raw = await shared_sender().post(url, params=params, headers=headers, body=post.body,
                                                          timeout=self.transfer_timeout)
             else:
                 t = aiohttp.ClientTimeout(total=self.transfer_timeout)
-                async with self.client.http.post(url, params=params, data=data, headers=headers, timeout=t) as r:
+                async with self.client.http.post(url, params=params, data=post.body, headers=headers, timeout=t) as r:
                     status, raw = r.status, await r.read()
             text = raw.decode("utf-8", errors="replace")
             incarnation = self._staged(BUCKET_ROUTE, status, json_or_text(text))["incarnation"]
             stored = True
             return incarnation
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            if source is not None:
-                source.abort(token, f"{self.name} did not answer bucket {index}")
+            why = f"{self.name} did not answer bucket {index}"
             raise OutcomeUnknown(f"{self.name} {BUCKET_ROUTE}: no answer ({type(e).__name__})") from None
         except EngineError as e:
-            if source is not None:  # the others must not wait for a rank that will not come
-                source.abort(token, f"{self.name} refused bucket {index}: {e.message}")
+            why = f"{self.name} refused bucket {index}: {e.message}"
             raise
         finally:
-            if isinstance(payload, ShmBucket):
-                payload.read_by(self.name, ok=stored)
+            if post.settle is not None:
+                post.settle(stored, why)
 
-    def _bodies_off_loop(self) -> bool:
+    def _bodies_off_loop(self, sender: str) -> bool:
         self.client.http  # noqa: B018 - a closed engine refuses here, before anything is sent
-        sender = self.transport.sender
         return sender == "thread" or (sender == "auto" and self.client.owns_http)
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
@@ -778,7 +837,6 @@ class SGLangWireEngine(SGLangAdminBase):
         if entry is None or not entry.get("pinned") or entry.get("lora_id") != receipt.get("lora_id"):
             raise EngineError(f"{self.name}: {name} is not loaded pinned from this attempt")
         self._lives.pop(token, None)
-        self._digests.pop(token, None)
         return ReadyLocal(self.name, token, digest, inc, entry.get("lora_id"))
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
@@ -790,7 +848,6 @@ class SGLangWireEngine(SGLangAdminBase):
             # (a staging that does not say: unloaded to be safe)
             await self._unload(lora_name, f"cleanup-{token}")
         self._lives.pop(token, None)
-        self._digests.pop(token, None)
         return await self.incarnation()
 
     async def _left_behind(self, lora_name: str) -> bool:
@@ -810,5 +867,5 @@ class SGLangWireEngine(SGLangAdminBase):
         await self._stage(RELEASE_ROUTE, {"lora_name": lora_name})  # the engine frees what it still kept
 
 
-__all__ = ["HTTPBytes", "RawBucket", "SGLangWireEngine", "SameHostIPC", "ShmBucket", "ShmBucketSource",
-           "TorchBucketSource", "TorchDistributed", "WireBucketSource"]
+__all__ = ["DEFAULT_TRANSPORT", "HTTPBytes", "RawBucket", "SGLangWireEngine", "SameHostIPC", "SharedDir", "ShmBucket",
+           "ShmBucketSource", "TorchBucketSource", "TorchDistributed", "WireBucketSource"]
