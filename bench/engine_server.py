@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One SGLang contract double (``lorapub.testing.SGLangDouble``) in a process of its own.
 
-    python3 bench/engine_server.py NAME [--decode-delay S] [--load-delay S]
+    python3 bench/engine_server.py NAME [--shm-dir DIR] [--decode-delay S] [--load-delay S]
                                         [--prefill-per-token S] [--blocking-load]
                                         [--install-stop S] [--first-use-stop S]
 
@@ -33,12 +33,14 @@ from lorapub.testing import SGLangDouble  # noqa: E402
 
 
 async def serve(args: argparse.Namespace) -> None:
-    double = await SGLangDouble(
+    double = SGLangDouble(
         args.name, decode_delay=args.decode_delay, load_delay=args.load_delay,
         prefill_per_token=args.prefill_per_token, blocking_load=args.blocking_load,
         install_stop=args.install_stop, first_use_stop=args.first_use_stop,
         max_loaded_loras=args.max_loras, max_loras_per_batch=args.max_loras, managed_prefix=args.managed_prefix,
-    ).start()
+    )
+    double.shm_dir = args.shm_dir  # its LORAPUB_SHM_DIR (None: that variable, else /dev/shm)
+    await double.start()
     gc.collect()
     gc.freeze()
     gc.disable()
@@ -55,6 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name")
+    parser.add_argument("--shm-dir", help="the folder bucket files are read from (a shared-folder transport's)")
     parser.add_argument("--decode-delay", type=float, default=0.002)
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--prefill-per-token", type=float, default=0.0)

@@ -5,6 +5,7 @@
     python3 bench/run.py --quick    # a smoke run (small, one round): its figures are not the documented ones
     python3 bench/run.py --plot docs/benchmarks-timeline.png   # also the timeline plot (needs the bench extra)
     python3 bench/run.py --engine-url U0 --engine-url U1 --stash-dir /shared   # real patched SGLang servers
+                                                       # (bucket files in /shared: their LORAPUB_SHM_DIR)
     python3 bench/run.py --engine-url U0 --engine-url U1 --transport http --adapter DIR   # ... bytes over HTTP,
                                                        # publishing versions of the PEFT adapter in DIR
 
@@ -37,8 +38,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
-from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin  # noqa: E402
-from lorapub.adapters.sglang_wire import SGLangWireEngine  # noqa: E402
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin  # noqa: E402
+from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine, SharedDir  # noqa: E402
 from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.attempt import ReadyLocal  # noqa: E402
 from lorapub.core.effects import SOURCE  # noqa: E402
@@ -101,15 +102,18 @@ def version_snapshot(args, i: int) -> Snapshot:
     return _ADAPTER_VERSIONS[i]
 
 
-def lorapub_engine(args, name: str, url: str, stash: str):
-    if args.transport == "http":  # staged inside the engine: nothing shared between publisher and engines
-        return SGLangWireEngine(name, url)
-    return SGLangEngine(name, url, args.stash_dir or stash)
+def lorapub_transport(args, stash: str):
+    """How lorapub's bytes reach the engines' own staging: HTTP bodies (nothing shared between
+    publisher and engines), or bucket files in a folder the engines read (their LORAPUB_SHM_DIR)."""
+    if args.transport == "http":
+        return HTTPBytes()
+    return SharedDir(args.stash_dir or stash)
 
 
-async def start_engines(args) -> tuple[list[str], list[asyncio.subprocess.Process]]:
-    """Two fresh engines, each in a process of its own, serving on loopback."""
-    flags = ["--decode-delay", str(args.decode_delay), "--load-delay", str(args.load_delay),
+async def start_engines(args, shared: str) -> tuple[list[str], list[asyncio.subprocess.Process]]:
+    """Two fresh engines, each in a process of its own, serving on loopback and reading bucket files
+    from ``shared``."""
+    flags = ["--shm-dir", shared, "--decode-delay", str(args.decode_delay), "--load-delay", str(args.load_delay),
              "--prefill-per-token", str(args.prefill_per_token),
              "--max-loras", str(args.capacity + 1)] + ENGINE_MODELS[args.engine_model]["flags"]
     procs = [await asyncio.create_subprocess_exec(sys.executable, ENGINE_SERVER, f"e{i}", *flags,
@@ -189,20 +193,21 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     if args.engine_url:
         urls = args.engine_url
     else:
-        urls, procs = await start_engines(args)
+        urls, procs = await start_engines(args, stash)
     engines: dict = {}
     dep = None
     try:
         if enabled:
-            engines = {f"e{i}": lorapub_engine(args, f"e{i}", u, stash) for i, u in enumerate(urls)}
+            engines = {f"e{i}": SGLangWireEngine(f"e{i}", u) for i, u in enumerate(urls)}
         else:
             engines = {f"e{i}": SGLangOverwriteAdmin(f"e{i}", u) for i, u in enumerate(urls)}
         # the small built-in adapter in several buckets; a real-sized one in lorapub's default buckets
         buckets = {} if args.adapter else {"bucket_cap_bytes": 64 << 10}
         # the old path stages its folder where the servers read it: --stash-dir for real servers elsewhere
-        fresh = dict(capacity=args.capacity, max_lag=args.max_lag, on_stale=args.on_stale) if enabled else {}
+        fresh = dict(capacity=args.capacity, max_lag=args.max_lag, on_stale=args.on_stale,
+                     transport=lorapub_transport(args, stash)) if enabled else {}
         dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(),
-                           stash_dir=stash if enabled else (args.stash_dir or stash), **buckets, **fresh)
+                           stash_dir=args.stash_dir or stash, **buckets, **fresh)
         bootstrap = await dep.publish(version_snapshot(args, 0), "v0")  # before any session exists
         loaded = [] if isinstance(bootstrap, float) else [bootstrap.lora_name]
         calls: list[dict] = []  # every publish call: when, how it ended, how long it waited
@@ -512,7 +517,7 @@ def method(args, spec: WorkloadSpec) -> str:
     if args.engine_url:
         engines = (f"the servers at {', '.join(args.engine_url)} (the same servers in every run); lorapub's bytes "
                    + ("over HTTP into the engine's own staging" if args.transport == "http"
-                      else "staged in a folder the engines read"))
+                      else "as bucket files in a folder the engines read, into their own staging"))
     else:
         engines = (f"two SGLang contract doubles, each in a process of its own on loopback, fresh for every run: "
                    f"decode {args.decode_delay * 1e3:g} ms a token, prefill {args.prefill_per_token * 1e6:g} µs an "
@@ -711,9 +716,11 @@ async def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run: one small round, bars not judged")
     parser.add_argument("--engine-url", action="append", help="a real (patched) SGLang server; give two")
     parser.add_argument("--stash-dir", help="with real servers: a folder they can read (lorapub's folder transport "
-                                            "and the baseline's old path stage there; default a local temp folder)")
+                                            "writes bucket files there, which they read as their LORAPUB_SHM_DIR, and "
+                                            "the baseline's old path its adapter; default a local temp folder)")
     parser.add_argument("--transport", choices=("folder", "http"), default="folder",
-                        help="how lorapub's bytes reach real servers: a folder they read, or HTTP into the engine")
+                        help="how lorapub's bytes reach the engines' own staging: bucket files in a folder they read "
+                             "(SharedDir), or HTTP bodies")
     parser.add_argument("--adapter", metavar="DIR",
                         help="publish versions of this PEFT folder (for real servers: it must fit their model)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="new tokens a turn")

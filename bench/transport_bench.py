@@ -287,11 +287,10 @@ async def bench_transport(kind: str, state_dict: dict, args, workdir: str) -> di
     transport = {"http": lambda: HTTPBytes(), "http-loop": lambda: HTTPBytes(sender="loop"), "shm": lambda: SameHostIPC(shm_dir=shm),
                  "shm-dir": lambda: SameHostIPC(shm_dir=shm, load="dir"),
                  "gloo": lambda: TorchDistributed(timeout=120.0)}[kind]()
-    engines = {f"e{i}": SGLangWireEngine(f"e{i}", p.url, transport=transport, probe_timeout=300)
-               for i, p in enumerate(procs)}
+    engines = {f"e{i}": SGLangWireEngine(f"e{i}", p.url, probe_timeout=300) for i, p in enumerate(procs)}
     deadlines = Deadlines(begin=60, bucket=300, end=600, cleanup=120, commit=10, reclaim=300)
     dep = await Deployment(engines, epoch=1, deadlines=deadlines, bucket_cap_bytes=args.bucket_mb << 20,
-                           reconcile_interval=None).start()
+                           reconcile_interval=None, transport=transport).start()
     out = {"kind": kind, "mbps": [], "raw": [], "lag": [], "busy": [], "gc": [], "step": [], "step_cpu": [], "loop_cpu": [], "copies": [], "hashed": [], "end": [],
            "e2e": [], "phases": []}
     try:

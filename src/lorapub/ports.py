@@ -12,7 +12,7 @@ The types the ports take and return are importable from here too: :class:`Attemp
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
@@ -156,13 +156,73 @@ class GenerationTarget(Protocol):
 
 
 class BucketSource(Protocol):
-    """The sending side of the ordered bucket transfer."""
+    """The sending side of one publication's ordered bucket transfer (a transport's :meth:`Transport.source`).
+
+    ``collective``: False for a byte transport (the source half of bucket ``i`` completes first,
+    then every engine receives ``payload(token, i)``); True for a collective, whose source half
+    and every engine's receive run at once (a broadcast)."""
+
+    collective: bool = False
 
     async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         """Complete the source half of bucket ``index`` (a collective, or staging bytes)."""
 
-    def payload(self, token: AttemptToken, index: int) -> bytes:
-        """Bytes an engine stores for bucket ``index`` (for transports that carry bytes)."""
+    def payload(self, token: AttemptToken, index: int) -> Any:
+        """What each engine's ``receive_bucket`` gets for bucket ``index``: bytes, or a value its
+        transport's :meth:`Transport.bucket_request` understands (asked only of a byte transport)."""
+
+
+@attrs.frozen
+class BucketPost:
+    """What an engine posts to its staging for one bucket (:meth:`Transport.bucket_request`).
+
+    ``format``: the staging route's bucket format (``lorapub.wire.routes.FORMATS``). ``body``: bytes,
+    or an async iterator of buffers (a streamed body of ``length`` bytes). ``sender``: for a
+    streamed body, where it is posted from (``"thread"``, ``"loop"`` or ``"auto"``); None: on the
+    caller's loop. ``settle(stored, why)`` runs once the receive ends: ``stored`` when the engine
+    stored the bucket, else ``why`` says what failed (None when the receive was cancelled or raised
+    something untyped)."""
+
+    format: str
+    body: Any
+    content_type: str = "application/octet-stream"
+    length: int | None = None
+    sender: str | None = None
+    settle: Callable[[bool, str | None], None] | None = None
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """How a deployment's bucket bytes reach its engines' own staging: named once, on the
+    deployment (``Deployment(engines, transport=...)``), which hands it to every engine that
+    :class:`TakesTransport`. ``load``: how the engine loads what it staged (``"dir"`` or ``"tensors"``).
+
+    Transports are equal when they send the same way (a transport that keeps per-attempt state
+    equals only itself)."""
+
+    load: str
+
+    def source(self, snapshot: Any, plan: Any) -> BucketSource:
+        """The publisher's half for one publication of ``snapshot`` under ``plan``."""
+
+    def begin_options(self, request: SendBegin, engine: str) -> Mapping[str, Any]:
+        """What ``engine``'s begin tells its staging about this transport (its ``transport`` field)."""
+
+    async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
+        """What ``engine`` posts for bucket ``index`` of ``token``, given the source's ``payload``."""
+
+
+@runtime_checkable
+class TakesTransport(Protocol):
+    """An :class:`EngineAdmin` whose buckets travel its deployment's :class:`Transport`."""
+
+    name: str
+
+    @property
+    def transport(self) -> Transport: ...
+
+    def use_transport(self, transport: Transport) -> None:
+        """Send buckets ``transport``'s way; an engine already given another one refuses (InvalidInput)."""
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ PUBLIC = {
 
 TESTING = {
     "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
-    "SGLangWireUnderTest", "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
+    "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
     "peft_lora_state_dict",
 }
 
@@ -39,8 +39,8 @@ def test_the_public_face_is_exactly_all():
 
 def test_the_readme_imports_work():
     from lorapub import Deployment, PublicationReport, Snapshot  # noqa: F401
-    from lorapub.adapters.sglang_http import SGLangEngine  # noqa: F401
-    from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, TorchDistributed  # noqa: F401
+    from lorapub.adapters.sglang_http import SGLangOverwriteAdmin  # noqa: F401
+    from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, SharedDir, TorchDistributed  # noqa: F401
 
 
 def _error_classes() -> dict[str, type]:

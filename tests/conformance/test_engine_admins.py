@@ -10,11 +10,16 @@ import pytest
 from lorapub.testing import ConformanceFailure, SGLangUnderTest, check_engine_admin
 from lorapub.testing.conformance import CHECKS
 from lorapub.testing.memory_engine import MemoryUnderTest
+from tests.e2e.conftest import TRANSPORTS, make_transport
 
 
-async def test_sglang_http_adapter_against_the_double(tmp_path):
+@pytest.mark.parametrize("kind", TRANSPORTS)
+async def test_sglang_engine_adapter_against_the_double(tmp_path, kind):
+    (tmp_path / "shared").mkdir()
+
     async def factory():
-        return await SGLangUnderTest.start(str(tmp_path / "stash"))
+        return await SGLangUnderTest.start(str(tmp_path / "engine-disk"),
+                                           transport=make_transport(kind, str(tmp_path / "shared")))
 
     assert await check_engine_admin(factory) == [c.__name__ for c in CHECKS]
 
@@ -32,7 +37,7 @@ async def test_the_suite_catches_an_admin_that_resends_generations(tmp_path):
                 return await self._generate(payload)  # the bug the suite must see
 
     async def factory():
-        engine = await Resending.start(str(tmp_path / "stash"))
+        engine = await Resending.start(str(tmp_path / "engine-disk"))
         engine._generate = engine.admin.generate
         engine.admin.generate = engine._resend
         return engine

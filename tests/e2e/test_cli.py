@@ -63,8 +63,13 @@ def test_the_version_is_the_projects():
         (("--sessions", "many"), "argument --sessions: invalid int value: 'many'"),
         (("--engine-url", "http://127.0.0.1:1"), "give it twice"),
         (("--engine-url", "not-a-url", "--engine-url", "http://127.0.0.1:1"), "argument --engine-url: base_url must be"),
+        (("--transport", "carrier-pigeon"), "argument --transport: invalid choice: 'carrier-pigeon'"),
+        (("--transport", "shared-dir", "--shared-dir", "/nonexistent/lorapub"),
+         "argument --shared-dir: path must be an existing folder, got '/nonexistent/lorapub'"),
+        (("--shared-dir", "/tmp"), "argument --shared-dir: goes with --transport shared-dir"),
     ],
-    ids=["sessions-0", "sessions-negative", "sessions-not-int", "one-engine-url", "bad-url"],
+    ids=["sessions-0", "sessions-negative", "sessions-not-int", "one-engine-url", "bad-url", "bad-transport",
+         "missing-shared-dir", "shared-dir-without-its-transport"],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, says):
     out = lorapub_cli("demo", *args, tmp=tmp_path / "tmp", timeout=60)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from lorapub.adapters.sglang_http import MAX_ENGINE_TEXT, SGLangEngine, SGLangHTTP, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import MAX_ENGINE_TEXT, SGLangHTTP, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_wire import SGLangWireEngine, SharedDir
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown
 
 
@@ -102,7 +103,7 @@ async def test_a_malformed_state_is_an_engine_error(scripted):
         await client().state()
     answers["/lorapub/state"] = (200, '{"incarnation": "x", "adapters": {"a": 1}, "managed_patch": true}', JSON)
     with pytest.raises(EngineError, match="malformed state"):
-        await client(SGLangEngine, "/tmp/lorapub-test-stash").incarnation()
+        await client(SGLangWireEngine).incarnation()
 
 
 async def test_flush_cache_takes_sglangs_plain_text_answer(scripted):
@@ -145,19 +146,19 @@ async def test_a_payload_that_is_not_json_is_refused_before_sending(scripted):
         ({"admin_api_key": 1234}, "admin_api_key"),
     ],
 )
-@pytest.mark.parametrize("cls", [SGLangHTTP, SGLangEngine, SGLangOverwriteAdmin])
+@pytest.mark.parametrize("cls", [SGLangHTTP, SGLangWireEngine, SGLangOverwriteAdmin])
 def test_constructors_refuse_bad_arguments_with_invalid_input(cls, kwargs, named):
     args = {"name": "e0", "base_url": "http://127.0.0.1:30000", **kwargs}
-    positional = [args.pop("name"), args.pop("base_url")] + (["/tmp/lorapub-test-stash"] if cls is SGLangEngine else [])
+    positional = [args.pop("name"), args.pop("base_url")]
     with pytest.raises(InvalidInput) as e:
         cls(*positional, **args)
     assert named in e.value.message
 
 
-@pytest.mark.parametrize("stash", ["", None, 7, "a\x00b"])
-def test_sglang_engine_refuses_a_bad_stash_dir(stash):
-    with pytest.raises(InvalidInput, match="stash_dir"):
-        SGLangEngine("e0", "http://127.0.0.1:30000", stash)
+@pytest.mark.parametrize("folder", ["", None, 7, "a\x00b", "/nonexistent/lorapub-shared"])
+def test_a_shared_folder_transport_refuses_a_bad_folder(folder):
+    with pytest.raises(InvalidInput, match="path must be an existing folder"):
+        SharedDir(folder)
 
 
 @pytest.mark.parametrize("cls", [SGLangHTTP, SGLangOverwriteAdmin])

@@ -15,7 +15,8 @@ import asyncio
 
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.testing import SGLangDouble, lora_snapshot
 from tests.e2e.conftest import FAST
@@ -52,8 +53,8 @@ async def test_the_old_path_publishes_while_more_sessions_wait_out_its_pause_tha
         await double.stop()
 
 
-async def test_lorapub_publishes_while_more_generations_are_in_flight_than_the_pool_holds(slow_double, tmp_path):
-    engines = {"e0": SGLangEngine("e0", slow_double.url, str(tmp_path / "stash"))}
+async def test_lorapub_publishes_while_more_generations_are_in_flight_than_the_pool_holds(slow_double):
+    engines = {"e0": SGLangWireEngine("e0", slow_double.url)}
     dep = await Deployment(engines, epoch=1, deadlines=FAST).start()
     try:
         await dep.publish(lora_snapshot(1), "A")
@@ -82,22 +83,22 @@ async def test_a_session_given_by_the_caller_that_would_starve_or_race_is_named_
             aiohttp.ClientSession() as default, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=50, keepalive_timeout=2)) as per_host:
         with caplog.at_level("WARNING", logger="lorapub.adapters.sglang_http"):
-            SGLangEngine("e0", "http://127.0.0.1:1", "/tmp", http=fine)
+            SGLangWireEngine("e0", "http://127.0.0.1:1", http=fine)
             assert warnings() == []
-            SGLangEngine("e0", "http://127.0.0.1:1", "/tmp", http=default)  # 100 connections, idle 15 s
+            SGLangWireEngine("e0", "http://127.0.0.1:1", http=default)  # 100 connections, idle 15 s
             assert any("holds at most 100 connections" in m for m in warnings())
             assert any("keeps idle connections 15" in m for m in warnings())
             caplog.clear()
-            SGLangEngine("e0", "http://127.0.0.1:1", "/tmp", http=per_host)
+            SGLangWireEngine("e0", "http://127.0.0.1:1", http=per_host)
             assert [m for m in warnings() if "holds at most 50 connections" in m] and len(warnings()) == 1
 
 
-async def test_an_idle_connection_is_closed_before_the_server_would_close_it(slow_double, tmp_path):
+async def test_an_idle_connection_is_closed_before_the_server_would_close_it(slow_double):
     """SGLang's HTTP server closes a connection idle for 5 s; a request sent on one it is closing
     gets no answer (an unknown outcome), so the adapter's own session drops idle ones sooner."""
     from lorapub.adapters.sglang_http import IDLE_CONNECTION_S
 
-    engine = SGLangEngine("e0", slow_double.url, str(tmp_path))
+    engine = SGLangWireEngine("e0", slow_double.url)
     try:
         await engine.incarnation()
         connector = engine.client.http.connector

@@ -27,13 +27,13 @@ def ray_cluster():
     ray.shutdown()
 
 
-async def test_ray_registry_shared_and_replayable(ray_cluster, engines, tmp_path):
+async def test_ray_registry_shared_and_replayable(ray_cluster, engines, transport):
     incarnations = {n: await e.incarnation() for n, e in engines.items()}
     registry = RayRegistry.create("reg-test", epoch=1, engines=incarnations)
     try:
         with pytest.raises(NoPublishedVersion):  # typed errors cross the actor boundary
             await registry.handle(BindFirst(SessionKey(1, "s", "n")))
-        dep = await Deployment(engines, epoch=1, registry=registry, deadlines=FAST, stash_dir=str(tmp_path)).start()
+        dep = await Deployment(engines, epoch=1, registry=registry, deadlines=FAST, transport=transport).start()
         a = await dep.publish(lora_snapshot(1), "A")
         s = dep.session("s1", nonce="n1")
         await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})

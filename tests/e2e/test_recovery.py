@@ -28,12 +28,12 @@ from tests.e2e.conftest import FAST
 GEN = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
 
-async def faulty_deployment(engines, tmp_path, **options) -> tuple[Deployment, FaultyRegistry]:
+async def faulty_deployment(engines, transport, **options) -> tuple[Deployment, FaultyRegistry]:
     incarnations = {name: await e.incarnation() for name, e in engines.items()}
     registry = FaultyRegistry(LocalRegistry(1, incarnations, lease_ttl=options.pop("lease_ttl", 120.0)))
     options.setdefault("reconcile_interval", None)  # passes run when the test says (or on kicks)
     dep = await Deployment(
-        engines, epoch=1, registry=registry, deadlines=FAST, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path),
+        engines, epoch=1, registry=registry, deadlines=FAST, bucket_cap_bytes=8 << 10, transport=transport,
         **options,
     ).start()
     return dep, registry
@@ -43,8 +43,8 @@ def version(dep: Deployment, version_id: str):
     return next(v for k, v in dep.registry.state.versions.items() if k.version_id == version_id)
 
 
-async def test_lost_reply_to_the_last_close_does_not_strand_the_reclaim(engines, doubles, tmp_path):
-    dep, registry = await faulty_deployment(engines, tmp_path)
+async def test_lost_reply_to_the_last_close_does_not_strand_the_reclaim(engines, doubles, transport):
+    dep, registry = await faulty_deployment(engines, transport)
     a = await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     await s.generate(GEN)
@@ -63,8 +63,8 @@ async def test_lost_reply_to_the_last_close_does_not_strand_the_reclaim(engines,
     await dep.close()
 
 
-async def test_registry_failure_inside_the_automatic_reclaim_is_retried(engines, doubles, tmp_path):
-    dep, registry = await faulty_deployment(engines, tmp_path, reconcile_interval=0.05)
+async def test_registry_failure_inside_the_automatic_reclaim_is_retried(engines, doubles, transport):
+    dep, registry = await faulty_deployment(engines, transport, reconcile_interval=0.05)
     await dep.publish(lora_snapshot(1), "A")
     registry.fail_next(ClaimReclaim, "request")  # the background reclaim's first call is lost
     await dep.publish(lora_snapshot(2), "B")  # A retires unbound: reclaim is due
@@ -79,8 +79,8 @@ async def test_registry_failure_inside_the_automatic_reclaim_is_retried(engines,
     await dep.close()
 
 
-async def test_restart_between_ready_and_commit_aborts_and_keeps_the_default(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path)
+async def test_restart_between_ready_and_commit_aborts_and_keeps_the_default(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport)
     await dep.publish(lora_snapshot(1), "A")
     e1 = engines["e1"]
     real_end = e1.end
@@ -106,8 +106,8 @@ async def test_restart_between_ready_and_commit_aborts_and_keeps_the_default(eng
     await dep.close()
 
 
-async def test_restarted_engine_is_reprovisioned_and_sessions_never_see_missing(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path, reconcile_interval=0.05)
+async def test_restarted_engine_is_reprovisioned_and_sessions_never_see_missing(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport, reconcile_interval=0.05)
     a = await dep.publish(lora_snapshot(1), "A")
     sessions = [dep.session(f"s{i}") for i in range(4)]
     for s in sessions:
@@ -136,8 +136,8 @@ async def test_restarted_engine_is_reprovisioned_and_sessions_never_see_missing(
     await dep.close()
 
 
-async def test_crashed_worker_sessions_expire_and_late_requests_are_refused(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path, lease_ttl=0.3)
+async def test_crashed_worker_sessions_expire_and_late_requests_are_refused(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport, lease_ttl=0.3)
     await dep.publish(lora_snapshot(1), "A")
     alive, crashed = dep.session("alive"), dep.session("crashed")
     await alive.generate(GEN)
@@ -161,8 +161,8 @@ async def test_crashed_worker_sessions_expire_and_late_requests_are_refused(engi
     await dep.close()
 
 
-async def test_lost_reserve_reply_is_resumed_by_the_replay(engines, doubles, tmp_path):
-    dep, registry = await faulty_deployment(engines, tmp_path)
+async def test_lost_reserve_reply_is_resumed_by_the_replay(engines, doubles, transport):
+    dep, registry = await faulty_deployment(engines, transport)
     registry.fail_next(Reserve, "reply")  # the reserve happened; the publisher never heard
     report = await dep.publish(lora_snapshot(1), "A")
     assert report.receipt is not None and not report.reused
@@ -170,8 +170,8 @@ async def test_lost_reserve_reply_is_resumed_by_the_replay(engines, doubles, tmp
     await dep.close()
 
 
-async def test_failed_publication_can_be_replayed_with_the_same_id(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path)
+async def test_failed_publication_can_be_replayed_with_the_same_id(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport)
     doubles["e1"].inject("load", "error")
     with pytest.raises(PublicationFailed):
         await dep.publish(lora_snapshot(1), "A")
@@ -180,8 +180,8 @@ async def test_failed_publication_can_be_replayed_with_the_same_id(engines, doub
     await dep.close()
 
 
-async def test_concurrent_duplicate_publish_joins_instead_of_aborting(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path)
+async def test_concurrent_duplicate_publish_joins_instead_of_aborting(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport)
     other = dep.publisher.__class__(
         dep.registry, engines, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10,
     )  # a second publisher process on the same registry
@@ -194,8 +194,8 @@ async def test_concurrent_duplicate_publish_joins_instead_of_aborting(engines, d
     await dep.close()
 
 
-async def test_unconfirmed_cleanup_advice_works(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path)
+async def test_unconfirmed_cleanup_advice_works(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport)
     doubles["e1"].inject("load", "error")
     doubles["e0"].inject("unload", "error")  # e0 loaded A; its cleanup is refused once
     with pytest.raises(PublicationBlocked, match="reconcile") as err:
@@ -209,8 +209,8 @@ async def test_unconfirmed_cleanup_advice_works(engines, doubles, tmp_path):
     await dep.close()
 
 
-async def test_dead_publisher_attempt_is_aborted_when_stale(engines, doubles, tmp_path):
-    dep, _ = await faulty_deployment(engines, tmp_path, stale_attempt_after=0.2)
+async def test_dead_publisher_attempt_is_aborted_when_stale(engines, doubles, transport):
+    dep, _ = await faulty_deployment(engines, transport, stale_attempt_after=0.2)
     doubles["e0"].inject("load", "hang")
     task = asyncio.create_task(dep.publish(lora_snapshot(1), "A"))
     await asyncio.sleep(0.3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
+from unittest.mock import ANY
 
 import pytest
 
@@ -26,7 +26,7 @@ from lorapub.runtime.overwrite import FIXED_LORA_NAME
 from lorapub.runtime.publisher import PublicationFailed
 from lorapub.demo.workload import until
 from lorapub.runtime.runner import Deadlines
-from tests.e2e.conftest import FAST
+from tests.e2e.conftest import FAST, staged_attempts, stash_folders
 
 GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
 
@@ -137,7 +137,8 @@ async def test_late_control_messages_after_cleanup_recreate_nothing(deployment, 
         with pytest.raises(EngineError):
             await call
     assert doubles["e0"].registered() == before
-    assert not os.path.exists(engines["e0"].staging.stash(attempt.token))
+    assert str(attempt.token) not in staged_attempts(doubles["e0"])  # the engine keeps nothing of it
+    assert not any(f.startswith(f"1-B-a{attempt.token.seq}") for f in stash_folders(doubles["e0"]))
 
 
 async def test_bind_close_cancel_races(deployment, doubles):
@@ -211,7 +212,7 @@ async def test_capacity_rejects_c_before_any_begin(deployment, doubles, engines)
     with pytest.raises(CapacityError):
         await deployment.publish(lora_snapshot(3), "C")
     assert {n: d.events for n, d in doubles.items()} == events
-    assert not any("-C-" in p for p in os.listdir(engines["e0"].staging.stash_root))
+    assert not any("-C-" in p for p in stash_folders(doubles["e0"]))
     await s.close()
     await deployment.settle()
     assert (await state(deployment)).versions[a.version].state is VersionState.RECLAIMED
@@ -255,13 +256,13 @@ async def test_managed_adapters_survive_ordinary_unload_and_lru(deployment, doub
     assert a.lora_name in doubles["e0"].registered()
 
 
-async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first(engines, doubles, tmp_path):
+async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first(engines, doubles, transport):
     doubles["e0"].managed_patch = doubles["e1"].managed_patch = False
     with pytest.raises(EngineError, match="managed-adapter patch"):
-        await Deployment(engines, epoch=1, stash_dir=str(tmp_path)).start()
+        await Deployment(engines, epoch=1, transport=transport).start()
     for e in engines.values():
         e.require_patch = False  # knowingly run unpatched to show the hazard
-    dep = await Deployment(engines, epoch=1, deadlines=FAST, stash_dir=str(tmp_path)).start()
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, transport=transport).start()
     a = await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     await s.generate(GEN)
@@ -272,8 +273,8 @@ async def test_unpatched_engine_would_implicitly_reload_so_lorapub_refuses_first
     with pytest.raises(SessionClosed):  # lorapub refuses before anything reaches the engine
         await s.generate(GEN)
     # the hazard lorapub guards against: a raw late request makes unpatched SGLang reload A from its
-    # folder; the shared-folder path removes a reclaimed version's folder, so even that is refused
-    assert not any((tmp_path / "stash" / "e0").glob("1-A-*"))
+    # folder; the engine's staging removes a reclaimed version's folder, so even that is refused
+    assert not any(f.startswith("1-A-") for f in stash_folders(doubles["e0"]))
     with pytest.raises(VersionMissing, match="Failed to implicitly load"):
         await engines["e0"].generate({**GEN, "lora_path": a.lora_name})
     assert ("implicit_reload", a.lora_name) not in doubles["e0"].events
@@ -370,7 +371,7 @@ async def test_engine_restart_between_and_during_publications(deployment, double
     assert not [n for n in doubles["e0"].registered() if "-D-" in n]
 
 
-async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, tmp_path):
+async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, transport):
     from lorapub.runtime.snapshot import InlineBucketSource
 
     class FlakySource(InlineBucketSource):
@@ -379,18 +380,17 @@ async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, t
                 raise EngineError("trainer rank lost during bucket 1")
             await super().send(token, index, engines_)
 
-    dep = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=4 << 10,
-                           stash_dir=str(tmp_path)).start()
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=4 << 10, transport=transport).start()
     dep.publisher.source_factory = FlakySource
     with pytest.raises(PublicationFailed, match="bucket 1"):
         await dep.publish(lora_snapshot(1), "A")
     st = await dep.state()
     assert st.slots_held == 0 and st.default is None
-    for e in engines.values():
-        assert not os.listdir(e.staging.stash_root)
+    for d in doubles.values():
+        assert staged_attempts(d) == {} and stash_folders(d) == []
 
 
-async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, engines):
+async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, engines, doubles):
     snapshot = lora_snapshot(5)
     plan = snapshot.plan(4 << 10)
     from lorapub.core.effects import SendBegin
@@ -399,21 +399,22 @@ async def test_duplicate_receive_stores_once_and_answers_the_same(deployment, en
     key = VersionKey(1, "dup")
     token = AttemptToken(key, 99)
     e0 = engines["e0"]
-    inc = await e0.begin(SendBegin("e0", await e0.incarnation(), token, lora_name_for(key, snapshot.digest), snapshot.digest, plan))
+    name = lora_name_for(key, snapshot.digest)
+    inc = await e0.begin(SendBegin("e0", await e0.incarnation(), token, name, snapshot.digest, plan))
     payload = snapshot.bucket_bytes(plan, 0)
     assert await e0.receive_bucket(token, 0, payload) == inc
-    path = os.path.join(e0.staging.stash(token), "bucket-00000.safetensors")
-    stamp = os.stat(path).st_mtime_ns
+    staged = staged_attempts(doubles["e0"])[str(token)]
     assert await e0.receive_bucket(token, 0, b"garbage that must not overwrite") == inc
-    assert os.stat(path).st_mtime_ns == stamp
-    with open(path, "rb") as f:
-        assert f.read() == payload
+    assert staged_attempts(doubles["e0"])[str(token)] == {**staged, "idle_s": ANY}  # nothing stored twice
+    for i in range(1, len(plan.buckets)):
+        await e0.receive_bucket(token, i, snapshot.bucket_bytes(plan, i))
+    ready = await e0.end(token)  # every tensor's SHA-256 checked: the first bucket's bytes were kept
+    assert ready.digest == snapshot.digest and name in doubles["e0"].registered()
 
 
-async def test_unanswered_unload_is_retried_until_both_engines_confirm(engines, doubles, tmp_path):
+async def test_unanswered_unload_is_retried_until_both_engines_confirm(engines, doubles, transport):
     quick = Deadlines(begin=2, bucket=2, end=2, cleanup=2, commit=1, reclaim=0.3)
-    dep = await Deployment(engines, epoch=1, deadlines=quick, stash_dir=str(tmp_path),
-                           reclaim_backoff=0.05).start()
+    dep = await Deployment(engines, epoch=1, deadlines=quick, transport=transport, reclaim_backoff=0.05).start()
     a = await dep.publish(lora_snapshot(1), "A")
     doubles["e0"].inject("unload", "hang")  # the first unload of A on E0 never answers
     await dep.publish(lora_snapshot(2), "B")  # A retires with no session: reclaim starts at once
@@ -424,10 +425,10 @@ async def test_unanswered_unload_is_retried_until_both_engines_confirm(engines, 
     assert doubles["e1"].physical_unloads.count(a.lora_name) == 1
 
 
-async def test_one_switch_each_side_one_type(engines, doubles, tmp_path):
+async def test_one_switch_each_side_one_type(engines, doubles, transport, tmp_path):
     from lorapub import OverwriteDeployment, PublicationReport
 
-    on = await deploy(engines, epoch=1, enabled=True, deadlines=FAST, stash_dir=str(tmp_path))
+    on = await deploy(engines, epoch=1, enabled=True, deadlines=FAST, transport=transport, stash_dir=str(tmp_path))
     assert type(on) is Deployment
     assert isinstance(await on.publish(lora_snapshot(1), "A"), PublicationReport)
     overwrite = {name: SGLangOverwriteAdmin(name, d.url) for name, d in doubles.items()}

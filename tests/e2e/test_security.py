@@ -11,7 +11,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangEngine, SGLangHTTP, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import SGLangHTTP, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.core.version import VersionState
 from lorapub.errors import EngineError
@@ -24,11 +25,20 @@ API, ADMIN = "sk-api-3f9a1c", "sk-admin-77d0e2"
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
 
 
+async def start_doubles(shared_dir, **keys) -> dict:
+    made = {}
+    for n in ("e0", "e1"):
+        d = SGLangDouble(n, **keys)
+        d.shm_dir = str(shared_dir)  # where a shared-folder transport's bucket files are read
+        made[n] = await d.start()
+    return made
+
+
 @pytest.fixture
-async def keyed():
-    pair = [await SGLangDouble(n, api_key=API, admin_api_key=ADMIN).start() for n in ("e0", "e1")]
-    yield {d.name: d for d in pair}
-    for d in pair:
+async def keyed(shared_dir):
+    pair = await start_doubles(shared_dir, api_key=API, admin_api_key=ADMIN)
+    yield pair
+    for d in pair.values():
         await d.stop()
 
 
@@ -42,13 +52,13 @@ async def call(double, method, path, key=None, body=None, headers=None):
             return r.status, await r.json(content_type=None) if r.content_type == "application/json" else await r.text()
 
 
-async def keyed_deployment(doubles, tmp_path, **keys):
-    engines = {n: SGLangEngine(n, d.url, str(tmp_path / "stash"), **keys) for n, d in doubles.items()}
-    return engines, await Deployment(engines, epoch=1, deadlines=FAST, stash_dir=str(tmp_path)).start()
+async def keyed_deployment(doubles, transport, **keys):
+    engines = {n: SGLangWireEngine(n, d.url, **keys) for n, d in doubles.items()}
+    return engines, await Deployment(engines, epoch=1, deadlines=FAST, transport=transport).start()
 
 
-async def test_without_the_admin_key_nobody_loads_unloads_cleans_up_or_reads_state(keyed, tmp_path):
-    engines, dep = await keyed_deployment(keyed, tmp_path, api_key=API, admin_api_key=ADMIN)
+async def test_without_the_admin_key_nobody_loads_unloads_cleans_up_or_reads_state(keyed, transport, tmp_path):
+    engines, dep = await keyed_deployment(keyed, transport, api_key=API, admin_api_key=ADMIN)
     a = await dep.publish(lora_snapshot(1), "A")
     d = keyed["e0"]
     path = lora_snapshot(9).save_peft_dir(str(tmp_path / "intruder"))
@@ -63,7 +73,7 @@ async def test_without_the_admin_key_nobody_loads_unloads_cleans_up_or_reads_sta
             assert (await call(d, "POST", admin_route, key, {}))[0] == 401
     assert d.registered() == [a.lora_name] and d.physical_unloads == [] and not d.is_paused
     # the same through lorapub's own clients holding only the API key: definite, typed, nothing done
-    worker = SGLangEngine("e0", d.url, str(tmp_path / "worker"), api_key=API)
+    worker = SGLangWireEngine("e0", d.url, api_key=API)
     with pytest.raises(EngineError, match=f"e0 {STATE_ROUTE} answered 401: Unauthorized"):
         await worker.incarnation()
     with pytest.raises(EngineError, match="401: Unauthorized"):
@@ -92,8 +102,8 @@ async def test_the_api_key_generates_but_does_not_administer(keyed):
     await client.close()
 
 
-async def test_a_deployment_with_both_keys_publishes_binds_generates_and_reclaims(keyed, tmp_path):
-    engines, dep = await keyed_deployment(keyed, tmp_path, api_key=API, admin_api_key=ADMIN)
+async def test_a_deployment_with_both_keys_publishes_binds_generates_and_reclaims(keyed, transport):
+    engines, dep = await keyed_deployment(keyed, transport, api_key=API, admin_api_key=ADMIN)
     a = await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     first = await s.generate(GEN)
@@ -120,10 +130,10 @@ async def test_a_deployment_with_both_keys_publishes_binds_generates_and_reclaim
     ],
     ids=["api-key-only", "admin-key-only"],
 )
-async def test_one_key_servers_work_with_that_key(server, client, tmp_path):
-    doubles = {n: await SGLangDouble(n, **server).start() for n in ("e0", "e1")}
+async def test_one_key_servers_work_with_that_key(server, client, transport, shared_dir):
+    doubles = await start_doubles(shared_dir, **server)
     try:
-        engines, dep = await keyed_deployment(doubles, tmp_path, **client)
+        engines, dep = await keyed_deployment(doubles, transport, **client)
         a = await dep.publish(lora_snapshot(1), "A")
         s = dep.session("s")
         await s.generate(GEN)
@@ -165,11 +175,11 @@ async def test_keys_never_show_in_repr_or_errors(keyed, tmp_path):
     d = keyed["e0"]
     made = [
         SGLangHTTP("e0", d.url, api_key=API, admin_api_key=ADMIN),
-        SGLangEngine("e0", d.url, str(tmp_path), api_key=API, admin_api_key=ADMIN),
+        SGLangWireEngine("e0", d.url, api_key=API, admin_api_key=ADMIN),
         SGLangOverwriteAdmin("e0", d.url, api_key=API, admin_api_key=ADMIN),
     ]
     texts = [repr(m) for m in made] + [str(m) for m in made] + [repr(d), repr(vars(made[0]).keys())]
-    wrong = SGLangEngine("e0", d.url, str(tmp_path), api_key=API + "x", admin_api_key=ADMIN + "x")
+    wrong = SGLangWireEngine("e0", d.url, api_key=API + "x", admin_api_key=ADMIN + "x")
     for attempt in (wrong.incarnation(), wrong.generate({**GEN, "lora_path": "x"})):
         with pytest.raises(EngineError) as e:
             await attempt

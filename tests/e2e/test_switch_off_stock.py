@@ -9,7 +9,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core.identity import STATE_ROUTE
 from lorapub.errors import EngineError
 from lorapub.runtime.deployment import deploy
@@ -35,13 +36,13 @@ async def admins(stock):
         await a.close()
 
 
-async def test_a_stock_double_has_no_lorapub_route(stock, tmp_path):
+async def test_a_stock_double_has_no_lorapub_route(stock):
     async with aiohttp.ClientSession() as http:
         async with http.get(stock["e0"].url + STATE_ROUTE) as r:
             assert r.status == 404
         async with http.get(stock["e0"].url + "/v1/models") as r:
             assert [c["id"] for c in (await r.json())["data"]] == ["lorapub-tiny-qwen3"]
-    engine = SGLangEngine("e0", stock["e0"].url, str(tmp_path))
+    engine = SGLangWireEngine("e0", stock["e0"].url)
     with pytest.raises(EngineError, match="lacks lorapub's SGLang patch"):
         await engine.incarnation()  # lorapub proper refuses a stock server; the old path does not need it
     await engine.close()

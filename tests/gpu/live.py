@@ -26,7 +26,8 @@ from typing import Any
 import aiohttp
 
 from lorapub import CapacityError, Deadlines, Deployment, EngineError, LorapubError, deploy
-from lorapub.adapters.sglang_http import SGLangEngine, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 from lorapub.core.identity import RECLAIM_HEADER
 from lorapub.demo.workload import WorkloadSpec, run_workload
 from tests.gpu import servers as srv
@@ -127,9 +128,10 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 # -- lorapub's engines, instrumented only to count calls and to inject a fault -------------------
 class Instrumented:
-    """Forwards every call to lorapub's SGLangEngine; counts them; can hold or fail ``end``."""
+    """Forwards every call to lorapub's SGLangWireEngine; counts them; can hold or fail ``end``.
+    Its transport is the inner engine's (the deployment hands it over)."""
 
-    def __init__(self, inner: SGLangEngine) -> None:
+    def __init__(self, inner: SGLangWireEngine) -> None:
         self.inner = inner
         self.name = inner.name
         self.calls: Counter = Counter()
@@ -140,6 +142,13 @@ class Instrumented:
     async def _call(self, op: str, *args):
         self.calls[op] += 1
         return await getattr(self.inner, op)(*args)
+
+    @property
+    def transport(self):
+        return self.inner.transport
+
+    def use_transport(self, transport) -> None:
+        self.inner.use_transport(transport)
 
     async def incarnation(self):
         return await self._call("incarnation")
@@ -533,7 +542,7 @@ class Run:
         # a fresh epoch: epoch 1's last version leaves the engines first (a test teardown, with its reclaim id)
         for e in (self.E0, self.E1):
             await self.http.unload(e.url, self.pubs["C2"].lora_name, reclaim_id="teardown-epoch-1")
-        dep = await Deployment(engines, epoch=2, stash_dir=os.path.join(self.root, "stash2"),
+        dep = await Deployment(engines, epoch=2, transport=HTTPBytes(),
                                deadlines=DEADLINES, bucket_cap_bytes=64 << 10).start()
         await dep.publish(self.snaps["A"], "A")
         runs = {}
@@ -579,7 +588,7 @@ class Run:
         """The adapter's bytes over the wire into the patched servers (engine-side staging): for
         each transport, publish A's snapshot as a new version to E0/E1 and compare both engines'
         outputs with A loaded from disk on U (within eps); the stash is freed after reclaim."""
-        from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine
+        from lorapub.adapters.sglang_wire import SameHostIPC
 
         out: dict = {}
         transports = {"http_bytes_dir": HTTPBytes(load="dir"), "http_bytes_tensors": HTTPBytes(load="tensors"),
@@ -589,12 +598,11 @@ class Run:
             for e in (self.E0, self.E1):  # a fresh epoch: what earlier runs left loaded leaves first
                 for name in list((await self.http.state(e.url))["adapters"]):
                     await self.http.unload(e.url, name, reclaim_id=f"teardown-{name}")
-            engines = {n: SGLangWireEngine(n, s.url, transport=transport, probe_timeout=60)
-                       for n, s in (("e0", self.E0), ("e1", self.E1))}
+            engines = {n: SGLangWireEngine(n, s.url, probe_timeout=60) for n, s in (("e0", self.E0), ("e1", self.E1))}
             row: dict = {}
             try:
                 dep = await Deployment(engines, epoch=epoch, deadlines=DEADLINES, bucket_cap_bytes=64 << 10,
-                                       reconcile_interval=None).start()
+                                       reconcile_interval=None, transport=transport).start()
                 t0 = time.monotonic()
                 pub = await dep.publish(self.snaps["A"], "W")
                 row["publish_ms"] = round((time.monotonic() - t0) * 1000, 1)
@@ -660,7 +668,7 @@ class Run:
                 await asyncio.sleep(0.2)
             boot = time.monotonic() - t0
             engines = self.fresh_engines("router")
-            dep = await Deployment(engines, epoch=4, stash_dir=os.path.join(self.root, "stash4"), deadlines=DEADLINES,
+            dep = await Deployment(engines, epoch=4, transport=HTTPBytes(), deadlines=DEADLINES,
                                    bucket_cap_bytes=64 << 10, router=RouterRouting(router)).start()
             await dep.publish(self.snaps["A"], "A")
             spec = WorkloadSpec(sessions=96, arrival_interval=0.04, turns=(4, 8), prompt_len=(64, 256),
@@ -696,8 +704,7 @@ class Run:
             log.close()
 
     def fresh_engines(self, tag: str) -> dict:
-        return {n: Instrumented(SGLangEngine(n, s.url, os.path.join(self.root, f"stash-{tag}"), probe_timeout=60))
-                for n, s in (("e0", self.E0), ("e1", self.E1))}
+        return {n: Instrumented(SGLangWireEngine(n, s.url, probe_timeout=60)) for n, s in (("e0", self.E0), ("e1", self.E1))}
 
     async def one_run(self, spec, session_factory, engines, *, publish, dep, version_of) -> dict:
         occupancy: list[int] = []
@@ -763,7 +770,7 @@ class Run:
                 self.http = Http(session)
                 self.report["server_state"] = {s.name: await self.http.state(s.url) for s in all_servers}
                 self.engines = self.fresh_engines("scenario")
-                self.dep = await Deployment(self.engines, epoch=1, stash_dir=os.path.join(self.root, "stash"),
+                self.dep = await Deployment(self.engines, epoch=1, transport=HTTPBytes(),
                                             deadlines=DEADLINES, bucket_cap_bytes=64 << 10).start()
                 self.to_close += [self.dep, *(e.inner for e in self.engines.values())]
                 self.pubs = {"A": await self.dep.publish(self.snaps["A"], "A")}

@@ -116,19 +116,19 @@ async def fleet(doubles, router, tmp_path):
         await holder["fleet"].heal(name)
 
     watcher = WorkerWatcher(
-        router, heal=heal,  # no stash_dir: the workers stage every version's bytes themselves
+        router, heal=heal,  # the workers stage every version's bytes themselves
         names={d.url: d.name for d in doubles.values()}, interval=0.05, backoff=0.05, max_backoff=0.2,
     )
     engines = await watcher.discover()
     assert set(engines) == set(doubles)
-    from lorapub.adapters.sglang_wire import SGLangWireEngine
+    from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 
     assert all(type(e) is SGLangWireEngine for e in engines.values())
-    assert len({id(e.transport) for e in engines.values()}) == 1  # one deployment, one transport
     deployment = await Deployment(
-        engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=8 << 10, stash_dir=str(tmp_path),
+        engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=8 << 10, transport=HTTPBytes(),
         reconcile_interval=0.5, router=RouterRouting(router),
     ).start()
+    assert all(e.transport is deployment.transport for e in engines.values())  # one deployment, one transport
     fleet = holder["fleet"] = Fleet(deployment, watcher, router, doubles)
     try:
         yield fleet

@@ -174,10 +174,14 @@ async def test_before_the_watcher_notices_a_restart_requests_fail_with_a_version
     assert not [b for dbl in doubles.values() for b in dbl.received if b.get("lora_path") != a.lora_name]
 
 
-def test_a_shared_stash_dir_builds_stash_directory_engines(tmp_path):
-    from lorapub.adapters.sglang_http import SGLangEngine
+def test_a_shared_folder_is_the_deployments_transport_and_the_workers_engines_take_it(tmp_path):
     from lorapub.adapters.sglang_router import SGLangRouter, WorkerWatcher
+    from lorapub.adapters.sglang_wire import SGLangWireEngine, SharedDir
+    from lorapub.runtime.deployment import Deployment
 
-    watcher = WorkerWatcher(SGLangRouter("http://127.0.0.1:9"), stash_dir=str(tmp_path))
+    watcher = WorkerWatcher(SGLangRouter("http://127.0.0.1:9"))
     engine = watcher.engine("http://127.0.0.1:30001")
-    assert type(engine) is SGLangEngine and engine is watcher.engine("http://127.0.0.1:30001")
+    assert type(engine) is SGLangWireEngine and engine is watcher.engine("http://127.0.0.1:30001")
+    shared = SharedDir(tmp_path)  # every worker reads this folder as its LORAPUB_SHM_DIR
+    Deployment({engine.name: engine}, epoch=1, transport=shared)
+    assert watcher.engine("http://127.0.0.1:30001").transport is shared

@@ -262,7 +262,8 @@ async def test_the_runtime_routes_stage_each_transport_into_the_releases_own_cod
     server, task, url = await serve(app)
     transport = {"http": HTTPBytes, "shm": lambda: SameHostIPC(shm_dir=str(tmp_path / "shm")),
                  "gloo": lambda: TorchDistributed(timeout=10.0)}[kind]()
-    engine = SGLangWireEngine("e0", url, transport=transport, probe_timeout=10)
+    engine = SGLangWireEngine("e0", url, probe_timeout=10)
+    engine.use_transport(transport)
     try:
         snapshot = bf16_snapshot(9)
         key = VersionKey(1, "A")
@@ -271,10 +272,10 @@ async def test_the_runtime_routes_stage_each_transport_into_the_releases_own_cod
         name = lora_name_for(key, snapshot.digest)
         inc = await engine.incarnation()
         assert inc == routes.INCARNATION
-        source = transport.bucket_source_factory(snapshot, plan)
+        source = transport.source(snapshot, plan)
         assert await engine.begin(SendBegin("e0", inc, token, name, snapshot.digest, plan)) == inc
         for b in plan.buckets:  # streamed through Starlette's request.stream(), a /dev/shm file, or a broadcast
-            if source.carries_bytes:
+            if not source.collective:
                 await source.send(token, b.index, ("e0",))
                 assert await engine.receive_bucket(token, b.index, source.payload(token, b.index)) == inc
             else:

@@ -8,7 +8,6 @@ import os
 import attrs
 import pytest
 
-from lorapub.adapters.staging import Staging
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
@@ -235,49 +234,109 @@ def begin_request(token: AttemptToken, seed: int = 1) -> tuple[SendBegin, object
     return SendBegin("e0", "life0", token, lora_name_for(token.version, snap.digest), snap.digest, plan), snap
 
 
-def test_a_token_that_skipped_its_checks_cannot_leave_the_stash(tmp_path):
-    staging = Staging("e0", str(tmp_path / "stash"))
+class NoLoads:
+    """An engine for the engine-side staging that is never asked to load here."""
+
+    def adapters(self):
+        return {}
+
+    def max_loaded_loras(self):
+        return 3
+
+
+def engine_staging(root):
+    from lorapub.sglang_patch import engine_staging as es
+
+    return es.EngineStaging(NoLoads(), incarnation="life0", stash_root=str(root))
+
+
+def begin_body(request: SendBegin, token_json: dict | None = None) -> dict:
+    from lorapub.wire.codec import plan_to_json, token_to_json
+
+    return {"token": token_json or token_to_json(request.token), "incarnation": "life0",
+            "lora_name": request.lora_name, "digest": request.digest, "plan": plan_to_json(request.plan),
+            "transport": {"kind": "http"}, "load": "dir"}
+
+
+def everything_under(path) -> set[str]:
+    return {os.path.relpath(os.path.join(d, f), path) for d, dirs, files in os.walk(path) for f in files + dirs}
+
+
+async def test_a_token_that_skipped_its_checks_cannot_leave_the_stash(tmp_path):
+    """The engine adapter's staging lives in the engine: every token arrives as JSON and is checked there."""
+    from lorapub.wire.codec import token_params
+
+    staging = engine_staging(tmp_path / "engine" / "stash")
     token = AttemptToken(VersionKey(1, "A"), 1)
-    forged_key = VersionKey(1, "A")
-    object.__setattr__(forged_key, "version_id", "../../../outside")  # as an unpickled value could arrive
-    for bad in (attrs.evolve(token), AttemptToken.__new__(AttemptToken)):
-        object.__setattr__(bad, "version", forged_key)
-        object.__setattr__(bad, "seq", 1)
-        with pytest.raises((EngineError, InvalidInput)):
-            staging.stash(bad)
-    assert staging.stash(token) == os.path.join(os.path.realpath(tmp_path / "stash"), "1-A-a1")
+    request, _ = begin_request(token)
+    before = everything_under(tmp_path)
+    for forged in ({"epoch": 1, "version_id": "../../../outside", "seq": 1}, {"epoch": 1, "version_id": "A", "seq": -1},
+                   {"epoch": "1/..", "version_id": "A", "seq": 1}):
+        status, answer = await staging.begin(begin_body(request, forged))
+        assert status == 400 and "not an attempt token" in answer["error"]["message"], answer
+        params = {**{k: str(v) for k, v in forged.items()}, "index": "0", "incarnation": "life0", "format": "raw"}
+        assert (await staging.receive(params, None, 0))[0] == 400
+        assert (await staging.cleanup({"token": forged}))[0] == 400
+    assert everything_under(tmp_path) == before  # nothing made anywhere, inside the stash or out of it
+    assert (await staging.begin(begin_body(request)))[0] == 200
+    assert os.path.commonpath([staging._folder(token), staging.stash_root]) == staging.stash_root
+    assert os.path.basename(staging._folder(token)) == "1-A-a1"
+    assert token_params(token) == {"epoch": "1", "version_id": "A", "seq": "1"}
 
 
-@pytest.mark.parametrize("index", ["0", -1, 99, None, True, "../x"])
-def test_a_bucket_index_outside_the_plan_is_refused(tmp_path, index):
-    staging = Staging("e0", str(tmp_path))
+@pytest.mark.parametrize("index", ["-1", "99", "None", "True", "../x", "1.0", ""])
+async def test_a_bucket_index_outside_the_plan_is_refused(tmp_path, index):
+    from lorapub.wire.codec import token_params
+
+    staging = engine_staging(tmp_path / "stash")
     token = AttemptToken(VersionKey(1, "A"), 1)
     request, snap = begin_request(token)
-    staging.prepare(request, "life0")
-    with pytest.raises(EngineError, match="bucket index"):
-        staging.store_bucket(token, index, snap.bucket_bytes(request.plan, 0))
-    assert sorted(os.listdir(staging.stash(token))) == ["adapter_config.json"]
+    assert (await staging.begin(begin_body(request)))[0] == 200
+    folder = everything_under(staging._folder(token))
+    blob = snap.bucket_bytes(request.plan, 0)
+
+    async def body():
+        yield blob
+
+    params = {**token_params(token), "index": index, "incarnation": "life0", "format": "safetensors"}
+    status, answer = await staging.receive(params, body(), len(blob))
+    assert status == 400 and "bucket index" in answer["error"]["message"], answer
+    assert staging.report()["attempts"][str(token)]["buckets"] == []
+    assert everything_under(staging._folder(token)) == folder
 
 
-def test_staged_bytes_that_do_not_verify_are_a_definite_engine_error(tmp_path):
-    staging = Staging("e0", str(tmp_path))
-    token = AttemptToken(VersionKey(1, "A"), 1)
-    request, snap = begin_request(token)
-    staging.prepare(request, "life0")
-    with pytest.raises(EngineError, match="not bytes"):
-        staging.store_bucket(token, 0, "not bytes")
-    for i in range(len(request.plan.buckets)):
-        staging.store_bucket(token, i, b"\x00garbage that is not safetensors")
-    with pytest.raises(EngineError, match="does not verify"):
-        staging.assemble(request)
-    token2 = AttemptToken(VersionKey(1, "B"), 1)
-    request2, snap2 = begin_request(token2, seed=2)
-    request2 = attrs.evolve(request2, plan=attrs.evolve(request2.plan, serving_config_json='{"r": NaN'))
-    staging.prepare(request2, "life0")
-    for i in range(len(request2.plan.buckets)):
-        staging.store_bucket(token2, i, snap2.bucket_bytes(snap2.plan(256), i))
-    with pytest.raises(EngineError, match="does not verify"):
-        staging.assemble(request2)
+async def test_staged_bytes_that_do_not_verify_are_a_definite_engine_error(tmp_path):
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+    from lorapub.testing import SGLangDouble
+
+    double = SGLangDouble("e0")
+    double.stash_root = str(tmp_path / "disk")
+    await double.start()
+    engine = SGLangWireEngine("e0", double.url)
+    try:
+        life = await engine.incarnation()
+        token = AttemptToken(VersionKey(1, "A"), 1)
+        request, snap = begin_request(token)
+        request = attrs.evolve(request, incarnation=life)
+        assert await engine.begin(request) == life
+        with pytest.raises(InvalidInput, match="a bucket payload is bytes"):  # refused before anything is sent
+            await engine.receive_bucket(token, 0, "not bytes")
+        with pytest.raises(EngineError, match="safetensors"):
+            await engine.receive_bucket(token, 0, b"\x00garbage that is not safetensors")
+        with pytest.raises(EngineError, match="never arrived"):
+            await engine.end(token)
+        assert double.registered() == []
+        # a plan whose serving config is not the one the digest names: refused at begin, before any byte
+        token2 = AttemptToken(VersionKey(1, "B"), 1)
+        request2, _ = begin_request(token2, seed=2)
+        request2 = attrs.evolve(request2, incarnation=life,
+                                plan=attrs.evolve(request2.plan, serving_config_json='{"r": NaN'))
+        with pytest.raises(EngineError, match="describes no valid manifest"):
+            await engine.begin(request2)
+        assert double.registered() == [] and str(token2) not in double.staging.report()["attempts"]
+    finally:
+        await engine.close()
+        await double.stop()
 
 
 async def test_misuse_of_the_overwrite_session_and_snapshot_dirs_is_invalid_input(fakes, tmp_path):

@@ -41,8 +41,9 @@ async def test_bucket_bodies_are_read_on_the_sender_thread_or_the_callers_loop(s
     double.stash_root = str(tmp_path / "disk")
     await double.start()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2)) if given_session else None
-    engine = SGLangWireEngine("e0", double.url, transport=HTTPBytes(sender=sender), probe_timeout=10, http=http)
-    dep = await Deployment({"e0": engine}, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10).start()
+    engine = SGLangWireEngine("e0", double.url, probe_timeout=10, http=http)
+    dep = await Deployment({"e0": engine}, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10,
+                           transport=HTTPBytes(sender=sender)).start()
     try:
         report = await dep.publish(lora_snapshot(3), "v1")
         assert report.state.value == "PUBLISHED"

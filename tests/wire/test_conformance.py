@@ -1,14 +1,14 @@
-"""The engine-side-staging adapter passes the EngineAdmin conformance suite on every transport
-(against the contract double, which runs the same staging code as lorapub's SGLang patch)."""
+"""The engine adapter passes the EngineAdmin conformance suite on every transport's options
+(against the contract double, which runs the same staging code as lorapub's SGLang patch; the
+shared-folder transport and plain HTTP run in tests/conformance)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, TorchDistributed
-from lorapub.testing import check_engine_admin
+from lorapub.testing import SGLangUnderTest, check_engine_admin
 from lorapub.testing.conformance import CHECKS
-from lorapub.testing.sglang_double import SGLangWireUnderTest
 
 
 def transports(tmp_path):
@@ -27,6 +27,6 @@ async def test_wire_engine_passes_the_conformance_suite(kind, tmp_path):
     (tmp_path / "shm").mkdir()
 
     async def factory():
-        return await SGLangWireUnderTest.start(str(tmp_path / "engine-disk"), transport=make(), request_timeout=2.0)
+        return await SGLangUnderTest.start(str(tmp_path / "engine-disk"), transport=make(), request_timeout=2.0)
 
     assert await check_engine_admin(factory) == [c.__name__ for c in CHECKS]

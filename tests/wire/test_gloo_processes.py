@@ -54,8 +54,8 @@ class EngineProcess:
 async def cluster(tmp_path):
     procs = {name: EngineProcess(name, str(tmp_path / f"{name}-disk")) for name in ("e0", "e1")}
     transport = TorchDistributed(backend="gloo", timeout=TIMEOUT)
-    engines = {n: SGLangWireEngine(n, p.url, transport=transport, probe_timeout=20) for n, p in procs.items()}
-    dep = await Deployment(engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=16 << 10).start()
+    engines = {n: SGLangWireEngine(n, p.url, probe_timeout=20) for n, p in procs.items()}
+    dep = await Deployment(engines, epoch=1, deadlines=DEADLINES, bucket_cap_bytes=16 << 10, transport=transport).start()
     try:
         yield dep, procs, engines
     finally:

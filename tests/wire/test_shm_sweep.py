@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 import lorapub
-from lorapub.adapters import sglang_wire as sw
+from lorapub.adapters.transports import same_host as sw
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.testing.fixtures import lora_snapshot
 from lorapub.wire.routes import SHM_NAME
@@ -122,12 +122,12 @@ async def test_a_live_source_of_this_process_keeps_its_files_and_its_owner_file_
         await asyncio.sleep(0.01)
     before = names(shm)
     assert sum(n.endswith(".owner") for n in before) == 1
-    sw._LIVE_OWNERS.clear()  # as if this process's own lock were all a sweep could go by
+    sw.LIVE_OWNERS.clear()  # as if this process's own lock were all a sweep could go by
     try:
         swept(shm)
         assert names(shm) == before
     finally:
-        sw._LIVE_OWNERS.update(str(shm / n) for n in before if n.endswith(".owner"))
+        sw.LIVE_OWNERS.update(str(shm / n) for n in before if n.endswith(".owner"))
     live.close()  # the last bucket file goes, then the owner file
     assert names(shm) == []
 

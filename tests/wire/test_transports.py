@@ -11,18 +11,26 @@ import os
 
 import pytest
 
-from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, TorchDistributed
+from lorapub.adapters.sglang_wire import (
+    DEFAULT_TRANSPORT,
+    HTTPBytes,
+    SameHostIPC,
+    SGLangWireEngine,
+    SharedDir,
+    TorchDistributed,
+)
 from lorapub.core.version import VersionState
 from lorapub.errors import InvalidInput
+from lorapub.ports import BucketSource, TakesTransport, Transport
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.publisher import PublicationFailed, engines_source_factory
+from lorapub.runtime.publisher import PublicationFailed
 from lorapub.runtime.snapshot import InlineBucketSource
-from lorapub.testing import SGLangDouble
+from lorapub.testing import MemoryEngine, SGLangDouble
 from lorapub.testing.fixtures import lora_snapshot
 from tests.e2e.conftest import FAST
 
 GEN = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
-KINDS = ["http", "http-loop", "http-tensors", "shm", "gloo"]
+KINDS = ["http", "http-loop", "http-tensors", "shm", "shared-dir", "gloo"]
 
 
 def make_transport(kind: str, shm_dir: str):
@@ -31,6 +39,7 @@ def make_transport(kind: str, shm_dir: str):
         "http-loop": lambda: HTTPBytes(sender="loop"),
         "http-tensors": lambda: HTTPBytes(load="tensors"),
         "shm": lambda: SameHostIPC(shm_dir=shm_dir),
+        "shared-dir": lambda: SharedDir(shm_dir),
         "gloo": lambda: TorchDistributed(timeout=10.0),
     }[kind]()
 
@@ -60,9 +69,9 @@ async def wired(tmp_path, request):
         d.stash_root, d.shm_dir = str(tmp_path / f"{name}-disk"), str(shm)
         doubles.append(await d.start())
     transport = make_transport(kind, str(shm))
-    engines = {d.name: SGLangWireEngine(d.name, d.url, transport=transport, probe_timeout=10) for d in doubles}
+    engines = {d.name: SGLangWireEngine(d.name, d.url, probe_timeout=10) for d in doubles}
     recorders = {d.name: Recorder(d) for d in doubles}
-    dep = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10).start()
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, bucket_cap_bytes=8 << 10, transport=transport).start()
     yield kind, dep, {d.name: d for d in doubles}, recorders, shm
     await dep.settle()
     await dep.close()
@@ -72,7 +81,8 @@ async def wired(tmp_path, request):
         await d.stop()
 
 
-EXPECTED_FORMAT = {"http": "raw", "http-loop": "raw", "http-tensors": "raw", "shm": "shm", "gloo": "torch"}
+EXPECTED_FORMAT = {"http": "raw", "http-loop": "raw", "http-tensors": "raw", "shm": "shm", "shared-dir": "shm",
+                   "gloo": "torch"}
 
 
 async def no_files(folder, timeout: float = 5.0) -> bool:
@@ -92,6 +102,8 @@ def staged(double: SGLangDouble) -> dict:
 @pytest.mark.parametrize("wired", KINDS, indirect=True)
 async def test_publish_serve_and_reclaim_free_every_stash(wired):
     kind, dep, doubles, recorders, shm = wired
+    assert dep.publisher.source_factory == dep.transport.source  # the publisher's half is the transport's
+    assert all(e.transport is dep.transport for e in dep.engines.values())
     a = await dep.publish(lora_snapshot(1), "A")
     plan = lora_snapshot(1).plan(8 << 10)
     for name, d in doubles.items():
@@ -139,8 +151,7 @@ async def test_a_bucket_refused_by_one_engine_fails_clean_and_frees_every_stash(
 async def test_bytes_that_do_not_match_the_manifest_are_refused_before_any_load(wired):
     _, dep, doubles, _, _ = wired
 
-    class Corrupt:
-        carries_bytes = True
+    class Corrupt(BucketSource):
 
         def __init__(self, snapshot, plan):
             self.inner = InlineBucketSource(snapshot, plan)
@@ -161,70 +172,79 @@ async def test_bytes_that_do_not_match_the_manifest_are_refused_before_any_load(
         assert staged(d)["attempts"] == {}
 
 
-async def test_engines_with_one_transport_choose_the_publishers_bucket_source(tmp_path):
+def wire(*names: str) -> dict[str, SGLangWireEngine]:
+    return {n: SGLangWireEngine(n, f"http://127.0.0.1:{i + 1}") for i, n in enumerate(names)}
+
+
+async def test_the_deployment_names_the_transport_once_and_hands_it_to_every_engine(tmp_path):
+    t = SameHostIPC(shm_dir=str(tmp_path))
+    engines = wire("e0", "e1")
+    assert all(e.transport is DEFAULT_TRANSPORT for e in engines.values())  # none given yet: HTTP bodies
+    dep = Deployment(engines, epoch=1, transport=t)
+    assert dep.transport is t and all(e.transport is t for e in engines.values())
+    assert all(isinstance(e, TakesTransport) for e in engines.values()) and isinstance(t, Transport)
+    # without one, the engines' own: HTTP bodies by default
+    plain = Deployment(wire("e0", "e1"), epoch=1)
+    assert plain.transport == HTTPBytes() and all(e.transport == HTTPBytes() for e in plain.engines.values())
+    # engines that take no transport are sent safetensors bytes, as before
+    assert Deployment({"m0": MemoryEngine("m0")}, epoch=1).transport is None
+
+
+async def test_an_engine_given_another_transport_is_invalid_input_naming_it(tmp_path):
     t = HTTPBytes()
-    e0 = SGLangWireEngine("e0", "http://127.0.0.1:1", transport=t)
-    e1 = SGLangWireEngine("e1", "http://127.0.0.1:2", transport=t)
-    assert engines_source_factory({"e0": e0, "e1": e1}) == t.bucket_source_factory
-    # engines built with the default transport each hold their own HTTPBytes(): one way of sending
-    defaults = {n: SGLangWireEngine(n, f"http://127.0.0.1:{i + 1}") for i, n in enumerate(("e0", "e1"))}
-    factory = engines_source_factory(defaults)
-    assert factory == defaults["e0"].bucket_source_factory and factory.__self__ == HTTPBytes()
-    assert engines_source_factory({"e0": e0, "e1": SGLangWireEngine("e1", "http://127.0.0.1:2")}) \
-        == t.bucket_source_factory
-    for other in (HTTPBytes(load="tensors"), HTTPBytes(sender="loop"), SameHostIPC(shm_dir=str(tmp_path))):
-        with pytest.raises(InvalidInput, match="different bucket transports"):
-            engines_source_factory({"e0": e0, "e1": SGLangWireEngine("e1", "http://127.0.0.1:2", transport=other)})
-    shm = {n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=SameHostIPC(shm_dir=str(tmp_path))) for n in ("e0", "e1")}
-    assert engines_source_factory(shm).__self__.shm_dir == str(tmp_path)
     other_dir = tmp_path / "other"
     other_dir.mkdir()
-    with pytest.raises(InvalidInput, match="different bucket transports"):
-        engines_source_factory({"e0": shm["e0"], "e1": SGLangWireEngine(
-            "e1", "http://127.0.0.1:2", transport=SameHostIPC(shm_dir=str(other_dir)))})
-    # a torch.distributed transport keeps its attempts' sources: two instances are two ways
-    torch_engines = {n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=TorchDistributed()) for n in ("e0", "e1")}
-    with pytest.raises(InvalidInput, match="different bucket transports"):
-        engines_source_factory(torch_engines)
-    shared = TorchDistributed()
-    assert engines_source_factory({n: SGLangWireEngine(n, "http://127.0.0.1:1", transport=shared)
-                                   for n in ("e0", "e1")}).__self__ is shared
-    # an embedder's transport (no `stateless` declaration) is one way only when it is one object,
-    # whatever its own equality says
-    class Mine(HTTPBytes):
-        stateless = False
+    others = (HTTPBytes(load="tensors"), HTTPBytes(sender="loop"), SameHostIPC(shm_dir=str(tmp_path)),
+              SharedDir(tmp_path), TorchDistributed())
+    for other in others:
+        engines = wire("e0", "e1")
+        engines["e1"].use_transport(other)  # given by an earlier deployment
+        with pytest.raises(InvalidInput, match="engine e1 already sends buckets") as e:
+            Deployment(engines, epoch=1, transport=t)
+        assert repr(other) in e.value.message
+        with pytest.raises(InvalidInput, match="engines e0 and e1 send buckets different ways"):
+            Deployment(engines, epoch=1)  # named nowhere: the engines disagree
+    # equal transports are one way of sending: HTTPBytes() made twice, one folder spelled two ways
+    engines = wire("e0", "e1")
+    engines["e1"].use_transport(HTTPBytes())
+    assert Deployment(engines, epoch=1, transport=HTTPBytes()).transport == HTTPBytes()
+    assert SameHostIPC(shm_dir=str(tmp_path)) == SameHostIPC(shm_dir=str(tmp_path) + "/")
+    assert SharedDir(tmp_path) == SharedDir(str(tmp_path) + "/") != SameHostIPC(shm_dir=str(tmp_path), load="dir")
+    engines = wire("e0", "e1")
+    engines["e0"].use_transport(SharedDir(tmp_path))
+    assert Deployment(engines, epoch=1, transport=SharedDir(str(tmp_path) + "/")).engines["e0"].transport.path \
+        == str(tmp_path)
+    # a transport that keeps per-attempt state (torch.distributed's groups) is one way only as one object
+    shared, another = TorchDistributed(), TorchDistributed()
+    assert shared != another and shared == shared
+    engines = wire("e0", "e1")
+    assert all(e.transport is shared for e in Deployment(engines, epoch=1, transport=shared).engines.values())
+    with pytest.raises(InvalidInput, match="engine e0 already sends buckets"):
+        Deployment(engines, epoch=1, transport=another)
 
-        def __init__(self, sources):
-            super().__init__()
-            self.sources = sources
-
-    a, b = Mine({}), Mine({})
-    assert a != b and Mine.__eq__(a, a)
-    with pytest.raises(InvalidInput, match="different bucket transports"):
-        engines_source_factory({"e0": SGLangWireEngine("e0", "http://127.0.0.1:1", transport=a),
-                                "e1": SGLangWireEngine("e1", "http://127.0.0.1:2", transport=b)})
-
-    class Plain2:
-        def __init__(self):
-            self.name = "e3"
-
-        def __eq__(self, other):
-            return True  # a loose equality of its own must not merge two transports
-
+    class Stateful(HTTPBytes):  # an embedder's transport that keeps state of its own equals only itself
+        __eq__ = object.__eq__
         __hash__ = object.__hash__
 
-        def bucket_source_factory(self, snapshot, plan):
-            return None
+    a, b = Stateful(), Stateful()
+    engines = wire("e0", "e1")
+    engines["e0"].use_transport(a)
+    engines["e1"].use_transport(b)
+    with pytest.raises(InvalidInput, match="send buckets different ways"):
+        Deployment(engines, epoch=1)
 
-    with pytest.raises(InvalidInput, match="different bucket transports"):
-        engines_source_factory({"e0": Plain2(), "e1": Plain2()})
-    # /dev/shm and /dev/shm/ are one folder
-    assert SameHostIPC(shm_dir=str(tmp_path)) == SameHostIPC(shm_dir=str(tmp_path) + "/")
 
-    class Plain:
-        name = "e2"
-
-    assert engines_source_factory({"e2": Plain()}) is InlineBucketSource
+def test_a_deployment_refuses_a_transport_its_engines_cannot_take():
+    with pytest.raises(InvalidInput, match="transport must be a lorapub.ports.Transport"):
+        Deployment(wire("e0"), epoch=1, transport="http")
+    with pytest.raises(InvalidInput, match="no engine takes a transport"):
+        Deployment({"m0": MemoryEngine("m0")}, epoch=1, transport=HTTPBytes())
+    with pytest.raises(InvalidInput, match="e0 take a transport, m1 do not"):
+        Deployment({**wire("e0"), "m1": MemoryEngine("m1")}, epoch=1)
+    with pytest.raises(InvalidInput, match="e0: a transport is a lorapub.ports.Transport"):
+        wire("e0")["e0"].use_transport(object())
+    with pytest.raises(TypeError):  # the engine is not where the transport is named
+        SGLangWireEngine("e0", "http://127.0.0.1:1", transport=HTTPBytes())
 
 
 async def test_a_duplicate_torch_receive_starts_no_second_collective(tmp_path):
@@ -235,11 +255,12 @@ async def test_a_duplicate_torch_receive_starts_no_second_collective(tmp_path):
     d.stash_root = str(tmp_path / "disk")
     await d.start()
     transport = TorchDistributed(timeout=10.0)
-    engine = SGLangWireEngine("e0", d.url, transport=transport, probe_timeout=10)
+    engine = SGLangWireEngine("e0", d.url, probe_timeout=10)
+    engine.use_transport(transport)
     try:
         snapshot = lora_snapshot(8, layers=1, hidden=16, rank=2)
         plan = snapshot.plan(256)
-        source = transport.bucket_source_factory(snapshot, plan)
+        source = transport.source(snapshot, plan)
         key = VersionKey(1, "T")
         token = AttemptToken(key, 1)
         inc = await engine.incarnation()
@@ -252,6 +273,68 @@ async def test_a_duplicate_torch_receive_starts_no_second_collective(tmp_path):
         await source.send(token, 0, ("e0",))  # a duplicate send joins nothing either
         assert d.staging.collectives == 1 and source.broadcasts == 1
         assert d.staging.report()["attempts"][str(token)]["buckets"] == [0]
+    finally:
+        await engine.close()
+        await d.stop()
+
+
+async def test_a_cleanup_that_comes_during_the_engines_load_leaves_no_adapter_behind(tmp_path):
+    """The engine tombstones the attempt at once and waits for its load; a load that ends after that
+    is refused as cleaned up (the staging then answers ``loaded: null``), yet it did register the
+    adapter: the cleanup unloads it, so the failed version holds no slot."""
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+    from lorapub.demo.workload import until
+    from lorapub.errors import EngineError
+
+    d = SGLangDouble("e0", load_delay=0.5)
+    d.stash_root = str(tmp_path / "disk")
+    await d.start()
+    engine = SGLangWireEngine("e0", d.url, probe_timeout=10)
+    try:
+        snapshot = lora_snapshot(8)
+        plan = snapshot.plan(4 << 10)
+        key = VersionKey(1, "L")
+        token, name = AttemptToken(key, 1), lora_name_for(key, snapshot.digest)
+        source = engine.transport.source(snapshot, plan)
+        inc = await engine.begin(SendBegin("e0", await engine.incarnation(), token, name, snapshot.digest, plan))
+        for b in plan.buckets:
+            assert await engine.receive_bucket(token, b.index, source.payload(token, b.index)) == inc
+        ending = asyncio.create_task(engine.end(token))
+        await until(lambda: d.staging._attempts[token].lock.locked(), timeout=5)  # end runs: it loads for 0.5 s
+        await asyncio.sleep(0.1)
+        assert await engine.cleanup(token, name) == inc  # while the load runs
+        with pytest.raises(EngineError, match="cleaned up"):
+            await ending
+        assert name not in d.registered() and d.physical_unloads.count(name) == 1
+        assert d.staging.report()["attempts"] == {}
+    finally:
+        await engine.close()
+        await d.stop()
+
+
+async def test_a_cleanup_of_another_attempt_never_unloads_the_version_an_attempt_holds(tmp_path):
+    """Another attempt of the same version (a re-provisioning, a replayed one) may hold the name: the
+    cleanup of one that loaded nothing leaves it loaded."""
+    from lorapub.core.effects import SendBegin
+    from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+
+    d = SGLangDouble("e0")
+    d.stash_root = str(tmp_path / "disk")
+    await d.start()
+    engine = SGLangWireEngine("e0", d.url, probe_timeout=10)
+    try:
+        snapshot = lora_snapshot(9)
+        plan = snapshot.plan(4 << 10)
+        key = VersionKey(1, "R")
+        holder, other, name = AttemptToken(key, 2), AttemptToken(key, 1), lora_name_for(key, snapshot.digest)
+        source = engine.transport.source(snapshot, plan)
+        inc = await engine.begin(SendBegin("e0", await engine.incarnation(), holder, name, snapshot.digest, plan))
+        for b in plan.buckets:
+            await engine.receive_bucket(holder, b.index, source.payload(holder, b.index))
+        await engine.end(holder)
+        assert await engine.cleanup(other, name) == inc
+        assert name in d.registered() and d.physical_unloads == []
     finally:
         await engine.close()
         await d.stop()

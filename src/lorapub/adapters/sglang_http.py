@@ -1,14 +1,12 @@
 """SGLang over its HTTP API (aiohttp): HTTP only.
 
-:class:`SGLangHTTP` is the client. :class:`SGLangEngine` is the
-:class:`~lorapub.ports.EngineAdmin`: staging is :class:`~lorapub.adapters.staging.Staging`
-(an attempt-private stash directory the engine can read, local disk or a shared
-mount); ``end`` fresh-loads the verified adapter **pinned** through
-``/load_lora_adapter`` and probes the exact name. :class:`SGLangOverwriteAdmin` is
-the :class:`~lorapub.ports.OverwriteAdmin` of the old overwrite path (switch off).
-:class:`SGLangEngine` requires lorapub's SGLang patch (its state route gives the
-incarnation; managed adapters are neither implicitly reloaded nor unloadable without a
-reclaim id); :class:`SGLangOverwriteAdmin` needs only stock SGLang.
+:class:`SGLangHTTP` is the client. :class:`SGLangAdminBase` is what lorapub's engine adapter
+(:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`, which stages inside the engine) shares
+with any adapter of a patched server: the state route, the exact-version probe, the
+reclaim-authorised unload, generation. It requires lorapub's SGLang patch (its state route gives
+the incarnation; managed adapters are neither implicitly reloaded nor unloadable without a
+reclaim id). :class:`SGLangOverwriteAdmin` is the :class:`~lorapub.ports.OverwriteAdmin` of the
+old overwrite path (switch off), and needs only stock SGLang.
 
 Transport rules: a generation is sent once. A timeout or dropped connection
 is :class:`OutcomeUnknown` and is never resent here. An engine's definite answer other
@@ -24,24 +22,20 @@ import http as _http
 import json
 import logging
 import math
-import os
 import re
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from lorapub.adapters.staging import Staging
-from lorapub.core.attempt import ReadyLocal
-from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, AttemptToken, check_id
+from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.wire.codec import token_from_json
 
 __all__ = [
     "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "OwnedHTTPSession", "SGLangHTTP",
-    "SGLangAdminBase", "SGLangEngine", "SGLangOverwriteAdmin",
+    "SGLangAdminBase", "SGLangOverwriteAdmin",
 ]
 
 logger = logging.getLogger(__name__)
@@ -327,14 +321,6 @@ class SGLangHTTP(OwnedHTTPSession):
         raise self.refusal("/generate", status, body)
 
 
-def _check_dir(kind: str, value: object) -> str:
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise InvalidInput(f"{kind} must be a directory path, got {value!r}")
-    return value
-
-
 class SGLangAdminBase:
     """What every lorapub adapter of a patched SGLang server shares: the client, the state route,
     the exact-version probe, the reclaim-authorised unload and the generation path."""
@@ -428,100 +414,13 @@ class SGLangAdminBase:
         return await self.client.generate(payload)
 
 
-class SGLangEngine(SGLangAdminBase):
-    """A patched SGLang server as an :class:`~lorapub.ports.EngineAdmin`, staging buckets in this
-    process in a directory the engine must be able to read (see
-    :class:`~lorapub.adapters.sglang_wire.SGLangWireEngine` for staging inside the engine).
-
-    ``api_key``/``admin_api_key``: the server's ``--api-key``/``--admin-api-key`` (see
-    :class:`SGLangHTTP` for which call carries which).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        base_url: str,
-        stash_dir: str,
-        *,
-        http: aiohttp.ClientSession | None = None,
-        request_timeout: float | None = None,
-        probe_timeout: float | None = 30.0,
-        require_patch: bool = True,
-        api_key: str | None = None,
-        admin_api_key: str | None = None,
-    ) -> None:
-        self.client = SGLangHTTP(
-            name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
-        )
-        self.name = self.client.name  # a checked id: it names the engine's stash folder
-        self.staging = Staging(self.name, os.path.join(_check_dir("stash_dir", stash_dir), self.name))
-
-    def __repr__(self) -> str:
-        return f"SGLangEngine({self.client!r})"
-
-    # -- publication ------------------------------------------------------------------
-    async def begin(self, request: SendBegin) -> str:
-        async with self.staging.lock(request.token):
-            if self.staging.refused(request.token):
-                raise EngineError(f"{self.name}: attempt {request.token} was cleaned up; late begin refused")
-            state = await self.client.state()
-            if state["incarnation"] != request.incarnation:
-                raise EngineError(f"{self.name}: begin for life {request.incarnation}, engine is {state['incarnation']}")
-            if self.staging.begun(request.token):
-                return state["incarnation"]  # duplicate begin: same answer
-            adapters = state.get("adapters", {})
-            if request.lora_name in adapters:
-                raise EngineError(f"{self.name}: {request.lora_name} is already loaded")
-            if len(adapters) >= int(state.get("max_loaded_loras") or 3):
-                raise EngineError(f"{self.name}: no free LoRA slot ({len(adapters)} loaded)")
-            self.staging.prepare(request, state["incarnation"])
-            return state["incarnation"]
-
-    async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
-        async with self.staging.lock(token):
-            return self.staging.store_bucket(token, index, payload)
-
-    async def end(self, token: AttemptToken) -> ReadyLocal:
-        async with self.staging.lock(token):
-            request, inc = self.staging.live(token)
-            adapter_dir = await asyncio.to_thread(self.staging.assemble, request)
-            status, body = await self.client.request(
-                "POST", "/load_lora_adapter",
-                json_body={"lora_name": request.lora_name, "lora_path": adapter_dir, "pinned": True},
-                timeout=self.client.probe_timeout,
-            )
-            if status != 200:
-                raise EngineError(f"{self.name}: load of {request.lora_name} failed: {_status_text(status, body)}")
-            self.client.json_object("/load_lora_adapter", status, body)
-            await self._probe(request.lora_name)
-            state = await self.client.state()
-            if state["incarnation"] != inc:
-                raise EngineError(f"{self.name} restarted during end ({inc} -> {state['incarnation']})")
-            entry = state["adapters"].get(request.lora_name)
-            if entry is None or entry.get("lora_path") != adapter_dir or not entry.get("pinned"):
-                raise EngineError(f"{self.name}: {request.lora_name} is not loaded pinned from this attempt")
-            return ReadyLocal(self.name, token, request.digest, inc, entry.get("lora_id"))
-
-    async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
-        self.staging.refuse(token)  # from now on begin/receive/end of it are refused
-        async with self.staging.lock(token):
-            self.staging.forget(token)
-            await self._unload(lora_name, f"cleanup-{token}")
-            self.staging.remove(token)
-            return await self.incarnation()
-
-    async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
-        await self._unload(lora_name, reclaim_id)
-        await asyncio.to_thread(self.staging.remove_named, lora_name)  # its folder is loaded from no more
-
-
 class SGLangOverwriteAdmin:
     """An SGLang server as the old overwrite path drives it (``enabled=False``).
 
     Needs nothing of lorapub's SGLang patch: it uses only stock SGLang routes (the adapter
     list comes from ``/v1/models``), so it runs against any SGLang 0.5.17/0.5.23 server.
-    ``require_patch`` is accepted for symmetry with :class:`SGLangEngine` and changes nothing here.
+    ``require_patch`` is accepted for symmetry with the versioned path's adapter
+    (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`) and changes nothing here.
     """
 
     def __init__(self, name: str, base_url: str, *, http: aiohttp.ClientSession | None = None,

@@ -6,8 +6,9 @@ What goes where:
   routing object; ``pick(session)`` gives a :class:`RoutedGeneration` whose ``generate``
   POSTs the router's ``/generate`` once, with the session's exact bound ``lora_path``;
 * **publication, cleanup and reclaim** go to every worker directly, by its URL: one
-  :class:`~lorapub.adapters.sglang_http.SGLangEngine` per worker the router lists
-  (:meth:`WorkerWatcher.discover`);
+  :class:`~lorapub.adapters.sglang_wire.SGLangWireEngine` per worker the router lists
+  (:meth:`WorkerWatcher.discover`), staging inside the worker; the deployment's transport
+  (``Deployment(engines, transport=...)``) says how the bytes get there;
 * **rotation**: :class:`WorkerWatcher` polls the router's worker list and each worker's
   incarnation (the state route of lorapub's SGLang patch) and reports joins, leaves and
   restarts as typed events. A restarted, new or unreachable worker is taken out of the
@@ -44,7 +45,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import attrs
 
-from lorapub.adapters.sglang_http import _MISSING_MARKERS, OwnedHTTPSession, SGLangEngine, _message
+from lorapub.adapters.sglang_http import _MISSING_MARKERS, OwnedHTTPSession, _message
+from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
 
 __all__ = [
@@ -424,7 +426,6 @@ class WorkerWatcher:
         self,
         router: SGLangRouter,
         *,
-        stash_dir: str | None = None,
         heal: Heal | None = None,
         on_event: Callable[[WorkerEvent], Any] | None = None,
         names: Mapping[str, str] | None = None,
@@ -432,12 +433,11 @@ class WorkerWatcher:
         probe_failures: int = 2,
         backoff: float = 0.5,
         max_backoff: float = 30.0,
-        engine_factory: Callable[[str, str], SGLangEngine] | None = None,
+        engine_factory: Callable[[str, str], SGLangWireEngine] | None = None,
         probe_timeout: float = 5.0,
         request_timeout: float | None = None,
     ) -> None:
         self.router = router
-        self.stash_dir = stash_dir
         self.heal = heal
         self.on_event = on_event
         self.names = {normalize_url(u): n for u, n in (names or {}).items()}
@@ -445,8 +445,8 @@ class WorkerWatcher:
         self.probe_failures = probe_failures
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._factory = engine_factory or self._default_factory(stash_dir, probe_timeout, request_timeout)
-        self.engines: dict[str, SGLangEngine] = {}  # name -> engine, every worker ever seen
+        self._factory = engine_factory or self._default_factory(probe_timeout, request_timeout)
+        self.engines: dict[str, SGLangWireEngine] = {}  # name -> engine, every worker ever seen
         self.workers: dict[str, WorkerStatus] = {}  # url -> status
         self.events: list[WorkerEvent] = []
         self._handshakes: dict[str, asyncio.Task] = {}
@@ -455,22 +455,16 @@ class WorkerWatcher:
         self.last_error: str | None = None  # the last failure to list the router's workers
 
     @staticmethod
-    def _default_factory(stash_dir: str | None, probe_timeout: float, request_timeout: float | None):
-        if stash_dir is not None:  # every worker reads one shared directory
-            return lambda name, url: SGLangEngine(
-                name, url, stash_dir, probe_timeout=probe_timeout, request_timeout=request_timeout)
-        from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
-
-        transport = HTTPBytes()  # no shared storage: the bytes go over HTTP into each worker
-        return lambda name, url: SGLangWireEngine(
-            name, url, transport=transport, probe_timeout=probe_timeout, request_timeout=request_timeout)
+    def _default_factory(probe_timeout: float, request_timeout: float | None):
+        # the bytes' way is the deployment's transport, which it hands to these engines
+        return lambda name, url: SGLangWireEngine(name, url, probe_timeout=probe_timeout, request_timeout=request_timeout)
 
     # -- names and engines ------------------------------------------------------------
     def name_of(self, url: str) -> str:
         url = normalize_url(url)
         return self.names.get(url) or engine_name(url)
 
-    def engine(self, url: str) -> SGLangEngine:
+    def engine(self, url: str) -> SGLangWireEngine:
         url = normalize_url(url)
         name = self.name_of(url)
         found = self.engines.get(name)
@@ -500,7 +494,7 @@ class WorkerWatcher:
             log.exception("worker event callback failed on %s", event)
 
     # -- polling ----------------------------------------------------------------------
-    async def discover(self) -> dict[str, SGLangEngine]:
+    async def discover(self) -> dict[str, SGLangWireEngine]:
         """The first listing: an engine per worker and its incarnation, no handshake. Returns ``engines``."""
         if not self._discovered:
             await self.poll_once()

@@ -1,11 +1,15 @@
 """``lorapub demo``: the whole publish -> bind -> reclaim lifecycle, live, on a CPU.
 
 By default it starts two in-process engines that speak SGLang's LoRA admin
-contract (:class:`lorapub.testing.SGLangDouble`);
-pass ``--engine-url`` twice to drive real, patched SGLang servers instead.
+contract (:class:`lorapub.testing.SGLangDouble`, running lorapub's engine-side staging);
+pass ``--engine-url`` twice to drive real, patched SGLang servers instead. The
+adapter's bytes travel ``--transport``'s way into the engines' own staging: as HTTP
+bodies (``http``, default), as shared-memory files in ``/dev/shm`` (``shm``, engines on
+this host) or as files in a folder both sides read (``shared-dir``: ``--shared-dir``,
+which real engines must read as their ``LORAPUB_SHM_DIR``).
 
 A bad argument, or an engine the demo cannot reach or use, is one line on stderr
-and exit status 2, as argparse does; the stash folder the demo makes for itself is
+and exit status 2, as argparse does; the folder the demo makes for itself is
 removed on every way out.
 """
 
@@ -63,18 +67,43 @@ async def _reach(engines) -> None:
             raise DemoError(f"cannot use engine {name} at {engine.base_url}: {e}") from None
 
 
+def _transport(args, folder: str):
+    """The deployment's transport, as ``--transport`` names it."""
+    from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SharedDir
+    from lorapub.errors import InvalidInput
+
+    if args.transport != "shared-dir" and args.shared_dir:
+        raise DemoError("argument --shared-dir: goes with --transport shared-dir")
+    if args.transport == "http":
+        return HTTPBytes()
+    if args.transport == "shm":
+        try:
+            return SameHostIPC()
+        except InvalidInput as e:
+            raise DemoError(f"argument --transport shm: {e.message}") from None
+    if args.shared_dir:
+        try:
+            return SharedDir(args.shared_dir)
+        except InvalidInput as e:
+            raise DemoError(f"argument --shared-dir: {e.message}") from None
+    shared = os.path.join(folder, "shared")  # the embedded engines read it too
+    os.makedirs(shared, exist_ok=True)
+    return SharedDir(shared)
+
+
 async def _demo(args, stash: str) -> int:
     from lorapub import Deadlines, Deployment
     from lorapub.errors import InvalidInput
-    from lorapub.adapters.sglang_http import SGLangEngine
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
 
     doubles = []
     engines: dict = {}
     dep = None
     try:
+        transport = _transport(args, stash)
         if args.engine_url:
             try:
-                engines = {f"e{i}": SGLangEngine(f"e{i}", url, stash) for i, url in enumerate(args.engine_url)}
+                engines = {f"e{i}": SGLangWireEngine(f"e{i}", url) for i, url in enumerate(args.engine_url)}
             except InvalidInput as e:
                 raise DemoError(f"argument --engine-url: {e.message}") from None
             await _reach(engines)
@@ -84,11 +113,13 @@ async def _demo(args, stash: str) -> int:
             for i in range(2):
                 double = SGLangDouble(f"e{i}", decode_delay=0.003)
                 double.stash_root = os.path.join(stash, f"engine-e{i}")  # its own disk: inside the demo's folder
+                double.shm_dir = getattr(transport, "shm_dir", None)  # its LORAPUB_SHM_DIR
                 doubles.append(await double.start())
-            engines = {f"e{i}": SGLangEngine(f"e{i}", d.url, stash) for i, d in enumerate(doubles)}
+            engines = {f"e{i}": SGLangWireEngine(f"e{i}", d.url) for i, d in enumerate(doubles)}
         deadlines = Deadlines(begin=10, bucket=10, end=30, cleanup=30, commit=5, reclaim=60)
         try:
-            dep = await Deployment(engines, epoch=args.epoch, deadlines=deadlines, bucket_cap_bytes=16 << 10).start()
+            dep = await Deployment(engines, epoch=args.epoch, deadlines=deadlines, bucket_cap_bytes=16 << 10,
+                                   transport=transport).start()
         except InvalidInput as e:
             raise DemoError(e.message) from None
         return await _lifecycle(args, dep, engines, doubles)
@@ -119,7 +150,7 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
     sampler = asyncio.create_task(sample_slots())
     workload = None
     try:
-        say(f"engines: {', '.join(f'{n}={e.base_url}' for n, e in engines.items())}")
+        say(f"engines: {', '.join(f'{n}={e.base_url}' for n, e in engines.items())}; buckets travel {dep.transport!r}")
         probe = dep.session("before-any-version")
         try:
             await probe.generate({"input_ids": [1, 2, 3]})
@@ -237,7 +268,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the publish -> bind -> reclaim lifecycle on two engines")
     d.add_argument("--engine-url", action="append", help="a patched SGLang server (give two); default: embedded engines")
-    d.add_argument("--stash-dir", help="attempt stash directory the engines can read (default: a temporary one, removed at exit)")
+    d.add_argument("--transport", choices=("http", "shm", "shared-dir"), default="http",
+                   help="how the adapter's bytes reach the engines' own staging: HTTP bodies (default), shared-memory "
+                        "files in /dev/shm (engines on this host), or files in --shared-dir")
+    d.add_argument("--shared-dir", help="with --transport shared-dir: a folder the engines read as their LORAPUB_SHM_DIR "
+                                        "(default: one inside the demo's folder, which the embedded engines read)")
+    d.add_argument("--stash-dir", help="the demo's folder: the embedded engines' own disks and the shared folder "
+                                       "(default: a temporary one, removed at exit)")
     d.add_argument("--sessions", type=_positive_int, default=40, help="rollout sessions (at least 1; default 40)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--epoch", type=int, default=os.environ.get("LORAPUB_EPOCH", "1"))

@@ -38,7 +38,7 @@ from lorapub.errors import (
     LorapubError,
     OutcomeUnknown,
 )
-from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsInventory, ReportsLimits
+from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsInventory, ReportsLimits, TakesTransport, Transport
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
 from lorapub.runtime.reconciler import Health, Reconciler
@@ -77,6 +77,35 @@ def _check_engines(engines: object) -> dict[str, EngineAdmin]:
     return dict(engines)
 
 
+def _hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Transport | None:
+    """The deployment's transport, handed to every engine that takes one (None: engines that take
+    none, which are sent safetensors bytes). Without ``transport``, the one the engines already
+    send with (their default, or one an earlier deployment gave them): they must agree."""
+    takers = {name: e for name, e in engines.items() if isinstance(e, TakesTransport)}
+    if transport is not None and not isinstance(transport, Transport):
+        raise InvalidInput(f"transport must be a lorapub.ports.Transport (e.g. lorapub.adapters.sglang_wire.HTTPBytes()), "
+                           f"got {type(transport).__name__}")
+    if not takers:
+        if transport is not None:
+            raise InvalidInput(f"transport={transport!r} was given, but no engine takes a transport "
+                               f"({', '.join(sorted(engines))}: not lorapub.ports.TakesTransport)")
+        return None
+    if len(takers) != len(engines):
+        raise InvalidInput("every engine of a deployment receives buckets one way: "
+                           f"{', '.join(sorted(takers))} take a transport, {', '.join(sorted(set(engines) - set(takers)))} "
+                           "do not")
+    if transport is None:
+        first = min(takers)
+        transport = takers[first].transport
+        for name, engine in sorted(takers.items()):
+            if engine.transport != transport:
+                raise InvalidInput(f"engines {first} and {name} send buckets different ways ({transport!r}, "
+                                   f"{engine.transport!r}); name the transport once: Deployment(engines, transport=...)")
+    for engine in takers.values():
+        engine.use_transport(transport)  # one given another transport earlier refuses, naming itself
+    return transport
+
+
 class Deployment:
     """Versioned publication: ``publish`` returns a :class:`PublicationReport`, ``session`` a :class:`Session`.
 
@@ -85,6 +114,10 @@ class Deployment:
     default is retiring, and its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move
     to the default at a turn boundary); None keeps a session on its version for life.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
+    ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
+    e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
+    ``TorchDistributed()``), named once here and handed to every engine (None: the one they already
+    use, HTTPBytes by default); an engine already given another one is :class:`InvalidInput`.
     """
 
     def __init__(
@@ -96,7 +129,7 @@ class Deployment:
         auto_reclaim: bool = True,
         deadlines: Deadlines | None = None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
-        stash_dir: str | None = None,
+        transport: Transport | None = None,
         reclaim_retries: int = 5,
         reclaim_backoff: float = 1.0,
         lease_ttl: float | None = DEFAULT_LEASE_TTL,
@@ -124,12 +157,12 @@ class Deployment:
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
         if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
             raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
+        self.transport = _hand_transport(self.engines, transport)
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim
         self.deadlines = deadlines or Deadlines()
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.stash_dir = stash_dir
         self.reclaim_retries = reclaim_retries
         self.reclaim_backoff = reclaim_backoff
         self.lease_ttl = lease_ttl
@@ -172,6 +205,7 @@ class Deployment:
         self.publisher = Publisher(
             self.registry, self.engines, epoch=self.epoch, deadlines=self.deadlines,
             bucket_cap_bytes=self.bucket_cap_bytes, on_eligible=self.reclaimer.on_eligible,
+            source_factory=None if self.transport is None else self.transport.source,
         )
         self.sessions = SessionService(
             self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
@@ -444,6 +478,7 @@ class DeploymentOptions(TypedDict, total=False):
     idle_ttl: float | None
     own_engines: bool
     name_prefix: str | None
+    transport: Transport | None
 
 
 @overload
@@ -474,9 +509,10 @@ async def deploy(
     """The one switch. ``enabled=True``: a started :class:`Deployment` over
     :class:`~lorapub.ports.EngineAdmin` engines. ``enabled=False``: the old overwrite path
     over :class:`~lorapub.ports.OverwriteAdmin` engines (``options`` concern versioned
-    publication only and are not used there)."""
+    publication only and are not used there; ``stash_dir``, the folder the old path writes
+    each adapter to for its engines to load, concerns it only: versioned publication stages
+    inside the engines)."""
     # which protocol the engines follow is checked where they are taken (a typed refusal names it)
     if enabled:
-        return await Deployment(cast(Mapping[str, EngineAdmin], engines), epoch=epoch, stash_dir=stash_dir,
-                                **options).start()
+        return await Deployment(cast(Mapping[str, EngineAdmin], engines), epoch=epoch, **options).start()
     return await OverwriteDeployment(cast(Mapping[str, OverwriteAdmin], engines), stash_dir=stash_dir).start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import attrs
 
@@ -48,7 +48,7 @@ from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 
-__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "engines_source_factory", "Publisher", "Reclaimer"]
+__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher", "Reclaimer"]
 
 log = logging.getLogger(__name__)
 
@@ -116,29 +116,6 @@ class FrozenCopies:
         return len(self._copies)
 
 
-def engines_source_factory(engines: Mapping[str, object]) -> Callable[[Snapshot, BucketPlan], BucketSource]:
-    """The bucket source the engines' transport needs: engines that declare a
-    ``bucket_source_factory`` (a wire transport) must all declare the same one; engines that declare
-    none take :class:`InlineBucketSource` (safetensors bytes per bucket)."""
-    declared = {name: getattr(engine, "bucket_source_factory", None) for name, engine in engines.items()}
-    found = [f for f in declared.values() if f is not None]
-    if not found:
-        return InlineBucketSource
-    # A transport's factory is its bound method. Transports that declare themselves stateless
-    # (HTTPBytes() made per engine, say) are one way of sending when equal; any other one only
-    # when it is the very same object (it may keep per-attempt state, as TorchDistributed does).
-    def same(a: Any, b: Any) -> bool:
-        a, b = getattr(a, "__self__", a), getattr(b, "__self__", b)
-        return a is b or (getattr(a, "stateless", False) is True and getattr(b, "stateless", False) is True and a == b)
-
-    if len(found) == len(declared) and all(same(f, found[0]) for f in found):
-        return found[0]
-    raise InvalidInput(
-        "the engines use different bucket transports; one deployment sends buckets one way: "
-        + ", ".join(f"{n}: {getattr(f, '__self__', f)!r}" for n, f in sorted(declared.items()))
-    )
-
-
 @attrs.define
 class _Call:
     """One publication running in this process, and how many callers await it."""
@@ -170,7 +147,7 @@ class Publisher:
         self.epoch = epoch
         self.deadlines = deadlines or Deadlines()
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.source_factory = source_factory or engines_source_factory(self.engines)
+        self.source_factory = source_factory or InlineBucketSource  # a Deployment gives its transport's
         self.commit_retries = commit_retries
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it

@@ -126,6 +126,9 @@ class EffectRunner:
         on_ready: OnReady | None = None,
         on_eligible: OnEligible | None = None,
     ) -> None:
+        if source is not None and not isinstance(getattr(source, "collective", None), bool):
+            raise InvalidInput(f"bucket source {type(source).__name__} does not say whether it is collective "
+                               "(lorapub.ports.BucketSource.collective: True or False)")
         self.registry = registry
         self.engines = dict(engines)
         self.source = source
@@ -258,7 +261,7 @@ class EffectRunner:
         if self.source is None:
             raise LorapubError("a bucket transfer needs a BucketSource")
         d = self.deadlines
-        payload_needed = getattr(self.source, "carries_bytes", True)
+        collective = self.source.collective
 
         sent = False
 
@@ -276,7 +279,7 @@ class EffectRunner:
 
         async def engine_half(name: str):
             engine = self._engine(name)
-            payload = self.source.payload(fx.token, fx.index) if payload_needed else b""
+            payload = b"" if collective else self.source.payload(fx.token, fx.index)
             runlog.mark("transfer", name)
             try:
                 return await self._guarded(
@@ -287,7 +290,7 @@ class EffectRunner:
             finally:
                 runlog.mark("transfer", name)
 
-        if payload_needed:
+        if not collective:
             # A byte transport has the bytes only once the source half ran; then every engine stores them.
             first = await source_half()
             if not sent:

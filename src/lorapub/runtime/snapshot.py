@@ -209,9 +209,10 @@ def load_safetensors(path: str) -> dict[str, Any]:
 
 
 class InlineBucketSource:
-    """Byte transport: the source half is ready at once; engines store the bytes they get."""
+    """Byte transport: the source half is ready at once; engines store the bytes they get
+    (safetensors bytes per bucket: what a deployment without a transport sends)."""
 
-    carries_bytes = True
+    collective = False
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan) -> None:
         if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan):

@@ -4,8 +4,8 @@
   admin contract, running SGLang's own ``LoRARegistry`` (the installed SGLang's, or
   lorapub's verbatim copy of 0.5.23's), with the engine-side staging routes lorapub's
   patch adds (the same code); ``python -m lorapub.testing.serve_double`` runs one in a
-  process of its own. :class:`SGLangUnderTest` / :class:`SGLangWireUnderTest` put lorapub's
-  two SGLang adapters on a fresh double for the conformance suite.
+  process of its own. :class:`SGLangUnderTest` puts lorapub's SGLang engine adapter on a
+  fresh double, over any transport, for the conformance suite.
 * fixture builders — :func:`lora_snapshot`, :func:`peft_lora_state_dict`,
   :func:`peft_config`, :func:`fake_manifest`, :func:`fake_plan`.
 * :func:`check_engine_admin` — the conformance suite every
@@ -21,10 +21,10 @@ from lorapub.testing.conformance import ConformanceFailure, EngineUnderTest, che
 from lorapub.testing.fixtures import fake_manifest, fake_plan, lora_snapshot, peft_config, peft_lora_state_dict
 from lorapub.testing.faults import FaultyRegistry
 from lorapub.testing.memory_engine import MemoryEngine
-from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest, SGLangWireUnderTest
+from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest
 
 __all__ = [
     "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
-    "SGLangWireUnderTest", "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
+    "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
     "peft_lora_state_dict",
 ]

@@ -46,7 +46,7 @@ from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_RO
 
 __all__ = [
     "NORMAL", "ADMIN_OPTIONAL", "ADMIN_FORCE", "ROUTE_AUTH_LEVELS", "decide_request_auth", "content_signature",
-    "token_logprob", "next_token", "Fault", "SGLangDouble", "SGLangUnderTest", "SGLangWireUnderTest",
+    "token_logprob", "next_token", "Fault", "SGLangDouble", "SGLangUnderTest",
 ]
 
 NORMAL, ADMIN_OPTIONAL, ADMIN_FORCE = "normal", "admin_optional", "admin_force"
@@ -755,8 +755,9 @@ class SGLangDouble:
 
 
 class SGLangUnderTest:
-    """lorapub's SGLang HTTP adapter against a fresh :class:`SGLangDouble`, as the
-    conformance suite sees it (:class:`~lorapub.testing.conformance.EngineUnderTest`)."""
+    """lorapub's SGLang engine adapter (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`)
+    against a fresh :class:`SGLangDouble`, as the conformance suite sees it
+    (:class:`~lorapub.testing.conformance.EngineUnderTest`)."""
 
     def __init__(self, double: SGLangDouble, admin: Any) -> None:
         self.double = double
@@ -764,17 +765,24 @@ class SGLangUnderTest:
 
     @classmethod
     async def start(
-        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0,
+        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0, transport: Any = None,
         api_key: str | None = None, admin_api_key: str | None = None,
     ) -> "SGLangUnderTest":
-        """A fresh double and the adapter on it; with keys, the server requires them and the adapter holds them."""
-        from lorapub.adapters.sglang_http import SGLangEngine
+        """A fresh double staging on its own disk ``stash_dir`` and the adapter on it, sending buckets
+        ``transport``'s way (None: HTTP bodies; a shared-memory or shared-folder transport's folder
+        is the double's too); with keys, the server requires them and the adapter holds them."""
+        from lorapub.adapters.sglang_wire import SGLangWireEngine
 
-        double = await SGLangDouble(name, decode_delay=0.005, api_key=api_key, admin_api_key=admin_api_key).start()
-        admin = SGLangEngine(
-            name, double.url, stash_dir, request_timeout=request_timeout, probe_timeout=request_timeout,
-            api_key=api_key, admin_api_key=admin_api_key,
+        double = SGLangDouble(name, decode_delay=0.005, api_key=api_key, admin_api_key=admin_api_key)
+        double.stash_root = stash_dir  # the engine's own disk
+        double.shm_dir = getattr(transport, "shm_dir", None)
+        await double.start()
+        admin = SGLangWireEngine(
+            name, double.url, request_timeout=request_timeout, probe_timeout=request_timeout,
+            load_timeout=request_timeout, api_key=api_key, admin_api_key=admin_api_key,
         )
+        if transport is not None:
+            admin.use_transport(transport)
         return cls(double, admin)
 
     async def served(self) -> set[str]:
@@ -858,25 +866,3 @@ class _DoubleHooks:
         except ValueError as e:
             return str(e)
         return await self._load(lora_name, "__tensor__", sig)
-
-
-class SGLangWireUnderTest(SGLangUnderTest):
-    """lorapub's engine-side-staging adapter (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`)
-    against a fresh :class:`SGLangDouble`, for the conformance suite."""
-
-    @classmethod
-    async def start(  # type: ignore[override]
-        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0, transport: Any = None,
-        api_key: str | None = None, admin_api_key: str | None = None,
-    ) -> "SGLangWireUnderTest":
-        from lorapub.adapters.sglang_wire import SGLangWireEngine
-
-        double = SGLangDouble(name, decode_delay=0.005, api_key=api_key, admin_api_key=admin_api_key)
-        double.stash_root = stash_dir  # the engine's own disk
-        double.shm_dir = getattr(transport, "shm_dir", None)
-        await double.start()
-        admin = SGLangWireEngine(
-            name, double.url, transport=transport, request_timeout=request_timeout, probe_timeout=request_timeout,
-            load_timeout=request_timeout, api_key=api_key, admin_api_key=admin_api_key,
-        )
-        return cls(double, admin)

@@ -72,6 +72,7 @@ class RelaxLorapub:
         self._worker_urls = worker_urls
         self._given_engines = dict(engines) if engines is not None else None
         self._built_engines: list[Any] = []
+        self._transport: Any = None  # the built engines' transport, named on their deployment
         self._registry = registry
         self._deployment_options = deployment_options
         self._start: asyncio.Task | None = None
@@ -98,6 +99,8 @@ class RelaxLorapub:
         config = self.config
         options: dict[str, Any] = {"capacity": config.capacity, "max_lag": config.max_lag,
                                    "on_stale": config.on_stale, "idle_ttl": config.idle_ttl}
+        if self._transport is not None:
+            options["transport"] = self._transport
         options.update(self._deployment_options)
         # the engines' SGLang must protect the same prefix (engine_env(): SGLANG_LORAPUB_MANAGED_PREFIX);
         # Deployment.start() refuses an engine that protects another
@@ -125,11 +128,10 @@ class RelaxLorapub:
                 urls = await urls
         from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine  # aiohttp: lazily
 
-        transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
+        self._transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
         engines = {
             engine_name(url): SGLangWireEngine(
-                engine_name(url), url, transport=transport,
-                api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
+                engine_name(url), url, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
             )
             for url in sorted(set(urls or ()))
         }

@@ -1,0 +1,184 @@
+"""The one fleet view: engine lives (probed here and nowhere else), the registry's latest view of
+who holds what, and the two wakeups that follow a change (a pass for the reconciler, a recheck for
+waiting publications). See docs/design.md, "Runtime wiring"."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+
+import attrs
+
+from lorapub.core.commands import ReadFleet, ReadVersion, RecordLost, RegisterEngine
+from lorapub.core.effects import Effect
+from lorapub.core.identity import VersionKey
+from lorapub.core.registry import Fleet
+from lorapub.core.session import Binding
+from lorapub.errors import LorapubError, OutcomeUnknown
+from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
+from lorapub.runtime.clock import Elapsed
+
+__all__ = ["FleetView", "Life"]
+
+log = logging.getLogger(__name__)
+
+RunEffects = Callable[[Sequence[Effect]], Awaitable[object]]
+
+
+@attrs.frozen
+class Life:
+    """What one engine said when asked: its incarnation and, where it keeps one, its inventory;
+    or why it did not answer."""
+
+    engine: str
+    incarnation: str | None
+    inventory: Inventory | None = None
+    error: Exception | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self.error is None
+
+
+class FleetView:
+    def __init__(self, registry: Registry, engines: Mapping[str, EngineAdmin], *, deadline: float) -> None:
+        self.registry = registry
+        self.engines = dict(engines)
+        self.deadline = deadline  # how long one engine may take to say its life
+        # the registry's latest view (None: not read yet, every engine is a candidate)
+        self._holders: dict[VersionKey, frozenset[str]] | None = None
+        self.default_revision = 0
+        self._view_revision = -1  # the default revision of the last view
+        self.retiring: frozenset[VersionKey] = frozenset()
+        self.on_stale = "error"
+        # the registry's time, carried forward here (a session's nonce is judged in it)
+        self.registry_time = Elapsed()
+        self._repair = asyncio.Event()  # the reconciler's wakeup
+        self._changed = asyncio.Event()  # waiting publications' wakeup; replaced at each change
+
+    # -- lives -------------------------------------------------------------------------------
+    async def life(self, name: str, *, inventory: bool = True, deadline: float | None = None) -> Life:
+        """Ask engine ``name`` its life (with its inventory where it keeps one, if asked); never raises."""
+        engine = self.engines[name]
+        limit = self.deadline if deadline is None else deadline
+        try:
+            async with asyncio.timeout(limit):
+                if inventory and isinstance(engine, ReportsInventory):
+                    found = await engine.inventory()
+                    return Life(name, found.incarnation, found)
+                return Life(name, await engine.incarnation())
+        except TimeoutError:
+            return Life(name, None, error=TimeoutError(f"no answer within {limit:g}s"))
+        except Exception as e:  # noqa: BLE001 - unreachable now: routed around, asked again later
+            return Life(name, None, error=e)
+
+    async def lives(self, names: Iterable[str] | None = None, *, inventory: bool = True,
+                    deadline: float | None = None) -> dict[str, Life]:
+        names = list(self.engines if names is None else names)
+        found = await asyncio.gather(*(self.life(n, inventory=inventory, deadline=deadline) for n in names))
+        return dict(zip(names, found))
+
+    async def incarnation(self, name: str) -> str:
+        """Engine ``name``'s incarnation; no answer within the deadline is OUTCOME_UNKNOWN."""
+        found = await self.life(name, inventory=False)
+        if found.incarnation is None:
+            if isinstance(found.error, LorapubError):
+                raise found.error
+            raise OutcomeUnknown(f"{name} did not say its incarnation within {self.deadline:g}s "
+                                 f"({type(found.error).__name__}: {found.error})", engine=name)
+        return found.incarnation
+
+    async def probe(self, run: RunEffects, engine: str | None = None, version: VersionKey | None = None,
+                    lora_name: str | None = None) -> None:
+        """A targeted check after an engine refused a version it should hold: did it restart (every
+        engine when ``engine`` is None), or lose ``version`` without a restart (an operator's
+        unload)? ``run`` drives what the registry decides (the cleanups a restart voids)."""
+        names = [engine] if engine is not None else list(self.engines)
+
+        async def one(name: str) -> None:
+            try:
+                first = await self.life(name)
+                if first.incarnation is None:
+                    raise first.error or OutcomeUnknown(f"{name}: no life")
+                result = await self.registry.handle(RegisterEngine(name, first.incarnation))
+                if result.effects:
+                    await run(result.effects)
+                elif first.inventory is not None and version is not None and lora_name not in first.inventory.adapters:
+                    # lost only if the registry (read after this inventory) says the engine holds it and
+                    # the engine (read after the registry) still lacks it: never a load that was just made
+                    holders = (await self.registry.handle(ReadVersion(version))).reply.engines
+                    again = await self.life(name)
+                    if (name in holders and again.inventory is not None and again.incarnation == first.incarnation
+                            and lora_name not in again.inventory.adapters):
+                        log.warning("version lost: engine=%s version=%s (found by a refused request)", name, version)
+                        await self.registry.handle(RecordLost(name, version))
+                        self.kick()  # re-provision it there
+            except (LorapubError, TimeoutError) as e:
+                log.warning("probe of %s failed: %s", name, e)
+
+        await asyncio.gather(*(one(n) for n in names))
+        await self.refresh()
+
+    # -- the registry's view ----------------------------------------------------------------
+    async def refresh(self) -> Fleet:
+        fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
+        self.update(fleet)
+        return fleet
+
+    def update(self, fleet: Fleet) -> None:
+        """The registry's latest view: who holds what, the default revision, what is retiring."""
+        self._holders = dict(fleet.holders)
+        if fleet.now is not None:
+            self.registry_time.set(fleet.now)
+        self._view_revision = fleet.default_revision
+        self.default_revision = max(self.default_revision, fleet.default_revision)
+        self.retiring = frozenset(fleet.retiring)
+        self.on_stale = fleet.on_stale
+        self.changed()
+
+    def update_holders(self, holders: Mapping[VersionKey, frozenset[str]]) -> None:
+        self._holders = dict(holders)
+
+    def note_binding(self, binding: Binding) -> None:
+        self.default_revision = max(self.default_revision, binding.revision)
+
+    def holders(self, version: VersionKey) -> frozenset[str] | None:
+        """Engines holding ``version`` as last seen; None when not known (every engine)."""
+        if self._holders is None:
+            return None
+        return self._holders.get(version)
+
+    def is_stale(self, binding: Binding) -> bool:
+        return binding.version in self.retiring
+
+    def gone(self, binding: Binding) -> bool:
+        """The last view (newer than the binding) no longer serves its version: it is being reclaimed."""
+        return (self._holders is not None and binding.revision <= self._view_revision
+                and binding.version not in self._holders)
+
+    def lag(self, binding: Binding) -> int:
+        """Commits behind the default, as this process last saw the default."""
+        return max(0, self.default_revision - binding.revision)
+
+    # -- wakeups -----------------------------------------------------------------------------
+    def kick(self) -> None:
+        """Ask the reconciler for a pass soon (a close, a commit, a refused request, a reclaim)."""
+        self._repair.set()
+
+    async def wait_for_kick(self, timeout: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._repair.wait()
+        except TimeoutError:
+            pass
+        self._repair.clear()
+
+    def changed(self) -> None:
+        """Something a waiting publication waits for may have changed (a slot, an attempt's end)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def change(self) -> asyncio.Event:
+        """The event the next :meth:`changed` sets (take it before checking, then wait on it)."""
+        return self._changed
