@@ -183,22 +183,42 @@ def test_the_vendored_registry_is_sglang_0523_verbatim():
     assert counter(os.path.join(root, common)) == counter(os.path.join(VENDORED_ROOT, common))
 
 
+STAGING = SRC / "sglang_patch" / "staging"
+#: What the engine-side staging's pure machine may import: values, never I/O, a clock or threads.
+PURE = {"__future__", "enum", "typing", "attrs", "pyrsistent"}
+
+
+def _top_level(path: pathlib.Path, walk: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree) if walk else tree.body
+    top = set()
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            top |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            top.add(n.module.split(".")[0])
+    return top
+
+
 def test_engine_staging_runs_in_the_server_without_lorapubs_runtime():
     """The engine side (what the patched SGLang server imports) needs only the standard library,
-    lorapub.core and, for its torch transport and tensor loads, torch."""
-    allowed = {"lorapub.core", "lorapub.errors", "lorapub.wire"}
-    imported = _imports(SRC / "sglang_patch" / "engine_staging.py")
-    assert {m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed)} == set()
-    tree = ast.parse((SRC / "sglang_patch" / "engine_staging.py").read_text())
-    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
-    assert top - {"__future__", "lorapub"} <= set(sys.stdlib_module_names), top
+    lorapub.core (with attrs and pyrsistent, the core's own dependencies), lorapub.wire and, for its
+    torch transport and tensor loads, torch."""
+    allowed = {"lorapub.core", "lorapub.errors", "lorapub.wire", "lorapub.sglang_patch.staging"}
+    modules = sorted(STAGING.glob("*.py"))
+    assert {p.stem for p in modules} >= {"__init__", "machine", "messages", "engine", "receivers", "collective",
+                                          "buffers", "landing", "claims", "server"}
+    for path in modules:
+        imported = _imports(path)
+        assert {m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed)} == set(), path.name
+        top = _top_level(path)
+        assert top - {"__future__", "lorapub", "attrs", "pyrsistent"} <= set(sys.stdlib_module_names), (path.name, top)
     out = _blocked(
         "import types\n"
         f"root = {str(SRC)!r}\n"
         "for name, path in (('lorapub', root), ('lorapub.sglang_patch', root + '/sglang_patch')):\n"
         "    m = types.ModuleType(name); m.__path__ = [path]; sys.modules[name] = m\n"
-        "import lorapub.sglang_patch.engine_staging as es\n"
+        "import lorapub.sglang_patch.staging as es\n"
         "bad = [m for m in sys.modules if m.startswith(('lorapub.runtime', 'lorapub.adapters', 'lorapub.testing'))\n"
         "       or m.split('.')[0] in {'aiohttp', 'torch', 'sglang', 'ray'}]\n"
         "assert not bad, bad\n"
@@ -207,3 +227,16 @@ def test_engine_staging_runs_in_the_server_without_lorapubs_runtime():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "EngineStaging"
+
+
+def test_the_staging_machine_is_pure_and_every_staging_module_is_small():
+    """The machine and its messages import values only (no I/O, no clock, no threads, nothing of the
+    engine's side), and no module of the staging grows past 600 lines."""
+    for name in ("machine.py", "messages.py"):
+        path = STAGING / name
+        assert _top_level(path, walk=True) - {"lorapub"} <= PURE, name
+        lorapub_imports = _imports(path)
+        assert all(m.startswith("lorapub.core.") or m == "lorapub.sglang_patch.staging.messages"
+                   for m in lorapub_imports), (name, lorapub_imports)
+    sizes = {p.name: len(p.read_text().splitlines()) for p in STAGING.glob("*.py")}
+    assert max(sizes.values()) <= 600, sizes

@@ -1,6 +1,6 @@
 """Engine-side staging on each supported release's own TokenizerManager LoRA code.
 
-The staging (``lorapub.sglang_patch.engine_staging``, what the patched server runs) drives the
+The staging (``lorapub.sglang_patch.staging``, what the patched server runs) drives the
 release's own ``load_lora_adapter`` / ``load_lora_adapter_from_tensors`` / ``unload_lora_adapter``
 (compiled from the release's files, runtime-patched or diff-patched, by ``harness``). Only the
 GPU side is a stand-in: the scheduler fan-out, which for a tensor load deserializes the payload and
@@ -22,7 +22,7 @@ import pytest
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.runtime.snapshot import Snapshot
-from lorapub.sglang_patch import engine_staging as es
+from lorapub.sglang_patch import staging as es
 from lorapub.testing.fixtures import lora_snapshot, peft_config
 from lorapub.wire.codec import plan_to_json, token_params, token_to_json
 from tests.sglang_patch import harness

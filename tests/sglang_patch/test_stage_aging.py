@@ -1,4 +1,4 @@
-"""Engine-side staging ages out what nobody drives (lorapub.sglang_patch.engine_staging).
+"""Engine-side staging ages out what nobody drives (lorapub.sglang_patch.staging).
 
 A publisher that vanished mid-transfer leaves an attempt no begin, bucket, end or cleanup will touch
 again. After ``idle_timeout`` (``LORAPUB_STAGE_IDLE_S``) the engine frees and tombstones it as a
@@ -14,10 +14,11 @@ import logging
 import math
 import os
 
+import attrs
 import pytest
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.sglang_patch import engine_staging as es
+from lorapub.sglang_patch import staging as es
 from lorapub.wire.codec import plan_to_json, token_from_json, token_to_json
 
 pytest.importorskip("torch")
@@ -41,7 +42,10 @@ async def send(staging, snap, token, bucket, body_chunks=None):
 
 def undriven_for(staging, token, seconds: float) -> None:
     """As if nothing had driven ``token`` for ``seconds`` (no timer of the staging has run meanwhile)."""
-    staging._attempts[token].last_driven -= seconds
+    state = staging.state
+    attempt = state.attempts[token]
+    attempt = attrs.evolve(attempt, last_driven=attempt.last_driven - seconds)
+    staging._state = attrs.evolve(state, attempts=state.attempts.set(token, attempt))
 
 
 async def test_a_vanished_publishers_stash_is_aged_out_before_a_begin_checks_capacity(tmp_path):
@@ -86,7 +90,7 @@ async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_cl
     assert (await staging.begin(body))[0] == 200
     assert (await send(staging, snap, token, plan.buckets[0]))[0] == 200
     await asyncio.sleep(0.6)  # nothing calls the staging meanwhile
-    assert staging._attempts == {} and token in staging._tombstones and not os.path.exists(staging._folder(token))
+    assert staging.state.attempts == {} and token in staging.state.tombstones and not os.path.exists(staging._folder(token))
     assert staging._timer is None  # nothing staged: no timer until a route is called again
 
     other = snapshot(4)
@@ -131,7 +135,7 @@ async def test_an_attempt_is_never_aged_out_while_an_operation_on_it_runs(tmp_pa
     assert await staging.sweep() == []
     status, answer = await running
     assert status == 200, answer
-    assert token not in staging._tombstones and str(token) in staging.report()["attempts"]
+    assert token not in staging.state.tombstones and str(token) in staging.report()["attempts"]
     if op == "bucket":  # driven until its bucket was stored: still alive, and the end loads it
         status, answer = await staging.end({"token": body["token"], "incarnation": LIFE})
         assert status == 200, answer

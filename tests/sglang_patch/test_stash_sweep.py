@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from lorapub.sglang_patch import engine_staging as es
+from lorapub.sglang_patch import staging as es
+from lorapub.sglang_patch.staging import claims
 
 
 def staging(root, life: str) -> es.EngineStaging:
@@ -25,7 +26,7 @@ def die(s: es.EngineStaging) -> None:
     """The process is gone: the kernel drops its lock (its descriptor closes); nothing else happens."""
     s._claim()
     s._claim = None
-    es._LIVE_ROOTS.discard(s.stash_root)  # another process's life, as far as the next one can tell
+    claims.LIVE_ROOTS.discard(s.stash_root)  # another process's life, as far as the next one can tell
 
 
 def test_a_closed_life_leaves_nothing(tmp_path):
@@ -92,7 +93,7 @@ def test_a_staging_never_closed_lets_its_claim_go_when_it_is_collected(tmp_path)
 
     s = staging(tmp_path, "life-a")
     leave_data(s)
-    es._LIVE_ROOTS.discard(s.stash_root)  # as if its process had gone: only the lock can tell
+    claims.LIVE_ROOTS.discard(s.stash_root)  # as if its process had gone: only the lock can tell
     del s
     gc.collect()
     nxt = staging(tmp_path, "life-b")  # the collected life's lock is free: its folder is swept

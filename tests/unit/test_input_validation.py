@@ -207,12 +207,13 @@ def test_a_torch_dtype_engine_staging_cannot_load_is_refused_naming_tensor_dtype
 
 
 def test_the_accepted_dtypes_are_exactly_what_engine_staging_loads():
-    from lorapub.sglang_patch import engine_staging, prepared_load
+    from lorapub.sglang_patch import prepared_load
+    from lorapub.sglang_patch.staging import landing
     from lorapub.wire import safetensors
     from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 
     assert set(TORCH_ACCEPTED) == set(SAFETENSORS_DTYPES)
-    assert engine_staging.SAFETENSORS_DTYPES is SAFETENSORS_DTYPES is safetensors.SAFETENSORS_DTYPES  # one table
+    assert landing.SAFETENSORS_DTYPES is SAFETENSORS_DTYPES is safetensors.SAFETENSORS_DTYPES  # one table
     assert prepared_load.reading.SAFETENSORS_CODES == {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
 

@@ -1,4 +1,4 @@
-"""Where the engine-side staging puts a bucket's bytes (lorapub.sglang_patch.engine_staging).
+"""Where the engine-side staging puts a bucket's bytes (lorapub.sglang_patch.staging).
 
 * a ``dir`` load receives every bucket straight into the adapter's safetensors file on the engine's
   disk and verifies it there: once the last bucket is checked the file is complete, and ``end`` adds
@@ -20,7 +20,7 @@ import pytest
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.runtime.snapshot import Snapshot
-from lorapub.sglang_patch import engine_staging as es
+from lorapub.sglang_patch import staging as es
 from lorapub.wire.codec import json_bytes, plan_to_json, token_params, token_to_json
 from lorapub.wire.safetensors import safetensors_header
 
@@ -95,7 +95,7 @@ async def test_a_dir_load_receives_each_bucket_into_the_adapters_file_and_end_on
     token, plan, body = begin_body(snap, "dir")
     assert len(plan.buckets) > 2
     assert (await staging.begin(body))[0] == 200
-    attempt = staging._attempts[token]
+    attempt = staging._stashes[token]
     file = attempt.peft[0]
     entries = [e for b in plan.buckets for e in b.entries]
     header = safetensors_header(entries)
@@ -174,7 +174,7 @@ async def test_a_tensor_load_over_shared_memory_hands_sglang_the_publishers_page
         names.append(name)
         status, answer = await staging.receive(params(token, b.index, "shm"), chunks_of(json_bytes({"name": name})))
         assert status == 200, answer
-    attempt = staging._attempts[token]
+    attempt = staging._stashes[token]
     await asyncio.gather(*attempt.verifying.values())
     buf = attempt.buckets[0][0]
     assert buf.tensor is not None and buf.tensor.is_shared()

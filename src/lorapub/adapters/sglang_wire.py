@@ -2,7 +2,7 @@
 
 :class:`SGLangWireEngine` is lorapub's :class:`~lorapub.ports.EngineAdmin` for SGLang: its begin /
 buckets / end / cleanup run in the engine process (the routes lorapub's SGLang patch adds,
-:mod:`lorapub.sglang_patch.engine_staging`): the publisher keeps one frozen snapshot and does no
+:mod:`lorapub.sglang_patch.staging`): the publisher keeps one frozen snapshot and does no
 per-engine byte work; each engine verifies every tensor's SHA-256 and the manifest digest before
 the pinned fresh load. How the bytes travel is the deployment's :class:`~lorapub.ports.Transport`,
 named once (``Deployment(engines, transport=...)``) and handed to every engine:

@@ -5,7 +5,7 @@ Two forms of the same change:
 
 * runtime: ``lorapub.sglang_patch.apply()`` patches ``TokenizerManager`` in the server
   process and adds ``GET /lorapub/state`` and the engine-side staging routes
-  (``POST /lorapub/stage/*``, :mod:`lorapub.sglang_patch.engine_staging`); ``python -m lorapub.sglang_patch launch
+  (``POST /lorapub/stage/*``, :mod:`lorapub.sglang_patch.staging`); ``python -m lorapub.sglang_patch launch
   <sglang.launch_server args>`` starts a patched server;
 * diffs: package data under ``diffs/<release>/``, checked and applied with
   ``python -m lorapub.sglang_patch check|apply [--root DIR]``.

@@ -2,7 +2,7 @@
 
 The state route gives the server's incarnation and its LoRA registry, as lorapub reads it, and
 what the engine-side staging holds. The staging routes run
-:mod:`lorapub.sglang_patch.engine_staging` in the server process.
+:mod:`lorapub.sglang_patch.staging` in the server process.
 
 Admin-level exactly like SGLang's own LoRA admin routes (``/load_lora_adapter``: ADMIN_OPTIONAL
 in 0.5.17 and 0.5.23): with ``--admin-api-key`` set only that key reads it, with ``--api-key``
@@ -15,14 +15,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from lorapub.sglang_patch import engine_staging
-from lorapub.sglang_patch.engine_staging import max_loaded_loras as _max_loaded_loras
+from lorapub.sglang_patch import staging as _staging
+from lorapub.sglang_patch.staging import max_loaded_loras as _max_loaded_loras
 from lorapub.sglang_patch.targets import STATE_ROUTE, PatchMismatch
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
 #: The engine-side staging of this server life (set when the staging routes are added).
-STAGING: engine_staging.EngineStaging | None = None
+STAGING: _staging.EngineStaging | None = None
 
 
 def _pending_unloads(tm: Any) -> dict:
@@ -87,7 +87,7 @@ def _server_app(app: Any) -> tuple[Any, Any]:
 
 def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime") -> Any:
     """Add ``POST /lorapub/stage/{begin,bucket,end,cleanup,release}`` at SGLang's LoRA admin level.
-    Returns the server's :class:`~lorapub.sglang_patch.engine_staging.EngineStaging` (None without a server)."""
+    Returns the server's :class:`~lorapub.sglang_patch.staging.EngineStaging` (None without a server)."""
     global STAGING
     app, tokenizer_manager = _server_app(app)
     if app is None:
@@ -97,7 +97,7 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
     level = _admin_level(app)  # raises before anything is added where auth levels are missing
     from starlette.responses import JSONResponse
 
-    staging = STAGING = engine_staging.for_server(tokenizer_manager, INCARNATION)
+    staging = STAGING = _staging.for_server(tokenizer_manager, INCARNATION)
 
     def route(path, handler):
         async def endpoint(request):  # a Starlette request: the bucket body is streamed
@@ -112,7 +112,7 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
         app.add_api_route(path, endpoint, methods=["POST"])
 
     route(BEGIN_ROUTE, lambda r: _with_json(r, staging.begin))
-    route(BUCKET_ROUTE, lambda r: engine_staging.starlette_receive(staging, r))
+    route(BUCKET_ROUTE, lambda r: _staging.starlette_receive(staging, r))
     route(END_ROUTE, lambda r: _with_json(r, staging.end))
     route(CLEANUP_ROUTE, lambda r: _with_json(r, staging.cleanup))
     route(RELEASE_ROUTE, lambda r: _with_json(r, staging.release))
@@ -120,7 +120,7 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
 
 
 async def _with_json(request: Any, handler: Any) -> tuple[int, dict]:
-    return await handler(await engine_staging.starlette_json(request))
+    return await handler(await _staging.starlette_json(request))
 
 
 def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
@@ -151,19 +151,19 @@ def _http_staging_block() -> str:
     """The staging routes as the diff form adds them to ``http_server.py`` (both releases), after the
     state route: the same handlers as the runtime form, marked with SGLang's own ``@auth_level``."""
     out = [
-        "# lorapub: engine-side staging of adapter versions runs in this process (engine_staging.py).\n"
-        "from lorapub.sglang_patch import engine_staging as _lorapub_engine_staging\n\n"
-        "_LORAPUB_STAGING = _lorapub_engine_staging.for_server(\n"
+        "# lorapub: engine-side staging of adapter versions runs in this process (lorapub/sglang_patch/staging/).\n"
+        "from lorapub.sglang_patch import staging as _lorapub_staging\n\n"
+        "_LORAPUB_STAGING = _lorapub_staging.for_server(\n"
         "    lambda: _global_state.tokenizer_manager, _LORAPUB_INCARNATION\n)\n\n\n"
     ]
     for path in (BEGIN_ROUTE, BUCKET_ROUTE, END_ROUTE,
                  CLEANUP_ROUTE, RELEASE_ROUTE):
         verb = path.rsplit("/", 1)[-1]
         if verb == "bucket":
-            call = "await _lorapub_engine_staging.starlette_receive(_LORAPUB_STAGING, request)"
+            call = "await _lorapub_staging.starlette_receive(_LORAPUB_STAGING, request)"
         else:
             call = (f"await _LORAPUB_STAGING.{verb}(\n"
-                    "        await _lorapub_engine_staging.starlette_json(request)\n    )")
+                    "        await _lorapub_staging.starlette_json(request)\n    )")
         out.append(
             f'@app.post("{path}")\n'
             "@auth_level(AuthLevel.ADMIN_OPTIONAL)\n"

@@ -207,7 +207,7 @@ class MemoryEngine:
         return ReadyLocal(self.name, token, request.digest, self.incarnation_id, lora_id)
 
     def _verify(self, request: SendBegin, buckets: dict[int, bytes]) -> None:
-        """What the patched SGLang server checks before a load (:mod:`lorapub.sglang_patch.engine_staging`):
+        """What the patched SGLang server checks before a load (:mod:`lorapub.sglang_patch.staging`):
         the plan describes the digest, and every tensor of every bucket (a safetensors blob, as
         :meth:`~lorapub.Snapshot.bucket_bytes` makes it) matches its SHA-256 in the plan."""
         try:

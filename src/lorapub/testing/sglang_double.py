@@ -39,7 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
-from lorapub.sglang_patch import engine_staging
+from lorapub.sglang_patch import staging as engine_side
 from lorapub.testing._sglang_registry import lora_registry_module, registry_root
 from lorapub.wire.codec import json_bytes
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE, ROUTES
@@ -683,17 +683,17 @@ class SGLangDouble:
 
 
     # -- lorapub's engine-side staging (the routes lorapub's SGLang patch adds) -------------------
-    # The same code the patched server runs (lorapub.sglang_patch.engine_staging), with this double
+    # The same code the patched server runs (lorapub.sglang_patch.staging), with this double
     # as its engine: a load from a staged folder or from tensors goes through the double's own load.
     # Set ``stash_root``, ``shm_dir`` or ``stage_idle_s`` (seconds an undriven attempt is kept) on
     # the double before its first staging call to stage elsewhere or age attempts out sooner.
     @property
-    def staging(self) -> engine_staging.EngineStaging:
+    def staging(self) -> engine_side.EngineStaging:
         current = self.__dict__.get("_staging")
         if current is None or current.incarnation != self.incarnation:  # a new life stages afresh
             if current is not None:
                 current.close()
-            current = self.__dict__["_staging"] = engine_staging.EngineStaging(
+            current = self.__dict__["_staging"] = engine_side.EngineStaging(
                 _DoubleHooks(self), incarnation=self.incarnation,
                 stash_root=self.__dict__.get("stash_root"), shm_dir=self.__dict__.get("shm_dir"),
                 idle_timeout=self.__dict__.get("stage_idle_s"),  # None: LORAPUB_STAGE_IDLE_S, as the server
@@ -819,7 +819,7 @@ class SGLangUnderTest:
 
 
 class _DoubleHooks:
-    """The double as the engine of :class:`~lorapub.sglang_patch.engine_staging.EngineStaging`."""
+    """The double as the engine of :class:`~lorapub.sglang_patch.staging.EngineStaging`."""
 
     def __init__(self, double: SGLangDouble) -> None:
         self.double = double

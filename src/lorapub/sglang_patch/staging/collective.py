@@ -1,0 +1,126 @@
+"""The collective receiver: a bucket broadcast by the publisher over torch.distributed (gloo or NCCL),
+in a process group formed for the attempt at its first bucket.
+
+``begin`` connects to the attempt's group store in the background (the publisher hosts it); the
+group forms at the first bucket, when the publisher names the attempt's ranks. A failed collective
+fails the attempt for good (the engine reports it to the machine); every other party is told to stop
+waiting. torch is imported only here, and only when a torch transport is used.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Callable, Mapping
+
+from lorapub.core.manifest import Bucket
+from lorapub.sglang_patch.staging.buffers import Buffer
+from lorapub.sglang_patch.staging.landing import Stash
+from lorapub.wire.collective import barrier, post_abort
+from lorapub.wire.refusal import Refused, bad, refuse
+from lorapub.wire.safetensors import raw_spans
+
+__all__ = ["drop_group", "ranks_of", "receive", "start_join", "transport_problem"]
+
+
+def _settings(transport: Mapping[str, Any]) -> tuple[str, int, float, str]:
+    host, port = str(transport["host"]), int(transport["port"])
+    timeout = float(transport.get("timeout", 60.0))
+    backend = transport.get("backend", "gloo")
+    if backend not in ("gloo", "nccl") or not 0 < port < 65536 or not timeout > 0:
+        raise ValueError(f"backend {backend!r}, port {port}, timeout {timeout}")
+    return host, port, timeout, backend
+
+
+def transport_problem(transport: Mapping[str, Any]) -> Refused | None:
+    """What is wrong with a torch transport's parameters (None: nothing)."""
+    try:
+        _settings(transport)
+    except Exception as e:  # noqa: BLE001
+        return bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}")
+    return None
+
+
+def start_join(stash: Stash) -> None:
+    """Connect to the attempt's group store in the background (its parameters were checked at begin)."""
+    host, port, timeout, _ = _settings(stash.transport)
+    done = threading.Event()
+    group = stash.group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
+
+    def connect() -> None:
+        try:
+            import torch.distributed as dist
+
+            group["store"] = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - reported at the first bucket
+            group["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name=f"lorapub-store-{stash.token}", daemon=True).start()
+
+
+def ranks_of(stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(rank, world, src) the bucket's control names, checked against the group (a refusal here does
+    not fail the attempt)."""
+    group = stash.group
+    if group is None:
+        raise refuse(f"attempt {stash.token} has no process group here (it failed or ended)", "STAGE_FAILED")
+    try:
+        rank, world, src = int(control["rank"]), int(control["world_size"]), int(control.get("src", 0))
+        if not (0 < rank < world and 0 <= src < world and src != rank):
+            raise ValueError(f"rank {rank}, world {world}, src {src}")
+    except Exception as e:  # noqa: BLE001
+        raise bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
+    if group["ranks"] not in (None, (rank, world, src)):
+        raise bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
+    return rank, world, src
+
+
+def receive(stash: Stash, group: dict, bucket: Bucket, ranks: tuple[int, int, int],
+            land: Callable[[Stash, Bucket], Buffer]) -> tuple[Buffer, list]:
+    """Join the broadcast of ``bucket`` (blocking: run off the event loop), into ``land``'s buffer."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, src = ranks
+    t = stash.transport
+    timeout = float(t.get("timeout", 60.0))
+    device = t.get("device", "cpu")
+    if not group["done"].wait(timeout):
+        raise TimeoutError(f"the group store was not reached within {timeout:g}s")
+    if group["error"]:
+        raise RuntimeError(f"reaching the group store failed: {group['error']}")
+    span = datetime.timedelta(seconds=timeout)
+    store = dist.PrefixStore(f"lorapub/{stash.token}", group["store"])
+    group["prefixed"] = store
+    if group["pg"] is None:  # the group forms once, at the first bucket, with every party there
+        barrier(store, "join", world, timeout)
+        if t.get("backend", "gloo") == "gloo":
+            group["pg"] = dist.ProcessGroupGloo(store, rank, world, span)
+        else:  # pragma: no cover - needs GPUs
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = span
+            group["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
+        group["ranks"] = (rank, world, src)
+    buf = land(stash, bucket)
+    target = buf.tensor if buf.tensor is not None else torch.frombuffer(buf.view, dtype=torch.uint8)
+    if device != "cpu":  # pragma: no cover - NCCL receives on the GPU
+        target = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    opts.timeout = span
+    barrier(store, f"bucket-{bucket.index}", world, timeout)
+    group["pg"].broadcast([target], opts).wait()
+    if device != "cpu":  # pragma: no cover
+        buf.view[:] = memoryview(target.cpu().numpy()).cast("B")
+    return buf, raw_spans(bucket)
+
+
+def drop_group(stash: Stash, reason: str | None = None) -> None:
+    """Leave the attempt's group; with ``reason``, tell every party to stop waiting first."""
+    group, stash.group = stash.group, None
+    if group and reason and group.get("prefixed") is not None:
+        post_abort(group["prefixed"], reason)
+    if group:  # a process group's teardown joins its threads: never on the server's event loop
+        threading.Thread(target=group.clear, name="lorapub-group-teardown", daemon=True).start()

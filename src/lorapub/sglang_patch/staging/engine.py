@@ -1,0 +1,525 @@
+"""The engine-side staging of one server life: :class:`EngineStaging` drives the pure machine
+(:mod:`lorapub.sglang_patch.staging.machine`) and runs the effects it answers with.
+
+Each route is a few commands: an admission, the steps taken under the attempt's lock, what the I/O
+did, and ``Leave``. Between them this class only moves bytes (landings, checks, folders, groups) and
+calls the engine (:class:`EngineHooks`); every decision (refusals, duplicates, tombstones, the byte
+budget, aging, what a cleanup answers) is the machine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Any, AsyncIterator, Mapping, Protocol
+
+from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
+from lorapub.core.manifest import Bucket
+from lorapub.sglang_patch.staging import claims, collective, landing, machine
+from lorapub.sglang_patch.staging import messages as m
+from lorapub.sglang_patch.staging.buffers import Buffer, verify_and_keep
+from lorapub.sglang_patch.staging.landing import Stash
+from lorapub.sglang_patch.staging.receivers import (
+    begin_request,
+    bucket_request,
+    drain,
+    read_control,
+    receive_bytes,
+    refusal_of,
+)
+from lorapub.wire.codec import manifest_digest, token_from_json, token_to_json
+from lorapub.wire.refusal import Refused, bad, refuse
+
+__all__ = ["DEFAULT_IDLE_S", "IDLE_ENV", "EngineHooks", "EngineStaging", "idle_timeout_setting", "managed_prefix_of"]
+
+#: Seconds an attempt may go undriven before the engine frees and tombstones it (see the package docs).
+IDLE_ENV = "LORAPUB_STAGE_IDLE_S"
+DEFAULT_IDLE_S = 600.0
+logger = logging.getLogger("lorapub.sglang_patch.staging")
+_now = time.monotonic
+
+
+def idle_timeout_setting() -> float:
+    """``LORAPUB_STAGE_IDLE_S`` in seconds (``inf``: never); the default when unset, or when not a
+    positive number (logged)."""
+    raw = os.environ.get(IDLE_ENV)
+    if not raw:
+        return DEFAULT_IDLE_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:  # zero, negative, NaN or not a number
+        logger.warning("lorapub: %s=%r is not a positive number of seconds; using %g", IDLE_ENV, raw, DEFAULT_IDLE_S)
+        return DEFAULT_IDLE_S
+    return seconds
+
+
+class EngineHooks(Protocol):
+    """The engine around the staging (SGLang's TokenizerManager, or the contract double)."""
+
+    def adapters(self) -> Mapping[str, Mapping[str, Any]]:
+        """Registered adapters: name -> {"lora_id", "pinned", "lora_path"}."""
+
+    def max_loaded_loras(self) -> int | None: ...
+
+    # optional: def managed_prefix(self) -> str — the names the engine protects (MANAGED_PREFIX if absent)
+
+    async def load_dir(self, lora_name: str, path: str) -> str | None:
+        """Load the PEFT directory ``path`` pinned under ``lora_name``; None, or the engine's error text."""
+
+    async def load_tensors(self, lora_name: str, tensors: dict[str, Any], config: dict[str, Any],
+                           checksums: dict[str, str]) -> str | None:
+        """Load named torch tensors pinned under ``lora_name``; None, or the engine's error text."""
+
+
+def managed_prefix_of(hooks: Any) -> str:
+    """The names the engine protects (its patch's managed prefix)."""
+    prefix = getattr(hooks, "managed_prefix", None)
+    return prefix() if callable(prefix) else MANAGED_PREFIX
+
+
+def _raise(reply: Any) -> Any:
+    """The reply, or the refusal it is raised."""
+    if isinstance(reply, m.Refusal):
+        raise Refused(reply.status, reply.code, reply.message)
+    return reply
+
+
+class EngineStaging:
+    """The engine-side staging of one server life. ``hooks`` is the engine; ``stash_root`` the
+    engine's own folder for ``dir`` loads; ``shm_dir`` the only folder ``shm`` buckets are read from;
+    ``max_stash_bytes`` bounds what staged attempts may hold and have reserved at once (None: no
+    bound); ``idle_timeout`` the seconds an attempt may go undriven before it is aged out (None:
+    ``LORAPUB_STAGE_IDLE_S``, default 600; ``math.inf``: never)."""
+
+    def __init__(self, hooks: EngineHooks, *, incarnation: str, stash_root: str | None = None,
+                 shm_dir: str | None = None, max_stash_bytes: int | None = None,
+                 idle_timeout: float | None = None) -> None:
+        self.hooks = hooks
+        self.incarnation = incarnation
+        root = stash_root or os.environ.get("LORAPUB_ENGINE_STASH") or os.path.join(
+            tempfile.gettempdir(), "lorapub-engine-stash")
+        self.stash_root = os.path.join(root, re.sub(r"[^A-Za-z0-9_.-]", "_", incarnation))
+        self.shm_dir = os.path.realpath(shm_dir or os.environ.get("LORAPUB_SHM_DIR") or "/dev/shm")
+        if max_stash_bytes is None and os.environ.get("LORAPUB_MAX_STASH_BYTES"):
+            max_stash_bytes = int(os.environ["LORAPUB_MAX_STASH_BYTES"])
+        self.max_stash_bytes = max_stash_bytes
+        if idle_timeout is None:
+            idle_timeout = idle_timeout_setting()
+        elif isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
+        self.idle_timeout = float(idle_timeout)
+        self._state = machine.new_state(incarnation, max_stash_bytes, self.idle_timeout)
+        self._stashes: dict[AttemptToken, Stash] = {}  # the I/O side of every attempt the machine stages
+        self._landed: dict[tuple[AttemptToken, int], tuple[Buffer, list]] = {}  # bytes the machine decides on
+        self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
+        self._timer: asyncio.TimerHandle | None = None  # the next sweep, on the loop the routes run on
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._sweeping: asyncio.Task | None = None
+        self._pid = os.getpid()
+        tag = claims.claim_tag()
+        # Closes the claim's descriptor (its lock goes with it); also when a staging is never closed.
+        self._claim = claims.take_claim(self, root, self.stash_root, tag)
+        if self._claim is not None:
+            claims.sweep_ended_lives(root, tag)
+
+    @property
+    def state(self) -> machine.StagingState:
+        """The machine's state now (read-only: every change is a command)."""
+        return self._state
+
+    @property
+    def aged_out(self) -> int:
+        """Attempts freed because nobody drove them for ``idle_timeout``."""
+        return self._state.aged_out
+
+    # -- the machine and its effects ------------------------------------------------------------------
+    def _do(self, command: Any) -> tuple[Any, list]:
+        """Send the machine ``command``; run the bookkeeping effects it answers with now. Answers the
+        reply and the effects left for the operation that sent it (landing bytes, a collective, the
+        load, a folder)."""
+        out = machine.handle(self._state, command)
+        self._state = out.state
+        return out.reply, self._run(out.effects)
+
+    def _run(self, effects: Any) -> list:
+        later = []
+        for effect in effects:
+            if isinstance(effect, m.Verify):
+                self._verify(effect.token, effect.index)
+            elif isinstance(effect, m.CloseBuffer):
+                buf, _ = self._landed.pop((effect.token, effect.index))
+                buf.close()
+            elif isinstance(effect, m.ReleaseBytes):
+                landing.release_buckets(self._stashes[effect.token])
+            elif isinstance(effect, m.DropGroup):
+                collective.drop_group(self._stashes[effect.token], effect.abort)
+            elif isinstance(effect, m.Free):
+                self._free(effect.token, effect.abort)
+            elif isinstance(effect, m.JoinGroup):
+                collective.start_join(self._stashes[effect.token])
+            else:
+                later.append(effect)
+        return later
+
+    def _verify(self, token: AttemptToken, index: int) -> None:
+        """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
+        event loop); a ``dir`` load's bucket that did not arrive in the adapter's file (a safetensors
+        blob, or the publisher's shared-memory pages mapped here) is copied there once verified.
+        ``end`` waits for every check and copy before anything is loaded."""
+        buf, spans = self._landed.pop((token, index))
+        stash = self._stashes[token]
+        stash.buckets[index] = (buf, spans)
+        bucket = stash.plan.buckets[index]
+        into = None if stash.peft is None or buf.in_file else (stash.peft[0], stash.peft[1][index])
+        check = asyncio.ensure_future(asyncio.to_thread(verify_and_keep, buf.view, spans, bucket, into))
+        check.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here; end raises it
+        stash.verifying[index] = check
+
+    def _free(self, token: AttemptToken, abort: str | None) -> None:
+        stash = self._stashes.pop(token, None)
+        if stash is not None:
+            landing.release_buckets(stash)
+            collective.drop_group(stash, abort)
+        folder = stash.folder if stash is not None and stash.folder is not None else self._folder(token)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def _folder(self, token: AttemptToken) -> str:
+        version = token.version
+        return os.path.join(self.stash_root, f"{version.deployment_epoch}-{version.version_id}-a{token.seq}")
+
+    async def _answer(self, work) -> tuple[int, dict[str, Any]]:
+        try:
+            return 200, await work
+        except Refused as e:
+            return e.status, {"error": {"message": e.message, "code": e.code}}
+        finally:
+            self._arm()  # a sweep is due while anything is staged
+
+    # -- introspection (the state route reports it) ---------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Every staged attempt (keyed by its token's text): its ``token``, ``lora_name``, ``phase``
+        (``receiving``, ``failed`` or ``loaded``), the ``buckets`` received of ``planned``, ``bytes``
+        held and ``idle_s``, the seconds since an operation last drove it (``driving``: one runs now).
+        ``reserved``: the bytes attempts still receiving will hold (the budget counts them too)."""
+        self._arm()
+        now, state = _now(), self._state
+        attempts = {}
+        for a in state.attempts.values():
+            stash = self._stashes.get(a.token)
+            attempts[str(a.token)] = {
+                "token": token_to_json(a.token), "lora_name": a.lora_name,
+                "phase": "loaded" if a.receipt is not None else "failed" if a.failed else "receiving",
+                "buckets": sorted(a.held), "planned": len(a.sizes), "bytes": a.held_bytes,
+                "loaded": a.receipt is not None, "folder": stash is not None and stash.folder is not None,
+                "transport": a.transport, "load": a.load,
+                "idle_s": round(max(0.0, now - a.last_driven), 3), "driving": a.driving > 0}
+        return {"attempts": attempts, "bytes": state.held_bytes, "reserved": state.reserved_bytes,
+                "tombstones": len(state.tombstones), "collectives": self.collectives,
+                "idle_timeout_s": self.idle_timeout, "aged_out": state.aged_out}
+
+    def close(self) -> None:
+        """Free every stash of this life (the server is going away). Only in the process that made
+        it: a forked child that exits must not free its parent's live stash."""
+        if os.getpid() != self._pid:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            out = machine.handle(self._state, m.Close())
+            self._state = out.state
+            for effect in out.effects:
+                try:
+                    self._run([effect])
+                except Exception as e:  # noqa: BLE001 - the folder and the claim go whatever one attempt does
+                    logger.warning("lorapub: freeing %s at close failed: %s", effect.token, e)
+        finally:
+            shutil.rmtree(self.stash_root, ignore_errors=True)
+            if self._claim is not None:
+                claims.release_claim(self.stash_root, self._claim)
+                self._claim = None
+
+    # -- aging --------------------------------------------------------------------------------------------
+    async def sweep(self) -> list[str]:
+        """Age out every attempt nobody has driven for ``idle_timeout``: tombstoned and freed as a
+        cleanup would. An attempt whose ``end`` loaded the adapter registered under its name now is
+        kept (aging never unloads). Answers the tokens aged out."""
+        now = _now()
+        idle = machine.idle_attempts(self._state, now)
+        if not idle:
+            return []
+        adapters = self._adapter_ids() if any(a.receipt is not None for a in idle) else None
+        aged, _ = self._do(m.Sweep(now, adapters))
+        for a in aged:
+            logger.warning("lorapub: staged attempt %s (%s) aged out after %.0f s undriven; %s freed",
+                           a.token, a.lora_name, a.idle, "its folder" if a.loaded else "its stash")
+        return [str(a.token) for a in aged]
+
+    def _adapter_ids(self) -> dict[str, Any] | None:
+        """The engine's registered adapters: name -> lora_id (None: unknown)."""
+        try:
+            return {name: entry.get("lora_id") for name, entry in self.hooks.adapters().items()}
+        except Exception as e:  # noqa: BLE001 - unknown: every loaded attempt is kept
+            logger.warning("lorapub: the staging cannot read the engine's adapters: %s", e)
+            return None
+
+    @property
+    def _sweep_every(self) -> float:
+        return min(60.0, max(0.01, self.idle_timeout / 4))
+
+    def _arm(self) -> None:
+        """Make sure a sweep is due on the running event loop (a cheap timer; none without attempts,
+        none once closed). Called by every route."""
+        if self._state.closed or math.isinf(self.idle_timeout) or not self._state.attempts:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._timer is not None:
+            if self._timer_loop is loop:
+                return
+            self._timer.cancel()  # a loop this staging was used on before: sweep on this one
+        self._timer_loop = loop
+        self._timer = loop.call_later(self._sweep_every, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._state.closed:
+            return
+        if self._sweeping is None or self._sweeping.done():
+            self._sweeping = asyncio.ensure_future(self.sweep())
+            self._sweeping.add_done_callback(self._swept)
+        self._arm()
+
+    @staticmethod
+    def _swept(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("lorapub: staging sweep failed: %r", task.exception())
+
+    # -- begin --------------------------------------------------------------------------------------------
+    async def begin(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._answer(self._begin(body))
+
+    async def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise bad("begin takes a JSON object")
+        token = token_from_json(body.get("token"))
+        # Age out what nobody drives first: a vanished publisher's stash never blocks this begin (its
+        # capacity check). Nothing after this awaits, so what it checks still holds when it acts.
+        await self.sweep()
+        request = begin_request(body, token, managed_prefix_of(self.hooks))
+        adapters = self.hooks.adapters() if request.problem is None else {}
+        limit = self.hooks.max_loaded_loras() if request.problem is None else None
+        out = machine.handle(self._state, m.Begin(
+            token, body.get("incarnation"), request.digest, request.lora_name, request.sizes, request.load,
+            request.kind, request.problem, request.late_problem, frozenset(adapters), limit, _now()))
+        self._state = out.state
+        if _raise(out.reply).duplicate:  # the same answer, nothing set up twice
+            return {"incarnation": self.incarnation, "duplicate": True}
+        stash = self._stashes[token] = Stash(token, request.plan, request.transport, request.load)
+        for effect in self._run(out.effects):
+            if isinstance(effect, m.PrepareFolder):
+                try:
+                    landing.prepare_peft_file(stash, self._folder(token), request.header)
+                except OSError as e:
+                    self._do(m.Abandon(token))
+                    raise refuse(f"the engine cannot write {request.lora_name}'s folder: {e}", "STAGE_DISK") from None
+        return {"incarnation": self.incarnation, "duplicate": False}
+
+    # -- receive ------------------------------------------------------------------------------------------
+    async def receive(self, params: Mapping[str, str], chunks: AsyncIterator[bytes] | None,
+                      length: int | None = None) -> tuple[int, dict[str, Any]]:
+        """A bucket: ``params`` carry the token (epoch, version_id, seq), ``index``, ``incarnation`` and
+        ``format``; ``chunks`` is the body (the bytes, or for shm/torch a small JSON object)."""
+        status, body = await self._answer(self._receive(params, chunks, length))
+        if status != 200 and chunks is not None:
+            await drain(chunks)  # the caller's stream is read to its end whatever the answer
+        return status, body
+
+    async def _receive(self, params: Mapping[str, str], chunks, length) -> dict[str, Any]:
+        token = token_from_json(params)
+        index, fmt, problem = bucket_request(params)
+        _raise(self._do(m.Receive(token, params.get("incarnation"), problem, _now()))[0])
+        try:  # its idle time starts again when this ends
+            return await self._receive_into(self._stashes[token], index, fmt, chunks, length)
+        finally:
+            self._do(m.Leave(token, _now()))
+
+    async def _receive_into(self, stash: Stash, index: int, fmt: str, chunks, length) -> dict[str, Any]:
+        token = stash.token
+        async with stash.lock:
+            reply, later = self._do(m.Arrive(token, index, fmt, length, _now()))
+            if isinstance(_raise(reply), m.Accepted):  # a duplicate: nothing stored twice, no second collective
+                if chunks is not None:
+                    await drain(chunks)
+                return {"incarnation": self.incarnation, "duplicate": True}
+            bucket = stash.plan.buckets[index]
+            if isinstance(reply, m.Join):  # a duplicate while the first runs: its outcome, never a second collective
+                await read_control(chunks)
+                running, duplicate = stash.inflight[index], True
+            elif isinstance(later[0], m.Collect):  # the collective runs outside the lock: a cleanup never waits for it
+                try:
+                    control = await read_control(chunks)
+                except BaseException:
+                    self._do(m.Lost(token, index, _now()))
+                    raise
+                running = stash.inflight[index] = asyncio.ensure_future(self._collect(stash, bucket, control))
+                duplicate = False
+            else:
+                try:
+                    buf, spans = await receive_bytes(stash, bucket, fmt, chunks, length, self.shm_dir)
+                except BaseException:
+                    self._do(m.Lost(token, index, _now()))
+                    raise
+                return self._store(token, index, buf, spans)
+        answer = await asyncio.shield(running)  # it runs on even if this caller goes away
+        return {**answer, "duplicate": True} if duplicate else answer
+
+    def _store(self, token: AttemptToken, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
+        self._landed[(token, index)] = (buf, spans)  # kept and checked, or closed (cleaned up meanwhile)
+        _raise(self._do(m.Stored(token, index, buf.nbytes, _now()))[0])
+        return {"incarnation": self.incarnation, "duplicate": False}
+
+    async def _collect(self, stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> dict[str, Any]:
+        token, index = stash.token, bucket.index
+        try:
+            try:
+                ranks = collective.ranks_of(stash, bucket, control)
+            except BaseException:
+                self._do(m.Lost(token, index, _now()))
+                raise
+            group = stash.group
+            self.collectives += 1
+            try:
+                buf, spans = await asyncio.to_thread(collective.receive, stash, group, bucket, ranks, landing.landing)
+            except Refused as e:  # a failed collective fails the attempt here for good
+                self._do(m.CollectFailed(token, index, e.message, _now()))
+                raise
+            except Exception as e:  # noqa: BLE001
+                reason = f"collective for bucket {index} failed: {type(e).__name__}: {e}"
+                self._do(m.CollectFailed(token, index, reason, _now()))
+                raise Refused(409, "STAGE_COLLECTIVE", reason) from None
+            except BaseException:
+                self._do(m.Lost(token, index, _now()))
+                raise
+            return self._store(token, index, buf, spans)
+        finally:
+            stash.inflight.pop(index, None)
+
+    # -- end ------------------------------------------------------------------------------------------------
+    async def end(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        return await self._answer(self._end(body))
+
+    async def _end(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise bad("end takes a JSON object")
+        token = token_from_json(body.get("token"))
+        _raise(self._do(m.End(token, body.get("incarnation"), _now()))[0])
+        try:
+            return await self._end_of(self._stashes[token])
+        finally:
+            self._do(m.Leave(token, _now()))
+
+    async def _end_of(self, stash: Stash) -> dict[str, Any]:
+        token = stash.token
+        async with stash.lock:
+            reply, _ = self._do(m.Finish(token, _now()))
+            if isinstance(_raise(reply), m.Receipted):  # a duplicate end: the same receipt, nothing loaded twice
+                return dict(reply.receipt.to_json(), duplicate=True)
+            fails = False
+            try:
+                started = _now()
+                fails = True  # every tensor's SHA-256, checked as its bucket arrived
+                await asyncio.gather(*stash.verifying.values())
+                fails = False
+                receipt = await self._load(stash, started)
+            except Refused as e:
+                self._do(m.LoadFailed(token, refusal_of(e), fails))
+                raise
+            except BaseException:
+                self._do(m.LoadFailed(token))
+                raise
+            reply, _ = self._do(m.Loaded(token, receipt))  # the staged bytes go: the engine holds the adapter
+            return dict(_raise(reply).receipt.to_json(), duplicate=False)
+
+    async def _load(self, stash: Stash, started: float) -> m.Receipt:
+        """The fresh, pinned load through the engine (``dir``: the folder on the engine's own disk, its
+        config added now; ``tensors``: SGLang's tensor load, over its IPC, never touching disk)."""
+        attempt = self._state.attempts[stash.token]
+        name, digest = attempt.lora_name, attempt.digest
+        verified = _now()
+        if manifest_digest(stash.plan) != digest:
+            raise Refused(400, "STAGE_DIGEST", f"the staged manifest does not hash to {digest[:12]}")
+        if name in self.hooks.adapters():
+            raise refuse(f"{name} is already loaded (not by this attempt)")
+        if stash.load == "dir":  # the tensors are in the folder already (received and verified there)
+            path = await asyncio.to_thread(landing.finish_peft_dir, stash)
+            error = await self.hooks.load_dir(name, path)
+        else:
+            path = "__tensor__"
+            checksums = {e.name: e.sha256 for b in stash.plan.buckets for e in b.entries}
+            config = json.loads(stash.plan.serving_config_json)
+            error = await self.hooks.load_tensors(name, landing.tensors(stash), config, checksums)
+        if error is not None:
+            raise refuse(f"load of {name} failed: {error}", "STAGE_LOAD")
+        entry = self.hooks.adapters().get(name)
+        if entry is None or not entry.get("pinned"):
+            raise refuse(f"{name} is not registered pinned after its load", "STAGE_LOAD")
+        return m.Receipt(self.incarnation, name, digest, entry.get("lora_id"), entry.get("lora_path", path), stash.load,
+                         verified - started, _now() - verified)
+
+    # -- cleanup / release --------------------------------------------------------------------------------
+    async def cleanup(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Tombstone the attempt (always, whatever life it names: a tombstone only refuses), wait for
+        its in-flight operation (an end's load too), free its stash. Answers what it loaded (the
+        caller unloads it)."""
+        return await self._answer(self._cleanup(body))
+
+    async def _cleanup(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise bad("cleanup takes a JSON object")
+        token = token_from_json(body.get("token"))
+        reply, _ = self._do(m.Cleanup(token, _now()))  # from now on begin / bucket / end of it are refused
+        if isinstance(reply, m.Wait):
+            try:
+                async with self._stashes[token].lock:
+                    reply, _ = self._do(m.Discard(token))
+            finally:
+                self._do(m.Leave(token, _now()))
+        return {"incarnation": self.incarnation, "loaded": None if reply.loaded is None else reply.loaded.to_json()}
+
+    async def release(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """After ``lora_name`` was unloaded (reclaimed): free what its attempt still keeps here."""
+        return await self._answer(self._release(body))
+
+    async def _release(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        name = body.get("lora_name") if isinstance(body, Mapping) else None
+        if not isinstance(name, str):
+            raise bad("release takes {\"lora_name\": ...}")
+        reply, _ = self._do(m.Release(name, name in self.hooks.adapters(), _now()))
+        tokens = _raise(reply).tokens
+        freed = []
+        try:
+            for token in tokens:
+                stash = self._stashes.get(token)
+                if stash is None:  # freed meanwhile: tombstoned all the same
+                    reply, _ = self._do(m.Forget(token))
+                else:
+                    async with stash.lock:  # an end that loaded the name meanwhile keeps its attempt
+                        reply, _ = self._do(m.Forget(token, self._adapter_ids()))
+                if isinstance(reply, m.Freed):
+                    freed.append(str(reply.token))
+        finally:
+            for token in tokens:
+                self._do(m.Leave(token, _now()))
+        return {"incarnation": self.incarnation, "freed": freed}
