@@ -1,14 +1,9 @@
 """lorapub: immutable LoRA versions, published online, bound once per session, reclaimed safely.
 
-The public face::
-
-    from lorapub import Deployment, Snapshot, PublicationReport
-
-plus :func:`deploy` (the one switch between versioned publication and the old
-overwrite path), the keys (and :class:`AttemptToken`), :class:`VersionState` (what a
-report says a version is) and the typed errors. Engine adapters live in
-:mod:`lorapub.adapters`, the protocols to implement in :mod:`lorapub.ports`, test
-aids in :mod:`lorapub.testing`.
+The public face: ``from lorapub import Deployment, Snapshot, PublicationReport``, :func:`deploy` (the one
+switch between versioned publication and the old overwrite path), the keys (and :class:`AttemptToken`),
+:class:`VersionState` and the typed errors. Engine adapters live in :mod:`lorapub.adapters`, the
+protocols to implement in :mod:`lorapub.ports`, test aids in :mod:`lorapub.testing`.
 """
 
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey

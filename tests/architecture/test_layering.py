@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -97,6 +98,62 @@ def test_no_module_is_over_the_size_limit():
     big = {name: n for name, path in _modules() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     grown = {name: n for name, n in big.items() if n > STILL_OVER.get(name, MAX_MODULE_LINES)}
     assert not grown, f"modules over {MAX_MODULE_LINES} lines: {grown}"
+
+
+#: A module docstring says what the module is in at most this many lines of text (blank lines not
+#: counted), plus one line ``See docs/<file>.md, "<section>".`` where the detail lives.
+MAX_DOCSTRING_LINES = 5
+_DOCS_LINK = re.compile(r'See (``)?docs/(?P<file>[\w.-]+\.md)(``)?(, "(?P<section>.+)")?\.')
+#: SGLang's code, verbatim: its docstrings are SGLang's.
+_VENDORED = SRC / "testing" / "_sglang_vendor"
+
+#: Module docstrings still longer while they are cut down (each may only shrink); empty when done.
+STILL_LONG = {
+    "lorapub.adapters.body_sender": 17, "lorapub.adapters.ray_registry": 9, "lorapub.adapters.sglang_http": 15,
+    "lorapub.adapters.sglang_router": 26, "lorapub.adapters.sglang_wire": 18, "lorapub.adapters.staging": 10,
+    "lorapub.demo.cli": 7, "lorapub.ports": 8, "lorapub.runtime.runner": 7, "lorapub.sglang_patch": 12,
+    "lorapub.sglang_patch.engine_staging": 39, "lorapub.sglang_patch.release_0517": 23,
+    "lorapub.sglang_patch.release_0523": 9, "lorapub.sglang_patch.routes": 8, "lorapub.testing": 15,
+    "lorapub.testing._sglang_registry": 7, "lorapub.testing.conformance": 29, "lorapub.testing.faults": 8,
+    "lorapub.testing.memory_engine": 16, "lorapub.testing.serve_double": 10, "lorapub.testing.sglang_double": 21,
+}
+
+
+def _docstring(path: pathlib.Path) -> tuple[int, list[re.Match[str]]]:
+    """A module docstring's lines of text, not counting its first docs link; and its docs links."""
+    lines = [line.strip() for line in (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()]
+    lines = [line for line in lines if line]
+    links = [m for line in lines if (m := _DOCS_LINK.fullmatch(line))]
+    return len(lines) - min(len(links), 1), links
+
+
+def test_module_docstrings_are_short():
+    """Module docstrings are at most five lines plus a link to the docs section that holds the
+    detail; a link names a docs file and a heading that exist."""
+    docs = SRC.parent.parent / "docs"
+    long, broken = {}, []
+    for name, path in _modules():
+        if _VENDORED in path.parents:
+            continue
+        n, links = _docstring(path)
+        if n > STILL_LONG.get(name, MAX_DOCSTRING_LINES):
+            long[name] = n
+        for link in links if docs.is_dir() else ():
+            target = docs / link["file"]
+            headings = {h.lstrip("#").strip() for h in target.read_text().splitlines() if h.startswith("#")} \
+                if target.is_file() else set()
+            if not target.is_file() or (link["section"] and link["section"] not in headings):
+                broken.append(f"{name}: {link[0]}")
+    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines (plus a docs link): {long}"
+    assert not broken, f"docs links to no such file or heading: {broken}"
+
+
+def test_the_docstring_check_counts_one_docs_link(tmp_path):
+    """The check itself can fail: blank lines and one docs link are free, a second link is not."""
+    path = tmp_path / "m.py"
+    path.write_text('"""One.\n\nTwo.\nSee docs/design.md, \"Shape\".\nSee ``docs/recovery.md``.\n"""\n')
+    n, links = _docstring(path)
+    assert (n, [m["file"] for m in links], links[0]["section"]) == (3, ["design.md", "recovery.md"], "Shape")
 
 
 def test_the_level_check_catches_an_upward_import(tmp_path):

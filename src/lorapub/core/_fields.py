@@ -1,12 +1,8 @@
 """Pickling for the core's attrs values that a durable store keeps, across releases.
 
-A store written by an earlier release holds values pickled with the fields that release had.
-attrs' own ``__setstate__`` leaves a field the pickle lacks unset (an ``AttributeError`` at the
-first read); these give it its default instead. A class opts in by naming both in its body
-(attrs then generates neither)::
-
-    __getstate__ = getstate
-    __setstate__ = setstate
+A field an earlier release's pickle lacks gets its default (attrs' own ``__setstate__`` leaves it unset).
+A class opts in by naming both in its body: ``__getstate__ = getstate``, ``__setstate__ = setstate``.
+See docs/design.md, "Durable store".
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One publication attempt of one version across its target engines.
 
-begin -> PREPARED on every target -> buckets in fixed order, bucket i+1 only once
-the source and every target finished bucket i -> end -> READY_LOCAL on every
-target. Any definite failure or unknown outcome aborts the attempt and asks for
-cleanup on every target; the attempt is resolved only when every target
-confirmed cleanup. Messages for another attempt or an old incarnation change
-nothing.
+begin -> PREPARED on every target -> buckets in fixed order (bucket i+1 once the source and every
+target finished bucket i) -> end -> READY_LOCAL on every target. Any definite failure or unknown
+outcome aborts it and asks every target for cleanup; it is resolved only when every target confirmed
+cleanup. Messages for another attempt or an old incarnation change nothing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The registry's commands as values (as h11 and h2 take events).
 
-One verb scheme: a request is an imperative verb (``Reserve``, ``Commit``,
-``BindFirst``, ``ClaimReclaim``…), a report of what happened elsewhere is
-``Record<Fact>`` (``RecordPrepared``, ``RecordReady``, ``RecordUnloaded``…), and a
-query only reads (``QueryAttempt``, ``ReadVersion``…). Each command has one
-transition function of the same name in snake case in :mod:`lorapub.core.registry`,
-whose :func:`~lorapub.core.registry.handle` is the one door.
+A request is an imperative verb (``Reserve``, ``Commit``, ``BindFirst``…), a report of what happened
+elsewhere is ``Record<Fact>`` (``RecordPrepared``, ``RecordReady``…), a query only reads
+(``QueryAttempt``, ``ReadVersion``…). Each has one transition function of the same name in snake case
+in :mod:`lorapub.core.registry`, whose :func:`~lorapub.core.registry.handle` is the one door.
 """
 
 from __future__ import annotations

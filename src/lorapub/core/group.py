@@ -1,10 +1,9 @@
 """SessionGroup: sessions that must see one policy (a GRPO prompt group, the n>1 children of one
 prompt, forks of one trajectory). OPEN -> BOUND (at the first generation of any member) ->
-CLOSED (when its last open member closes or expires).
-
-Every member binds the version the group bound, and the group, not each member, holds the one
-session ref on it while any member is open. A closed group takes no new member: a group never
-spans two versions (except by an explicit rebind of the whole group, recorded in ``rebinds``).
+CLOSED (when its last open member closes or expires). Every member binds the group's version, and the
+group holds the one session ref on it while any member is open. A closed group takes no new member:
+a group never spans two versions (except by an explicit rebind of the whole group, recorded in ``rebinds``).
+See docs/design.md, "Lifecycles in the core".
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """SessionBinding: OPEN -> BOUND (first generation) -> CLOSING -> CLOSED tombstone,
 or -> EXPIRED tombstone when its lease runs out (its worker stopped renewing it).
 
-A session holds at most one session ref, on the one version it bound first;
-the ref is released exactly once, by close_and_release or by expiry. A CLOSING,
-CLOSED or EXPIRED session never opens, binds or dispatches again.
+A session holds at most one session ref, on the one version it bound first, released exactly once (by
+close_and_release or by expiry). A CLOSING, CLOSED or EXPIRED session never opens, binds or dispatches again.
+See docs/design.md, "Lifecycles in the core".
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """The registry's session records, kept where the garbage collector does not look.
 
-Why this is not a ``PMap`` of attrs records. CPython's cyclic collector walks every object
-it *tracks*, and a full (generation-2) collection walks all of them. An attrs slotted
-instance is always tracked, and so is every pyrsistent map node; a session held as a
-``SessionKey -> SessionRecord`` ``PMap`` costs four tracked objects (the key, the record,
-their pair, its bucket), scattered over the heap as sessions come and go, so a full
-collection at 100,000 live sessions walks about 400,000 of them at a cache miss or more
-each: hundreds of milliseconds (``bench/memory_bench.py``). The collector *untracks* an
-exact tuple as soon as it sees that everything in it is an atom (str, int, float, bool,
-None) or an untracked tuple, and then never visits it again nor reads through it.
-
-So a :class:`SessionTable` holds every session as plain tuples of atoms:
-
-* key: ``(deployment_epoch, session_id, nonce)``;
-* record: ``(state value, (epoch, version_id) or None, holds_ref, lease_until)``, with
-  ``group, rebinds`` after them for a group member or a rebound session;
-* the map is a persistent hash array mapped trie (HAMT) whose nodes are tuples
-  ``(bitmap, k0, v0, k1, v1, ...)`` (a slot with key ``None`` holds a child node;
-  ``(-1, hash, k0, v0, ...)`` is a node of keys with one full hash): an update copies
-  the O(log32 n) nodes on one path and shares the rest, as pyrsistent does;
-* two sorted indexes, persistent too (a tuple of sorted chunks of entries): leases by
-  deadline ``(lease_until, key)`` for sessions a lease keeps alive, and tombstones by
-  birth ``(born, key)``, so an ``ExpireLeases`` pass reads only what is due:
-  O(due · log n + chunks) instead of a scan of every session.
-
-Every node, record, key and index entry is untracked once the collector has seen it (the
-first young collection after it was made); the table itself is one tracked object. A
-full collection then costs the same whatever the number of sessions.
-
-Reads hand out the same values as before — ``SessionKey`` and ``SessionRecord`` — made on
-the way out; the table is a read-only ``Mapping`` whose updates (:meth:`set`,
-:meth:`remove`, :meth:`update`) return a new table, like ``PMap``'s. Pickled, it is the
-list of its items (the trie's shape depends on this process's string hashes); it is
-rebuilt on load.
+A :class:`SessionTable` holds every session as plain tuples of atoms (a persistent hash trie of tuples,
+with sorted lease and tombstone indexes), which CPython's cyclic collector stops tracking: a full
+collection then costs the same whatever the number of sessions.
+See docs/design.md, "Session records out of the collector's sight".
 """
 
 from __future__ import annotations
@@ -357,7 +328,12 @@ def _index_entries(index: Index) -> list[IndexEntry]:
 
 # -- the table ------------------------------------------------------------------------------------
 class SessionTable(Mapping[SessionKey, SessionRecord]):
-    """``SessionKey -> SessionRecord``, persistent, with a lease index and a tombstone index."""
+    """``SessionKey -> SessionRecord``, persistent, with a lease index and a tombstone index.
+
+    Reads hand out ``SessionKey`` and ``SessionRecord`` values made on the way out; a read-only
+    ``Mapping`` whose updates (:meth:`set`, :meth:`remove`, :meth:`update`) return a new table, like
+    ``PMap``'s. Pickled, it is the list of its items (the trie's shape depends on this process's
+    string hashes); it is rebuilt on load."""
 
     __slots__ = ("_root", "_size", "_leases", "_tombs")
     _root: Node

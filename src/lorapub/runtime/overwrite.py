@@ -1,9 +1,8 @@
 """The pre-lorapub path, kept behaviour-for-behaviour for ``enabled=False``:
 pause generation, flush the KV cache, overwrite one fixed adapter name, resume.
 
-Its own type (:class:`OverwriteDeployment`), with its own port
-(:class:`~lorapub.ports.OverwriteAdmin`); :func:`lorapub.runtime.deployment.deploy`
-is the one switch between it and :class:`~lorapub.runtime.deployment.Deployment`.
+Its own type (:class:`OverwriteDeployment`), with its own port (:class:`~lorapub.ports.OverwriteAdmin`);
+:func:`lorapub.runtime.deployment.deploy` is the one switch between it and the versioned ``Deployment``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """The reconciler: level-triggered recovery derived from registry state and engine inventories.
 
-Edges get lost: a reply to the last close, a registry call inside an automatic reclaim, a
-publisher that dies mid-attempt, an engine that restarts between two probes. So nothing that
-must eventually happen is driven by an edge alone. Each pass reads what every engine holds
-(its inventory), then the registry's :class:`~lorapub.core.registry.Fleet` (what the state says
-must be done) and starts what is missing; passes run after every relevant event (``kick``)
-and periodically, and a pass that fails is retried with backoff. Every command it issues is
-idempotent, so any number of reconcilers (one per process) may run.
-
-A pass never waits on an engine longer than its short probe deadline: anything that may take
-long (an unload that waits for the requests still running, a cleanup, a re-provisioning) runs
-in the background, one task per thing to repair, and health names it until it is done.
-
-One pass, in order:
-
-1. read every engine's inventory (incarnation, managed adapters, staged attempts) — before the
-   registry, so anything the registry did not know of when it answered is truly not its own;
-2. register engines that restarted (their READYs and stashes are void, they leave every
-   version's holders);
-3. expire the leases of sessions whose worker stopped renewing them;
-4. abort attempts whose publisher made no progress for ``stale_attempt_after``;
-5. in the background: retry unconfirmed cleanups; reclaim RETIRED versions nobody keeps and
-   retry reclaims that wait for receipts; unload *orphans* — managed adapters of an older
-   epoch, or of this epoch that no registry version names (a publisher that died with its
-   in-memory registry) — and clean their staged attempts; adapters and attempts of a *newer*
-   epoch belong to a newer trainer and are never touched;
-6. notice versions an engine lost without a restart (an operator unloaded one): the engine
-   leaves their holders;
-7. re-provision needed versions on engines that lost them, from the frozen copy this process
-   keeps (only the publishing process has one);
-8. report what still blocks health as a typed :class:`Health`.
+Edges get lost, so nothing that must eventually happen is driven by an edge alone: each pass reads every
+engine's inventory, then the registry's :class:`~lorapub.core.registry.Fleet`, starts in the background
+what is missing and reports a typed :class:`Health`. Every command it issues is idempotent.
+See docs/design.md, "Recovery rules: the reconciler".
 """
 
 from __future__ import annotations

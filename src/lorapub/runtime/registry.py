@@ -1,8 +1,7 @@
 """The registry in this process: the single writer of :class:`~lorapub.core.registry.RegistryState`.
 
-:meth:`LocalRegistry.apply` is synchronous on purpose: it reads the state, computes
-the transition and stores it with no suspension point in between, so it is a
-correct single writer under asyncio and inside a Ray actor alike.
+:meth:`LocalRegistry.apply` reads the state, computes the transition and stores it with no suspension
+point in between, so it is a correct single writer under asyncio and inside a Ray actor alike.
 :meth:`LocalRegistry.handle` is its face as a :class:`~lorapub.ports.Registry`;
 ``lorapub.adapters.ray_registry.RayRegistry`` is the same face over a Ray actor.
 """

@@ -1,9 +1,8 @@
 """The one retry policy: how many tries, and how long to wait between them, on the Clock port.
 
-Every loop of the runtime that tries again (a lost reserve or commit reply, an unload whose receipt
-did not come, a session close the registry did not confirm, a reconciler pass that failed) takes
-its waits from a :class:`RetryPolicy`, so a test's fake clock and a deployment's settings govern
-them all the same way.
+Every loop of the runtime that tries again (a lost reserve or commit reply, an unload whose receipt did
+not come, a session close the registry did not confirm, a reconciler pass that failed) takes its waits
+from a :class:`RetryPolicy`, so a test's fake clock and a deployment's settings govern them all alike.
 """
 
 from __future__ import annotations

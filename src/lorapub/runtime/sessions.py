@@ -1,24 +1,9 @@
 """Session service: bind once on first generation, carry the exact lora_path forever.
 
-Each session owns one shared bind task; every waiter awaits it through
-``asyncio.shield`` so cancelling one request never cancels the binding or
-causes a second pick. Close runs once: FINALIZING (no new dispatch) ->
-begin_close -> wait for the bind task, abort in-flight requests -> release
-the session ref exactly once -> drop the local record.
-
-A session's ref is held under a lease renewed by activity: the service renews, in one batch
-every ``lease_ttl / 3`` seconds, the leases of sessions that generated within ``idle_ttl``
-(or have a request running), and expires the others, so neither a worker that dies nor a
-session its code forgot to close keeps a version for ever. Requests go to the session's
-sticky engine while that engine holds the bound version; after a restart they go to another
-engine that holds it (the prefix cache is lost once: the KV cost of a restart) until the
-restarted engine is re-provisioned.
-
-Bounded staleness (``max_lag``): a session whose version falls more than ``max_lag`` commits
-behind the default gets :class:`~lorapub.errors.BindingStale` at its next generation (never
-in the middle of one), or, with ``on_stale="rebind"``, moves to the default at that turn
-boundary (recorded in :attr:`Session.provenance`). Every result carries the version that
-served it and its lag (``result["lorapub"]``).
+A session binds once (one shared, shielded bind task) and closes once; its ref is held under a lease
+renewed in batches while it is active; its requests stick to an engine that holds its version; with
+``max_lag`` a stale one gets :class:`~lorapub.errors.BindingStale` or moves on (docs/freshness.md).
+See docs/design.md, "Two layers of refs".
 """
 
 from __future__ import annotations

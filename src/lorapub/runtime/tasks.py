@@ -1,14 +1,9 @@
 """The one owner of a deployment's background tasks.
 
-Lease renewals, the reconciler's loop and its repairs, background reclaims, session closes the
-registry did not confirm, the abort of a cancelled publication: each is spawned here, under a name
-and, where only one may run at a time, a key. ``close`` cancels what is left after a grace period
-and joins every task, so nothing a deployment started outlives it, and a task that fails is logged
-once with its name instead of "Task exception was never retrieved".
-
-Like an :class:`asyncio.TaskGroup` it joins its children; unlike one, a failing child never
-cancels its siblings (a failed reclaim must not stop lease renewals) and it lives from a
-deployment's ``start`` to its ``close`` rather than one ``async with`` block.
+Every task a deployment starts is spawned here under a name (and, where only one may run at a time, a
+key); ``close`` cancels what is left after a grace period and joins them all, so nothing outlives the
+deployment, and a task that fails is logged once with its name.
+See docs/design.md, "Shape".
 """
 
 from __future__ import annotations
@@ -24,6 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class TaskOwner:
+    """Like an :class:`asyncio.TaskGroup` it joins its children; unlike one, a failing child never
+    cancels its siblings (a failed reclaim must not stop lease renewals), and it lives from a
+    deployment's ``start`` to its ``close`` rather than one ``async with`` block."""
+
     def __init__(self, name: str = "lorapub") -> None:
         self.name = name
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -1,10 +1,9 @@
 """The tensor dtypes lorapub publishes: one table, read by ``Snapshot`` and by engine-side staging.
 
-A dtype is named as the manifest names it: the tensor's dtype without ``torch.`` (``"float32"``,
-``"bfloat16"``, ``"bool"``; a numpy array's ``dtype.name``). Each maps to its safetensors code,
-which is how engine-side staging describes the bytes it receives (a PEFT folder's header, or the
-tensors it hands to SGLang). A snapshot refuses every other dtype before anything is sent, so a
-publication never fails late on one. Pure data: importable without torch or numpy.
+A dtype is named as the manifest names it (the tensor's dtype without ``torch.``, a numpy array's
+``dtype.name``) and maps to its safetensors code, which is how engine-side staging describes the bytes
+it receives. A snapshot refuses every other dtype before anything is sent, so a publication never fails
+late on one. Pure data: importable without torch or numpy.
 """
 
 from __future__ import annotations

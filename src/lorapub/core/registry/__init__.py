@@ -1,13 +1,10 @@
 """The registry's decisions: versions, attempts, sessions and reclaim in one state.
 
-"The registry" is this one thing: the single writer of default, capacity, refs
-and tombstones. Callers talk to it with command values (as h11 and h2 take
-events): ``handle(state, command) -> Outcome`` gives the new state, the reply
-for the caller and the effects the I/O layer must perform. Rejections raise a
-typed :mod:`lorapub.errors` error and leave the state as it was.
-
-The command values live in :mod:`lorapub.core.commands` (and are importable from
-here); each has one transition function below of the same name in snake case.
+The single writer of default, capacity, refs and tombstones: ``handle(state, command) -> Outcome`` gives
+the new state, the reply and the effects the I/O layer must perform; a rejection raises a typed
+:mod:`lorapub.errors` error and changes nothing. The command values live in :mod:`lorapub.core.commands`
+(importable from here), each with one transition function below of the same name in snake case.
+See docs/design.md, "Shape".
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """Relax integration: immutable LoRA versions for Relax's agentic rollouts, behind one flag.
 
-Relax (``redai-studio/Relax``) runs agentic sessions in ``AgenticSessionShard`` actors and pushes
-the trained adapter from ``DeviceDirectBackend``. The hooks below are what those places call;
-``docs/relax.md`` is the guide (the hook table, the switch, what lorapub needs upstream).
-Written against these Relax files (:data:`RELAX_COMMITS`):
-
-=====================================================  ===========================================
-Relax site                                             lorapub hook
-=====================================================  ===========================================
-``AgenticSessionShard.__init__``                        ``self._lorapub = RelaxLorapub(args)``;
-  (``self._generation_backend = ...``)                  ``self._generation_backend =
-                                                        self._lorapub.wrap_backend(...)``
-``AgenticSessionShard.start_group``                     ``await self._lorapub.open_group(group_id,
-                                                        session_ids)``: one lorapub group per
-                                                        Relax group, every member opened
-``AgenticSessionShard._run_ir``                         unchanged: its ``self._generation_backend
-  (``self._generation_backend.generate(...)``)          .generate(...)`` is the wrapper's; the
-                                                        group binds at its first request
-``AgenticSessionShard._apply_generate_result``          ``ir.pending_export_metadata_patch.update(
-                                                        export_metadata(result.meta_info))``
-``AgenticSessionShard._chat``                           unchanged: a lorapub refusal arrives as an
-                                                        ``AgenticChatRequestError`` keeping its code
-``AgenticSessionShard._finish_session_once``            ``await self._lorapub.release(session_id)``
-``AgenticSessionShard._drop_group``                     ``await self._lorapub.release_group(group_id)``
-``AgenticSessionShard._shutdown``                       unchanged: ``self._generation_backend
-                                                        .shutdown()`` closes lorapub first
-``DeviceDirectBackend.__init__``                        ``install_weight_path(self)``: an opt-in
-                                                        ``update_weights_for_rollout`` that
-                                                        publishes each adapter as a version
-``relax/utils/arguments.py``                            :func:`add_arguments` (last in the chain),
-                                                        :func:`validate_args` on the driver
-=====================================================  ===========================================
-
-Off (the default) nothing changes: :meth:`RelaxLorapub.wrap_backend` returns Relax's own backend,
-:func:`install_weight_path` leaves ``update_weights_for_rollout`` alone and every other hook
-returns at once. Importing this module needs neither Relax, Megatron, Ray, torch nor aiohttp.
+The hooks are what Relax's ``AgenticSessionShard`` and ``DeviceDirectBackend`` call, written against
+the Relax files of :data:`RELAX_COMMITS`. Off (the default) nothing changes: every hook returns at
+once or hands back Relax's own. Importing this module needs neither Relax, Megatron, Ray, torch nor aiohttp.
+See docs/relax.md, "What changes in Relax's code".
 """
 
 from __future__ import annotations

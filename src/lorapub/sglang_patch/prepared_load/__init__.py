@@ -1,42 +1,10 @@
 """Adapter loads that (almost) never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
 
-Stock SGLang (0.5.17 and 0.5.23) loads an adapter on the scheduler thread, so a load stops every
-running decode twice: once while the scheduler reads the adapter into host memory (tens to hundreds
-of ms for an adapter of a few hundred MB) and once at the first batch that uses it, which pins the
-host tensors and copies them to the device before the forward pass.
-
-With this patch the scheduler hands a folder load (``load_lora_adapter``, what lorapub's engine-side
-staging and SGLang's ``/load_lora_adapter`` route send) to one background thread of its own process,
-which
-
-1. reads and normalises the adapter with SGLang's own code (``LoRAManager.load_lora_weights``, run
-   against a private view of the manager, so no shared state is touched),
-2. packs every tensor into fixed pinned chunks and copies them to one device buffer on a side stream,
-3. with ``LORAPUB_SGLANG_SLOT_IMAGE=1``, builds the adapter's slot image from it: what SGLang's own
-   per-weight slot fill would write into a memory-pool slot (:class:`SlotImage`); the weights then
-   stay in host memory, as SGLang keeps them (a fill the image does not fit then pins them, as
-   SGLang does). Opt-in: measured live in one run with the gate below (docs/gpu-acceptance.md).
-
-Between its Python steps the thread waits while the scheduler thread launches a prefill batch
-(:class:`PrefillGate`): a prefill's eager kernel launches otherwise wait for the GIL it holds.
-
-The scheduler keeps running batches meanwhile. Each loop iteration it polls; a finished
-preparation is installed by SGLang's own load path (config read, validation, bookkeeping, the
-release's own follow-up such as 0.5.23's KV-event names), with the weights taken from the prepared
-adapter instead of disk, and the stock reply goes to the tokenizer manager then. A batch that needs
-the adapter in a slot fills it: from the image with one ``_foreach_copy_`` where there is one, else
-with SGLang's own fill (device to device from the prepared weights when images are off).
-
-A preparation that fails (unreadable folder, device memory) changes nothing: SGLang's own load then
-runs as before and answers with its own error. Only single-GPU schedulers take this path (tp, pp and
-dp of 1): with several ranks every rank would have to swap the adapter in on the same iteration;
-they keep SGLang's own blocking load, as do tensor loads (``load_lora_adapter_from_tensors``).
-``LORAPUB_SGLANG_PREPARE=0`` turns the path off. The cost: each adapter's weights (or its slot
-image, one pool slot) stay on the device until it is unloaded.
-
-Both forms of lorapub's patch install this the same way: the runtime form starts SGLang's
-schedulers through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of
-SGLang's ``scheduler.py``.
+A folder load is read, normalised and copied to the device (optionally built into a slot image) by a
+background thread of the scheduler process, which steps aside for prefills (:class:`PrefillGate`);
+the scheduler installs it through SGLang's own load path. The runtime form starts the schedulers
+through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of ``scheduler.py``.
+See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)".
 """
 
 from __future__ import annotations
