@@ -18,14 +18,15 @@ import attrs
 
 from lorapub.core.attempt import Phase, ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import AttemptToken
+from lorapub.core.identity import AttemptToken, SessionKey
 from lorapub.core.commands import Command
 from lorapub.core.registry import RegistryState, Result
+from lorapub.core.session import Binding
 from lorapub.core.version import VersionState
 
 __all__ = [
     "EngineAdmin", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
-    "OverwriteAdmin", "GenerationTarget", "BucketSource", "Registry", "RegistryStore", "Clock", "AttemptToken",
+    "OverwriteAdmin", "GenerationTarget", "RoutedSession", "Routing", "BucketSource", "Registry", "RegistryStore", "Clock", "AttemptToken",
     "Phase", "ReadyLocal", "SendBegin", "VersionState",
 ]
 
@@ -153,6 +154,30 @@ class GenerationTarget(Protocol):
     name: str
 
     async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
+
+
+class RoutedSession(Protocol):
+    """What a :class:`Routing` reads of a session: its key, its binding, and the target its last
+    generation went to (None: none yet). Routing never writes it: the session records where it went."""
+
+    @property
+    def key(self) -> SessionKey: ...
+
+    @property
+    def binding(self) -> Binding | None: ...
+
+    @property
+    def engine(self) -> GenerationTarget | None: ...
+
+
+class Routing(Protocol):
+    """Where a session's generations go: lorapub's own sticky router (the default), or
+    :class:`lorapub.adapters.sglang_router.RouterRouting` behind the SGLang router."""
+
+    def pick(self, session: RoutedSession, holders: frozenset[str] | None = None) -> GenerationTarget:
+        """The target of the session's next generation; ``holders``: the engines that hold its
+        version now (None: not known). Raises EngineUnavailable when no engine may serve it."""
+        ...
 
 
 class BucketSource(Protocol):

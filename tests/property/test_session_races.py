@@ -18,7 +18,7 @@ from lorapub.core.identity import VersionKey
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
-from lorapub.runtime.publisher import Reclaimer
+from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.core.registry import Commit, RecordBucketDone, RecordPrepared, RecordReady, Reserve
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.sessions import LocalState, SessionService

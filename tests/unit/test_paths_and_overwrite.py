@@ -245,7 +245,7 @@ class NoLoads:
 
 
 def engine_staging(root):
-    from lorapub.sglang_patch import engine_staging as es
+    from lorapub.sglang_patch import staging as es
 
     return es.EngineStaging(NoLoads(), incarnation="life0", stash_root=str(root))
 

@@ -20,7 +20,7 @@ NUMPY_STAGING = """
 import asyncio, os, sys
 from lorapub.adapters.sglang_wire import RawBucket
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.sglang_patch import engine_staging as es
+from lorapub.sglang_patch import staging as es
 from lorapub.testing import lora_snapshot
 from lorapub.wire.codec import plan_to_json, token_params, token_to_json
 

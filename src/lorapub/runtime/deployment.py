@@ -20,7 +20,7 @@ from lorapub.core.identity import (
     check_id,
     check_name_prefix,
 )
-from lorapub.core.commands import ReadFleet, ReadState, ReadVersion, RecordLost, RegisterEngine
+from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
 from lorapub.core.version import VersionState
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
@@ -38,13 +38,25 @@ from lorapub.errors import (
     LorapubError,
     OutcomeUnknown,
 )
-from lorapub.ports import EngineAdmin, OverwriteAdmin, Registry, ReportsInventory, ReportsLimits, TakesTransport, Transport
+from lorapub.ports import (
+    EngineAdmin,
+    OverwriteAdmin,
+    Registry,
+    ReportsInventory,
+    ReportsLimits,
+    Routing,
+    TakesTransport,
+    Transport,
+)
 from lorapub.runtime.overwrite import OverwriteDeployment
-from lorapub.runtime.publisher import PublicationReport, Publisher, Reclaimer
+from lorapub.runtime.fleet import FleetView, incarnation_of
+from lorapub.runtime.publisher import PublicationReport, Publisher
+from lorapub.runtime.reclaimer import Reclaimer
+from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.reconciler import Health, Reconciler
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
-from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Routing, Session, SessionService
+from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Session, SessionService
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
 __all__ = ["Deployment", "DeploymentOptions", "deploy"]
@@ -188,7 +200,8 @@ class Deployment:
         if self._closed:
             raise AlreadyStarted("this Deployment was closed; build a new one")
         if self.registry is None:
-            incarnations = {name: await self._incarnation(name) for name in self.engines}
+            incarnations = {name: await incarnation_of(name, engine, self.deadlines.begin)
+                            for name, engine in self.engines.items()}
             self.registry = LocalRegistry(
                 self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
                 tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
@@ -198,29 +211,31 @@ class Deployment:
         self._check_shared_settings(fleet)
         await self._check_limits(fleet.capacity)
         await self._check_engines_protect(fleet.name_prefix)
+        # The parts, each given what it works with, in the order they depend on each other: one
+        # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups).
+        self.tasks = TaskOwner("lorapub")
+        self.fleet = FleetView(self.registry, self.engines, deadline=self.deadlines.begin)
         self.reclaimer = Reclaimer(
-            self.registry, self.engines, self.deadlines,
-            auto=self.auto_reclaim, retries=self.reclaim_retries, backoff=self.reclaim_backoff,
+            self.registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
+            backoff=self.reclaim_backoff, fleet=self.fleet, tasks=self.tasks,
         )
         self.publisher = Publisher(
             self.registry, self.engines, epoch=self.epoch, deadlines=self.deadlines,
             bucket_cap_bytes=self.bucket_cap_bytes, on_eligible=self.reclaimer.on_eligible,
-            source_factory=None if self.transport is None else self.transport.source,
+            source_factory=None if self.transport is None else self.transport.source, fleet=self.fleet,
+            tasks=self.tasks,
         )
         self.sessions = SessionService(
             self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
-            router=self.router, idle_ttl=self.idle_ttl,
+            router=self.router, idle_ttl=self.idle_ttl, fleet=self.fleet, tasks=self.tasks,
         )
         self.reconciler = Reconciler(
             self.registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
             publisher=self.publisher, interval=self.reconcile_interval,
-            stale_attempt_after=self.stale_attempt_after, on_fleet=self._on_fleet,
+            stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks,
         )
-        self.reclaimer.on_done = self._on_reclaim_done
-        self.sessions.kick = self.reconciler.kick
-        self.sessions.probe = self._probe
         self._started = True
-        self._on_fleet(fleet)
+        self.fleet.update(fleet)
         self.reconciler.start()
         self.sessions.start_renewals(fleet.lease_ttl)  # the registry's setting wins (it may be shared)
         return self
@@ -278,48 +293,6 @@ class Deployment:
                     engine=name, limits=limits, capacity=capacity,
                 )
 
-    def _on_reclaim_done(self, version: VersionKey) -> None:
-        self.publisher.wake()  # a slot may be free
-        self.reconciler.kick()
-
-    def _on_fleet(self, fleet: Fleet) -> None:
-        self.sessions.update_fleet(fleet)
-        self.publisher.wake()
-
-    async def _probe(self, engine: str | None, version: VersionKey | None = None, lora_name: str | None = None) -> None:
-        """A targeted check after an engine refused a version it should hold: did it restart (every
-        engine when ``engine`` is None), or lose ``version`` without a restart (an operator's unload)?"""
-        names = [engine] if engine is not None else list(self.engines)
-
-        async def probe(name: str) -> None:
-            try:
-                adapter = self.engines[name]
-                if isinstance(adapter, ReportsInventory):
-                    async with asyncio.timeout(self.deadlines.begin):
-                        inventory = await adapter.inventory()
-                    incarnation = inventory.incarnation
-                else:
-                    inventory, incarnation = None, await self._incarnation(name)
-                result = await self.registry.handle(RegisterEngine(name, incarnation))
-                if result.effects:
-                    await self.publisher.control.run(result.effects)
-                elif (inventory is not None and isinstance(adapter, ReportsInventory) and version is not None
-                      and lora_name not in inventory.adapters):
-                    # lost only if the registry (read after this inventory) says the engine holds it and
-                    # the engine (read after the registry) still lacks it: never a load that was just made
-                    holders = (await self.registry.handle(ReadVersion(version))).reply.engines
-                    async with asyncio.timeout(self.deadlines.begin):
-                        again = await adapter.inventory()
-                    if name in holders and again.incarnation == incarnation and lora_name not in again.adapters:
-                        log.warning("version lost: engine=%s version=%s (found by a refused request)", name, version)
-                        await self.registry.handle(RecordLost(name, version))
-                        self.reconciler.kick()  # re-provision it there
-            except (LorapubError, TimeoutError) as e:
-                log.warning("probe of %s failed: %s", name, e)
-
-        await asyncio.gather(*(probe(n) for n in names))
-        self._on_fleet((await self.registry.handle(ReadFleet())).reply)
-
     async def close(self, grace: float = 5.0) -> None:
         """Stop the reconciler, lease renewals and every background task (a reclaim still waiting
         for running requests after ``grace`` s is left to the next reconciler: the registry keeps
@@ -330,10 +303,10 @@ class Deployment:
             await self._close_engines()
             return
         self._started, self._closed = False, True
-        await self.sessions.stop_renewals()
-        await self.publisher.close(grace)
-        await self.reconciler.stop()
+        await self.publisher.close(grace)  # each cancelled publication aborts and cleans its attempt
+        await self.reconciler.stop()  # a pass that runs finishes first
         await self.reclaimer.settle(timeout=grace)
+        await self.tasks.close()  # every background task left (lease renewals, retried closes) is joined
         await self._close_engines()
 
     async def _close_engines(self) -> None:
@@ -393,13 +366,6 @@ class Deployment:
         await self.reconciler.settle(timeout)
         await self.reclaimer.wait(timeout)
 
-    async def _incarnation(self, name: str) -> str:
-        try:
-            async with asyncio.timeout(self.deadlines.begin):
-                return await self.engines[name].incarnation()
-        except TimeoutError:
-            raise OutcomeUnknown(f"{name} did not say its incarnation within {self.deadlines.begin:g}s") from None
-
     async def refresh_engines(self) -> dict[str, str]:
         """Tell the registry about engines that restarted (their READYs and stashes are void).
         An engine that does not answer is left as the registry knows it (a begin to it fails)."""
@@ -407,7 +373,7 @@ class Deployment:
         found = {}
         for name in self.engines:
             try:
-                found[name] = await self._incarnation(name)
+                found[name] = await self.fleet.incarnation(name)
             except LorapubError as e:
                 log.warning("incarnation of %s unknown before publishing: %s", name, e)
                 continue
@@ -428,7 +394,7 @@ class Deployment:
             await self._settle_briefly()
         await self.refresh_engines()
         report = await self.publisher.publish(snapshot, version_id, wait=wait)
-        self._on_fleet((await self.registry.handle(ReadFleet())).reply)  # sessions see the new default now
+        await self.fleet.refresh()  # sessions see the new default now
         return report
 
     async def _settle_briefly(self, seconds: float = 5.0) -> None:

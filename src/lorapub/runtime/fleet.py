@@ -19,7 +19,7 @@ from lorapub.errors import LorapubError, OutcomeUnknown
 from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.clock import Elapsed
 
-__all__ = ["FleetView", "Life"]
+__all__ = ["FleetView", "Life", "incarnation_of"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,16 @@ class Life:
     @property
     def answered(self) -> bool:
         return self.error is None
+
+
+async def incarnation_of(name: str, engine: EngineAdmin, deadline: float) -> str:
+    """Engine ``name``'s incarnation (what a registry is made with, before there is a fleet view);
+    no answer within ``deadline`` is OUTCOME_UNKNOWN, an engine's own refusal is raised as it is."""
+    try:
+        async with asyncio.timeout(deadline):
+            return await engine.incarnation()
+    except TimeoutError:
+        raise OutcomeUnknown(f"{name} did not say its incarnation within {deadline:g}s", engine=name) from None
 
 
 class FleetView:
@@ -81,13 +91,7 @@ class FleetView:
 
     async def incarnation(self, name: str) -> str:
         """Engine ``name``'s incarnation; no answer within the deadline is OUTCOME_UNKNOWN."""
-        found = await self.life(name, inventory=False)
-        if found.incarnation is None:
-            if isinstance(found.error, LorapubError):
-                raise found.error
-            raise OutcomeUnknown(f"{name} did not say its incarnation within {self.deadline:g}s "
-                                 f"({type(found.error).__name__}: {found.error})", engine=name)
-        return found.incarnation
+        return await incarnation_of(name, self.engines[name], self.deadline)
 
     async def probe(self, run: RunEffects, engine: str | None = None, version: VersionKey | None = None,
                     lora_name: str | None = None) -> None:

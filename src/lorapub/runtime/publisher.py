@@ -14,14 +14,12 @@ from typing import Callable, Iterable, Mapping
 import attrs
 
 from lorapub.core.attempt import Phase
-from lorapub.core.effects import ReadyToCommit, SendReclaim
+from lorapub.core.effects import ReadyToCommit
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.manifest import BucketPlan
 from lorapub.core.commands import (
     CancelWait,
-    ClaimReclaim,
     Commit,
-    ListReclaimable,
     QueryAttempt,
     ReadState,
     ReadVersion,
@@ -30,7 +28,6 @@ from lorapub.core.commands import (
     RegisterEngine,
     Reserve,
     RetryCleanup,
-    RetryReclaim,
 )
 from lorapub.core.registry import SlotHolder, Waiting
 from lorapub.core.version import CommitReceipt, VersionState
@@ -45,10 +42,13 @@ from lorapub.errors import (
 )
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
+from lorapub.runtime.fleet import FleetView
+from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+from lorapub.runtime.tasks import TaskOwner
 
-__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher", "Reclaimer"]
+__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class Publisher:
         commit_retries: int = 5,
         clock: Clock | None = None,
         on_eligible: OnEligible | None = None,
+        fleet: FleetView | None = None,
+        tasks: TaskOwner | None = None,
     ) -> None:
         self.clock = clock or SystemClock()
         self.registry = registry
@@ -149,12 +151,14 @@ class Publisher:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.source_factory = source_factory or InlineBucketSource  # a Deployment gives its transport's
         self.commit_retries = commit_retries
+        # a lost reserve or commit reply is replayed: waits of 50 ms, doubling, at most 1 s
+        self.retry_policy = RetryPolicy(tries=commit_retries, first=0.05, factor=2.0, cap=1.0)
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=(deadlines or Deadlines()).begin)
+        self.tasks = tasks if tasks is not None else TaskOwner("lorapub-publisher")
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
         self.frozen = FrozenCopies()
-        self._wakeup = asyncio.Event()
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
-        self._background: set[asyncio.Future] = set()  # cancelled publications still cleaning up
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
     @property
@@ -165,13 +169,12 @@ class Publisher:
     async def _reserve(self, command: Reserve):
         """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
         last: Exception | None = None
-        for attempt in range(self.commit_retries):
+        async for _ in self.retry_policy.attempts(self.clock):
             try:
                 return await self.registry.handle(command)
             except OutcomeUnknown as e:
                 last = e
                 log.warning("reserve %s: reply lost (%s); replaying it", command.key, e)
-                await self.clock.sleep(min(0.05 * 2**attempt, 1.0))
         raise OutcomeUnknown(
             f"reserve of {command.key} unanswered after {self.commit_retries} tries: {last}; "
             "publishing the same id and snapshot again resumes it", version=command.key,
@@ -179,12 +182,6 @@ class Publisher:
 
     #: How often a waiting publication asks again when nothing in this process wakes it.
     WAIT_POLL = 0.1
-
-    def wake(self) -> None:
-        """Something may have freed a slot (a reclaim or cleanup ended, a commit): waiting
-        publications ask the registry again now."""
-        self._wakeup.set()
-        self._wakeup = asyncio.Event()
 
     async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0) -> PublicationReport:
         """Publish ``snapshot`` as ``version_id``. With ``wait`` seconds, a call that finds every
@@ -198,7 +195,10 @@ class Publisher:
         key = VersionKey(self.epoch, version_id)
         call = self._running.get(key)
         if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
-            call = _Call(snapshot.digest, asyncio.ensure_future(self._publish(snapshot, key, wait)))
+            # owned by the deployment's tasks (its outcome goes to its callers, so a failure is not logged
+            # there): a cancelled one still cleaning its attempt is joined at close
+            call = _Call(snapshot.digest, self.tasks.spawn(self._publish(snapshot, key, wait), name=f"publish-{key}",
+                                                           quiet=True))
             self._running[key] = call
             call.task.add_done_callback(lambda t: self._running.pop(key, None) if self._running.get(key) is call else None)
             joined = False
@@ -221,8 +221,6 @@ class Publisher:
             call.callers -= 1
             if call.callers == 0 and not call.task.done():
                 call.task.cancel()
-                self._background.add(call.task)
-                call.task.add_done_callback(self._background.discard)
             raise
         call.callers -= 1
         return attrs.evolve(report, reused=True) if joined else report
@@ -267,12 +265,12 @@ class Publisher:
                     engine_phases=self._engine_phases(runlog, reply.token),
                 )
         except asyncio.CancelledError:
-            abort = asyncio.ensure_future(self._abort(reply.token, "its publish call was cancelled"))
-            self._background.add(abort)  # close() waits for it; a second cancel does not stop it
-            abort.add_done_callback(self._background.discard)
+            # owned by the deployment's tasks: close() waits for it, and a second cancel does not stop it
+            abort = self.tasks.spawn(self._abort(reply.token, "its publish call was cancelled"),
+                                     name=f"abort-{reply.token}", key=("abort", reply.token))
             await asyncio.gather(asyncio.shield(abort), return_exceptions=True)
             raise
-        self.wake()  # the attempt is over: another waiting publication may go
+        self.fleet.changed()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
         log.info("publication failed: version=%s phase=%s reason=%s", key, status.phase.value, why[:300])
         if status.phase is Phase.CLEAN:
@@ -294,7 +292,7 @@ class Publisher:
                 await self.control.run(result.effects)
         except (LorapubError, TimeoutError) as e:
             log.warning("abort of %s (%s) not finished: %s; the reconciler cleans it", token, reason, e)
-        self.wake()
+        self.fleet.changed()
 
     async def _reserve_slot(self, command: Reserve, wait: float, started: float):
         """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``."""
@@ -330,7 +328,7 @@ class Publisher:
                 waited_for = attrs.evolve(waited_for, reason=reply.describe(), holders=reply.holders)
             if now >= deadline:
                 continue  # one last ask without waiting: a slot, or the typed refusal with the wait report
-            wakeup = self._wakeup
+            wakeup = self.fleet.change()
             try:
                 async with asyncio.timeout(min(self.WAIT_POLL, max(0.0, deadline - now))):
                     await wakeup.wait()
@@ -352,16 +350,10 @@ class Publisher:
             for h in reply.holders:
                 if h.version in reclaiming:
                     names[h.version] = (await self.registry.handle(ReadVersion(h.version))).reply.lora_name
-            for engine_name, engine in sorted(self.engines.items()):
-                inventory = getattr(engine, "inventory", None)
-                if inventory is None:
+            for engine_name, life in sorted((await self.fleet.lives()).items()):
+                if life.inventory is None:  # keeps none, or did not answer: the report only, it says nothing
                     continue
-                try:
-                    async with asyncio.timeout(self.deadlines.begin):
-                        held = (await inventory()).adapters
-                except Exception as e:  # noqa: BLE001 - the report only: a quiet engine says nothing
-                    log.debug("inventory of %s: %s", engine_name, e)
-                    continue
+                held = life.inventory.adapters
                 for version, name in names.items():
                     if name in held:
                         running.setdefault(str(version), {})[engine_name] = held[name].refs
@@ -383,18 +375,16 @@ class Publisher:
         running = [c.task for c in self._running.values()]
         for task in running:
             task.cancel()
-        pending = {*running, *self._background}
-        if pending:
-            await asyncio.wait(pending, timeout=grace)
+        if running:
+            await asyncio.wait(running, timeout=grace)
+        await self.tasks.wait(grace, where=lambda k: isinstance(k, tuple) and k[0] == "abort")
 
     async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
         """Re-check every target's life right before commit: a READY from a life that has
         since ended is void, and the attempt aborts and is cleaned (the default stays)."""
         for engine_name, _ in targets:
-            engine = self.engines[engine_name]
             try:
-                async with asyncio.timeout(self.deadlines.begin):
-                    incarnation = await engine.incarnation()
+                incarnation = await self.fleet.incarnation(engine_name)
             except Exception as e:
                 runlog.unknown.append(f"{engine_name} pre-commit life check: {e}")
                 result = await self.registry.handle(RecordUnknown(token, engine_name, "pre-commit life check"))
@@ -444,14 +434,13 @@ class Publisher:
         """Commit, and on a lost reply retry the same commit: never clean B, never start another."""
         runlog.mark("commit")
         last: Exception | None = None
-        for attempt in range(self.commit_retries):
+        async for _ in self.retry_policy.attempts(self.clock):
             try:
                 async with asyncio.timeout(self.deadlines.commit):
                     result = await self.registry.handle(Commit(key, token, revision))
             except (OutcomeUnknown, TimeoutError, ConnectionError) as e:
                 last = e
                 log.warning("commit %s: reply lost (%s); replaying the same commit", token, e)
-                await self.clock.sleep(min(0.05 * 2**attempt, 1.0))
                 continue
             runlog.mark("commit")
             await self.control.run(result.effects)  # the retired version may be reclaimable now
@@ -479,122 +468,3 @@ class Publisher:
         result = await self.registry.handle(RetryCleanup(token))
         await self.control.run(result.effects)
         return (await self.registry.handle(QueryAttempt(token))).reply.phase
-
-
-class Reclaimer:
-    """unregister -> native wait_for_unload -> unload once -> confirm, on every engine.
-
-    The one owner of ``ReclaimEligible`` and of every reclaim the reconciler finds to do:
-    :meth:`ensure` runs one background reclaim per version (never two), which retries the
-    engines whose UNLOADED receipt did not come. A reclaim may wait as long as the longest request
-    still running on the version; nothing else ever waits for it.
-    """
-
-    def __init__(
-        self,
-        registry: Registry,
-        engines: Mapping[str, EngineAdmin],
-        deadlines: Deadlines | None = None,
-        *,
-        auto: bool = False,
-        retries: int = 5,
-        backoff: float = 1.0,
-    ) -> None:
-        self.registry = registry
-        self.engines = dict(engines)
-        self.deadlines = deadlines or Deadlines()
-        self.auto = auto
-        self.retries = retries
-        self.backoff = backoff
-        self._background: set[asyncio.Task] = set()
-        self._by_version: dict[VersionKey, asyncio.Task] = {}
-        self._in_flight: dict[VersionKey, int] = {}
-        self.on_done: Callable[[VersionKey], None] | None = None
-
-    @property
-    def control(self) -> EffectRunner:
-        return EffectRunner(self.registry, self.engines, None, self.deadlines)
-
-    def in_flight(self, key: VersionKey) -> bool:
-        """An unload of ``key`` is running in this process (it may wait for long requests)."""
-        return self._in_flight.get(key, 0) > 0 or key in self._by_version
-
-    async def _run(self, key: VersionKey, command) -> tuple[VersionState, bool]:
-        """Apply ``command``, run its unloads; (the version's state after, whether anything was sent)."""
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1
-        try:
-            result = await self.registry.handle(command)
-            await self.control.run(result.effects)
-        finally:
-            self._in_flight[key] -= 1
-            if not self._in_flight[key]:
-                del self._in_flight[key]
-        sent = any(isinstance(fx, SendReclaim) for fx in result.effects)
-        return (await self.registry.handle(ReadVersion(key))).reply.state, sent
-
-    async def reclaim(self, key: VersionKey) -> VersionState:
-        return (await self._run(key, ClaimReclaim(key)))[0]
-
-    async def retry(self, key: VersionKey) -> VersionState:
-        return (await self._run(key, RetryReclaim(key)))[0]
-
-    async def reclaim_eligible(self) -> dict[VersionKey, VersionState]:
-        return {key: await self.reclaim(key) for key in (await self.registry.handle(ListReclaimable())).reply}
-
-    def on_eligible(self, version: VersionKey) -> None:
-        if self.auto:
-            self.ensure(version)
-
-    def ensure(self, version: VersionKey) -> None:
-        """Reclaim ``version`` in the background (claimed if RETIRED and unused, its unloads retried if
-        RECLAIMING), unless this process already does."""
-        if version in self._by_version:
-            return
-        task = asyncio.get_running_loop().create_task(self._reclaim_until_done(version), name=f"lorapub-reclaim-{version}")
-        self._background.add(task)
-        self._by_version[version] = task
-
-        def done(t: asyncio.Task) -> None:
-            self._background.discard(t)
-            if self._by_version.get(version) is t:
-                del self._by_version[version]
-
-        task.add_done_callback(done)
-
-    async def _reclaim_until_done(self, version: VersionKey) -> None:
-        """Reclaim, and retry engines whose UNLOADED receipt did not come (unload is idempotent).
-        A failure here is not final: the reconciler is told and finds it again in the state."""
-        state = None
-        try:
-            state, sent = await self._run(version, ClaimReclaim(version))
-            if state is VersionState.RECLAIMING and not sent:  # claimed earlier (elsewhere): drive its unloads
-                state = await self.retry(version)
-            for attempt in range(self.retries):
-                if state is not VersionState.RECLAIMING:
-                    break
-                await asyncio.sleep(self.backoff * 2**attempt)
-                state = await self.retry(version)
-        except LorapubError as e:
-            log.warning("background reclaim of %s failed (%s); the reconciler retries it", version, e)
-        if state is VersionState.RECLAIMED:
-            log.info("version reclaimed: version=%s", version)
-        if self.on_done is not None:  # a freed slot (a waiting publication goes), or a retry to schedule
-            self.on_done(version)
-
-    async def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the background reclaims (at most ``timeout`` s); True if none is left."""
-        try:
-            async with asyncio.timeout(timeout):
-                while self._background:
-                    await asyncio.gather(*list(self._background), return_exceptions=True)
-        except TimeoutError:
-            return False
-        return True
-
-    async def settle(self, timeout: float | None = None) -> None:
-        """Wait for the background reclaims; what is left after ``timeout`` s is cancelled (its
-        version stays RECLAIMING in the registry, and any reconciler finishes it)."""
-        if not await self.wait(timeout):
-            for task in list(self._background):
-                task.cancel()
-            await asyncio.gather(*list(self._background), return_exceptions=True)

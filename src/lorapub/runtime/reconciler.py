@@ -19,7 +19,6 @@ from lorapub.core.commands import (
     ExpireLeases,
     ReadFleet,
     ReadSessionsOf,
-    ReadVersion,
     RecordLost,
     RegisterEngine,
     RetryCleanup,
@@ -29,9 +28,12 @@ from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
-from lorapub.ports import Clock, EngineAdmin, Inventory, Registry, ReportsInventory
+from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
 from lorapub.runtime.clock import SystemClock
+from lorapub.runtime.fleet import FleetView, Life
+from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
+from lorapub.runtime.tasks import TaskOwner
 
 __all__ = ["Blocker", "Health", "Reconciler"]
 
@@ -65,6 +67,18 @@ class Health:
         return "; ".join(f"{b.kind} {b.subject}: {b.detail}" for b in self.blockers)
 
 
+
+def _is_repair(key: Hashable) -> bool:
+    return isinstance(key, tuple) and len(key) == 2 and key[0] == "repair"
+
+
+def _said(life: Life) -> Inventory | str | Exception:
+    """What a pass reads of one engine: its inventory where it keeps one, else its incarnation; the
+    error if it is away."""
+    if life.error is not None or life.incarnation is None:
+        return life.error or RuntimeError("no life")
+    return life.inventory if life.inventory is not None else life.incarnation
+
 class Reconciler:
     def __init__(
         self,
@@ -78,8 +92,9 @@ class Reconciler:
         interval: float | None = 5.0,
         stale_attempt_after: float | None = None,
         max_backoff: float = 60.0,
-        on_fleet: Callable[[Fleet], None] | None = None,
         probe_deadline: float | None = None,
+        fleet: FleetView | None = None,
+        tasks: TaskOwner | None = None,
     ) -> None:
         self.registry = registry
         self.engines = dict(engines)
@@ -92,18 +107,18 @@ class Reconciler:
         self.stale_attempt_after = stale_attempt_after or 2 * max(
             deadlines.begin, deadlines.bucket, deadlines.end, deadlines.cleanup
         )
-        self.max_backoff = max_backoff
-        self.on_fleet = on_fleet
+        # after a failed pass, the next one comes sooner than the interval: 0.1 s, doubling, at most max_backoff
+        self.backoff = RetryPolicy(first=0.1, factor=2.0, cap=max_backoff)
         #: how long a pass waits for one engine's inventory or incarnation
         self.probe_deadline = probe_deadline or min(5.0, deadlines.begin)
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.probe_deadline)
+        self.tasks = tasks if tasks is not None else TaskOwner("lorapub-reconciler")
         self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible)
         self._seen: dict[AttemptToken, tuple[tuple, float]] = {}  # progress value, first seen
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._passes = 0
         self._failed = 0
-        self._repairs: dict[Hashable, asyncio.Task] = {}  # background repairs, one per thing repaired
         self.orphans: dict[tuple[str, str], str] = {}  # (engine, adapter or attempt) -> what is done about it
         self.health = Health(False, (Blocker("reconcile_failed", "-", "no pass ran yet"),), None, 0, 0)
 
@@ -113,11 +128,11 @@ class Reconciler:
 
     def kick(self) -> None:
         """Run a pass soon (an event happened: a close, a commit, a failed call)."""
-        self._wake.set()
+        self.fleet.kick()
 
     def start(self) -> None:
         if self._task is None and self.interval is not None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="lorapub-reconciler")
+            self._task = self.tasks.spawn(self._loop(), name="reconciler", key="reconciler")
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop the loop (a pass that is running finishes first, up to ``grace`` s) and every
@@ -132,36 +147,31 @@ class Reconciler:
             except TimeoutError:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        repairs = list(self._repairs.values())
+        repairs = self._repairs()
         for repair in repairs:
             repair.cancel()
         await asyncio.gather(*repairs, return_exceptions=True)
 
+    def _repairs(self) -> list[asyncio.Task[None]]:
+        return [t for k in self.tasks.keys() if _is_repair(k) and (t := self.tasks.running(k)) is not None]
+
     async def settle(self, timeout: float | None = None) -> bool:
         """Wait for the background repairs running now (at most ``timeout`` s); True if none is left."""
-        repairs = list(self._repairs.values())
+        repairs = self._repairs()
         if repairs:
             await asyncio.wait(repairs, timeout=timeout)
         return not any(not r.done() for r in repairs)
 
     async def _loop(self) -> None:
-        backoff = 0.0
+        failed = 0  # passes failed in a row
         while True:
-            try:
-                async with asyncio.timeout(backoff or self.interval):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await self.fleet.wait_for_kick(self.backoff.delay(failed) if failed else self.interval)
             health = await self.run_once()
-            if health.blockers and health.blockers[0].kind == "reconcile_failed":
-                backoff = min(self.max_backoff, max(0.05, backoff * 2 or 0.1))
-            else:
-                backoff = 0.0
+            failed = failed + 1 if health.blockers and health.blockers[0].kind == "reconcile_failed" else 0
 
     def _spawn(self, key: Hashable, work: Callable[[], Awaitable[Any]]) -> None:
         """Run ``work`` in the background unless a repair of ``key`` already runs; a pass after it ends."""
-        if key in self._repairs:
+        if self.tasks.running(("repair", key)) is not None:
             return
 
         async def run() -> None:
@@ -172,10 +182,9 @@ class Reconciler:
             except Exception:  # noqa: BLE001 - an adapter bug: logged, retried by the next pass
                 log.exception("repair %s raised; the next pass tries again", key)
             finally:
-                self._repairs.pop(key, None)
                 self.kick()
 
-        self._repairs[key] = asyncio.get_running_loop().create_task(run(), name=f"lorapub-repair-{key}")
+        self.tasks.spawn(run(), name=f"repair-{key}", key=("repair", key))
 
     # -- one pass -----------------------------------------------------------------
     async def run_once(self) -> Health:
@@ -198,20 +207,12 @@ class Reconciler:
 
     async def _probe(self, name: str, engine: EngineAdmin) -> Inventory | str | Exception:
         """The engine's inventory where it keeps one, else its incarnation; the error if it is away."""
-        try:
-            async with asyncio.timeout(self.probe_deadline):
-                if isinstance(engine, ReportsInventory):
-                    return await engine.inventory()
-                return await engine.incarnation()
-        except TimeoutError:
-            return TimeoutError(f"no answer within {self.probe_deadline:g}s")
-        except Exception as e:  # noqa: BLE001 - unreachable now: routed around, probed again next pass
-            return e
+        return _said(await self.fleet.life(name, deadline=self.probe_deadline))
 
     async def _pass(self) -> Health:
         blockers: list[Blocker] = []
         # 1. what every engine holds, read before the registry's view of what it should hold
-        probes = dict(zip(self.engines, await asyncio.gather(*(self._probe(n, e) for n, e in self.engines.items()))))
+        probes = {n: _said(life) for n, life in (await self.fleet.lives(deadline=self.probe_deadline)).items()}
         fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
         # 2. restarts
         restarted = set()
@@ -262,8 +263,7 @@ class Reconciler:
         fleet = (await self.registry.handle(ReadFleet())).reply
         if self.publisher is not None:
             self.publisher.frozen.retain(set(fleet.holders) | {t.version for t in fleet.active})
-        if self.on_fleet is not None:
-            self.on_fleet(fleet)
+        self.fleet.update(fleet)  # sessions route by it; waiting publications ask again
         # 8. what is left
         for token in fleet.cleaning:
             blockers.append(Blocker("cleanup_pending", str(token), "cleanup not confirmed on every target"))
@@ -316,7 +316,7 @@ class Reconciler:
                 self._spawn(("orphan", engine, what),
                             lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
         for key in [k for k in self.orphans if k[0] in inventories and k not in found]:
-            if ("orphan", *key) in self._repairs:  # unregistered, its unload waits for running requests
+            if self.tasks.running(("repair", ("orphan", *key))) is not None:  # unregistered, its unload waits for running requests
                 self.orphans[key] = "unloading: unregistered, waiting for its running requests to end"
             else:
                 del self.orphans[key]  # gone: freed

@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from typing import Any, Mapping
 
 from lorapub.core.commands import (
     AuthorizeDispatch,
@@ -27,7 +27,6 @@ from lorapub.core.commands import (
     RenewLeases,
 )
 from lorapub.core.identity import SessionKey, VersionKey, check_id, new_nonce
-from lorapub.core.registry import Fleet
 from lorapub.core.session import Binding
 from lorapub.errors import (
     BindingStale,
@@ -38,11 +37,12 @@ from lorapub.errors import (
     SessionExpired,
     VersionMissing,
 )
-from lorapub.ports import EngineAdmin, GenerationTarget, Registry
-from lorapub.runtime.clock import Elapsed
+from lorapub.ports import EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
+from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.runner import EffectRunner, OnEligible
+from lorapub.runtime.tasks import TaskOwner
 
-__all__ = ["DEFAULT_IDLE_TTL", "LocalState", "LIVE", "Routing", "Probe", "StickyRouter", "Session", "SessionService"]
+__all__ = ["DEFAULT_IDLE_TTL", "LocalState", "LIVE", "StickyRouter", "Session", "SessionService"]
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +66,10 @@ class LocalState(enum.Enum):
 LIVE = frozenset({LocalState.OPEN, LocalState.BOUND})
 
 
-class Routing(Protocol):
-    """Where a session's generations go: :class:`StickyRouter` (lorapub's own, the default), or
-    :class:`lorapub.adapters.sglang_router.RouterRouting` behind the SGLang router."""
-
-    def pick(self, session: "Session", holders: frozenset[str] | None = None) -> GenerationTarget:
-        """The target of the session's next generation; ``holders``: the engines that hold its
-        version now (None: not known)."""
-        ...
-
-
-class Probe(Protocol):
-    """The deployment's targeted check of an engine that refused a version it should hold (every
-    engine when ``engine`` is None)."""
-
-    def __call__(
-        self, engine: str | None, version: VersionKey | None = None, lora_name: str | None = None
-    ) -> Awaitable[None]: ...
-
-
 class StickyRouter:
-    """Spreads sessions over engines and keeps each on its engine (its prefix cache) while
-    that engine holds the session's version; otherwise moves it to one that does."""
+    """Spreads sessions over engines and keeps each on the engine it last used (its prefix cache)
+    while that engine holds the session's version; otherwise picks one that does. It reads the
+    session and writes nothing: the session records where its generation went."""
 
     def __init__(self, engines: Mapping[str, EngineAdmin]) -> None:
         if not engines:
@@ -95,10 +77,11 @@ class StickyRouter:
         self._engines = list(engines.values())
         self._next = itertools.count()
 
-    def pick(self, session: "Session", holders: frozenset[str] | None = None) -> EngineAdmin:
+    def pick(self, session: RoutedSession, holders: frozenset[str] | None = None) -> GenerationTarget:
         """``holders``: the engines that hold the session's version now (None: all of them)."""
-        if session.engine is not None and (holders is None or session.engine.name in holders):
-            return session.engine
+        last = session.engine
+        if last is not None and last in self._engines and (holders is None or last.name in holders):
+            return last
         candidates = [e for e in self._engines if holders is None or e.name in holders]
         if not candidates:
             raise EngineUnavailable(
@@ -106,8 +89,7 @@ class StickyRouter:
                 "(its engines restarted and it is being re-provisioned); retry the request later",
                 session=session.key,
             )
-        session.engine = candidates[next(self._next) % len(candidates)]
-        return session.engine
+        return candidates[next(self._next) % len(candidates)]
 
 
 class Session:
@@ -120,7 +102,7 @@ class Session:
         self.group = group
         self.state = LocalState.OPEN
         self.binding: Binding | None = None
-        self.engine: EngineAdmin | None = None
+        self.engine: GenerationTarget | None = None  # where its last generation went (the router reads it)
         self.requests = 0
         #: (version, first request it served): one entry, plus one per explicit rebind
         self.provenance: list[tuple[VersionKey, int]] = []
@@ -157,7 +139,7 @@ class Session:
         if self.binding is None or binding.version != self.binding.version:
             self.provenance.append((binding.version, self.requests))
         self.binding = binding
-        self.service.note_binding(binding)
+        self.service.fleet.note_binding(binding)
         return binding
 
     async def _bind_once(self) -> Binding:
@@ -203,9 +185,9 @@ class Session:
     async def _fresh(self, binding: Binding, stale: BindingStale | None = None) -> Binding:
         """The binding this turn dispatches with: the same one, unless its version is retiring
         (BINDING_STALE, or with on_stale="rebind" the default, at this turn boundary)."""
-        if stale is None and not self.service.is_stale(binding):
+        if stale is None and not self.service.fleet.is_stale(binding):
             return binding
-        if self.service.on_stale != "rebind":
+        if self.service.fleet.on_stale != "rebind":
             self._became_stale()
             if stale is not None:
                 raise stale
@@ -241,7 +223,7 @@ class Session:
         # the registry) asks first, so a late request on an expired session is refused.
         binding = await self._fresh(await self.bind())
         ttl = self.service.lease_ttl
-        if self.service.gone(binding) or (ttl is not None and time.monotonic() - self.lease_seen > ttl / 2):
+        if self.service.fleet.gone(binding) or (ttl is not None and time.monotonic() - self.lease_seen > ttl / 2):
             binding = await self._authorized(binding)
         try:
             return await self._send(binding, payload)
@@ -255,7 +237,7 @@ class Session:
                 return await self._send(fresh, payload)
             # every engine: more than one may have restarted, and the refusing one may have lost just it
             await self.service.engine_suspect(None, binding)
-            holders = self.service.holders(binding.version)
+            holders = self.service.fleet.holders(binding.version)
             if holders is not None and engine is not None and engine.name in holders:
                 raise  # the fleet still says it holds it: report the engine's own answer
             if holders is not None and not holders:
@@ -265,7 +247,7 @@ class Session:
                 return await self._send(binding, payload)
             except VersionMissing:
                 await self.service.engine_suspect(None, binding)
-                if not self.service.holders(binding.version):
+                if not self.service.fleet.holders(binding.version):
                     raise self._unavailable(binding) from missing
                 raise missing from None
         finally:
@@ -292,7 +274,7 @@ class Session:
     async def _send(self, binding: Binding, payload: Mapping[str, object]) -> dict[str, Any]:
         body = dict(payload)
         body["lora_path"] = binding.lora_name
-        lag = self.service.lag(binding)
+        lag = self.service.fleet.lag(binding)
         out = await self._dispatch(binding, body)
         if isinstance(out, dict):
             out["lorapub"] = {
@@ -302,7 +284,7 @@ class Session:
         return out
 
     async def _dispatch(self, binding: Binding, body: dict[str, object]) -> dict[str, Any]:
-        engine = self.service.router.pick(self, self.service.holders(binding.version))
+        engine = self.engine = self.service.router.pick(self, self.service.fleet.holders(binding.version))
 
         async def dispatch() -> dict[str, Any]:
             # Checked where the request starts, with no suspension point before it: a close
@@ -337,7 +319,7 @@ class Session:
         except LorapubError:
             # The close may have been applied with its reply lost: the reconciler derives what
             # is left (a reclaim) from the registry's state, whatever the caller does next.
-            self.service.kick()
+            self.service.fleet.kick()
             raise
 
     async def _close_once(self) -> None:
@@ -356,17 +338,23 @@ class Session:
             await asyncio.gather(*self._inflight, return_exceptions=True)
         result = await registry.handle(CloseAndRelease(self.key))
         self.state = LocalState.CLOSED
-        self.service._forget(self)
+        self.service.forget(self)
         await self.service.control.run(result.effects)  # the released version may be reclaimable now
 
 
 class SessionService:
+    """Every session of this process. Its collaborators are given, never set later: the registry,
+    the engines, the fleet view (who holds what, engine lives, the reconciler's wakeup), the
+    routing of generations, and the owner of its background tasks."""
+
     def __init__(
         self,
         registry: Registry,
         engines: Mapping[str, EngineAdmin],
         *,
         epoch: int,
+        fleet: FleetView | None = None,
+        tasks: TaskOwner | None = None,
         router: Routing | None = None,
         on_eligible: OnEligible | None = None,
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
@@ -374,91 +362,37 @@ class SessionService:
         self.registry = registry
         self.engines = dict(engines)
         self.epoch = epoch
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=5.0)
+        self.tasks = tasks if tasks is not None else TaskOwner("lorapub-sessions")
         self.router: Routing = router or StickyRouter(self.engines)
         self.control = EffectRunner(registry, self.engines, on_eligible=on_eligible)
         self.sessions: dict[SessionKey, Session] = {}
         self._by_id: dict[str, Session] = {}
         self.idle_ttl = idle_ttl
-        # Set by the deployment: the reconciler's latest view, a kick, a targeted probe.
-        self._holders: Mapping[VersionKey, frozenset[str]] | None = None
-        self.default_revision = 0
-        self._view_revision = -1  # the default revision of the last fleet view
-        self._retiring: frozenset[VersionKey] = frozenset()
-        self.on_stale = "error"
-        self.kick: Callable[[], None] = lambda: None
-        self.probe: Probe | None = None
-        self._renewer: asyncio.Task | None = None
-        self._closing: set[asyncio.Task] = set()  # closes retried in the background
         self.renewals = 0
         self.idle_expired = 0
         self.lease_ttl: float | None = None
-        # the registry's time, carried forward here: a session's nonce says when it was born in the
-        # registry's time, which the registry judges (never this host's wall clock)
-        self.registry_time = Elapsed()
 
-    # -- the fleet view (no registry round trip per request) -----------------------
-    def update_fleet(self, fleet: Fleet) -> None:
-        """The registry's latest view: who holds what, the default revision, what is retiring."""
-        self._holders = dict(fleet.holders)
-        now = getattr(fleet, "now", None)
-        if now is not None:
-            self.registry_time.set(now)
-        self._view_revision = fleet.default_revision
-        self.default_revision = max(self.default_revision, fleet.default_revision)
-        self._retiring = frozenset(fleet.retiring)
-        self.on_stale = fleet.on_stale
-
-    def update_holders(self, holders: Mapping[VersionKey, frozenset[str]]) -> None:
-        self._holders = dict(holders)
-
-    def note_binding(self, binding: Binding) -> None:
-        self.default_revision = max(self.default_revision, binding.revision)
-
-    def holders(self, version: VersionKey) -> frozenset[str] | None:
-        """Engines holding ``version`` as last seen; None when not known (every engine)."""
-        if self._holders is None:
-            return None
-        return self._holders.get(version)
-
-    def is_stale(self, binding: Binding) -> bool:
-        return binding.version in self._retiring
-
-    def gone(self, binding: Binding) -> bool:
-        """The last fleet view (newer than the binding) no longer serves its version: it is being
-        reclaimed (a retiring version, or an expired session's): the registry says which."""
-        return (self._holders is not None and binding.revision <= self._view_revision
-                and binding.version not in self._holders)
-
-    def lag(self, binding: Binding) -> int:
-        """Commits behind the default, as this process last saw the default."""
-        return max(0, self.default_revision - binding.revision)
+    def registry_time(self) -> float:
+        """The registry's time as this process carries it forward (a session's nonce is judged in it,
+        never this host's wall clock)."""
+        return self.fleet.registry_time()
 
     async def engine_suspect(self, engine: str | None, binding: Binding | None = None) -> None:
         """An engine refused a version it should hold: probe it now (a restart, or the version lost
-        without one) and refresh the fleet view."""
-        if self.probe is not None:
-            if binding is None:
-                await self.probe(engine)
-            else:
-                await self.probe(engine, binding.version, binding.lora_name)
-        self.kick()
+        without one), refresh the fleet view and ask the reconciler for a pass."""
+        if binding is None:
+            await self.fleet.probe(self.control.run, engine)
+        else:
+            await self.fleet.probe(self.control.run, engine, binding.version, binding.lora_name)
+        self.fleet.kick()
 
     # -- leases -----------------------------------------------------------------------
     def start_renewals(self, lease_ttl: float | None) -> None:
         self.lease_ttl = lease_ttl
-        if self._renewer is not None:
-            return
         periods = [p for p in (lease_ttl, self.idle_ttl) if p is not None]
-        if not periods:
-            return
-        self._renewer = asyncio.get_running_loop().create_task(self._renew_loop(min(periods) / 3), name="lorapub-leases")
-
-    async def stop_renewals(self) -> None:
-        task, self._renewer = self._renewer, None
-        tasks = [t for t in (task, *self._closing) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if periods:
+            self.tasks.spawn(self._renew_loop(min(periods) / 3), name="leases", key="leases")
 
     async def _renew_loop(self, every: float) -> None:
         while True:
@@ -487,9 +421,9 @@ class SessionService:
             if s.state in LIVE:
                 s.state = LocalState.EXPIRED
                 log.info("session expired: session=%s reason=idle idle_s=%.0f", s.key, time.monotonic() - s.last_active)
-            self._forget(s)
+            self.forget(s)
         self.idle_expired += len(idle)
-        self.kick()  # a released version may be reclaimable now
+        self.fleet.kick()  # a released version may be reclaimable now
         return len(idle)
 
     async def renew_leases(self) -> int:
@@ -517,9 +451,7 @@ class SessionService:
         failed = [s for s in self.sessions.values()
                   if s.state is LocalState.FINALIZING and s._close_task is not None and _failed(s._close_task)]
         for s in failed:
-            task = asyncio.get_running_loop().create_task(self._retry_close(s), name=f"lorapub-close-{s.key}")
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self.tasks.spawn(self._retry_close(s), name=f"close-{s.key}", key=("close", s.key))
         return len(failed)
 
     async def _retry_close(self, session: Session) -> None:
@@ -552,7 +484,7 @@ class SessionService:
         self._by_id[session_id] = found
         return found
 
-    def _forget(self, session: Session) -> None:
+    def forget(self, session: Session) -> None:
         self.sessions.pop(session.key, None)
         if self._by_id.get(session.key.session_id) is session:
             del self._by_id[session.key.session_id]

@@ -32,9 +32,11 @@ class TaskOwner:
     def __repr__(self) -> str:
         return f"TaskOwner({self.name!r}, running={len(self._tasks)})"
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str, key: Hashable | None = None) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str, key: Hashable | None = None,
+              quiet: bool = False) -> asyncio.Task[Any]:
         """Run ``coro`` in the background. With ``key``: unless a task of that key still runs, whose
-        task is returned instead (``coro`` is then closed unrun)."""
+        task is returned instead (``coro`` is then closed unrun). ``quiet``: its failure is its
+        awaiter's to report, not logged here."""
         if key is not None and key in self._keyed:
             coro.close()
             return self._keyed[key]
@@ -45,18 +47,25 @@ class TaskOwner:
         self._tasks.add(task)
         if key is not None:
             self._keyed[key] = task
-        task.add_done_callback(lambda t: self._done(t, key))
+        task.add_done_callback(lambda t: self._done(t, key, quiet))
         return task
 
-    def _done(self, task: asyncio.Task[Any], key: Hashable | None) -> None:
+    def _done(self, task: asyncio.Task[Any], key: Hashable | None, quiet: bool) -> None:
         self._tasks.discard(task)
         if key is not None and self._keyed.get(key) is task:
             del self._keyed[key]
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background task %s failed: %r", task.get_name(), task.exception())
+        if task.cancelled():
+            return
+        error = task.exception()  # retrieved here either way: never "exception was never retrieved"
+        if error is not None and not quiet:
+            log.warning("background task %s failed: %r", task.get_name(), error)
 
     def running(self, key: Hashable) -> asyncio.Task[Any] | None:
         return self._keyed.get(key)
+
+    def keys(self) -> list[Hashable]:
+        """The keys of the keyed tasks running now."""
+        return list(self._keyed)
 
     def __len__(self) -> int:
         return len(self._tasks)
