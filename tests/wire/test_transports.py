@@ -301,7 +301,7 @@ async def test_a_cleanup_that_comes_during_the_engines_load_leaves_no_adapter_be
         for b in plan.buckets:
             assert await engine.receive_bucket(token, b.index, source.payload(token, b.index)) == inc
         ending = asyncio.create_task(engine.end(token))
-        await until(lambda: d.staging._attempts[token].lock.locked(), timeout=5)  # end runs: it loads for 0.5 s
+        await until(lambda: d.staging.report()["attempts"].get(str(token), {}).get("driving"), timeout=5)  # end loads for 0.5 s
         await asyncio.sleep(0.1)
         assert await engine.cleanup(token, name) == inc  # while the load runs
         with pytest.raises(EngineError, match="cleaned up"):
