@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, TypedDict
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -34,7 +34,7 @@ from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.wire.codec import token_from_json
 
 __all__ = [
-    "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "OwnedHTTPSession", "SGLangHTTP",
+    "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "ClientOptions", "OwnedHTTPSession", "SGLangHTTP",
     "SGLangAdminBase", "SGLangOverwriteAdmin",
 ]
 
@@ -126,6 +126,17 @@ def _json_text(body: Any, what: str) -> str:
         return json.dumps(body, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidInput(f"{what} is not JSON ({e}); nothing was sent") from None
+
+
+class ClientOptions(TypedDict, total=False):
+    """The options of :class:`SGLangHTTP` an engine adapter passes on to its client."""
+
+    http: aiohttp.ClientSession | None
+    request_timeout: float | None
+    probe_timeout: float | None
+    require_patch: bool
+    api_key: str | None
+    admin_api_key: str | None
 
 
 class OwnedHTTPSession:

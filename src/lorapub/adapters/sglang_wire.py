@@ -28,12 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Unpack
 
 import aiohttp
 
 from lorapub.adapters.body_sender import shared_sender
-from lorapub.adapters.sglang_http import SGLangAdminBase, SGLangHTTP
+from lorapub.adapters.sglang_http import ClientOptions, SGLangAdminBase, SGLangHTTP
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
@@ -78,19 +78,11 @@ class SGLangWireEngine(SGLangAdminBase):
         name: str,
         base_url: str,
         *,
-        http: aiohttp.ClientSession | None = None,
-        request_timeout: float | None = None,
-        probe_timeout: float | None = 30.0,
         transfer_timeout: float | None = None,
         load_timeout: float | None = 600.0,
-        require_patch: bool = True,
-        api_key: str | None = None,
-        admin_api_key: str | None = None,
+        **client: Unpack[ClientOptions],
     ) -> None:
-        self.client = SGLangHTTP(
-            name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
-        )
+        self.client = SGLangHTTP(name, base_url, **client)
         self.name = self.client.name
         self._transport: Transport | None = None  # the one its deployment gave it
         self.transfer_timeout = transfer_timeout  # one bucket's request (None: the runner's deadline bounds it)

@@ -273,6 +273,8 @@ HTTP_ROUTE = '''_LORAPUB_INCARNATION = uuid.uuid4().hex
 @auth_level(AuthLevel.ADMIN_OPTIONAL)
 async def lorapub_state():
     """lorapub: this server's incarnation and its LoRA registry (ids, pins, native refs)."""
+    from lorapub.sglang_patch.routes import adapter_table
+
     tm = _global_state.tokenizer_manager
     registry = tm.lora_registry
     return {
@@ -281,15 +283,7 @@ async def lorapub_state():
         "patch": "diff",
         "managed_patch": True,
         "max_loaded_loras": tm.server_args.max_loaded_loras,
-        "adapters": {
-            name: {
-                "lora_id": ref.lora_id,
-                "lora_path": ref.lora_path,
-                "pinned": bool(ref.pinned),
-                "refs": registry._counters[ref.lora_id].value() if ref.lora_id in registry._counters else 0,
-            }
-            for name, ref in registry.get_all_adapters().items()
-        },
+        "adapters": adapter_table(registry),
         "pending_unloads": dict(tm._lorapub_pending_unloads()),
         "staging": _LORAPUB_STAGING.report(),
     }

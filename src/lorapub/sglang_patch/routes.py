@@ -33,6 +33,21 @@ def _pending_unloads(tm: Any) -> dict:
     return dict(pending)
 
 
+def adapter_table(registry: Any) -> dict[str, dict[str, Any]]:
+    """SGLang's LoRA registry as the state route reports it: each name's id, path, pin and native
+    request count (both forms of the patch, both releases)."""
+    counters = registry._counters  # SGLang keeps its per-adapter request counts here, in both releases
+    return {
+        name: {
+            "lora_id": ref.lora_id,
+            "lora_path": ref.lora_path,
+            "pinned": bool(ref.pinned),
+            "refs": counters[ref.lora_id].value() if ref.lora_id in counters else 0,
+        }
+        for name, ref in registry.get_all_adapters().items()
+    }
+
+
 def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
     registry = tm.lora_registry
     return {
@@ -42,15 +57,7 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
         "managed_patch": form != "observe",
         "managed_prefix": getattr(type(tm), "lorapub_managed_prefix", None) if form != "observe" else None,
         "max_loaded_loras": _max_loaded_loras(tm),
-        "adapters": {
-            name: {
-                "lora_id": ref.lora_id,
-                "lora_path": ref.lora_path,
-                "pinned": bool(ref.pinned),
-                "refs": registry._counters[ref.lora_id].value() if ref.lora_id in registry._counters else 0,
-            }
-            for name, ref in registry.get_all_adapters().items()
-        },
+        "adapters": adapter_table(registry),
         "pending_unloads": _pending_unloads(tm),
         "staging": STAGING.report() if STAGING is not None else None,
     }
