@@ -1,7 +1,7 @@
 """The layout is the architecture: who may import whom, and how large a module may grow, checked
 on the source.
 
-Levels, each importing only those beneath it (``docs/design.md``, "Layout"):
+Levels, each importing only those beneath it (``docs/design.md``, "Shape"):
 demo -> integrations, testing -> adapters -> the public face (``lorapub``) -> runtime, sglang_patch
 -> wire, ports -> core -> errors. wire is the staging protocol both the publisher's adapter and
 the engine-side staging speak; sglang_patch runs inside the SGLang server.
