@@ -419,7 +419,7 @@ async def test_shutdown_closes_lorapub_then_relaxs_backend(relax_on):
 
     await relax_on.shard.shutdown()
     assert relax_on.registry.commands["CloseAndRelease"] == 2
-    assert deployment._closed and not relax_on.lorapub._members
+    assert deployment.closed and not relax_on.lorapub._members
     assert backend.inner.shut_down  # Relax's own shutdown ran after lorapub's
     with pytest.raises(lorapub.SessionClosed):
         await relax_on.lorapub.start()

@@ -296,7 +296,7 @@ class FaultMachine(RuleBasedStateMachine):
         for name, engine in self.engines.items():
             managed = set(engine.loaded)
             assert managed == ({default.lora_name} if default else set()), (name, managed)
-        assert set(self.dep.publisher.frozen._copies) <= ({state.default} if state.default else set())
+        assert set(self.dep.publisher.frozen.keys()) <= ({state.default} if state.default else set())
 
     @rule()
     def heal_now(self):

@@ -143,7 +143,7 @@ async def test_staged_adapter_loads_pinned_through_the_releases_own_load(tm_clas
     assert (await tm.unload_lora_adapter(harness.UnloadLoRAAdapterReqInput(lora_name=name),
                                          harness.Request(headers=RECLAIM))).success
     assert name not in tm.lora_registry.get_all_adapters()
-    assert staging.report()["attempts"] == {} and not os.path.exists(staging._folder(token))
+    assert staging.report()["attempts"] == {} and not os.path.exists(staging.folder_of(token))
     # late messages are refused and recreate nothing
     for status, answer in (await staging.begin(body),
                            await staging.receive(params(token, 0), chunks_of(b"x"), 1),

@@ -487,8 +487,8 @@ def test_back_to_back_prefills_delay_a_preparation_but_never_stop_it():
 def test_a_disabled_gate_never_waits():
     gate = prepared_load.PrefillGate(enabled=False, max_wait_s=5.0)
     gate.close()
-    assert gate._open.is_set()  # the scheduler's close does nothing
-    gate._open.clear()  # and even a closed event does not hold a step
+    assert gate.is_open  # the scheduler's close does nothing
+    gate._open.clear()  # noqa: SLF001 - white box: even a closed event does not hold a disabled gate's step
     t0 = time.perf_counter()
     gate.step()
     assert gate.waits == 0 and time.perf_counter() - t0 < 1.0
@@ -509,17 +509,17 @@ def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
 def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes):
     scheduler, manager, preparer = preparing(classes)
     assert scheduler.run_batch(batch(True)) == "result"  # nothing pending: stays open
-    assert preparer.gate._open.is_set()
+    assert preparer.gate.is_open
     manager.gate.clear()  # the read blocks
     scheduler.process_input_requests([Req("a")])
     scheduler.run_batch(batch(False))  # a decode batch leaves it open
-    assert preparer.gate._open.is_set()
+    assert preparer.gate.is_open
     scheduler.run_batch(batch(True))
-    assert not preparer.gate._open.is_set()
+    assert not preparer.gate.is_open
     scheduler.run_batch(types.SimpleNamespace())  # a batch without a mode this patch knows: unchanged
-    assert not preparer.gate._open.is_set()
+    assert not preparer.gate.is_open
     scheduler.process_input_requests([])  # the next loop iteration
-    assert preparer.gate._open.is_set()
+    assert preparer.gate.is_open
     assert [type(b.forward_mode).__name__ if hasattr(b, "forward_mode") else None for b in scheduler.ran] == [
         "Mode", "Mode", "Mode", None]  # every batch still ran, through SGLang's own run_batch
     manager.gate.set()
@@ -585,7 +585,7 @@ def test_the_gate_can_be_turned_off(classes, monkeypatch):
     manager.gate.clear()
     scheduler.process_input_requests([Req("a")])
     scheduler.run_batch(batch(True))
-    assert preparer.gate._open.is_set()
+    assert preparer.gate.is_open
     manager.gate.set()
     run_until(scheduler, 1)
 

@@ -59,7 +59,7 @@ async def test_a_vanished_publishers_stash_is_aged_out_before_a_begin_checks_cap
     assert (await staging.begin(body_a))[0] == 200
     for bucket in plan_a.buckets[:2]:  # the publisher sends two buckets, then vanishes
         assert (await send(staging, a, ta, bucket))[0] == 200
-    folder = staging._folder(ta)
+    folder = staging.folder_of(ta)
     assert staging.report()["bytes"] > 0 and os.path.isdir(folder)
     status, answer = await staging.begin(body_b)  # A still counts: it was driven just now
     assert status == 409 and answer["error"]["code"] == "STAGE_CAPACITY", answer
@@ -90,7 +90,7 @@ async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_cl
     assert (await staging.begin(body))[0] == 200
     assert (await send(staging, snap, token, plan.buckets[0]))[0] == 200
     await asyncio.sleep(0.6)  # nothing calls the staging meanwhile
-    assert staging.state.attempts == {} and token in staging.state.tombstones and not os.path.exists(staging._folder(token))
+    assert staging.state.attempts == {} and token in staging.state.tombstones and not os.path.exists(staging.folder_of(token))
     assert staging._timer is None  # nothing staged: no timer until a route is called again
 
     other = snapshot(4)
@@ -163,7 +163,7 @@ async def test_a_loaded_attempt_keeps_its_adapter_and_is_aged_out_only_once_it_i
     hooks.loaded.pop(body["lora_name"])  # unloaded (a reclaim whose release never came)
     undriven_for(staging, token, 3600)
     assert await staging.sweep() == [str(token)]
-    assert staging.report()["attempts"] == {} and not os.path.exists(staging._folder(token))
+    assert staging.report()["attempts"] == {} and not os.path.exists(staging.folder_of(token))
     status, answer = await staging.end({"token": body["token"], "incarnation": LIFE})
     assert status == 409 and answer["error"]["code"] == "STAGE_TOMBSTONE"
     staging.close()

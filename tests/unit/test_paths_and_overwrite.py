@@ -279,8 +279,8 @@ async def test_a_token_that_skipped_its_checks_cannot_leave_the_stash(tmp_path):
         assert (await staging.cleanup({"token": forged}))[0] == 400
     assert everything_under(tmp_path) == before  # nothing made anywhere, inside the stash or out of it
     assert (await staging.begin(begin_body(request)))[0] == 200
-    assert os.path.commonpath([staging._folder(token), staging.stash_root]) == staging.stash_root
-    assert os.path.basename(staging._folder(token)) == "1-A-a1"
+    assert os.path.commonpath([staging.folder_of(token), staging.stash_root]) == staging.stash_root
+    assert os.path.basename(staging.folder_of(token)) == "1-A-a1"
     assert token_params(token) == {"epoch": "1", "version_id": "A", "seq": "1"}
 
 
@@ -292,7 +292,7 @@ async def test_a_bucket_index_outside_the_plan_is_refused(tmp_path, index):
     token = AttemptToken(VersionKey(1, "A"), 1)
     request, snap = begin_request(token)
     assert (await staging.begin(begin_body(request)))[0] == 200
-    folder = everything_under(staging._folder(token))
+    folder = everything_under(staging.folder_of(token))
     blob = snap.bucket_bytes(request.plan, 0)
 
     async def body():
@@ -302,7 +302,7 @@ async def test_a_bucket_index_outside_the_plan_is_refused(tmp_path, index):
     status, answer = await staging.receive(params, body(), len(blob))
     assert status == 400 and "bucket index" in answer["error"]["message"], answer
     assert staging.report()["attempts"][str(token)]["buckets"] == []
-    assert everything_under(staging._folder(token)) == folder
+    assert everything_under(staging.folder_of(token)) == folder
 
 
 async def test_staged_bytes_that_do_not_verify_are_a_definite_engine_error(tmp_path):

@@ -119,10 +119,10 @@ async def test_a_dir_load_receives_each_bucket_into_the_adapters_file_and_end_on
     assert staging.report()["bytes"] == 0
     # cleanup removes the folder; a late bucket recreates nothing
     assert (await staging.cleanup({"token": body["token"]}))[0] == 200
-    assert not os.path.exists(staging._folder(token))
+    assert not os.path.exists(staging.folder_of(token))
     blob = raw(snap, plan.buckets[0])
     assert (await staging.receive(params(token, 0), chunks_of(blob), len(blob)))[0] == 409
-    assert not os.path.exists(staging._folder(token))
+    assert not os.path.exists(staging.folder_of(token))
 
 
 async def test_a_dir_load_of_safetensors_blobs_lands_in_the_file_once_verified(tmp_path):

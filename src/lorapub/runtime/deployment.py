@@ -340,6 +340,11 @@ class Deployment:
         return await self.reconciler.run_once()
 
     @property
+    def closed(self) -> bool:
+        """``close()`` ran: this deployment starts nothing more."""
+        return self._closed
+
+    @property
     def health(self) -> Health:
         """The health report of the last reconciliation pass."""
         self._require_started()

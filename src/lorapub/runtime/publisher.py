@@ -115,6 +115,10 @@ class FrozenCopies:
     def __len__(self) -> int:
         return len(self._copies)
 
+    def keys(self) -> frozenset[VersionKey]:
+        """The versions whose frozen snapshot is kept."""
+        return frozenset(self._copies)
+
 
 @attrs.define
 class _Call:

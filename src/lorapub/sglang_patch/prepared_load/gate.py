@@ -38,6 +38,11 @@ class PrefillGate:
         self.timeouts = 0
 
     # scheduler thread
+    @property
+    def is_open(self) -> bool:
+        """No prefill is being launched now: a preparation's steps go on."""
+        return self._open.is_set()
+
     def close(self) -> None:
         if self.enabled:
             self._open.clear()

@@ -189,10 +189,10 @@ class EngineStaging:
         if stash is not None:
             landing.release_buckets(stash)
             collective.drop_group(stash, abort)
-        folder = stash.folder if stash is not None and stash.folder is not None else self._folder(token)
+        folder = stash.folder if stash is not None and stash.folder is not None else self.folder_of(token)
         shutil.rmtree(folder, ignore_errors=True)
 
-    def _folder(self, token: AttemptToken) -> str:
+    def folder_of(self, token: AttemptToken) -> str:
         version = token.version
         return os.path.join(self.stash_root, f"{version.deployment_epoch}-{version.version_id}-a{token.seq}")
 
@@ -330,7 +330,7 @@ class EngineStaging:
         for effect in self._run(out.effects):
             if isinstance(effect, m.PrepareFolder):
                 try:
-                    landing.prepare_peft_file(stash, self._folder(token), request.header)
+                    landing.prepare_peft_file(stash, self.folder_of(token), request.header)
                 except OSError as e:
                     self._do(m.Abandon(token))
                     raise refuse(f"the engine cannot write {request.lora_name}'s folder: {e}", "STAGE_DISK") from None
