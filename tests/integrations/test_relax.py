@@ -419,7 +419,7 @@ async def test_shutdown_closes_lorapub_then_relaxs_backend(relax_on):
 
     await relax_on.shard.shutdown()
     assert relax_on.registry.commands["CloseAndRelease"] == 2
-    assert deployment.closed and not relax_on.lorapub._members
+    assert deployment.closed and not relax_on.lorapub.open_sessions
     assert backend.inner.shut_down  # Relax's own shutdown ran after lorapub's
     with pytest.raises(lorapub.SessionClosed):
         await relax_on.lorapub.start()
@@ -496,7 +496,7 @@ async def test_the_weight_path_publishes_the_exact_tensors_with_no_pause_or_flus
     assert path is not None and device.update_weights_for_rollout == path.update_weights_for_rollout
     await relax_on.step(1)  # the first update is Relax's own: the base, once, under pause
     assert device.base_syncs == 1 and relax_on.lifecycle_events([0, 0]).count("pause") == 2
-    engines = path.publisher.lorapub._built_engines
+    engines = list(path.publisher.lorapub.deployment.engines.values())
     assert engines and all(type(e) is SGLangWireEngine and type(e.transport) is HTTPBytes for e in engines)
 
     marks = [len(d.events) for d in relax_on.doubles]

@@ -166,7 +166,7 @@ class FaultMachine(RuleBasedStateMachine):
         """SIGKILL: the trainer's registry (in memory) dies with it and nothing it started is cleaned;
         a new trainer starts at the next epoch on the same engines."""
         self.registry.enabled, self.registry.rate, self.registry.queries = True, 1.0, True  # gone
-        self.registry._planned.clear()
+        self.registry.clear_faults()
         tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
         for t in tasks:
             t.cancel()
@@ -264,7 +264,7 @@ class FaultMachine(RuleBasedStateMachine):
         """Faults stop, every live session closes, crashed ones expire: the system heals."""
         self.registry.enabled = False
         for e in self.engines.values():
-            e._planned.clear()
+            e.clear_faults()
         self.run(self.dep.reconcile())
         self.run(self.dep.settle(1.0))
         for s in self.sessions:  # faults stopped: no version error while an engine holds the version

@@ -44,6 +44,10 @@ class FaultyRegistry:
             raise ValueError(f"mode must be one of {MODES}")
         self._planned.extend([(command, mode)] * count)
 
+    def clear_faults(self) -> None:
+        """Drop the planned faults that have not fired yet."""
+        self._planned.clear()
+
     def _fault_for(self, command: Command) -> str | None:
         if not self.enabled:
             return None

@@ -91,6 +91,10 @@ class MemoryEngine:
             raise ValueError(f"fault in {FAULTS}, op in {OPS}")
         self._planned.extend([(op, fault)] * count)
 
+    def clear_faults(self) -> None:
+        """Drop the planned faults that have not fired yet."""
+        self._planned.clear()
+
     def serves(self, lora_name: str) -> bool:
         return lora_name in self.loaded and lora_name not in self.unregistered
 

@@ -218,6 +218,11 @@ class RelaxLorapub:
         except LorapubError as e:
             log.warning("lorapub: releasing Relax session %s failed (its lease will expire): %s", session_id, e)
 
+    @property
+    def open_sessions(self) -> tuple[str, ...]:
+        """The Relax session ids whose lorapub session is open here."""
+        return tuple(self._members)
+
     # -- the backend ------------------------------------------------------------------------------
     def wrap_backend(
         self,
