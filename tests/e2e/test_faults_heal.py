@@ -228,7 +228,7 @@ async def test_closing_a_deployment_closes_its_engines_http_sessions():
         engines = {d.name: SGLangWireEngine(d.name, d.url) for d in doubles}
         dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None).start()
         await dep.publish(lora_snapshot(1), "A")
-        sessions = [e.client._http for e in engines.values()]
+        sessions = [e.client.current_http for e in engines.values()]
         assert all(s is not None and not s.closed for s in sessions)
         await dep.close()
         assert all(s.closed for s in sessions)  # no "Unclosed client session" at exit

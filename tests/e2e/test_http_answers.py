@@ -168,8 +168,8 @@ async def test_a_closed_adapter_refuses_to_send_and_opens_no_new_session(scripte
     c = client(cls)
     await c.close()
     http = c.client if cls is SGLangOverwriteAdmin else c
-    before = http._http
+    before = http.current_http
     with pytest.raises(EngineClosed) as e:
         await http.generate(GEN)
     assert e.value.code == "ENGINE_CLOSED" and "nothing was sent" in e.value.message
-    assert http._http is before  # no fresh aiohttp session that nothing would close
+    assert http.current_http is before  # no fresh aiohttp session that nothing would close

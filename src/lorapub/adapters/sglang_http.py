@@ -182,6 +182,11 @@ class OwnedHTTPSession:
         return self._http
 
     @property
+    def current_http(self) -> aiohttp.ClientSession | None:
+        """The aiohttp session in use now, if any (reading it never makes one, unlike :attr:`http`)."""
+        return self._http
+
+    @property
     def owns_http(self) -> bool:
         """Whether the session is lorapub's own (False: the caller's, with the caller's settings)."""
         return self._own_http
