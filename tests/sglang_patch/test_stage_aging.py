@@ -91,14 +91,14 @@ async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_cl
     assert (await send(staging, snap, token, plan.buckets[0]))[0] == 200
     await asyncio.sleep(0.6)  # nothing calls the staging meanwhile
     assert staging.state.attempts == {} and token in staging.state.tombstones and not os.path.exists(staging.folder_of(token))
-    assert staging._timer is None  # nothing staged: no timer until a route is called again
+    assert not staging.aging_armed  # nothing staged: no timer until a route is called again
 
     other = snapshot(4)
     token_b, plan_b, body_b = begin_body(other, "B")
     assert (await staging.begin(body_b))[0] == 200
-    assert staging._timer is not None
+    assert staging.aging_armed
     staging.close()
-    assert staging._timer is None
+    assert not staging.aging_armed
     await asyncio.sleep(0.4)
     assert await staging.sweep() == []  # a closed staging sweeps nothing
 

@@ -276,6 +276,11 @@ class EngineStaging:
     def _sweep_every(self) -> float:
         return min(60.0, max(0.01, self.idle_timeout / 4))
 
+    @property
+    def aging_armed(self) -> bool:
+        """The aging timer is set (an attempt is staged, so it will be swept if nobody drives it)."""
+        return self._timer is not None
+
     def _arm(self) -> None:
         """Make sure a sweep is due on the running event loop (a cheap timer; none without attempts,
         none once closed). Called by every route."""
