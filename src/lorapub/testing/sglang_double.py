@@ -1,27 +1,8 @@
-"""SGLang contract double: an aiohttp server speaking SGLang 0.5.23's LoRA HTTP contract.
-
-It is a test double, not an engine: no model runs. What it keeps faithful is
-the lifecycle lorapub depends on, running SGLang's own ``LoRARegistry`` (the
-installed SGLang's, or lorapub's verbatim copy of 0.5.23's where SGLang is absent):
-
-* ``/load_lora_adapter`` (fresh engine-local ``lora_id`` per load, ``pinned``,
-  "already exists" on a name clash, LRU eviction that skips pinned adapters),
-* ``/unload_lora_adapter`` (unregister -> ``wait_for_unload`` -> unload),
-* ``/generate`` with ``lora_path`` (acquire, release exactly once on every
-  terminal path, implicit reload of a known-but-unloaded name — the hazard
-  lorapub must avoid — unless the managed-adapter patch is on),
-* a prefix cache keyed by ``lora_id`` that reports ``cached_tokens``,
-* ``/lorapub/state`` as added by lorapub's SGLang patch (incarnation, adapters, refs),
-* ``/pause_generation``, ``/continue_generation``, ``/flush_cache`` (plain-text answer) for
-  the legacy path, ``/abort_request`` (``{"rid": ...}``: the running request of that ``rid`` ends
-  at its next step with ``finish_reason`` ``abort`` and the tokens it made, as SGLang answers it), and ``/v1/models`` (the base model and one card per loaded adapter),
-* ``--api-key``/``--admin-api-key`` enforced as SGLang's HTTP middleware does (SGLang's own
-  ``decide_request_auth`` where SGLang is installed), each route at SGLang's auth level,
-* ``stock=True``: an unpatched SGLang server (no lorapub route: 404; no managed protection),
-* injectable faults: definite errors, 500/503, dropped replies, slow unload, restart.
-
-Outputs are a deterministic function of (adapter content, tokens), so tests
-can tell which version produced a token.
+"""SGLang contract double: an aiohttp server speaking SGLang 0.5.23's LoRA HTTP contract. A test
+double, not an engine: no model runs; what it keeps faithful is the lifecycle lorapub depends on,
+running SGLang's own ``LoRARegistry`` (the installed SGLang's, or lorapub's verbatim copy of
+0.5.23's), with injectable faults. Outputs are a deterministic function of (adapter content, tokens).
+See docs/testing.md, "`SGLangDouble`: the SGLang contract double".
 """
 
 from __future__ import annotations
