@@ -104,17 +104,6 @@ _DOCS_LINK = re.compile(r'See (``)?docs/(?P<file>[\w.-]+\.md)(``)?(, "(?P<sectio
 #: SGLang's code, verbatim: its docstrings are SGLang's.
 _VENDORED = SRC / "testing" / "_sglang_vendor"
 
-#: Module docstrings still longer while they are cut down (each may only shrink); empty when done.
-STILL_LONG = {
-    "lorapub.adapters.body_sender": 17, "lorapub.adapters.ray_registry": 9, "lorapub.adapters.sglang_http": 15,
-    "lorapub.adapters.sglang_router": 26, "lorapub.adapters.sglang_wire": 18, "lorapub.adapters.staging": 10,
-    "lorapub.demo.cli": 7, "lorapub.ports": 8, "lorapub.runtime.runner": 7, "lorapub.sglang_patch": 12,
-    "lorapub.sglang_patch.engine_staging": 39, "lorapub.sglang_patch.release_0517": 23,
-    "lorapub.sglang_patch.release_0523": 9, "lorapub.sglang_patch.routes": 8, "lorapub.testing": 15,
-    "lorapub.testing._sglang_registry": 7, "lorapub.testing.conformance": 29, "lorapub.testing.faults": 8,
-    "lorapub.testing.memory_engine": 16, "lorapub.testing.serve_double": 10, "lorapub.testing.sglang_double": 21,
-}
-
 
 def _docstring(path: pathlib.Path) -> tuple[int, list[re.Match[str]]]:
     """A module docstring's lines of text, not counting its first docs link; and its docs links."""
@@ -133,7 +122,7 @@ def test_module_docstrings_are_short():
         if _VENDORED in path.parents:
             continue
         n, links = _docstring(path)
-        if n > STILL_LONG.get(name, MAX_DOCSTRING_LINES):
+        if n > MAX_DOCSTRING_LINES:
             long[name] = n
         for link in links if docs.is_dir() else ():
             target = docs / link["file"]
