@@ -1,13 +1,8 @@
-"""The protocols the orchestration needs from the outside world.
-
-Adapters implement them; the core never sees them. Every engine operation
-either returns, raises :class:`~lorapub.errors.EngineError` (a definite no),
-or raises :class:`~lorapub.errors.OutcomeUnknown` (no answer: it may have
-happened). Nothing else.
-
-The types the ports take and return are importable from here too: :class:`AttemptToken`,
-:class:`SendBegin`, :class:`ReadyLocal`, and the states a report names (:class:`Phase`,
-:class:`VersionState`).
+"""The protocols the orchestration needs from the outside world (adapters implement them; the core
+never sees them), and the types they take and return. Every engine operation either returns,
+raises :class:`~lorapub.errors.EngineError` (a definite no), or raises
+:class:`~lorapub.errors.OutcomeUnknown` (no answer: it may have happened). Nothing else.
+See docs/embedding.md, "Your engine: implement `lorapub.ports.EngineAdmin`".
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Bucket bodies posted from a thread of their own, so that their socket sends never run on the
-caller's event loop.
-
-A 349 MB adapter is thousands of socket writes per engine. On the caller's loop each is a step of
-that loop (asyncio's ``_write_ready``: on loopback the kernel also runs the receiver's TCP work in
-the sender's time), measured at 21-30 ms wall on a busy two-core machine, while the rollout's
-generations and tool calls wait behind it. Here the writes run on one daemon thread with an event
-loop and an aiohttp session of its own; the socket calls release the GIL, so the caller's loop
-keeps running while the bytes go out. The caller awaits the post as usual: its result, its errors
-(aiohttp's and asyncio's own, so the engine adapter maps them as before) and its cancellation
-(cancelling the caller's await cancels the post in the thread; the caller's await returns at
-once, and a bucket the engine still stores after that belongs to an attempt the caller is
-ending) cross over through :func:`asyncio.run_coroutine_threadsafe`.
-
-One sender serves the whole process (:func:`shared_sender`). Its thread starts on first use; a
-forked child starts its own (the parent's thread does not exist there, and the parent's loop and
-connections are left untouched: closing them in the child would remove the parent's sockets from
-the epoll set the two share). :meth:`BodySender.close` (at exit) ends every post still running
-with a connection error, closes the session and stops the thread; a later post starts a new one.
+caller's event loop: :class:`BodySender`, one per process (:func:`shared_sender`), with a daemon
+thread, an event loop and an aiohttp session of its own.
+See docs/embedding.md, "Your transport: implement `lorapub.ports.Transport`".
 """
 
 from __future__ import annotations
@@ -113,7 +98,21 @@ _SENDERS: weakref.WeakSet[BodySender] = weakref.WeakSet()
 
 
 class BodySender:
-    """Posts request bodies from its own thread and event loop; see the module."""
+    """Posts request bodies from its own daemon thread, event loop and aiohttp session; the socket
+    calls release the GIL, so the caller's loop keeps running while the bytes go out.
+
+    The caller awaits a post as usual: its result, its errors (aiohttp's and asyncio's own, so the
+    engine adapter maps them as before) and its cancellation cross over through
+    :func:`asyncio.run_coroutine_threadsafe`. Cancelling the caller's await cancels the post in the
+    thread and returns at once; a bucket the engine still stores after that belongs to an attempt
+    the caller is ending.
+
+    The thread starts on first use. A forked child starts its own: the parent's thread does not
+    exist there, and the parent's loop and connections are left untouched (closing them in the
+    child would remove the parent's sockets from the epoll set the two share). :meth:`close` (at
+    exit, for the process's shared sender) ends every post still running with a connection error,
+    closes the session and stops the thread; a later post starts a new one.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

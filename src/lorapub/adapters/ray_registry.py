@@ -1,13 +1,7 @@
-"""The registry as a named Ray actor, so every rollout process shares one single writer.
-
-The actor runs a :class:`~lorapub.runtime.registry.LocalRegistry` with Ray's default
-one-call-at-a-time concurrency: each command is applied whole before the next
-call starts. Every typed error raised in the actor (a rejection, and a store that
-cannot be read, is corrupted, belongs to another epoch or cannot save) crosses the
-process boundary as (code, message) and is raised again as the same lorapub class
-with the same code. Only a call whose reply is lost (actor unreachable or dead,
-timeout) is :class:`~lorapub.errors.OutcomeUnknown`; every registry command is safe
-to replay.
+"""The registry as a named Ray actor, so every rollout process shares one single writer: the actor
+runs a :class:`~lorapub.runtime.registry.LocalRegistry` one call at a time, typed errors come back
+as the same lorapub class, and only a lost reply is :class:`~lorapub.errors.OutcomeUnknown`.
+See docs/design.md, "Durable store".
 """
 
 from __future__ import annotations
@@ -116,6 +110,14 @@ RegistryActor = ray.remote(num_cpus=0)(_RegistryActor)
 
 class RayRegistry:
     """A :class:`~lorapub.ports.Registry` over a named actor (create once, look up from any process).
+
+    The actor runs a :class:`~lorapub.runtime.registry.LocalRegistry` with Ray's default
+    one-call-at-a-time concurrency: each command is applied whole before the next call starts.
+    Every typed error raised in the actor (a rejection, and a store that cannot be read, is
+    corrupted, belongs to another epoch or cannot save) crosses the process boundary as (code,
+    message) and is raised again here as the same lorapub class with the same code. Only a call
+    whose reply is lost (actor unreachable or dead, timeout) is
+    :class:`~lorapub.errors.OutcomeUnknown`; every registry command is safe to replay.
 
     With ``batch=True`` (the default) the commands that callers of one process submit in
     the same event-loop turn travel in **one** actor call and are applied in submission

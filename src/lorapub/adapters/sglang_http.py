@@ -1,18 +1,8 @@
-"""SGLang over its HTTP API (aiohttp): HTTP only.
-
-:class:`SGLangHTTP` is the client. :class:`SGLangAdminBase` is what lorapub's engine adapter
-(:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`, which stages inside the engine) shares
-with any adapter of a patched server: the state route, the exact-version probe, the
-reclaim-authorised unload, generation. It requires lorapub's SGLang patch (its state route gives
-the incarnation; managed adapters are neither implicitly reloaded nor unloadable without a
-reclaim id). :class:`SGLangOverwriteAdmin` is the :class:`~lorapub.ports.OverwriteAdmin` of the
-old overwrite path (switch off), and needs only stock SGLang.
-
-Transport rules: a generation is sent once. A timeout or dropped connection
-is :class:`OutcomeUnknown` and is never resent here. An engine's definite answer other
-than success is :class:`EngineError` carrying the engine's own words (clipped to
-:data:`MAX_ENGINE_TEXT` characters); so is a 200 whose body is not the JSON a route answers.
-Servers launched with ``--api-key``/``--admin-api-key`` take ``api_key=``/``admin_api_key=``.
+"""SGLang over its HTTP API (aiohttp): HTTP only. :class:`SGLangHTTP` is the client;
+:class:`SGLangAdminBase` what every adapter of a patched server shares (the state route, the
+exact-version probe, the reclaim-authorised unload, generation); :class:`SGLangOverwriteAdmin`
+drives stock SGLang for the old overwrite path (switch off).
+See docs/embedding.md, "SGLang's keys, and which call carries which".
 """
 
 from __future__ import annotations
@@ -200,6 +190,11 @@ class OwnedHTTPSession:
 class SGLangHTTP(OwnedHTTPSession):
     """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`.
 
+    A generation is sent once: a timeout or a dropped connection is :class:`OutcomeUnknown` and is
+    never resent here. An engine's definite answer other than success is :class:`EngineError`
+    carrying the engine's own words (clipped to :data:`MAX_ENGINE_TEXT` characters); so is a 200
+    whose body is not the JSON a route answers.
+
     ``api_key`` and ``admin_api_key`` are the server's ``--api-key`` and ``--admin-api-key``.
     They are sent as ``Authorization: Bearer <key>`` following SGLang's own rules: generation
     and ``/v1/models`` (its NORMAL routes) with the API key; the admin routes (load, unload,
@@ -339,7 +334,13 @@ class SGLangHTTP(OwnedHTTPSession):
 
 class SGLangAdminBase:
     """What every lorapub adapter of a patched SGLang server shares: the client, the state route,
-    the exact-version probe, the reclaim-authorised unload and the generation path."""
+    the exact-version probe, the reclaim-authorised unload and the generation path.
+
+    lorapub's engine adapter (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`, which stages
+    inside the engine) is one. It requires lorapub's SGLang patch: its state route gives the
+    incarnation, and managed adapters are neither implicitly reloaded nor unloadable without a
+    reclaim id.
+    """
 
     client: SGLangHTTP
     name: str

@@ -1,26 +1,9 @@
-"""Adapter bytes into a patched SGLang server, staged and verified **inside the engine**.
-
-:class:`SGLangWireEngine` is lorapub's :class:`~lorapub.ports.EngineAdmin` for SGLang: its begin /
-buckets / end / cleanup run in the engine process (the routes lorapub's SGLang patch adds,
-:mod:`lorapub.sglang_patch.staging`): the publisher keeps one frozen snapshot and does no
-per-engine byte work; each engine verifies every tensor's SHA-256 and the manifest digest before
-the pinned fresh load. How the bytes travel is the deployment's :class:`~lorapub.ports.Transport`,
-named once (``Deployment(engines, transport=...)``) and handed to every engine:
-
-* :class:`HTTPBytes` (default, cross-host): each bucket's tensors are streamed as the body of one
-  POST, straight from the frozen snapshot's memory (no serialisation, no copy);
-* :class:`SameHostIPC`: the publisher writes each bucket once into a shared-memory file that every
-  engine on the host reads; the engine loads through SGLang's own ``load_lora_adapter_from_tensors``
-  (tensors handed to the scheduler over SGLang's IPC, nothing written to disk);
-* :class:`SharedDir`: the same bucket files, in a folder the publisher and the engines both mount
-  (the engine reads them from its ``LORAPUB_SHM_DIR``, its own mount of that folder);
-* :class:`TorchDistributed`: the engine joins a process group with the publisher (gloo on CPUs,
-  NCCL on GPUs) and receives each bucket as one ordered broadcast; a duplicate receive starts no
-  second collective, and a failed collective fails the attempt on every party (every wait is
-  bounded by the transport's ``timeout``).
-
-Each transport is also the publisher's bucket source (:meth:`~lorapub.ports.Transport.source`) and
-says what an engine posts for each bucket (:meth:`~lorapub.ports.Transport.bucket_request`).
+"""Adapter bytes into a patched SGLang server, staged and verified **inside the engine**:
+:class:`SGLangWireEngine`, lorapub's :class:`~lorapub.ports.EngineAdmin` for SGLang, drives the
+staging routes of lorapub's SGLang patch; the bytes travel the deployment's
+:class:`~lorapub.ports.Transport` (:class:`HTTPBytes`, :class:`SameHostIPC`, :class:`SharedDir`,
+:class:`TorchDistributed`, importable from here as from :mod:`lorapub.adapters.transports`).
+See docs/design.md, "Publication on an engine".
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""``lorapub demo``: the whole publish -> bind -> reclaim lifecycle, live, on a CPU.
-
-By default it starts two in-process engines that speak SGLang's LoRA admin
-contract (:class:`lorapub.testing.SGLangDouble`, running lorapub's engine-side staging);
-pass ``--engine-url`` twice to drive real, patched SGLang servers instead. The
-adapter's bytes travel ``--transport``'s way into the engines' own staging: as HTTP
-bodies (``http``, default), as shared-memory files in ``/dev/shm`` (``shm``, engines on
-this host) or as files in a folder both sides read (``shared-dir``: ``--shared-dir``,
-which real engines must read as their ``LORAPUB_SHM_DIR``).
-
-A bad argument, or an engine the demo cannot reach or use, is one line on stderr
-and exit status 2, as argparse does; the folder the demo makes for itself is
-removed on every way out.
+"""``lorapub demo``: the whole publish -> bind -> reclaim lifecycle, live, on a CPU: two in-process
+engines (:class:`lorapub.testing.SGLangDouble`, running lorapub's engine-side staging) by default,
+or two patched SGLang servers (``--engine-url`` twice); the bytes travel ``--transport``'s way.
+Its options, errors and clean-up are described in README.md, "Two commands".
 """
 
 from __future__ import annotations
@@ -287,6 +278,9 @@ def _error(command: str, message: str) -> int:
 
 
 def main(argv=None) -> int:
+    """``lorapub demo``. A bad argument, or an engine the demo cannot reach or use, is one line on
+    stderr and exit status 2, as argparse does; the folder the demo makes for itself is removed on
+    every way out."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command != "demo":

@@ -1,11 +1,6 @@
-"""Executes the core's effects against engines and feeds every outcome back.
-
-The runner decides nothing: a reply becomes the matching registry command,
-an engine's "no" becomes ``RecordFailure``, a timeout or lost connection
-becomes ``RecordUnknown``. New effects from those commands run in turn until
-none is left. The two notices are handed to their one owner each:
-``ReadyToCommit`` to ``on_ready`` (the publisher), ``ReclaimEligible`` to
-``on_eligible`` (the reclaimer).
+"""Executes the core's effects against engines and feeds every outcome back as the matching registry
+command (:class:`EffectRunner`); it decides nothing.
+See docs/design.md, "Shape".
 """
 
 from __future__ import annotations
@@ -116,6 +111,15 @@ class RunLog:
 
 
 class EffectRunner:
+    """Executes the core's effects against engines and feeds every outcome back; it decides nothing.
+
+    A reply becomes the matching registry command, an engine's "no" becomes ``RecordFailure``, a
+    timeout or lost connection becomes ``RecordUnknown``. New effects from those commands run in
+    turn until none is left. The two notices are handed to their one owner each:
+    ``ReadyToCommit`` to ``on_ready`` (the publisher), ``ReclaimEligible`` to ``on_eligible`` (the
+    reclaimer).
+    """
+
     def __init__(
         self,
         registry: Registry,

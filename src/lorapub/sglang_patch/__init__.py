@@ -1,18 +1,9 @@
-"""lorapub's SGLang patch, for every SGLang release lorapub supports (0.5.17 and 0.5.23, and the
-known variant 0.5.17+relax: 0.5.17 with Relax's own patch).
-
-Two forms of the same change:
-
-* runtime: ``lorapub.sglang_patch.apply()`` patches ``TokenizerManager`` in the server
-  process and adds ``GET /lorapub/state`` and the engine-side staging routes
-  (``POST /lorapub/stage/*``, :mod:`lorapub.sglang_patch.staging`); ``python -m lorapub.sglang_patch launch
-  <sglang.launch_server args>`` starts a patched server;
-* diffs: package data under ``diffs/<release>/``, checked and applied with
-  ``python -m lorapub.sglang_patch check|apply [--root DIR]``.
-
-Both recognise the release by the fingerprints of every function they touch
-(:mod:`lorapub.sglang_patch.targets`) and refuse any other code with
-:class:`PatchMismatch`, naming the supported releases.
+"""lorapub's SGLang patch for every SGLang release lorapub supports (0.5.17, its variant 0.5.17+relax,
+and 0.5.23), in two forms of the same change: at runtime (:func:`apply`; ``python -m
+lorapub.sglang_patch launch``) and as diffs (package data, ``python -m lorapub.sglang_patch
+check|apply``). Both recognise a release by the fingerprints of every function they touch
+(:mod:`lorapub.sglang_patch.targets`) and refuse any other code with :class:`PatchMismatch`.
+See docs/sglang-patch.md.
 """
 
 from __future__ import annotations

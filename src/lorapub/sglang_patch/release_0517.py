@@ -1,30 +1,8 @@
-"""lorapub's patch for SGLang 0.5.17, as source edits.
-
-0.5.17 predates upstream's exactly-once LoRA release (``ReqState.lora_released`` and
-``_release_lora_once`` arrived later), so this release needs more than 0.5.23:
-
-1. **Exactly-once release.** 0.5.17 releases inline at two sites and misses others:
-   a 500/503 abort that finished through the batch-output path is released twice
-   (the count drops under a request that still runs, or below zero), a request
-   rejected after ``acquire`` but before scheduling (400 over context length) and a
-   client disconnect (its state is discarded before the scheduler's echo arrives) are
-   never released, and an abort echoed from the waiting queue is never released.
-   Every release now goes through ``_lorapub_release_lora_once``; a discarded request
-   that reached the scheduler is released by the scheduler's terminal echo.
-2. **No implicit reload of managed adapters.** A managed name leaves ``lora_ref_cache``
-   when its unload starts, so a late request gets "never been loaded" (400).
-3. **Managed pinned adapters leave only through lorapub** (a reclaim id header);
-   an unload interrupted mid-wait is remembered as pending (backport of 0.5.23's
-   ``pending_lora_unloads``) so a retry waits for the same ``lora_id``.
-
-The same edits build both forms: the runtime form recompiles each edited function from
-the fingerprinted source; the diff form (``diffs/0.5.17``) is these edits applied to the
-files, and a test keeps the two identical.
-
-``0.5.17+relax`` (SGLang 0.5.17 with Relax's own patch) takes all of the above, plus one edit of
-the route handler Relax adds, ``update_lora_from_distributed``: it refuses managed names. The
-runtime form recompiles it like the others; the diff form applies the 0.5.17 diffs and then this
-edit to the files (``apply_variant_edits``), so no diff carries Relax's code.
+"""lorapub's patch for SGLang 0.5.17 (and its variant 0.5.17+relax), as source edits: exactly-once
+release of every LoRA ref, no implicit reload of managed adapters, managed pinned adapters leave
+only through lorapub. The runtime form recompiles each edited function from the fingerprinted
+source; the diff form (``diffs/0.5.17``) is these edits applied to the files.
+See docs/sglang-patch.md, "SGLang 0.5.17".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""lorapub's patch for SGLang 0.5.23, runtime form (the diffs are in ``diffs/0.5.23``).
-
-0.5.23 already releases every LoRA ref exactly once upstream (``_release_lora_once``);
-what remains:
-
-1. A request rejected before ``acquire`` (unknown adapter, abort while paused) still
-   schedules ``release(None)``; nothing acquired -> nothing is released.
-2. Managed adapters are never implicitly reloaded: a managed name leaves the reload
-   cache when its unload starts, so a late request is rejected.
-3. Managed pinned adapters are unloadable only with a reclaim id (header
-   ``X-Lorapub-Reclaim-Id``); ordinary unload is refused, LRU already skips pinned.
+"""lorapub's patch for SGLang 0.5.23, runtime form (the diffs are in ``diffs/0.5.23``). 0.5.23
+already releases every LoRA ref exactly once upstream; what remains: nothing acquired -> nothing
+released, no implicit reload of managed adapters, managed pinned adapters unloadable only with a
+reclaim id (header ``X-Lorapub-Reclaim-Id``).
+See docs/sglang-patch.md, "What each patch changes and why".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """``GET /lorapub/state`` and the engine-side staging routes (``POST /lorapub/stage/*``), runtime form.
-
-The state route gives the server's incarnation and its LoRA registry, as lorapub reads it, and
-what the engine-side staging holds. The staging routes run
-:mod:`lorapub.sglang_patch.staging` in the server process.
-
-Admin-level exactly like SGLang's own LoRA admin routes (``/load_lora_adapter``: ADMIN_OPTIONAL
-in 0.5.17 and 0.5.23): with ``--admin-api-key`` set only that key reads it, with ``--api-key``
-alone that key, with neither anyone (SGLang's ``decide_request_auth``). The diff form marks it
-with SGLang's ``@auth_level(AuthLevel.ADMIN_OPTIONAL)`` in both releases.
+The state route gives the server's incarnation, its LoRA registry as lorapub reads it, and what
+the engine-side staging holds; the staging routes run :mod:`lorapub.sglang_patch.staging` in the
+server process. Each is admin-level exactly like SGLang's own ``/load_lora_adapter``.
+See docs/sglang-patch.md, "Engine-side staging routes (both releases)".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Load SGLang's real ``LoRARegistry`` on a CPU machine, without importing all of SGLang.
-
-``import sglang`` pulls the whole GPU runtime (PIL, triton, CUDA kernels…). The LoRA
-registry is pure asyncio, so its exact source file is loaded from the installed SGLang,
-with its two utility imports taken from the same tree: ``ConcurrentCounter`` (extracted
-verbatim from ``srt/utils/common.py``) and ``RWLock``. Where SGLang is not installed, the
-same files come from ``_sglang_vendor/`` (verbatim copies of SGLang 0.5.23's, Apache-2.0;
-a test keeps them equal to the wheel's), so ``python -m lorapub demo`` needs no SGLang.
+"""Load SGLang's real ``LoRARegistry`` on a CPU machine, without importing all of SGLang: its exact
+source file, with ``ConcurrentCounter`` and ``RWLock`` from the same tree, from the installed
+SGLang or, where SGLang is not installed, from ``_sglang_vendor/`` (verbatim copies of 0.5.23's).
+See docs/testing.md, "`lorapub.testing`".
 """
 
 from __future__ import annotations

@@ -1,36 +1,8 @@
-"""The conformance suite every :class:`~lorapub.ports.EngineAdmin` must pass.
-
-``await check_engine_admin(factory)`` builds a fresh engine for each check and
-drives the admin through the contract the orchestration relies on:
-
-* ``begin``/``receive_bucket``/``end``/``cleanup`` are idempotent: a duplicate
-  answers the same way and transfers, loads or unloads nothing twice;
-* late messages after ``cleanup`` are refused (a definite ``EngineError``) and
-  never recreate a stash or a load;
-* ``reclaim`` waits for the engine's native request refs, unloads exactly once,
-  and a replayed reclaim unloads nothing;
-* a generation is sent once: a lost reply is ``OutcomeUnknown`` and the request
-  is never resent;
-* an engine's "no" is ``EngineError``; no answer is ``OutcomeUnknown``;
-* ``end`` verifies the bytes against the manifest: bytes that do not match are
-  refused, never READY, and nothing of them is served;
-* a ``begin`` carrying another life's incarnation is refused;
-* no fallback: a generation naming a managed adapter the engine does not hold
-  (never loaded here, or reclaimed) is :class:`~lorapub.errors.VersionMissing`,
-  never run on the base model or on another adapter;
-* a restart is a new incarnation that holds nothing of the old life, refuses a
-  ``begin`` of the old life and loads afresh in the new one.
-
-Every answer is checked against the type ``EngineAdmin`` promises (a dict where a
-``ReadyLocal`` is due is a :class:`ConformanceFailure`), and every check runs under
-a deadline (``deadline=``, seconds): a check that overruns it fails, naming itself
-and the deadline. Cancellation (Ctrl-C) goes through: nothing here catches it.
-
-``factory`` returns an :class:`EngineUnderTest`: the admin plus the few hooks on
-the engine side the checks need to observe and to inject faults. Optional hooks
-(``restart``) open more checks; a check whose hook the engine under test lacks is
-not passed: it is reported under ``not_checked`` in the result, with a
-:class:`NotCheckedWarning`.
+"""The conformance suite every :class:`~lorapub.ports.EngineAdmin` must pass: ``await
+check_engine_admin(factory)`` builds a fresh :class:`EngineUnderTest` for each check, each under a
+deadline, and drives the admin through the contract the orchestration relies on; a check whose
+optional hook is missing is reported under ``not_checked``, never passed.
+See docs/testing.md, "`check_engine_admin`: the conformance suite".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Fault injection for embedders' tests: a registry that loses requests and replies.
-
-:class:`FaultyRegistry` wraps any :class:`~lorapub.ports.Registry`. A planned fault
-hits the next matching command:
-
-* ``"request"`` — the call never reaches the registry (nothing is applied) and the
-  caller gets :class:`~lorapub.errors.OutcomeUnknown`;
-* ``"reply"`` — the command is applied, then its reply is lost (OutcomeUnknown).
-
-``FaultyRegistry(inner, rate=0.1, seed=…)`` also injects faults at random into every
-non-query command, which is what the fault machine in lorapub's own tests uses.
+"""Fault injection for embedders' tests: :class:`FaultyRegistry` wraps any
+:class:`~lorapub.ports.Registry` and loses the request (nothing applied) or the reply (applied,
+answer lost) of the next matching command, or of random non-query commands with ``rate=``.
+See docs/testing.md, "Faults: `MemoryEngine` and `FaultyRegistry`".
 """
 
 from __future__ import annotations

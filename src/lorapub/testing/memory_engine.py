@@ -1,21 +1,7 @@
-"""An in-process :class:`~lorapub.ports.EngineAdmin` with faults, for fast model-based tests.
-
-It keeps what live SGLang was seen to do, without HTTP: ``end`` verifies every
-tensor's SHA-256 and the manifest digest before it loads, as lorapub's SGLang patch
-does (bytes that do not match are refused); adapters are loaded pinned
-under their exact name; a request naming an adapter that is not loaded is refused
-before it runs (:class:`~lorapub.errors.VersionMissing`); a running request holds a
-native ref; reclaim unregisters the name at once, waits for the refs to reach 0,
-then unloads exactly once; a restart loses every adapter, stash and running request
-and changes the incarnation. Tombstoned attempts are refused forever. As lorapub's engine-side
-staging does, an attempt nobody drove (no begin, bucket, end or cleanup of it) for ``stage_idle_s``
-seconds is dropped and tombstoned at the next call, unless its end loaded the adapter still loaded.
-
-Faults (:meth:`MemoryEngine.fail_next`, or at random with ``rate``) hit one call:
-``"request"`` (lost on the way: nothing happens, :class:`~lorapub.errors.OutcomeUnknown`),
-``"reply"`` (it happens, the answer is lost), ``"error"`` (a definite refusal,
-:class:`~lorapub.errors.EngineError`), ``"stall"`` (no answer until the caller's
-deadline), ``"restart"`` (the engine restarts before the call).
+"""An in-process :class:`~lorapub.ports.EngineAdmin` with faults, for fast model-based tests: it
+keeps what live SGLang (with lorapub's patch and engine-side staging) was seen to do, without
+HTTP, and fails on demand (:meth:`MemoryEngine.fail_next`) or at random (``rate``).
+See docs/testing.md, "Faults: `MemoryEngine` and `FaultyRegistry`".
 """
 
 from __future__ import annotations

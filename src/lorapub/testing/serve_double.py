@@ -1,16 +1,7 @@
 """A contract double (with lorapub's engine-side staging) in a process of its own, for tests and
-benchmarks that need the engine outside the publisher's process.
-
-    python -m lorapub.testing.serve_double NAME STASH_DIR [SHM_DIR]
-
-prints ``URL <engine url> <control url>`` once serving and runs until its standard input closes.
-The control server (a second port; never part of SGLang's contract) has:
-
-* ``POST /inject`` — a fault into the double: ``{"op", "mode", "delay", "status"}``;
-* ``POST /sink/http`` — reads the body into a buffer of its size and drops it (the raw HTTP limit);
-* ``POST /sink/shm`` — ``{"path"}``: copies a shared-memory file into a buffer (the raw IPC limit);
-* ``POST /sink/gloo`` — ``{"host", "port", "rank", "world_size", "sizes", "timeout"}``: joins a gloo
-  group and receives one broadcast per size from rank 0 (the raw collective limit).
+benchmarks that need the engine outside the publisher's process:
+``python -m lorapub.testing.serve_double NAME STASH_DIR [SHM_DIR]``, with a control server beside it.
+See docs/testing.md, "A double in a process of its own: `lorapub.testing.serve_double`".
 """
 
 from __future__ import annotations

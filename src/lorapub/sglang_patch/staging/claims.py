@@ -1,10 +1,7 @@
-"""Stash folders and their claims: which server life owns a stash folder, and freeing those of
-lives that ended without their shutdown.
-
-Beside each life's stash folder, its claim: a file locked (``flock``) while that life's process
-runs, naming the running kernel (its boot id) whose locks make the claim mean anything. A server
-killed without its shutdown leaves its folder behind; the next life on the same host frees it, and
-never a folder of a life still running or of another host sharing the root.
+"""Stash folders and their claims: which server life owns a stash folder (a claim file locked with
+``flock`` while that life's process runs, naming the running kernel by its boot id), and freeing
+those of lives on the same host that ended without their shutdown.
+See docs/design.md, "Known limits of this version".
 """
 
 from __future__ import annotations

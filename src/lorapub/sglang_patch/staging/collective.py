@@ -1,10 +1,8 @@
 """The collective receiver: a bucket broadcast by the publisher over torch.distributed (gloo or NCCL),
-in a process group formed for the attempt at its first bucket.
-
-``begin`` connects to the attempt's group store in the background (the publisher hosts it); the
-group forms at the first bucket, when the publisher names the attempt's ranks. A failed collective
-fails the attempt for good (the engine reports it to the machine); every other party is told to stop
-waiting. torch is imported only here, and only when a torch transport is used.
+in a process group formed for the attempt at its first bucket. A failed collective fails the
+attempt for good and tells every other party to stop waiting. torch is imported only here, and
+only when a torch transport is used.
+See docs/design.md, "Transports".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The engine-side staging of one server life: :class:`EngineStaging` drives the pure machine
 (:mod:`lorapub.sglang_patch.staging.machine`) and runs the effects it answers with.
-
-Each route is a few commands: an admission, the steps taken under the attempt's lock, what the I/O
-did, and ``Leave``. Between them this class only moves bytes (landings, checks, folders, groups) and
-calls the engine (:class:`EngineHooks`); every decision (refusals, duplicates, tombstones, the byte
-budget, aging, what a cleanup answers) is the machine's.
+See docs/design.md, "The staging machine".
 """
 
 from __future__ import annotations
@@ -98,7 +94,12 @@ class EngineStaging:
     engine's own folder for ``dir`` loads; ``shm_dir`` the only folder ``shm`` buckets are read from;
     ``max_stash_bytes`` bounds what staged attempts may hold and have reserved at once (None: no
     bound); ``idle_timeout`` the seconds an attempt may go undriven before it is aged out (None:
-    ``LORAPUB_STAGE_IDLE_S``, default 600; ``math.inf``: never)."""
+    ``LORAPUB_STAGE_IDLE_S``, default 600; ``math.inf``: never).
+
+    Each route is a few machine commands: an admission, the steps taken under the attempt's lock,
+    what the I/O did, and ``Leave``. Between them this class only moves bytes (landings, checks,
+    folders, groups) and calls the engine (:class:`EngineHooks`); every decision (refusals,
+    duplicates, tombstones, the byte budget, aging, what a cleanup answers) is the machine's."""
 
     def __init__(self, hooks: EngineHooks, *, incarnation: str, stash_root: str | None = None,
                  shm_dir: str | None = None, max_stash_bytes: int | None = None,

@@ -1,11 +1,6 @@
-"""Where an attempt's bytes land on the engine, and what its ``end`` hands SGLang's load.
-
-:class:`Stash` is the I/O side of one staged attempt (the machine keeps its state): the lock its
-operations take, its buckets' buffers and their SHA-256 checks, its folder and its group. A ``dir``
-load receives each bucket straight into its place in the adapter's safetensors file on the engine's
-disk (an ``shm`` bucket is mapped, verified, then copied there), so the folder is complete when the
-last bucket is checked; a ``tensors`` load lands in shared memory SGLang's scheduler maps (for
-``shm``: the publisher's own pages, no copy).
+"""Where an attempt's bytes land on the engine, and what its ``end`` hands SGLang's load:
+:class:`Stash`, the I/O side of one staged attempt (the machine keeps its state).
+See docs/design.md, "Engine-side staging".
 """
 
 from __future__ import annotations
@@ -28,10 +23,16 @@ __all__ = ["Stash", "finish_peft_dir", "from_shm", "landing", "prepare_peft_file
 
 
 class Stash:
-    """What one staged attempt keeps on the engine: ``buckets`` (index -> buffer and the spans of its
+    """What one staged attempt keeps on the engine, its I/O side (the machine keeps its state):
+    ``lock`` (what its operations take), ``buckets`` (index -> buffer and the spans of its
     tensors), ``verifying`` (index -> its running SHA-256 check), ``inflight`` (index -> its running
     collective), ``folder`` and ``peft`` (a dir load: its safetensors file, bucket -> offset) and
-    ``group`` (the torch transport: its store and, once formed, its process group)."""
+    ``group`` (the torch transport: its store and, once formed, its process group).
+
+    A ``dir`` load receives each bucket straight into its place in the adapter's safetensors file on
+    the engine's disk (an ``shm`` bucket is mapped, verified, then copied there), so the folder is
+    complete when the last bucket is checked; a ``tensors`` load lands in shared memory SGLang's
+    scheduler maps (for ``shm``: the publisher's own pages, no copy)."""
 
     def __init__(self, token: AttemptToken, plan: BucketPlan, transport: Mapping[str, Any], load: str) -> None:
         self.token, self.plan, self.transport, self.load = token, plan, dict(transport), load

@@ -1,36 +1,8 @@
 """The engine-side staging as a pure state machine: commands in, (new state, reply, effects) out.
-
-No I/O, no clock, no threads: times come in as values (``now``), what the engine holds (its
-adapters, its slot limit) comes in as values, and what must be done to bytes, folders, groups and
-loads goes out as effects for :class:`~lorapub.sglang_patch.staging.engine.EngineStaging` to run,
-in the style of :mod:`lorapub.core` (immutable attrs state, one door: :func:`handle`).
-
-An attempt's life here::
-
-    Begin -> RECEIVING --Arrive/Stored per bucket--> Finish -> LOADING --Loaded--> LOADED
-                 ^                                               |
-                 +---------------- LoadFailed -------------------+--> FAILED (a bucket did not verify)
-    Cleanup / Release (Forget) / Sweep (aging) / Close: the attempt is freed (and tombstoned).
-
-Operations that wait on the network run in steps: an *admission* (``Receive``, ``End``, ``Cleanup``,
-``Release``) checks the message and counts the operation as driving the attempt; the steps marked
-*locked* (``Arrive``, ``Finish``, ``Discard``, ``Forget``) are sent by the operation holding the
-attempt's lock (the engine serialises them; a locked step while a load runs is a
-:class:`ProtocolError`); outcomes (``Stored``, ``Lost``, ``CollectFailed``, ``Loaded``,
-``LoadFailed``) report what the I/O did; ``Leave`` ends the operation.
-
-Rules the machine keeps:
-
-* a **tombstone** (a cleanup, a release, aging) refuses every later begin, bucket and end of the
-  attempt and recreates nothing; bytes that arrive for it are closed, never kept;
-* a **duplicate** begin, bucket or end answers as the first did and changes nothing; a **late**
-  message for a loaded attempt is refused and changes nothing;
-* **cleanup during end** tombstones the attempt at once and waits for the load that runs: if the
-  load registered the adapter, the attempt keeps its receipt (``end`` is refused: its publisher gave
-  it up) and the cleanup answers it as loaded, so its caller unloads it: no adapter is left loaded
-  that nobody was told of;
-* the **byte budget** (``max_bytes``) is checked against the bytes attempts hold plus those they have
-  reserved: the rest of the plan of every attempt still receiving, and what is arriving.
+No I/O, no clock, no threads: times and what the engine holds come in as values, and what must be
+done to bytes, folders, groups and loads goes out as effects for
+:class:`~lorapub.sglang_patch.staging.engine.EngineStaging` to run; one door, :func:`handle`.
+See docs/design.md, "The staging machine".
 """
 
 from __future__ import annotations

@@ -1,289 +1,31 @@
-"""lorapub behind the SGLang router (``sglang-router``, the SGLang Model Gateway), as Relax and Miles deploy it.
-
-What goes where:
-
-* **generations** go through the router: :class:`RouterRouting` is the session service's
-  routing object; ``pick(session)`` gives a :class:`RoutedGeneration` whose ``generate``
-  POSTs the router's ``/generate`` once, with the session's exact bound ``lora_path``;
-* **publication, cleanup and reclaim** go to every worker directly, by its URL: one
-  :class:`~lorapub.adapters.sglang_wire.SGLangWireEngine` per worker the router lists
-  (:meth:`WorkerWatcher.discover`), staging inside the worker; the deployment's transport
-  (``Deployment(engines, transport=...)``) says how the bytes get there;
-* **rotation**: :class:`WorkerWatcher` polls the router's worker list and each worker's
-  incarnation (the state route of lorapub's SGLang patch) and reports joins, leaves and
-  restarts as typed events. A restarted, new or unreachable worker is taken out of the
-  router (``remove_worker``), re-provisioned by an injected ``heal(name)`` and only then
-  put back (``add_worker``); a failed heal keeps it out and is retried with backoff.
-
-The router must run with ``--disable-retries`` (by default it resends a generation that
-got a 5xx to another worker) and ``--disable-circuit-breaker`` (by default ten 4xx answers,
-e.g. a session's version error, take a healthy worker out of rotation for a minute); see
-:data:`REQUIRED_ROUTER_FLAGS` and docs/router.md.
-
-Router facts this module relies on (sglang-router 0.3.2): ``GET /workers`` lists
-``{"workers": [{"id", "url", "is_healthy", "load", ...}], "total", "stats"}``;
-``POST /workers {"url": ...}`` and ``DELETE /workers/{id}`` answer 202 and act in the
-background (``id`` is a UUID, never the URL); the router re-serialises a ``/generate``
-body (known fields only, ``lora_path`` unchanged) and passes a worker's answer through
-with its status; its own failures are ``{"error": {"type", "code", "message"}}`` with
-``code`` ``call_upstream_request_error`` when the worker gave no answer (refused,
-dropped mid-request or timed out: it cannot tell which) and ``no_available_workers``
-(503) when no worker is healthy.
+"""The router's workers, watched: :class:`WorkerWatcher` polls the router's list and each worker's
+incarnation, reports joins, leaves and restarts as typed events, and takes a restarted, new or
+unreachable worker out of rotation until an injected ``heal(name)`` re-provisioned it;
+:func:`reconcile_heal` is that heal for a lorapub ``Deployment``.
+See docs/router.md, "Joins, leaves, restarts: the re-provisioning handshake".
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
-import re
-import time
 from typing import Any, Awaitable, Callable, Mapping
-from urllib.parse import urlsplit
 
-import aiohttp
 import attrs
 
-from lorapub.adapters.sglang_http import _MISSING_MARKERS, OwnedHTTPSession, _message
+from lorapub.adapters.sglang_router.client import SGLangRouter, engine_name, normalize_url
 from lorapub.adapters.sglang_wire import SGLangWireEngine
-from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
+from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown
 
 __all__ = [
-    "ROUTER_VERSION", "REQUIRED_ROUTER_FLAGS", "router_command", "normalize_url", "engine_name", "RouterWorker",
-    "SGLangRouter", "RoutedGeneration", "RouterRouting", "WorkerJoined", "WorkerLeft", "WorkerRestarted",
-    "WorkerUnreachable", "WorkerQuarantined", "WorkerHealed", "HealFailed", "WorkerReadmitted", "WorkerEvent",
-    "WorkerStatus", "Heal", "reconcile_heal", "WorkerWatcher",
+    "WorkerJoined", "WorkerLeft", "WorkerRestarted", "WorkerUnreachable", "WorkerQuarantined", "WorkerHealed",
+    "HealFailed", "WorkerReadmitted", "WorkerEvent", "WorkerStatus", "Heal", "reconcile_heal", "WorkerWatcher",
 ]
 
 log = logging.getLogger("lorapub.router")
 
-ROUTER_VERSION = "0.3.2"
-# Flags lorapub needs on the router besides --host/--port/--worker-urls/--policy.
-REQUIRED_ROUTER_FLAGS = ("--disable-retries", "--disable-circuit-breaker")
-# Router error codes meaning "the worker gave no (complete) answer": the generation may have run.
-_NO_ANSWER_CODES = frozenset(
-    {
-        "call_upstream_request_error",
-        "call_upstream_body_error",
-        "call_upstream_decode_error",
-        "call_upstream_timeout",
-        "call_upstream_request_failed",
-        "call_upstream_connection_failed",
-    }
-)
 
-
-def router_command(
-    worker_urls: list[str],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    policy: str = "cache_aware",
-    python: str = "python",
-    extra: tuple[str, ...] = (),
-) -> list[str]:
-    """The router's launch command with the flags lorapub needs (see docs/router.md)."""
-    return [
-        python, "-m", "sglang_router.launch_router",
-        "--host", host, "--port", str(port),
-        "--worker-urls", *worker_urls,
-        "--policy", policy,
-        *REQUIRED_ROUTER_FLAGS,
-        *extra,
-    ]
-
-
-def normalize_url(url: str) -> str:
-    return url.rstrip("/")
-
-
-def engine_name(url: str) -> str:
-    """A stable engine name for a worker URL: ``http://10.0.0.7:30001`` -> ``10.0.0.7-30001``."""
-    parts = urlsplit(normalize_url(url))
-    host = (parts.hostname or "worker").strip("[]")
-    name = f"{host}-{parts.port}" if parts.port else host
-    return re.sub(r"[^A-Za-z0-9._-]", "-", name)
-
-
-def _router_error(body: Any) -> tuple[str | None, str]:
-    """(the router's own error code or None, the message) of an error answer."""
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        code = body["error"].get("code")
-        return (code if isinstance(code, str) else None), _message(body)
-    return None, _message(body)
-
-
-@attrs.frozen
-class RouterWorker:
-    """One entry of the router's ``GET /workers``."""
-
-    id: str
-    url: str
-    healthy: bool
-    load: int
-
-
-class SGLangRouter(OwnedHTTPSession):
-    """The SGLang router's HTTP API: worker management and ``/generate``.
-
-    Admin calls (list/add/remove) time out after ``admin_timeout``; a generation after
-    ``request_timeout`` (None: never, the router's own ``--request-timeout-secs`` bounds it).
-    A request with no (complete) answer is :class:`OutcomeUnknown`; nothing is resent here.
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        http: aiohttp.ClientSession | None = None,
-        request_timeout: float | None = None,
-        admin_timeout: float = 10.0,
-        api_key: str | None = None,
-    ) -> None:
-        self.base_url = normalize_url(base_url)
-        self._use_http(http)
-        self.request_timeout = request_timeout
-        self.admin_timeout = admin_timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    async def request(self, method: str, path: str, *, json_body=None, timeout: float | None) -> tuple[int, Any]:
-        try:
-            t = aiohttp.ClientTimeout(total=timeout)
-            async with self.http.request(
-                method, self.base_url + path, json=json_body, headers=self._headers, timeout=t
-            ) as r:
-                text = await r.text()
-                try:
-                    body = json.loads(text) if text else None
-                except ValueError:
-                    body = text
-                return r.status, body
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
-            raise OutcomeUnknown(f"router {method} {path}: no answer ({type(e).__name__})") from None
-
-    # -- worker management ----------------------------------------------------------
-    async def list_workers(self) -> list[RouterWorker]:
-        status, body = await self.request("GET", "/workers", timeout=self.admin_timeout)
-        if status != 200 or not isinstance(body, dict):
-            raise EngineError(f"router GET /workers answered {status}: {_router_error(body)[1]}", status=status)
-        return [
-            RouterWorker(str(w["id"]), normalize_url(w["url"]), bool(w.get("is_healthy", True)), int(w.get("load") or 0))
-            for w in body.get("workers", [])
-        ]
-
-    async def workers(self) -> list[str]:
-        """The URLs the router routes to now."""
-        return [w.url for w in await self.list_workers()]
-
-    async def _find(self, url: str) -> RouterWorker | None:
-        url = normalize_url(url)
-        return next((w for w in await self.list_workers() if w.url == url), None)
-
-    async def add_worker(self, url: str, *, timeout: float = 30.0, poll: float = 0.05) -> None:
-        """Put ``url`` into rotation (``POST /workers``) and wait until the router lists it healthy.
-
-        Idempotent: a listed worker is left as it is. The router adds in the background
-        after probing the worker (``/health``, ``/server_info``, ``/model_info``); if that does
-        not happen within ``timeout``, :class:`EngineError` (the router may still add it later).
-        """
-        url = normalize_url(url)
-        found = await self._find(url)
-        if found is None:
-            status, body = await self.request("POST", "/workers", json_body={"url": url}, timeout=self.admin_timeout)
-            if status not in (200, 201, 202):
-                raise EngineError(f"router refused to add {url} ({status}): {_router_error(body)[1]}", status=status)
-        deadline = time.monotonic() + timeout
-        while True:
-            found = await self._find(url)
-            if found is not None and found.healthy:
-                log.info("router: %s is in rotation", url)
-                return
-            if time.monotonic() >= deadline:
-                raise EngineError(f"router did not list {url} as a healthy worker within {timeout}s")
-            await asyncio.sleep(poll)
-
-    async def remove_worker(self, url: str, *, timeout: float = 10.0, poll: float = 0.05) -> None:
-        """Take ``url`` out of rotation (``DELETE /workers/{id}``) and wait until the router no longer lists it.
-
-        Idempotent: an unlisted worker is already out. Requests already running on it finish.
-        """
-        url = normalize_url(url)
-        deadline = time.monotonic() + timeout
-        while True:
-            found = await self._find(url)
-            if found is None:
-                log.info("router: %s is out of rotation", url)
-                return
-            status, body = await self.request("DELETE", f"/workers/{found.id}", timeout=self.admin_timeout)
-            if status not in (200, 202, 204, 404):
-                raise EngineError(f"router refused to remove {url} ({status}): {_router_error(body)[1]}", status=status)
-            if time.monotonic() >= deadline:
-                raise EngineError(f"router still lists {url} {timeout}s after its removal")
-            await asyncio.sleep(poll)
-
-    # -- serving ----------------------------------------------------------------------
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One ``/generate`` through the router, sent once.
-
-        200 -> the worker's answer. A worker's version error -> :class:`VersionMissing`;
-        no worker gave an answer (router code ``call_upstream_*``) or no answer from the
-        router -> :class:`OutcomeUnknown`; no healthy worker -> :class:`EngineUnavailable`;
-        any other error answer -> :class:`EngineError` carrying the router's/worker's text.
-        """
-        lora_path = payload.get("lora_path")
-        status, body = await self.request("POST", "/generate", json_body=dict(payload), timeout=self.request_timeout)
-        if status == 200 and isinstance(body, dict):
-            return body
-        code, message = _router_error(body)
-        if code in _NO_ANSWER_CODES:
-            raise OutcomeUnknown(f"router /generate ({lora_path}): the worker gave no answer: {message}", code=code)
-        if code == "no_available_workers":
-            raise EngineUnavailable(f"router /generate ({lora_path}): {message}", status=status)
-        if status == 400 and any(m in message for m in _MISSING_MARKERS):
-            raise VersionMissing(f"the routed worker does not hold {lora_path}: {message}", engine="router")
-        raise EngineError(f"router /generate answered {status}: {message}", status=status, code=code)
-
-
-class RoutedGeneration:
-    """What :meth:`RouterRouting.pick` gives a session: ``generate`` through the router."""
-
-    name = "router"
-
-    def __init__(self, router: SGLangRouter) -> None:
-        self.router = router
-
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        if not payload.get("lora_path"):
-            raise InvalidInput("lorapub never sends a generation without its bound lora_path")
-        return await self.router.generate(payload)
-
-
-class RouterRouting:
-    """The session service's routing when the SGLang router picks the worker.
-
-    ``SessionService(..., router=RouterRouting(router))`` (or ``deployment.sessions.router =
-    RouterRouting(router)``): every generation goes to the router's ``/generate`` with the
-    session's exact ``lora_path``; the router's policy (``cache_aware``) picks the worker.
-    """
-
-    def __init__(self, router: SGLangRouter) -> None:
-        self.router = router
-        self._target = RoutedGeneration(router)
-
-    def pick(self, session: Any, holders: frozenset[str] | None = None) -> RoutedGeneration:
-        """The router picks the worker. ``holders`` (the engines that hold the session's
-        version now, None: unknown) only vetoes: with no holder at all nothing is sent."""
-        if holders is not None and not holders:
-            bound = session.binding.version if getattr(session, "binding", None) else "the bound version"
-            raise EngineUnavailable(
-                f"no engine holds {bound} right now (being re-provisioned); retry the request later",
-                session=getattr(session, "key", None),
-            )
-        return self._target
-
-
-# -- watching the router's workers --------------------------------------------------------
 @attrs.frozen
 class WorkerJoined:
     """A URL appeared in the router's list (``initial``: it was there when watching began)."""
