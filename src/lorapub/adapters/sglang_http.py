@@ -21,7 +21,7 @@ import aiohttp
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
-from lorapub.wire.codec import token_from_json
+from lorapub.wire.codec import json_or_text, token_from_json
 
 __all__ = [
     "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "ClientOptions", "OwnedHTTPSession", "SGLangHTTP",
@@ -34,7 +34,7 @@ SERVER_KEEP_ALIVE_S = 5.0
 #: How long an idle connection of an adapter's own session stays open: well below the server's.
 IDLE_CONNECTION_S = 2.0
 
-_MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist",
+MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused", "does not exist",
                     "Failed to implicitly load")  # the last: live SGLang when a reload finds its files gone
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
 MAX_ENGINE_TEXT = 500
@@ -49,7 +49,7 @@ def _clip(text: str, limit: int = MAX_ENGINE_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _message(body: Any) -> str:
+def engine_message(body: Any) -> str:
     """The engine's own words: SGLang answers ``{"error": {"message": …}}``, ``{"error": "…"}``
     (its auth middleware), ``{"message": …}`` (OpenAI routes), ``{"error_message": …}`` (LoRA
     admin), ``{"detail": …}`` (request validation), or plain text (``/flush_cache``)."""
@@ -70,7 +70,7 @@ def _message(body: Any) -> str:
 
 
 def _status_text(status: int, body: Any) -> str:
-    said = _message(body)
+    said = engine_message(body)
     if said:
         return f"{status}: {said}"
     try:
@@ -249,11 +249,7 @@ class SGLangHTTP(OwnedHTTPSession):
             t = aiohttp.ClientTimeout(total=timeout)
             async with self.http.request(method, self.base_url + path, data=data, headers=sent, timeout=t) as r:
                 text = (await r.read()).decode("utf-8", errors="replace")
-                try:
-                    body = json.loads(text) if text else None
-                except ValueError:
-                    body = text
-                return r.status, body
+                return r.status, json_or_text(text)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
             raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
 
@@ -289,7 +285,7 @@ class SGLangHTTP(OwnedHTTPSession):
             or not isinstance(body.get("pending_unloads", {}), dict)
             or not isinstance(body.get("max_loaded_loras"), (int, type(None)))
         ):
-            raise EngineError(f"{self.name} {STATE_ROUTE} answered a malformed state: {_message(body)}", engine=self.name)
+            raise EngineError(f"{self.name} {STATE_ROUTE} answered a malformed state: {engine_message(body)}", engine=self.name)
         if self.require_patch and not body.get("managed_patch"):
             raise EngineError(f"{self.name} runs without lorapub's managed-adapter patch (implicit reload possible)")
         return body
@@ -314,7 +310,7 @@ class SGLangHTTP(OwnedHTTPSession):
             raise self.refusal("/v1/models", status, body)
         cards = self.json_object("/v1/models", status, body).get("data")
         if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
-            raise EngineError(f"{self.name} /v1/models answered no model list: {_message(body)}", engine=self.name)
+            raise EngineError(f"{self.name} /v1/models answered no model list: {engine_message(body)}", engine=self.name)
         return cards
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -326,8 +322,8 @@ class SGLangHTTP(OwnedHTTPSession):
         )
         if status == 200:
             return self.json_object("/generate", status, body)
-        message = _message(body)
-        if status == 400 and any(m in message for m in _MISSING_MARKERS):
+        message = engine_message(body)
+        if status == 400 and any(m in message for m in MISSING_MARKERS):
             raise VersionMissing(f"{self.name} does not hold {payload.get('lora_path')}: {message}", engine=self.name)
         raise self.refusal("/generate", status, body)
 

@@ -7,7 +7,6 @@ See docs/router.md, "What the router does to a generation (0.3.2, measured)".
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -17,7 +16,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import attrs
 
-from lorapub.adapters.sglang_http import _MISSING_MARKERS, OwnedHTTPSession, _message
+from lorapub.adapters.sglang_http import MISSING_MARKERS, OwnedHTTPSession, engine_message
+from lorapub.wire.codec import json_or_text
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
 
 __all__ = [
@@ -79,8 +79,8 @@ def _router_error(body: Any) -> tuple[str | None, str]:
     """(the router's own error code or None, the message) of an error answer."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         code = body["error"].get("code")
-        return (code if isinstance(code, str) else None), _message(body)
-    return None, _message(body)
+        return (code if isinstance(code, str) else None), engine_message(body)
+    return None, engine_message(body)
 
 
 @attrs.frozen
@@ -123,11 +123,7 @@ class SGLangRouter(OwnedHTTPSession):
                 method, self.base_url + path, json=json_body, headers=self._headers, timeout=t
             ) as r:
                 text = await r.text()
-                try:
-                    body = json.loads(text) if text else None
-                except ValueError:
-                    body = text
-                return r.status, body
+                return r.status, json_or_text(text)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
             raise OutcomeUnknown(f"router {method} {path}: no answer ({type(e).__name__})") from None
 
@@ -209,7 +205,7 @@ class SGLangRouter(OwnedHTTPSession):
             raise OutcomeUnknown(f"router /generate ({lora_path}): the worker gave no answer: {message}", code=code)
         if code == "no_available_workers":
             raise EngineUnavailable(f"router /generate ({lora_path}): {message}", status=status)
-        if status == 400 and any(m in message for m in _MISSING_MARKERS):
+        if status == 400 and any(m in message for m in MISSING_MARKERS):
             raise VersionMissing(f"the routed worker does not hold {lora_path}: {message}", engine="router")
         raise EngineError(f"router /generate answered {status}: {message}", status=status, code=code)
 

@@ -74,7 +74,7 @@ def decide_request_auth(*, method: str, path: str, authorization_header: str | N
 
 
 @functools.lru_cache(maxsize=1)
-def _sglang_decide():
+def sglang_decide():
     """SGLang's own ``decide_request_auth`` (the installed tree's ``srt/utils/auth.py``, which
     imports nothing beyond the standard library), adapted to this module's levels; None where
     SGLang is not installed."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.sglang_patch import staging as engine_side
 from lorapub.testing._sglang_registry import lora_registry_module
-from lorapub.testing.sglang_double.auth import _sglang_decide, decide_request_auth
+from lorapub.testing.sglang_double.auth import sglang_decide, decide_request_auth
 from lorapub.wire.codec import json_bytes
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class DoubleEngine:
         self.managed_patch = managed_patch and not stock
         self.served_model_name = served_model_name
         self._api_key, self._admin_api_key = api_key, admin_api_key
-        self._decide = _sglang_decide() or decide_request_auth
+        self._decide = sglang_decide() or decide_request_auth
         self.refused: list[tuple[str, str, int]] = []  # (method, path, status) turned away at the door
         self.decode_delay = decode_delay
         self.load_delay = load_delay  # simulated adapter load + GPU preparation time
