@@ -193,6 +193,12 @@ class Deployment:
         self._started = False
         self._closed = False
 
+    def __repr__(self) -> str:
+        life = "closed" if self._closed else "started" if self._started else "not started"
+        transport = f" transport={self.transport!r}" if self.transport is not None else ""
+        return (f"<Deployment epoch={self.epoch} {life} engines={sorted(self.engines)}"
+                f" capacity={self.capacity or DEFAULT_CAPACITY} max_lag={self.max_lag}{transport}>")
+
     async def start(self) -> "Deployment":
         """Connect to the registry (or create one), start the reconciler and lease renewals."""
         if self._started:

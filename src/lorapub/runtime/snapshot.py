@@ -150,6 +150,11 @@ class Snapshot:
         self.manifest = Manifest.build(entries, self.serving_config)
         self._framework = next(iter(kinds.values()))
 
+    def __repr__(self) -> str:
+        size = self.manifest.total_bytes
+        shown = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+        return f"<Snapshot {self.digest[:12]} {len(self._tensors)} tensors {shown} {self._framework}>"
+
     @property
     def digest(self) -> str:
         return self.manifest.digest
