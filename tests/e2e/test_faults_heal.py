@@ -21,7 +21,7 @@ from lorapub import (
 )
 from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
-from lorapub.core.commands import CloseAndRelease, RecordPrepared
+from lorapub.core.commands import CloseAndRelease, ReadState, RecordPrepared
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.runtime.registry import LocalRegistry
@@ -220,6 +220,23 @@ async def test_deploy_refuses_switched_off_engines_when_enabled():
             await deploy({"e0": SGLangOverwriteAdmin("e0", double.url)}, epoch=1, enabled=True)
     finally:
         await double.stop()
+
+
+async def test_a_session_closed_after_its_deployment_closed_starts_nothing_and_raises_nothing():
+    """Its release makes the old version reclaimable; no background reclaim starts after close()
+    (it would outlive the deployment): the registry keeps the version RETIRED for any later reconciler."""
+    engine = MemoryEngine("e0")
+    dep = await Deployment({"e0": engine}, epoch=1, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s1")
+    await s.generate({"input_ids": [1, 2]})
+    await dep.publish(lora_snapshot(2), "B")
+    await dep.close()
+    await s.close()
+    assert len(dep.tasks) == 0
+    state = (await dep.registry.handle(ReadState())).reply
+    assert state.versions[VersionKey(1, "A")].state is VersionState.RETIRED
+    assert state.versions[VersionKey(1, "A")].session_refs == 0
 
 
 async def test_closing_a_deployment_closes_its_engines_http_sessions():

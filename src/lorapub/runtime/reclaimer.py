@@ -98,7 +98,10 @@ class Reclaimer:
 
     def ensure(self, version: VersionKey) -> None:
         """Reclaim ``version`` in the background (claimed if RETIRED and unused, its unloads retried if
-        RECLAIMING), unless this process already does."""
+        RECLAIMING), unless this process already does. Once its deployment closed nothing starts: the
+        registry keeps the version as it is, and any later reconciler reclaims it."""
+        if self.tasks.closed:
+            return
         self.tasks.spawn(self._reclaim_until_done(version), name=f"reclaim-{version}", key=("reclaim", version))
 
     async def _reclaim_until_done(self, version: VersionKey) -> None:

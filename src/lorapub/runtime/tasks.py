@@ -67,6 +67,11 @@ class TaskOwner:
         """The keys of the keyed tasks running now."""
         return list(self._keyed)
 
+    @property
+    def closed(self) -> bool:
+        """``close`` ran: nothing starts here any more."""
+        return self._closed
+
     def __len__(self) -> int:
         return len(self._tasks)
 
