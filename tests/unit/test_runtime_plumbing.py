@@ -109,11 +109,11 @@ async def test_close_lets_tasks_finish_within_grace_then_cancels_and_joins_the_r
         owner.spawn(quick(), name="late")
 
 
-async def test_wait_where_waits_only_for_the_keys_it_accepts():
+async def test_wait_for_a_kind_waits_only_for_the_tasks_of_that_kind():
     owner = TaskOwner("t")
     forever = asyncio.Event()
     owner.spawn(forever.wait(), name="renewals", key="renewals")
     owner.spawn(asyncio.sleep(0.01), name="reclaim", key=("reclaim", "v1"))
-    assert await owner.wait(1, where=lambda k: isinstance(k, tuple) and k[0] == "reclaim")
+    assert await owner.wait(1, kind="reclaim")
     assert not await owner.wait(0.05)  # the renewals still run
     await owner.close()

@@ -157,7 +157,7 @@ class Publisher:
         self.commit_retries = commit_retries
         # a lost reserve or commit reply is replayed: waits of 50 ms, doubling, at most 1 s
         self.retry_policy = RetryPolicy(tries=commit_retries, first=0.05, factor=2.0, cap=1.0)
-        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=(deadlines or Deadlines()).begin)
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.deadlines.begin)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-publisher")
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
@@ -381,7 +381,7 @@ class Publisher:
             task.cancel()
         if running:
             await asyncio.wait(running, timeout=grace)
-        await self.tasks.wait(grace, where=lambda k: isinstance(k, tuple) and k[0] == "abort")
+        await self.tasks.wait(grace, kind="abort")
 
     async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
         """Re-check every target's life right before commit: a READY from a life that has

@@ -4,9 +4,8 @@ See docs/design.md, "Two layers of refs"."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 
 from lorapub.core.commands import ClaimReclaim, ListReclaimable, ReadVersion, RetryReclaim
 from lorapub.core.effects import SendReclaim
@@ -23,10 +22,6 @@ from lorapub.runtime.tasks import TaskOwner
 __all__ = ["Reclaimer"]
 
 log = logging.getLogger("lorapub.runtime.publisher")
-
-
-def _is_reclaim(key: Hashable) -> bool:
-    return isinstance(key, tuple) and len(key) == 2 and key[0] == "reclaim"
 
 
 class Reclaimer:
@@ -127,13 +122,10 @@ class Reclaimer:
 
     async def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background reclaims (at most ``timeout`` s); True if none is left."""
-        return await self.tasks.wait(timeout, where=_is_reclaim)
+        return await self.tasks.wait(timeout, kind="reclaim")
 
     async def settle(self, timeout: float | None = None) -> None:
         """Wait for the background reclaims; what is left after ``timeout`` s is cancelled (its
         version stays RECLAIMING in the registry, and any reconciler finishes it)."""
         if not await self.wait(timeout):
-            left = [t for k in list(self.tasks.keys()) if _is_reclaim(k) and (t := self.tasks.running(k)) is not None]
-            for task in left:
-                task.cancel()
-            await asyncio.gather(*left, return_exceptions=True)
+            await self.tasks.cancel("reclaim")

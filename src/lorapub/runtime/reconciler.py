@@ -68,10 +68,6 @@ class Health:
 
 
 
-def _is_repair(key: Hashable) -> bool:
-    return isinstance(key, tuple) and len(key) == 2 and key[0] == "repair"
-
-
 def _said(life: Life) -> Inventory | str | Exception:
     """What a pass reads of one engine: its inventory where it keeps one, else its incarnation; the
     error if it is away."""
@@ -147,17 +143,11 @@ class Reconciler:
             except TimeoutError:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        repairs = self._repairs()
-        for repair in repairs:
-            repair.cancel()
-        await asyncio.gather(*repairs, return_exceptions=True)
-
-    def _repairs(self) -> list[asyncio.Task[None]]:
-        return [t for k in self.tasks.keys() if _is_repair(k) and (t := self.tasks.running(k)) is not None]
+        await self.tasks.cancel("repair")
 
     async def settle(self, timeout: float | None = None) -> bool:
         """Wait for the background repairs running now (at most ``timeout`` s); True if none is left."""
-        repairs = self._repairs()
+        repairs = self.tasks.of_kind("repair")
         if repairs:
             await asyncio.wait(repairs, timeout=timeout)
         return not any(not r.done() for r in repairs)
@@ -205,7 +195,7 @@ class Reconciler:
             self.health = health
             return health
 
-    async def _probe(self, name: str, engine: EngineAdmin) -> Inventory | str | Exception:
+    async def _probe(self, name: str) -> Inventory | str | Exception:
         """The engine's inventory where it keeps one, else its incarnation; the error if it is away."""
         return _said(await self.fleet.life(name, deadline=self.probe_deadline))
 
@@ -341,7 +331,7 @@ class Reconciler:
                         if engine in holders and fleet.lora_names.get(key) not in inventory.adapters]
             if not suspects:
                 continue
-            again = await self._probe(engine, self.engines[engine])
+            again = await self._probe(engine)
             if not isinstance(again, Inventory) or again.incarnation != inventory.incarnation:
                 continue  # unreachable, or restarted meanwhile: the next pass sees it as such
             for key in suspects:

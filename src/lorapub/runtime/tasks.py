@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Coroutine, Hashable
 from typing import Any
 
 __all__ = ["TaskOwner"]
@@ -63,9 +63,9 @@ class TaskOwner:
     def running(self, key: Hashable) -> asyncio.Task[Any] | None:
         return self._keyed.get(key)
 
-    def keys(self) -> list[Hashable]:
-        """The keys of the keyed tasks running now."""
-        return list(self._keyed)
+    def of_kind(self, kind: str) -> list[asyncio.Task[Any]]:
+        """The keyed tasks of one kind running now: a key ``(kind, what)``, or ``kind`` itself."""
+        return [task for key, task in self._keyed.items() if _kind(key) == kind]
 
     @property
     def closed(self) -> bool:
@@ -75,13 +75,11 @@ class TaskOwner:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def wait(self, timeout: float | None = None, *, where: Callable[[Hashable], bool] | None = None) -> bool:
-        """Wait for the running tasks (only those whose key ``where`` accepts, when given) for at most
-        ``timeout`` s, tasks spawned meanwhile included; True when none is left."""
+    async def wait(self, timeout: float | None = None, *, kind: str | None = None) -> bool:
+        """Wait for the running tasks (only those of ``kind``, when given) for at most ``timeout`` s,
+        tasks spawned meanwhile included; True when none is left."""
         def pending() -> list[asyncio.Task[Any]]:
-            if where is None:
-                return list(self._tasks)
-            return [t for k, t in self._keyed.items() if where(k)]
+            return list(self._tasks) if kind is None else self.of_kind(kind)
 
         try:
             async with asyncio.timeout(timeout):
@@ -90,6 +88,13 @@ class TaskOwner:
         except TimeoutError:
             return False
         return True
+
+    async def cancel(self, kind: str) -> None:
+        """Cancel the running tasks of ``kind`` and join them."""
+        left = self.of_kind(kind)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     async def close(self, grace: float = 0.0) -> None:
         """Let the tasks finish for ``grace`` s, cancel the rest, and join them all. No task starts after."""
@@ -100,3 +105,7 @@ class TaskOwner:
             task.cancel()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _kind(key: Hashable) -> Hashable:
+    return key[0] if isinstance(key, tuple) and key else key
