@@ -56,6 +56,9 @@ MAX_LORAS = int(os.environ.get("LIVE_ONLINE_MAX_LORAS", "3"))
 # each server's static share of GPU memory: 0.40 suits two servers on a 141 GB card; on an 80 GB card the
 # second server's start-up profile sees the first one's pool and needs a little more (SGLang names the minimum)
 MEM_FRACTION = float(os.environ.get("LIVE_ONLINE_MEM_FRACTION", "0.40"))
+# on an 80 GB card the two servers boot one after the other (a second one sizing its pool while the
+# first allocates sees too little free memory and exits)
+SEQUENTIAL_BOOT = os.environ.get("LIVE_ONLINE_SEQUENTIAL_BOOT", "0") == "1"
 
 
 def build_model() -> None:
@@ -76,11 +79,19 @@ async def main() -> int:
     print(f"model built in {time.monotonic() - t0:.0f} s", flush=True)
     # decode with CUDA graphs, as the decode-gap bench and production servers run (without them a
     # decode step at 128 running requests took ~60 ms)
-    engines = [srv.start(f"e{i}", os.path.join(MODEL, "base"), 30400 + 100 * i, OUT, patched=True, max_lora_rank=64,
+    def boot(i: int):
+        return srv.start(f"e{i}", os.path.join(MODEL, "base"), 30400 + 100 * i, OUT, patched=True, max_lora_rank=64,
                          mem_fraction=MEM_FRACTION, target_modules=ALL_LINEAR, decode_graphs=True, max_loras=MAX_LORAS)
-               for i in range(2)]
+
+    if SEQUENTIAL_BOOT:  # each server sizes its KV pool from the memory free when it starts: one at a time
+        engines = [boot(0)]
+    else:
+        engines = [boot(i) for i in range(2)]
     try:
         await srv.wait_healthy(engines)
+        if SEQUENTIAL_BOOT:
+            engines.append(boot(1))
+            await srv.wait_healthy(engines)
         warm = await srv.warm_up(engines, os.path.join(MODEL, "A"))
         print(f"servers up {[round(s.boot_s) for s in engines]} s, warm-up {warm}", flush=True)
         rc = 0
