@@ -1,4 +1,4 @@
-"""The typed public face: the core, the staging protocol, the ports and the errors pass ``mypy --strict``.
+"""The typed public face: the core, the staging protocol, the ports, the errors and the events pass ``mypy --strict``.
 
 The configuration is pyproject.toml's ``[tool.mypy]`` (strict for these paths; what they import is
 read for its types, not checked). .ci/install installs the pinned mypy, so CI always runs this.
@@ -14,7 +14,7 @@ import lorapub
 
 SRC = pathlib.Path(lorapub.__file__).parent
 ROOT = SRC.parent.parent
-STRICT = [SRC / "core", SRC / "wire", SRC / "ports.py", SRC / "errors.py"]
+STRICT = [SRC / "core", SRC / "wire", SRC / "ports.py", SRC / "errors.py", SRC / "events.py"]
 
 
 def test_core_wire_ports_and_errors_pass_mypy_strict():

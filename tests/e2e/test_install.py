@@ -154,7 +154,7 @@ def test_install_says_each_step_and_keeps_pip_quiet(tmp_path):
     assert [s for s in steps if "lorapub (editable)" in s or "sglang 0.5.23" in s or "sglang-router" in s]
     pip_calls = [c for c in calls if " -m pip " in c]
     assert pip_calls and all("--quiet" in c for c in pip_calls), pip_calls
-    assert any(c.endswith("install --quiet --disable-pip-version-check -e .[test,ray,bench]") for c in calls), calls
+    assert any(c.endswith("install --quiet --disable-pip-version-check -e .[test,ray,bench,metrics,cli]") for c in calls), calls
 
 
 def run_ci(tmp_path: pathlib.Path, pytest_rc: int) -> tuple[subprocess.CompletedProcess, list[str]]:

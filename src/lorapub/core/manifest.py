@@ -162,6 +162,10 @@ class BucketPlan:
     def __len__(self) -> int:
         return len(self.buckets)
 
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
     @classmethod
     def for_manifest(cls, manifest: Manifest, bucket_cap_bytes: int) -> "BucketPlan":
         if not isinstance(manifest, Manifest):

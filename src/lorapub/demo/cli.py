@@ -14,6 +14,9 @@ import sys
 import tempfile
 import time
 
+from lorapub.cli.progress import PublishProgressBar
+from lorapub.cli.status import add_status_parser, run_status
+
 PROG = "lorapub"
 #: Seconds an engine given by ``--engine-url`` has to answer lorapub's state route at start.
 REACH_TIMEOUT = 10.0
@@ -130,6 +133,7 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
 
     t0 = time.monotonic()
     say = lambda msg: print(f"[{time.monotonic() - t0:7.3f}s] {msg}", flush=True)  # noqa: E731
+    bar = PublishProgressBar()  # drawn for publications over 100 MB (the demo's are smaller)
     occupancy: list[int] = []
     pubs: list[tuple[str, str, float, dict]] = []
 
@@ -149,7 +153,7 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
             say(f"generation before the first publication -> {e.code}")
         await probe.close()
 
-        a = await dep.publish(lora_snapshot(101), "A")
+        a = await dep.publish(lora_snapshot(101), "A", progress=bar)
         pubs.append(("A", "PUBLISHED", a.seconds, dict(a.phases)))
         say(f"published A as {a.lora_name} in {a.seconds * 1000:.1f} ms ({a.collectives} buckets)")
 
@@ -166,12 +170,12 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
         await until(lambda: len(dep.sessions.sessions) >= min(4, spec.sessions), timeout=10)
         old_bound = [s for s in dep.sessions.sessions.values() if s.binding is not None]
         say(f"{len(old_bound)} sessions bound to A are mid-trajectory; publishing B now (no pause, no flush)")
-        b = await dep.publish(lora_snapshot(202), "B")
+        b = await dep.publish(lora_snapshot(202), "B", progress=bar)
         pubs.append(("B", "PUBLISHED", b.seconds, dict(b.phases)))
         say(f"published B as {b.lora_name} in {b.seconds * 1000:.1f} ms; new sessions bind B, old ones keep A")
 
         try:
-            await dep.publish(lora_snapshot(303), "C")
+            await dep.publish(lora_snapshot(303), "C", progress=bar)
         except CapacityError as e:
             pubs.append(("C", e.code, 0.0, {}))
             say(f"publishing C while A and B hold both slots -> {e.code} (nothing sent to any engine)")
@@ -185,13 +189,13 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
             doubles[1].inject("load", "error", count=1, status=500)
             say("injecting a load failure on e1 for the next publication")
             try:
-                await dep.publish(lora_snapshot(303), "C")
+                await dep.publish(lora_snapshot(303), "C", progress=bar)
             except LorapubError as e:
                 state = await dep.state()
                 c = [v for v in state.versions.values() if v.key.version_id == "C"][0]
                 pubs.append(("C", c.state.value, 0.0, {}))
                 say(f"C failed on e1 -> {e.code}; C is {c.state.value}, default still {state.default.version_id}")
-        d = await dep.publish(lora_snapshot(404), "D")
+        d = await dep.publish(lora_snapshot(404), "D", progress=bar)
         pubs.append(("D", "PUBLISHED", d.seconds, dict(d.phases)))
         say("capacity freed by A's reclaim and C's cleanup: D published; B retired and reclaimed when unused")
         await dep.settle()
@@ -269,6 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--sessions", type=_positive_int, default=40, help="rollout sessions (at least 1; default 40)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--epoch", type=int, default=os.environ.get("LORAPUB_EPOCH", "1"))
+    add_status_parser(sub)
     return parser
 
 
@@ -283,6 +288,8 @@ def main(argv=None) -> int:
     every way out."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "status":
+        return run_status(args)
     if args.command != "demo":
         return 2
     if args.engine_url and len(args.engine_url) != 2:

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Literal, Mapping, TypedDict, TypeVar, Unpack, cast, overload
+import time
+from typing import TYPE_CHECKING, Awaitable, Iterable, Literal, Mapping, TypedDict, TypeVar, Unpack, cast, overload
 
 from lorapub.core.identity import (
     MANAGED_PREFIX,
     MANAGED_PREFIX_ENV,
     VersionKey,
     _check_epoch,
-    check_id,
     check_name_prefix,
 )
-from lorapub.core.commands import ReadFleet, ReadState, RegisterEngine
+from lorapub.core.commands import ReadFleet, ReadSessionsOf, ReadState, RegisterEngine
 from lorapub.core.version import VersionState
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
@@ -40,14 +40,18 @@ from lorapub.errors import (
 )
 from lorapub.ports import (
     EngineAdmin,
+    Inventory,
     OverwriteAdmin,
     Registry,
     ReportsInventory,
     ReportsLimits,
     Routing,
-    TakesTransport,
     Transport,
 )
+from lorapub.events import Observer
+from lorapub.runtime.decision_log import DecisionLog
+from lorapub.runtime.observers import ObservedRegistry, Observers
+from lorapub.runtime.admission import check_engines, check_status_address, hand_transport, transport_name
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.publisher import PublicationReport, Publisher
@@ -56,66 +60,17 @@ from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.reconciler import Health, Reconciler
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
-from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, Session, SessionService
+from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService
+from lorapub.runtime.status import LocalSession, Status, build_status, check_bind
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
+
+if TYPE_CHECKING:
+    from lorapub.runtime.status_server import StatusServer
 
 __all__ = ["Deployment", "DeploymentOptions", "deploy"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-
-def _check_engines(engines: object) -> dict[str, EngineAdmin]:
-    if not isinstance(engines, Mapping) or not engines:
-        raise InvalidInput("engines must be a non-empty mapping of engine name -> engine adapter")
-    for key, engine in engines.items():
-        check_id("engine name", key)  # it names stash folders, routes and log fields
-        name = getattr(engine, "name", None)
-        if name != key:
-            raise InvalidInput(
-                f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
-                "engines by name, so they must match"
-            )
-        if not isinstance(engine, EngineAdmin):
-            missing = [m for m in ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
-                       if not callable(getattr(engine, m, None))]
-            hint = (" — it is an engine of the switched-off path (OverwriteAdmin): with enabled=True pass "
-                    "lorapub.adapters.sglang_wire.SGLangWireEngine adapters"
-                    if isinstance(engine, OverwriteAdmin) else "")
-            raise InvalidInput(
-                f"engine {key!r} ({type(engine).__name__}) is not a lorapub.ports.EngineAdmin: it lacks "
-                f"{', '.join(missing)}{hint}"
-            )
-    return dict(engines)
-
-
-def _hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Transport | None:
-    """The deployment's transport, handed to every engine that takes one (None: engines that take
-    none, which are sent safetensors bytes). Without ``transport``, the one the engines already
-    send with (their default, or one an earlier deployment gave them): they must agree."""
-    takers = {name: e for name, e in engines.items() if isinstance(e, TakesTransport)}
-    if transport is not None and not isinstance(transport, Transport):
-        raise InvalidInput(f"transport must be a lorapub.ports.Transport (e.g. lorapub.adapters.sglang_wire.HTTPBytes()), "
-                           f"got {type(transport).__name__}")
-    if not takers:
-        if transport is not None:
-            raise InvalidInput(f"transport={transport!r} was given, but no engine takes a transport "
-                               f"({', '.join(sorted(engines))}: not lorapub.ports.TakesTransport)")
-        return None
-    if len(takers) != len(engines):
-        raise InvalidInput("every engine of a deployment receives buckets one way: "
-                           f"{', '.join(sorted(takers))} take a transport, {', '.join(sorted(set(engines) - set(takers)))} "
-                           "do not")
-    if transport is None:
-        first = min(takers)
-        transport = takers[first].transport
-        for name, engine in sorted(takers.items()):
-            if engine.transport != transport:
-                raise InvalidInput(f"engines {first} and {name} send buckets different ways ({transport!r}, "
-                                   f"{engine.transport!r}); name the transport once: Deployment(engines, transport=...)")
-    for engine in takers.values():
-        engine.use_transport(transport)  # one given another transport earlier refuses, naming itself
-    return transport
 
 
 class Deployment:
@@ -155,8 +110,12 @@ class Deployment:
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
         own_engines: bool = True,
         name_prefix: str | None = None,
+        observers: Iterable[Observer] = (),
+        decision_log: bool = True,
+        status: tuple[str, int] | None = None,
+        status_token: str | None = None,
     ) -> None:
-        self.engines = _check_engines(engines)
+        self.engines = check_engines(engines)
         _check_epoch(epoch)
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
             raise InvalidInput(f"capacity must be an int >= 1 (managed versions held at once), got {capacity!r}")
@@ -169,7 +128,7 @@ class Deployment:
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
         if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
             raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
-        self.transport = _hand_transport(self.engines, transport)
+        self.transport = hand_transport(self.engines, transport)
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim
@@ -190,6 +149,14 @@ class Deployment:
         # How generations reach engines: lorapub's sticky router by default, or e.g.
         # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
         self.router = router
+        # Every decision, as a lorapub.events value: the decision log (INFO lines on lorapub.decisions)
+        # unless switched off, then the caller's observers (e.g. lorapub.observe.Metrics()).
+        self.observers = Observers([*([DecisionLog()] if decision_log else []), *observers])
+        self.status_address = check_status_address(status)
+        if self.status_address is not None:
+            check_bind(self.status_address[0], status_token)
+        self.status_token = status_token
+        self.status_server: StatusServer | None = None
         self._started = False
         self._closed = False
 
@@ -218,33 +185,51 @@ class Deployment:
         await self._check_limits(fleet.capacity)
         await self._check_engines_protect(fleet.name_prefix)
         # The parts, each given what it works with, in the order they depend on each other: one
-        # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups).
+        # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups), the
+        # registry as the parts see it (every decision timed and told to the observers).
         self.tasks = TaskOwner("lorapub")
-        self.fleet = FleetView(self.registry, self.engines, deadline=self.deadlines.begin)
+        registry = ObservedRegistry(self.registry, self.observers)
+        self.fleet = FleetView(registry, self.engines, deadline=self.deadlines.begin)
         self.reclaimer = Reclaimer(
-            self.registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
+            registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
             backoff=self.reclaim_backoff, fleet=self.fleet, tasks=self.tasks,
         )
         self.publisher = Publisher(
-            self.registry, self.engines, epoch=self.epoch, deadlines=self.deadlines,
+            registry, self.engines, epoch=self.epoch, deadlines=self.deadlines,
             bucket_cap_bytes=self.bucket_cap_bytes, on_eligible=self.reclaimer.on_eligible,
             source_factory=None if self.transport is None else self.transport.source, fleet=self.fleet,
-            tasks=self.tasks,
+            tasks=self.tasks, events=self.observers, transport_name=transport_name(self.transport),
         )
         self.sessions = SessionService(
-            self.registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
-            router=self.router, idle_ttl=self.idle_ttl, fleet=self.fleet, tasks=self.tasks,
+            registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
+            router=self.router, idle_ttl=self.idle_ttl, fleet=self.fleet, tasks=self.tasks, events=self.observers,
         )
         self.reconciler = Reconciler(
-            self.registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
+            registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
             publisher=self.publisher, interval=self.reconcile_interval,
-            stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks,
+            stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks, events=self.observers,
+            sessions_here=self.sessions.counts,
         )
         self._started = True
         self.fleet.update(fleet)
         self.reconciler.start()
         self.sessions.start_renewals(fleet.lease_ttl)  # the registry's setting wins (it may be shared)
+        if self.status_address is not None:
+            await self._serve_status(*self.status_address)
         return self
+
+    async def _serve_status(self, host: str, port: int) -> None:
+        from lorapub.runtime.status_server import StatusServer  # aiohttp's server: only when asked for
+
+        exposition = next((o.exposition for o in self.observers if callable(getattr(o, "exposition", None))), None)
+        server = StatusServer(host, port, status=lambda probe: self.status(probe=probe), exposition=exposition,
+                              token=self.status_token)
+        try:
+            self.status_server = await server.start()
+        except OSError as e:
+            await self.close()
+            raise InvalidInput(f"the status endpoint cannot bind {host}:{port}: {e}; pick another port "
+                               "(0: any free one)") from None
 
     def _check_shared_settings(self, fleet: Fleet) -> None:
         """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
@@ -309,6 +294,8 @@ class Deployment:
             await self._close_engines()
             return
         self._started, self._closed = False, True
+        if self.status_server is not None:
+            await self.status_server.close()
         await self.publisher.close(grace)  # each cancelled publication aborts and cleans its attempt
         await self.reconciler.stop()  # a pass that runs finishes first
         await self.reclaimer.settle(timeout=grace)
@@ -356,6 +343,28 @@ class Deployment:
         self._require_started()
         return self.reconciler.health
 
+    async def status(self, *, probe: bool = True) -> Status:
+        """What the deployment holds now, as one :class:`~lorapub.runtime.status.Status`: each version
+        with what blocks its reclaim by name, each engine with what it holds against what it should
+        (``probe=False``: the last pass's view, no engine asked), attempts in flight, health."""
+        self._require_started()
+        fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
+        sessions_of = {h.version: (await self.registry.handle(ReadSessionsOf(h.version))).reply
+                       for h in fleet.slots if h.state is VersionState.RETIRED and h.session_refs}
+        inventories = None
+        if probe:
+            lives = await self.fleet.lives(deadline=min(2.0, self.deadlines.begin))
+            inventories = {name: life.error if life.error is not None else
+                           (life.inventory if life.inventory is not None else Inventory(life.incarnation or "?"))
+                           for name, life in lives.items()}
+        now = time.monotonic()
+        local = {s.key.session_id: LocalSession(s.key.session_id, str(s.binding.version) if s.binding else None,
+                                                s.state.value, now - s.last_active, s.group)
+                 for s in list(self.sessions.sessions.values()) if s.state in LIVE}
+        return build_status(fleet, source="deployment", sessions_of=sessions_of, inventories=inventories,
+                            health=self.reconciler.health, local=local, first_seen=self.reconciler.first_seen(),
+                            monotonic=now)
+
     async def recover(self) -> list[str]:
         """Abort an attempt whose publisher is known to be dead, and drive its cleanup."""
         self._require_started()
@@ -393,18 +402,20 @@ class Deployment:
                 await self.publisher.control.run(result.effects)
         return found
 
-    async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0) -> PublicationReport:
+    async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0,
+                      progress: Observer | None = None) -> PublicationReport:
         """Publish ``snapshot`` as ``version_id`` on every engine, then make it the default.
 
         ``wait``: seconds to wait for a free slot (or for a running attempt to end) instead of
         failing at once with ``CAPACITY_ERROR``/``PUBLICATION_BLOCKED``; a newer publication
         supersedes a waiting one (``SUPERSEDED``, naming it). The report says how long it waited
-        and for what."""
+        and for what. ``progress``: called with a :class:`~lorapub.events.PublishProgress` (bytes
+        sent per engine, and the phase) as the publication moves."""
         self._require_started()
         if not wait:
             await self._settle_briefly()
         await self.refresh_engines()
-        report = await self.publisher.publish(snapshot, version_id, wait=wait)
+        report = await self.publisher.publish(snapshot, version_id, wait=wait, progress=progress)
         await self.fleet.refresh()  # sessions see the new default now
         return report
 
@@ -456,6 +467,10 @@ class DeploymentOptions(TypedDict, total=False):
     own_engines: bool
     name_prefix: str | None
     transport: Transport | None
+    observers: Iterable[Observer]
+    decision_log: bool
+    status: tuple[str, int] | None
+    status_token: str | None
 
 
 @overload

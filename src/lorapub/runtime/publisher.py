@@ -40,6 +40,15 @@ from lorapub.errors import (
     PublicationFailed,
     PublicationSuperseded,
 )
+from lorapub.events import (
+    Observer,
+    PublishBegun,
+    PublishCommitted,
+    PublishFailed,
+    PublishProgress,
+    PublishSuperseded,
+    PublishWaiting,
+)
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
@@ -127,6 +136,7 @@ class _Call:
     digest: str
     task: asyncio.Future
     callers: int = 0
+    progress: list[Observer] = attrs.field(factory=list)  # each caller's progress callback
 
 
 class Publisher:
@@ -146,8 +156,12 @@ class Publisher:
         on_eligible: OnEligible | None = None,
         fleet: FleetView | None = None,
         tasks: TaskOwner | None = None,
+        events: Observer | None = None,
+        transport_name: str = "inline",
     ) -> None:
         self.clock = clock or SystemClock()
+        self.events: Observer = events or (lambda event: None)
+        self.transport_name = transport_name  # how bucket bytes travel, for progress and byte counts
         self.registry = registry
         self.engines = dict(engines)
         self.epoch = epoch
@@ -187,27 +201,34 @@ class Publisher:
     #: How often a waiting publication asks again when nothing in this process wakes it.
     WAIT_POLL = 0.1
 
-    async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0) -> PublicationReport:
+    async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0,
+                      progress: Observer | None = None) -> PublicationReport:
         """Publish ``snapshot`` as ``version_id``. With ``wait`` seconds, a call that finds every
         slot held (or another attempt running) waits for one; a newer publication supersedes it
         meanwhile (:class:`~lorapub.errors.PublicationSuperseded`). A second call for a version this
-        process is already publishing joins the first (its report, ``reused=True``)."""
+        process is already publishing joins the first (its report, ``reused=True``). ``progress``
+        receives a :class:`~lorapub.events.PublishProgress` per phase and engine, and per bucket."""
         if not isinstance(snapshot, Snapshot):
             raise InvalidInput(f"publish takes a lorapub.Snapshot, not {type(snapshot).__name__}")
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait < float("inf"):
             raise InvalidInput(f"wait must be a finite number of seconds >= 0, got {wait!r}")
+        if progress is not None and not callable(progress):
+            raise InvalidInput(f"progress must be a callable taking a lorapub.events.PublishProgress, got {progress!r}")
         key = VersionKey(self.epoch, version_id)
         call = self._running.get(key)
         if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
             # owned by the deployment's tasks (its outcome goes to its callers, so a failure is not logged
             # there): a cancelled one still cleaning its attempt is joined at close
-            call = _Call(snapshot.digest, self.tasks.spawn(self._publish(snapshot, key, wait), name=f"publish-{key}",
-                                                           quiet=True))
+            callbacks: list[Observer] = []
+            call = _Call(snapshot.digest, self.tasks.spawn(self._publish(snapshot, key, wait, callbacks),
+                                                           name=f"publish-{key}", quiet=True), progress=callbacks)
             self._running[key] = call
             call.task.add_done_callback(lambda t: self._running.pop(key, None) if self._running.get(key) is call else None)
             joined = False
         else:
             joined = True
+        if progress is not None:
+            call.progress.append(progress)
         call.callers += 1
         try:
             report = await asyncio.shield(call.task)
@@ -229,8 +250,46 @@ class Publisher:
         call.callers -= 1
         return attrs.evolve(report, reused=True) if joined else report
 
-    async def _publish(self, snapshot: Snapshot, key: VersionKey, wait: float) -> PublicationReport:
+    async def _publish(self, snapshot: Snapshot, key: VersionKey, wait: float,
+                       progress: list[Observer]) -> PublicationReport:
+        """One publication, told as events: begun (and waiting), then committed, failed or superseded."""
         started = self.clock.monotonic()
+        try:
+            return await self._publish_once(snapshot, key, wait, progress, started)
+        except PublicationSuperseded as e:
+            self.events(PublishSuperseded(key, e.details.get("by"), float(e.details.get("waited", 0.0))))
+            raise
+        except LorapubError as e:
+            self.events(PublishFailed(key, e.code, e.message[:300], self.clock.monotonic() - started))
+            raise
+        except asyncio.CancelledError:
+            self.events(PublishFailed(key, "CANCELLED", "the publish call was cancelled; its attempt is aborted "
+                                      "and cleaned", self.clock.monotonic() - started))
+            raise
+
+    def _progress(self, key: VersionKey, plan: BucketPlan, progress: list[Observer]):
+        """The run log's listener: each phase boundary and each confirmed bucket, as PublishProgress."""
+        sent: dict[str, int] = {}
+        total = plan.total_bytes
+
+        def listener(phase: str, engine: str | None, index: int | None) -> None:
+            if engine is None or engine not in self.engines:
+                return  # the source's half, or the whole phase: told per engine
+            if index is not None:
+                sent[engine] = sent.get(engine, 0) + plan.buckets[index].nbytes
+            event = PublishProgress(key, engine, phase, sent.get(engine, 0), total, self.transport_name)
+            for callback in tuple(progress):
+                try:
+                    callback(event)
+                except Exception:  # noqa: BLE001 - a caller's progress bar never breaks the publication
+                    log.exception("progress callback %r failed", callback)
+                    progress.remove(callback)
+            self.events(event)
+
+        return listener
+
+    async def _publish_once(self, snapshot: Snapshot, key: VersionKey, wait: float, progress: list[Observer],
+                            started: float) -> PublicationReport:
         plan = snapshot.plan(self.bucket_cap_bytes)
         # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin (or, waiting, SUPERSEDED).
         reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), wait, started)
@@ -244,30 +303,35 @@ class Publisher:
                 await self._abort(reply.token, "replayed by its own publisher after an unknown outcome")
                 reserved, _, _ = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), 0.0, started)
                 reply = reserved.reply
+        reserved_at = self.clock.monotonic()
         if not reply.created:
             report = await self._existing(key, reply, started)
             return attrs.evolve(report, waited=waited, waited_for=waited_for)
         self.frozen.keep(key, snapshot)
+        self.events(PublishBegun(key, reply.lora_name, plan.total_bytes, len(plan), tuple(sorted(self.engines))))
         ready: list[ReadyToCommit] = []
         runner = EffectRunner(
             self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
             on_ready=ready.append, on_eligible=self.on_eligible,
         )
         try:
-            runlog = await runner.run(reserved.effects, RunLog(self.clock))
+            runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=self._progress(key, plan, progress)))
             status = (await self.registry.handle(QueryAttempt(reply.token))).reply
             if status.phase is Phase.READY and ready:
                 await self._confirm_lives(reply.token, status.targets, runlog)
                 status = (await self.registry.handle(QueryAttempt(reply.token))).reply
             if status.phase is Phase.READY and ready:
                 receipt = await self._commit(key, reply.token, ready[-1].expected_default_revision, runlog)
-                log.info("publication committed: version=%s revision=%s seconds=%.3f waited=%.3f", key,
-                         receipt.default_revision, self.clock.monotonic() - started, waited)
-                return PublicationReport(
+                report = PublicationReport(
                     key, reply.lora_name, receipt, VersionState.PUBLISHED, self.clock.monotonic() - started,
                     runlog.phase_seconds(), runlog.collectives, waited=waited, waited_for=waited_for,
                     engine_phases=self._engine_phases(runlog, reply.token),
                 )
+                phases = {"reserve": reserved_at - started, **{p: report.phases[p] for p in
+                                                              ("begin", "transfer", "end", "commit") if p in report.phases}}
+                self.events(PublishCommitted(key, receipt.default_revision, receipt.retired, report.seconds, waited,
+                                             plan.total_bytes, phases))
+                return report
         except asyncio.CancelledError:
             # owned by the deployment's tasks: close() waits for it, and a second cancel does not stop it
             abort = self.tasks.spawn(self._abort(reply.token, "its publish call was cancelled"),
@@ -276,7 +340,6 @@ class Publisher:
             raise
         self.fleet.changed()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
-        log.info("publication failed: version=%s phase=%s reason=%s", key, status.phase.value, why[:300])
         if status.phase is Phase.CLEAN:
             raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
         raise PublicationBlocked(
@@ -325,6 +388,8 @@ class Publisher:
                 waited = self.clock.monotonic() - started if waited_for is not None else 0.0
                 return result, waited, waited_for
             now = self.clock.monotonic()
+            if waited_for is None:
+                self.events(PublishWaiting(command.key, reply.describe()))
             if waited_for is None or now - described >= 1.0:  # engines asked at most once a second
                 waited_for = await self._describe_wait(reply)
                 described = now

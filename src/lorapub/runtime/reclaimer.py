@@ -115,8 +115,6 @@ class Reclaimer:
                     break
         except LorapubError as e:
             log.warning("background reclaim of %s failed (%s); the reconciler retries it", version, e)
-        if state is VersionState.RECLAIMED:
-            log.info("version reclaimed: version=%s", version)
         self.fleet.changed()  # a freed slot: a waiting publication asks again
         self.fleet.kick()  # or a retry for the reconciler to schedule
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable, Hashable, Mapping
 
 import attrs
@@ -28,6 +29,15 @@ from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
+from lorapub.events import (
+    EngineReprovisioned,
+    EngineRestarted,
+    Observer,
+    OrphanFound,
+    OrphanFreed,
+    ReconcilePassed,
+    SessionsExpired,
+)
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
@@ -91,7 +101,11 @@ class Reconciler:
         probe_deadline: float | None = None,
         fleet: FleetView | None = None,
         tasks: TaskOwner | None = None,
+        events: Observer | None = None,
+        sessions_here: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
+        self.events: Observer = events or (lambda event: None)
+        self.sessions_here = sessions_here  # (open sessions, groups) of this process, for the gauges
         self.registry = registry
         self.engines = dict(engines)
         self.deadlines = deadlines
@@ -117,6 +131,10 @@ class Reconciler:
         self._failed = 0
         self.orphans: dict[tuple[str, str], str] = {}  # (engine, adapter or attempt) -> what is done about it
         self.health = Health(False, (Blocker("reconcile_failed", "-", "no pass ran yet"),), None, 0, 0)
+
+    def first_seen(self) -> dict[AttemptToken, float]:
+        """When this reconciler first saw each attempt in flight at its current progress."""
+        return {token: seen[1] for token, seen in self._seen.items()}
 
     # -- triggers ----------------------------------------------------------------
     def _eligible(self, version: VersionKey) -> None:
@@ -181,6 +199,7 @@ class Reconciler:
         """One whole pass; never raises (what failed is reported in :attr:`health`)."""
         async with self._lock:
             self._passes += 1
+            started = time.perf_counter()
             try:
                 health = await self._pass()
             except Exception as e:  # a registry that is down, an adapter bug: retried with backoff
@@ -192,6 +211,9 @@ class Reconciler:
                 )
             if health.blockers != self.health.blockers:
                 log.info("lorapub health: %s", health.describe())
+            ok = not any(b.kind == "reconcile_failed" for b in health.blockers)
+            here = self.sessions_here() if self.sessions_here is not None else (0, 0)
+            self.events(ReconcilePassed(time.perf_counter() - started, ok, len(health.blockers), health, *here))
             self.health = health
             return health
 
@@ -212,14 +234,14 @@ class Reconciler:
                 continue
             incarnation = probe.incarnation if isinstance(probe, Inventory) else probe
             if fleet.engines.get(name) != incarnation:
-                log.warning("engine restarted: engine=%s from=%s to=%s", name, fleet.engines.get(name), incarnation)
+                self.events(EngineRestarted(name, fleet.engines.get(name), incarnation))
                 restarted.add(name)
                 result = await self.registry.handle(RegisterEngine(name, incarnation))
                 await self.control.run(result.effects)
         # 3. leases
         result = await self.registry.handle(ExpireLeases())
         if result.reply:
-            log.warning("%d session lease(s) expired; their version refs were released", result.reply)
+            self.events(SessionsExpired(result.reply, "lease", ()))
         fleet = (await self.registry.handle(ReadFleet())).reply
         # 4. stale attempts
         now = self.clock.monotonic()
@@ -283,12 +305,11 @@ class Reconciler:
                 if epoch is None or epoch > fleet.epoch or (epoch == fleet.epoch and name in known):
                     continue
                 found.add((engine, name))
+                doing = (f"an adapter no registry of epoch {fleet.epoch} holds: unloading"
+                         + (f" once its {held.refs} running request(s) end" if held.refs else ""))
                 if (engine, name) not in self.orphans:
-                    log.warning("orphan found: engine=%s adapter=%s epoch=%d running_requests=%d", engine, name,
-                                epoch, held.refs)
-                self.orphans[(engine, name)] = (
-                    f"an adapter no registry of epoch {fleet.epoch} holds: unloading"
-                    + (f" once its {held.refs} running request(s) end" if held.refs else ""))
+                    self.events(OrphanFound(engine, name, doing))
+                self.orphans[(engine, name)] = doing
                 self._spawn(("orphan", engine, name), lambda e=engine, n=name: self._unload_orphan(e, n))
             for staged in inventory.staged:
                 epoch = staged.token.version.deployment_epoch
@@ -301,7 +322,7 @@ class Reconciler:
                 what = f"attempt {staged.token}"
                 found.add((engine, what))
                 if (engine, what) not in self.orphans:
-                    log.warning("orphan found: engine=%s attempt=%s", engine, staged.token)
+                    self.events(OrphanFound(engine, what, "a staged attempt no registry drives: cleaning"))
                 self.orphans[(engine, what)] = "a staged attempt no registry drives: cleaning"
                 self._spawn(("orphan", engine, what),
                             lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
@@ -314,12 +335,12 @@ class Reconciler:
     async def _unload_orphan(self, engine: str, name: str) -> None:
         async with asyncio.timeout(self.deadlines.reclaim):
             await self.engines[engine].reclaim(name, f"orphan-{name}")
-        log.info("orphan unloaded: engine=%s adapter=%s", engine, name)
+        self.events(OrphanFreed(engine, name))
 
     async def _clean_orphan(self, engine: str, token: AttemptToken, name: str) -> None:
         async with asyncio.timeout(self.deadlines.cleanup):
             await self.engines[engine].cleanup(token, name)
-        log.info("orphan attempt cleaned: engine=%s attempt=%s", engine, token)
+        self.events(OrphanFreed(engine, f"attempt {token}"))
 
     async def _notice_lost(self, inventories: Mapping[str, Inventory], fleet: Fleet) -> bool:
         """A version the registry says an engine holds, which the engine's inventory lacks, twice —
@@ -388,5 +409,8 @@ class Reconciler:
             self.publisher.source_factory(snapshot, snapshot.plan(self.publisher.bucket_cap_bytes)), self.deadlines,
         )
         runlog = await runner.run(result.effects)
-        log.info("engine re-provisioned: engine=%s version=%s outcome=%s", engine, key,
-                 "; ".join(runlog.failures + runlog.unknown) or "ok")
+        problems = "; ".join(runlog.failures + runlog.unknown)
+        if problems:
+            log.warning("re-provisioning %s on %s failed (%s); the next pass tries again", key, engine, problems)
+        else:
+            self.events(EngineReprovisioned(engine, key))

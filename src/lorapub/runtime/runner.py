@@ -87,6 +87,8 @@ class RunLog:
     collectives: int = 0
     phase_started: dict[str, float] = attrs.field(factory=dict)
     phase_ended: dict[str, float] = attrs.field(factory=dict)
+    # told of every phase boundary (phase, engine, bucket index or None): a publication's progress
+    listener: Callable[[str, str | None, int | None], None] | None = None
 
     def mark(self, phase: str, engine: str | None = None) -> None:
         now = self.clock.monotonic()
@@ -95,6 +97,13 @@ class RunLog:
         if engine is not None:
             self.phase_started.setdefault(f"{phase}@{engine}", now)
             self.phase_ended[f"{phase}@{engine}"] = now
+        if self.listener is not None:
+            self.listener(phase, engine, None)
+
+    def bucket_done(self, engine: str, index: int) -> None:
+        """``engine`` confirmed bucket ``index``."""
+        if self.listener is not None:
+            self.listener("transfer", engine, index)
 
     def phase_seconds(self) -> dict[str, float]:
         """Each phase's span (first start to last end), over every engine."""
@@ -286,10 +295,14 @@ class EffectRunner:
             payload = b"" if collective else self.source.payload(fx.token, fx.index)
             runlog.mark("transfer", name)
             try:
+                async def received(inc: str):
+                    runlog.bucket_done(name, fx.index)
+                    return await self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc))
+
                 return await self._guarded(
                     fx.token, name, f"receive bucket {fx.index}", runlog,
                     lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload)),
-                    lambda inc: self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc)),
+                    received,
                 )
             finally:
                 runlog.mark("transfer", name)

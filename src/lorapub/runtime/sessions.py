@@ -37,6 +37,7 @@ from lorapub.errors import (
     SessionExpired,
     VersionMissing,
 )
+from lorapub.events import Observer, RequestDispatched, SessionBound, SessionRebound, SessionsExpired, SessionStale
 from lorapub.ports import EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.runner import EffectRunner, OnEligible
@@ -152,6 +153,8 @@ class Session:
         binding = self._adopt(result.reply)
         if self.state is LocalState.OPEN:
             self.state = LocalState.BOUND
+            self.service.events(SessionBound(str(self.key), binding.version, binding.group,
+                                             self.service.fleet.lag(binding)))
         return binding
 
     def _refuse_if_ended(self, what: str) -> None:
@@ -172,6 +175,7 @@ class Session:
     def _became_stale(self) -> None:
         if self.state in LIVE:
             self.state = LocalState.STALE
+            self.service.events(SessionStale(str(self.key), self.binding.version if self.binding else None))
 
     async def bind(self) -> Binding:
         """The session's one binding. A lost reply is retried with the same key: same answer."""
@@ -199,7 +203,7 @@ class Session:
             raise
         new = self._adopt(result.reply)
         if new.version != binding.version:
-            log.info("session rebound: session=%s from=%s to=%s", self.key, binding.version, new.version)
+            self.service.events(SessionRebound(str(self.key), new.version, new.rebinds))
         return new
 
     # -- dispatch -----------------------------------------------------------
@@ -275,6 +279,7 @@ class Session:
         body = dict(payload)
         body["lora_path"] = binding.lora_name
         lag = self.service.fleet.lag(binding)
+        self.service.events(RequestDispatched(binding.version, lag))
         out = await self._dispatch(binding, body)
         if isinstance(out, dict):
             out["lorapub"] = {
@@ -358,7 +363,9 @@ class SessionService:
         router: Routing | None = None,
         on_eligible: OnEligible | None = None,
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
+        events: Observer | None = None,
     ) -> None:
+        self.events: Observer = events or (lambda event: None)
         self.registry = registry
         self.engines = dict(engines)
         self.epoch = epoch
@@ -372,6 +379,11 @@ class SessionService:
         self.renewals = 0
         self.idle_expired = 0
         self.lease_ttl: float | None = None
+
+    def counts(self) -> tuple[int, int]:
+        """(open sessions, groups they belong to) of this process."""
+        live = [s for s in self.sessions.values() if s.state in LIVE]
+        return len(live), len({s.group for s in live if s.group is not None})
 
     def registry_time(self) -> float:
         """The registry's time as this process carries it forward (a session's nonce is judged in it,
@@ -420,8 +432,8 @@ class SessionService:
         for s in idle:
             if s.state in LIVE:
                 s.state = LocalState.EXPIRED
-                log.info("session expired: session=%s reason=idle idle_s=%.0f", s.key, time.monotonic() - s.last_active)
             self.forget(s)
+        self.events(SessionsExpired(len(idle), "idle", tuple(str(s.key) for s in idle[:8])))
         self.idle_expired += len(idle)
         self.fleet.kick()  # a released version may be reclaimable now
         return len(idle)
@@ -438,11 +450,15 @@ class SessionService:
         sent = time.monotonic()
         gone = set((await self.registry.handle(RenewLeases(tuple(s.key for s in live)))).reply)
         self.renewals += 1
+        expired = []
         for s in live:
             if s.key in gone and s.binding is not None:  # unknown-but-unbound sessions hold nothing yet
                 s.state = LocalState.EXPIRED
+                expired.append(str(s.key))
             else:
                 s.lease_seen = max(s.lease_seen, sent)
+        if expired:
+            self.events(SessionsExpired(len(expired), "lease", tuple(expired[:8])))
         return len(live)
 
     def retry_closes(self) -> int:

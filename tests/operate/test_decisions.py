@@ -1,0 +1,192 @@
+"""Every decision of a publish -> bind -> retire -> reclaim run is one event, one INFO line with
+stable key=value fields (or one JSON object), and no line carries a key or a token."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from lorapub import Deployment
+from lorapub.events import (
+    KINDS,
+    EngineReady,
+    PublishBegun,
+    PublishCommitted,
+    PublishFailed,
+    PublishProgress,
+    PublishSuperseded,
+    PublishWaiting,
+    ReclaimClaimed,
+    RegistryDecided,
+    RequestDispatched,
+    SessionBound,
+    SessionStale,
+    VersionReclaimed,
+    VersionRetired,
+    VersionUnloaded,
+)
+from lorapub.errors import CapacityError, PublicationSuperseded
+from lorapub.runtime.decision_log import LOGGER, JsonFormatter, format_fields
+from lorapub.testing import MemoryEngine, lora_snapshot
+
+GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+
+
+def _engines():
+    return {n: MemoryEngine(n) for n in ("e0", "e1")}
+
+
+async def _cycle(dep: Deployment) -> None:
+    """publish A, bind a session, publish B (A retires), close the session (A is reclaimed)."""
+    await dep.publish(lora_snapshot(1), "A")
+    session = dep.session("s1")
+    await session.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    await session.close()
+    await dep.settle(5)
+
+
+async def test_a_whole_cycle_is_told_as_events_in_order():
+    seen = []
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, observers=[seen.append]).start()
+    await _cycle(dep)
+    await dep.close()
+    kinds = [type(e) for e in seen if not isinstance(e, (RegistryDecided, PublishProgress, RequestDispatched))]
+    a = [e for e in seen if getattr(e, "version", None) is not None and str(e.version) == "1-A"]
+    assert [type(e) for e in a if not isinstance(e, (PublishProgress, RequestDispatched))] == [
+        PublishBegun, EngineReady, EngineReady, PublishCommitted, SessionBound, VersionRetired, ReclaimClaimed,
+        VersionUnloaded, VersionUnloaded, VersionReclaimed,
+    ], kinds
+    retired = next(e for e in seen if isinstance(e, VersionRetired))
+    assert str(retired.by) == "1-B"
+    committed = [e for e in seen if isinstance(e, PublishCommitted)]
+    assert [c.revision for c in committed] == [1, 2]
+    assert set(committed[0].phases) >= {"reserve", "begin", "transfer", "end", "commit"}
+    assert committed[0].bytes == lora_snapshot(1).manifest.total_bytes
+    # every engine's bytes reached the total, in order
+    progress = [e for e in seen if isinstance(e, PublishProgress) and str(e.version) == "1-A" and e.phase == "transfer"]
+    for engine in ("e0", "e1"):
+        sent = [p.bytes_sent for p in progress if p.engine == engine]
+        assert sent == sorted(sent) and sent[-1] == committed[0].bytes
+    # the registry's decisions are timed, by command
+    decided = {e.command for e in seen if isinstance(e, RegistryDecided)}
+    assert {"Reserve", "Commit", "BindFirst", "ClaimReclaim", "RecordUnloaded"} <= decided
+
+
+async def test_each_decision_is_one_info_line_with_stable_keys(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None).start()
+    await _cycle(dep)
+    await dep.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]
+    heads = [line.split(" ", 1)[0] for line in lines]
+    assert heads.count("publish.committed") == 2
+    assert heads.count("publish.begun") == 2 and heads.count("publish.ready") == 4
+    assert "session.bound" in heads and "version.retired" in heads and "reclaim.claimed" in heads
+    assert heads.count("version.unloaded") == 2 and "version.reclaimed" in heads
+    # nothing per request at INFO, and no registry timing
+    assert "request.dispatched" not in heads and "registry.decision" not in heads
+    committed = next(line for line in lines if line.startswith("publish.committed "))
+    fields = dict(part.split("=", 1) for part in committed.split(" ")[1:])
+    assert fields["version"] == "1-A" and fields["revision"] == "1" and fields["retired"] == "-"
+    assert set(fields) == {"version", "revision", "retired", "seconds", "waited", "bytes", "phases"}
+    json.loads(fields["phases"])
+    # the lora name is logged where it is a decision's subject, the attempt token and digests never are
+    assert not any("token" in line or "digest" in line for line in lines)
+
+
+async def test_the_json_formatter_writes_the_same_fields_as_one_object():
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(self.format(record))
+
+    handler = Keep()
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger(LOGGER)
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        dep = await Deployment(_engines(), epoch=1, reconcile_interval=None).start()
+        await dep.publish(lora_snapshot(1), "A")
+        await dep.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    objects = [json.loads(r) for r in records]
+    committed = next(o for o in objects if o.get("event") == "publish.committed")
+    assert committed["version"] == "1-A" and committed["revision"] == 1 and committed["level"] == "INFO"
+    assert committed["logger"] == LOGGER and committed["ts"].endswith("+00:00")
+
+
+def test_a_value_with_spaces_is_quoted_so_a_line_splits_back():
+    line = format_fields({"reason": 'engine e0: said "no"', "n": 3, "none": None})
+    assert line == 'reason="engine e0: said \\"no\\"" n=3 none=-'
+
+
+async def test_capacity_refusal_and_supersession_are_told():
+    seen = []
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, capacity=2, observers=[seen.append]).start()
+    await dep.publish(lora_snapshot(1), "A")
+    session = dep.session("s1")
+    await session.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")  # A retires, its session keeps it: both slots are held
+    with pytest.raises(CapacityError):
+        await dep.publish(lora_snapshot(3), "C")
+    failed = [e for e in seen if isinstance(e, PublishFailed)]
+    assert [(str(e.version), e.code) for e in failed] == [("1-C", "CAPACITY_ERROR")]
+    import asyncio
+
+    waiting = asyncio.ensure_future(dep.publish(lora_snapshot(4), "D", wait=30))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if any(isinstance(e, PublishWaiting) for e in seen):
+            break
+    newer = asyncio.ensure_future(dep.publish(lora_snapshot(5), "E", wait=30))
+    with pytest.raises(PublicationSuperseded):
+        await waiting
+    sup = [e for e in seen if isinstance(e, PublishSuperseded)]
+    assert [(str(e.version), str(e.by)) for e in sup] == [("1-D", "1-E")]
+    await session.close()
+    await asyncio.wait_for(newer, 10)
+    await dep.close()
+
+
+async def test_a_stale_session_is_told_once():
+    seen = []
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, capacity=2, max_lag=0,
+                           observers=[seen.append]).start()
+    await dep.publish(lora_snapshot(1), "A")
+    session = dep.session("s1")
+    await session.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    for _ in range(2):
+        with pytest.raises(Exception):
+            await session.generate(GEN)
+    assert [str(e.version) for e in seen if isinstance(e, SessionStale)] == ["1-A"]
+    await dep.close()
+
+
+async def test_an_observer_that_raises_breaks_nothing_and_is_logged_once(caplog):
+    def broken(event):
+        raise RuntimeError("observer bug")
+
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, observers=[broken]).start()
+    await _cycle(dep)
+    assert (await dep.state()).default is not None
+    await dep.close()
+    assert sum("observer bug" in (r.exc_text or "") or "failed on" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_every_event_kind_is_unique_and_documented():
+    kinds = [k.KIND for k in KINDS]
+    assert len(set(kinds)) == len(kinds)
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "operating.md").read_text()
+    missing = [k for k in kinds if f"`{k}`" not in doc]
+    assert not missing, missing

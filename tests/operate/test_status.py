@@ -1,0 +1,157 @@
+"""Status: what a running deployment holds and what blocks each reclaim, by name; served read-only
+on localhost, read by ``lorapub status`` from the endpoint or from a store copy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from lorapub import Deployment
+from lorapub.errors import InvalidInput
+from lorapub.runtime.registry import LocalRegistry
+from lorapub.runtime.status import Status
+from lorapub.runtime.stores import SQLiteStore
+from lorapub.testing import MemoryEngine, lora_snapshot
+
+GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+TOKEN = "a-status-token-of-enough-length"
+
+
+def _engines():
+    return {n: MemoryEngine(n) for n in ("e0", "e1")}
+
+
+async def _held(dep: Deployment):
+    """A publishes, s1 binds A and stays open, B publishes: A is RETIRED, kept by s1."""
+    await dep.publish(lora_snapshot(1), "A")
+    session = dep.session("s1")
+    await session.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    await dep.reconcile(wait=0)
+    return session
+
+
+async def test_status_names_the_session_that_keeps_a_retired_version():
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None).start()
+    session = await _held(dep)
+    status = await dep.status()
+    by = {v.version: v for v in status.versions}
+    assert status.default == "1-B" and status.slots_used == 2 and status.capacity == 2
+    assert by["1-B"].default and by["1-B"].lag == 0 and by["1-B"].blocked_by == ()
+    a = by["1-A"]
+    assert a.state == "RETIRED" and a.lag == 1 and a.session_refs == 1
+    assert len(a.blocked_by) == 1 and a.blocked_by[0].startswith("session s1 (") and ", idle " in a.blocked_by[0]
+    engines = {e.name: e for e in status.engines}
+    assert engines["e0"].holds == ("1-A", "1-B") and engines["e0"].should_hold == ("1-A", "1-B")
+    assert engines["e0"].answered is True and engines["e0"].last_error is None
+    assert status.sessions_here == 1
+    # the JSON form reads back to the same value
+    assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status
+    await session.close()
+    await dep.settle(5)
+    status = await dep.status()
+    assert [v.version for v in status.versions] == ["1-B"] and status.sessions_here == 0
+    await dep.close()
+
+
+async def test_a_running_request_and_an_unreachable_engine_are_named():
+    engines = _engines()
+    dep = await Deployment(engines, epoch=1, reconcile_interval=None).start()
+    session = await _held(dep)
+    long = asyncio.ensure_future(session.generate({**GEN, "sampling_params": {"max_new_tokens": 3000}}))
+    await asyncio.sleep(0.05)  # the request runs on A, on the engine the session sticks to
+    engines["e1"].fail_next("incarnation", "request", count=10)  # e1 answers nothing for a while
+    status = await dep.status()
+    a = next(v for v in status.versions if v.version == "1-A")
+    where = session.engine.name
+    assert a.loaded_on.get(where) == 1, a
+    e1 = next(e for e in status.engines if e.name == "e1")
+    assert e1.answered is False and "OutcomeUnknown" in e1.last_error and e1.holds == ()
+    assert e1.should_hold == ("1-A", "1-B")
+    engines["e1"].clear_faults()
+    long.cancel()
+    await asyncio.gather(long, return_exceptions=True)
+    await session.close()
+    await dep.close()
+
+
+async def test_the_endpoint_serves_status_and_metrics_on_localhost_only_with_its_token():
+    from prometheus_client import CollectorRegistry
+
+    from lorapub.adapters.prometheus import Metrics
+
+    metrics = Metrics(CollectorRegistry())
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, observers=[metrics],
+                           status=("127.0.0.1", 0), status_token=TOKEN).start()
+    session = await _held(dep)
+    url = dep.status_server.url
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/status") as r:
+            assert r.status == 401
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.get(url + "/status", headers=auth) as r:
+            assert r.status == 200
+            body = await r.json()
+        async with http.get(url + "/metrics", headers=auth) as r:
+            assert r.status == 200
+            text = await r.text()
+    assert body["default"] == "1-B" and body["versions"][0]["version"] == "1-A"
+    assert 'lorapub_publications_total{outcome="committed"} 2.0' in text
+    assert 'lorapub_version_session_refs{version="1-A"} 1.0' in text
+    assert "lorapub_slots_free 0.0" in text and 'lorapub_versions{state="RETIRED"} 1.0' in text
+    # the command reads the same endpoint
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "lorapub", "status", "--url", url, "--json"],
+        capture_output=True, text=True, env={**os.environ, "LORAPUB_STATUS_TOKEN": TOKEN}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["versions"][0]["blocked_by"][0].startswith("session s1 (")
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "lorapub", "status", "--url", url], capture_output=True, text=True,
+        env={**os.environ, "LORAPUB_STATUS_TOKEN": TOKEN, "COLUMNS": "200"}, timeout=60)
+    assert out.returncode == 0 and "session s1 (" in out.stdout and "1-A" in out.stdout, out.stdout + out.stderr
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "lorapub", "status", "--url", url],
+                                  capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                                       if k != "LORAPUB_STATUS_TOKEN"}, timeout=60)
+    assert out.returncode == 2 and "token" in out.stderr
+    await session.close()
+    await dep.close()
+    assert dep.status_server._runner is None
+
+
+def test_an_endpoint_beyond_localhost_needs_a_token_and_a_bad_address_is_refused():
+    with pytest.raises(InvalidInput, match="beyond localhost"):
+        Deployment(_engines(), epoch=1, status=("0.0.0.0", 9464))
+    with pytest.raises(InvalidInput, match=r"\(host, port\)"):
+        Deployment(_engines(), epoch=1, status=9464)
+    Deployment(_engines(), epoch=1, status=("0.0.0.0", 9464), status_token=TOKEN)  # accepted
+
+
+async def test_the_command_reads_a_store_from_a_copy_and_leaves_it_as_it_was(tmp_path):
+    path = str(tmp_path / "registry.db")
+    engines = _engines()
+    incarnations = {n: await e.incarnation() for n, e in engines.items()}
+    registry = LocalRegistry(1, incarnations, store=SQLiteStore(path))
+    dep = await Deployment(engines, epoch=1, registry=registry, reconcile_interval=None).start()
+    session = await _held(dep)
+    await dep.close()  # s1 never closed: A stays kept by it in the store
+    registry.store.close()
+    before = {f: open(os.path.join(tmp_path, f), "rb").read() for f in os.listdir(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "lorapub", "status", "--store", path, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["source"] == f"store {path}" and status["healthy"] is None
+    a = next(v for v in status["versions"] if v["version"] == "1-A")
+    assert a["state"] == "RETIRED" and a["blocked_by"][0].startswith("session s1 (")
+    after = {f: open(os.path.join(tmp_path, f), "rb").read() for f in os.listdir(tmp_path)}
+    assert after == before
+    out = subprocess.run([sys.executable, "-m", "lorapub", "status", "--store", str(tmp_path / "none.db")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no registry store" in out.stderr
+    del session
