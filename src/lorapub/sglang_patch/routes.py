@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from lorapub.sglang_patch import staging as _staging
+from lorapub.sglang_patch.metrics import serve_engine_series
 from lorapub.sglang_patch.staging import max_loaded_loras as _max_loaded_loras
 from lorapub.sglang_patch.targets import STATE_ROUTE, PatchMismatch
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE
@@ -91,6 +92,7 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
     """Add ``POST /lorapub/stage/{begin,bucket,end,cleanup,release}`` at SGLang's LoRA admin level.
     Returns the server's :class:`~lorapub.sglang_patch.staging.EngineStaging` (None without a server)."""
     global STAGING
+    own_server = app is None
     app, tokenizer_manager = _server_app(app)
     if app is None:
         return None
@@ -100,6 +102,10 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
     from starlette.responses import JSONResponse
 
     staging = STAGING = _staging.for_server(tokenizer_manager, INCARNATION)
+    if own_server:  # with --enable-metrics, SGLang's /metrics carries the staging's series too
+        from sglang.srt.entrypoints import http_server
+
+        http_server.add_prometheus_middleware = serve_engine_series(http_server.add_prometheus_middleware, staging)
 
     def route(path, handler):
         async def endpoint(request):  # a Starlette request: the bucket body is streamed
@@ -156,7 +162,11 @@ def _http_staging_block() -> str:
         "# lorapub: engine-side staging of adapter versions runs in this process (lorapub/sglang_patch/staging/).\n"
         "from lorapub.sglang_patch import staging as _lorapub_staging\n\n"
         "_LORAPUB_STAGING = _lorapub_staging.for_server(\n"
-        "    lambda: _global_state.tokenizer_manager, _LORAPUB_INCARNATION\n)\n\n\n"
+        "    lambda: _global_state.tokenizer_manager, _LORAPUB_INCARNATION\n)\n\n"
+        "# lorapub: with --enable-metrics, /metrics carries lorapub's engine series (lorapub/sglang_patch/metrics.py).\n"
+        "from lorapub.sglang_patch.metrics import serve_engine_series as _lorapub_serve_engine_series\n\n"
+        "add_prometheus_middleware = _lorapub_serve_engine_series(\n"
+        "    add_prometheus_middleware, _LORAPUB_STAGING\n)\n\n\n"
     ]
     for path in (BEGIN_ROUTE, BUCKET_ROUTE, END_ROUTE,
                  CLEANUP_ROUTE, RELEASE_ROUTE):

@@ -39,6 +39,9 @@ def preparer_of(scheduler: Any) -> Preparer | None:
         single = all(int(getattr(args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
         if enabled() and single and manager is not None and getattr(manager.device, "type", manager.device) == "cuda":
             preparer = Preparer(scheduler, manager)
+            from lorapub.sglang_patch.metrics import for_scheduler
+
+            preparer.metrics = for_scheduler(scheduler)  # None without --enable-metrics or prometheus_client
     except Exception as e:  # pragma: no cover - depends on the server's shape
         logger.warning("lorapub: adapter loads keep SGLang's own path (%s)", e)
     scheduler.__dict__["_lorapub_preparer"] = preparer

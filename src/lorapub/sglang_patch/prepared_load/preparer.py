@@ -52,6 +52,7 @@ class Preparer:
         self.saved_switch: float | None = None
         self.slot_images = os.environ.get(IMAGE_ENV) == "1"
         self.gate = PrefillGate(enabled=os.environ.get(GATE_ENV, "1") != "0")
+        self.metrics: Any = None  # lorapub's engine series (--enable-metrics): each load counted and timed
 
     def tick(self) -> None:
         """One scheduler loop iteration ended (trace only)."""
@@ -87,9 +88,11 @@ class Preparer:
                 self._log_iterations(recv_req.lora_name, submitted)
             t0 = time.perf_counter()
             prepared = self.manager.__dict__.setdefault("_lorapub_prepared", {})
+            outcome = "prepared"
             try:
                 prepared[recv_req.lora_id] = future.result()
             except Exception as e:  # SGLang's own load runs instead and answers with its own error
+                outcome = "fallback"
                 logger.warning("lorapub: preparing %s failed (%s); loading it on the scheduler thread",
                                recv_req.lora_name, e)
             t_load = time.perf_counter()
@@ -99,6 +102,8 @@ class Preparer:
                 prepared.pop(recv_req.lora_id, None)
             t_sent = time.perf_counter()
             send_reply(self.scheduler, output, recv_req)
+            if self.metrics is not None:
+                self.metrics.prepared("failed" if not _succeeded(output) else outcome, t_sent - submitted, t_sent - t0)
             if self.trace:  # where an install's time goes: taking the result, SGLang's own load, the reply
                 t1 = time.perf_counter()
                 logger.info("lorapub trace: installed %s on the scheduler thread in %.1f ms (result %.1f ms, "
@@ -226,6 +231,12 @@ class Preparer:
             self.chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         return self.chunks
 
+
+
+def _succeeded(output: Any) -> bool:
+    """SGLang's load reply says it loaded (a LoadLoRAAdapterReqOutput; a mapping in tests)."""
+    found = output.get("success") if isinstance(output, dict) else getattr(output, "success", True)
+    return bool(found)
 
 
 def is_extend(batch: Any) -> bool:

@@ -62,7 +62,8 @@ class EngineHooks(Protocol):
     """The engine around the staging (SGLang's TokenizerManager, or the contract double)."""
 
     def adapters(self) -> Mapping[str, Mapping[str, Any]]:
-        """Registered adapters: name -> {"lora_id", "pinned", "lora_path"}."""
+        """Registered adapters: name -> {"lora_id", "pinned", "lora_path"} (and "refs", the requests in
+        flight on it, where the engine counts them)."""
 
     def max_loaded_loras(self) -> int | None: ...
 
@@ -119,6 +120,8 @@ class EngineStaging:
             raise ValueError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
         self.idle_timeout = float(idle_timeout)
         self._state = machine.new_state(incarnation, max_stash_bytes, self.idle_timeout)
+        #: lorapub's engine series (:mod:`lorapub.sglang_patch.metrics`) shown each command; None: none
+        self.metrics: Any = None
         self._stashes: dict[AttemptToken, Stash] = {}  # the I/O side of every attempt the machine stages
         self._landed: dict[tuple[AttemptToken, int], tuple[Buffer, list]] = {}  # bytes the machine decides on
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
@@ -143,12 +146,20 @@ class EngineStaging:
         return self._state.aged_out
 
     # -- the machine and its effects ------------------------------------------------------------------
+    def _handle(self, command: Any) -> machine.Outcome:
+        """Send the machine ``command`` and keep the state it answers (the metrics, if any, see both)."""
+        before = self._state
+        out = machine.handle(before, command)
+        self._state = out.state
+        if self.metrics is not None:
+            self.metrics.observe(before, command, out)
+        return out
+
     def _do(self, command: Any) -> tuple[Any, list]:
         """Send the machine ``command``; run the bookkeeping effects it answers with now. Answers the
         reply and the effects left for the operation that sent it (landing bytes, a collective, the
         load, a folder)."""
-        out = machine.handle(self._state, command)
-        self._state = out.state
+        out = self._handle(command)
         return out.reply, self._run(out.effects)
 
     def _run(self, effects: Any) -> list:
@@ -236,8 +247,7 @@ class EngineStaging:
             self._timer.cancel()
             self._timer = None
         try:
-            out = machine.handle(self._state, m.Close())
-            self._state = out.state
+            out = self._handle(m.Close())
             for effect in out.effects:
                 try:
                     self._run([effect])
@@ -326,10 +336,9 @@ class EngineStaging:
         request = begin_request(body, token, managed_prefix_of(self.hooks))
         adapters = self.hooks.adapters() if request.problem is None else {}
         limit = self.hooks.max_loaded_loras() if request.problem is None else None
-        out = machine.handle(self._state, m.Begin(
+        out = self._handle(m.Begin(
             token, body.get("incarnation"), request.digest, request.lora_name, request.sizes, request.load,
             request.kind, request.problem, request.late_problem, frozenset(adapters), limit, _now()))
-        self._state = out.state
         if _raise(out.reply).duplicate:  # the same answer, nothing set up twice
             return {"incarnation": self.incarnation, "duplicate": True}
         stash = self._stashes[token] = Stash(token, request.plan, request.transport, request.load)

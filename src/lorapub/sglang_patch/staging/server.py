@@ -27,8 +27,11 @@ class SGLangHooks:
         self._serialize = serialize
 
     def adapters(self) -> dict[str, dict[str, Any]]:
-        return {name: {"lora_id": ref.lora_id, "pinned": bool(ref.pinned), "lora_path": ref.lora_path}
-                for name, ref in self._tm().lora_registry.get_all_adapters().items()}
+        registry = self._tm().lora_registry
+        counters = getattr(registry, "_counters", {})  # SGLang's per-adapter request counts (both releases)
+        return {name: {"lora_id": ref.lora_id, "pinned": bool(ref.pinned), "lora_path": ref.lora_path,
+                       "refs": counters[ref.lora_id].value() if ref.lora_id in counters else 0}
+                for name, ref in registry.get_all_adapters().items()}
 
     def max_loaded_loras(self) -> int | None:
         return max_loaded_loras(self._tm())
