@@ -50,6 +50,8 @@ from lorapub.ports import (
 )
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.fleet import FleetView, incarnation_of
+from lorapub.runtime.engines import Engines
+from lorapub.runtime.membership import Drained, FleetMembership
 from lorapub.runtime.publisher import PublicationReport, Publisher
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.tasks import TaskOwner
@@ -220,6 +222,7 @@ class Deployment:
         # The parts, each given what it works with, in the order they depend on each other: one
         # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups).
         self.tasks = TaskOwner("lorapub")
+        self.engines = Engines(self.engines)  # one live engine set, shared by every part (add/remove_engine)
         self.fleet = FleetView(self.registry, self.engines, deadline=self.deadlines.begin)
         self.reclaimer = Reclaimer(
             self.registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
@@ -239,6 +242,11 @@ class Deployment:
             self.registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
             publisher=self.publisher, interval=self.reconcile_interval,
             stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks,
+        )
+        self.membership = FleetMembership(
+            self.registry, self.engines, fleet=self.fleet, reconciler=self.reconciler, sessions=self.sessions,
+            deadlines=self.deadlines, transport=self.transport, own_engines=self.own_engines,
+            on_eligible=self.reclaimer.on_eligible,
         )
         self._started = True
         self.fleet.update(fleet)
@@ -432,6 +440,25 @@ class Deployment:
         the n>1 children of one prompt), and the group keeps it while any member is open."""
         self._require_started()
         return self.sessions.session(session_id, nonce, group=group)
+
+    # -- an elastic fleet (runtime/membership.py; docs/elastic.md) --------------------------------
+    async def add_engine(self, engine: EngineAdmin, *, timeout: float | None = 60.0) -> None:
+        """Add ``engine`` to the running deployment; returns once it holds every version sessions may
+        use and takes traffic (checked against ``capacity`` and the protected prefix first)."""
+        self._require_started()
+        await self.membership.add(engine, timeout=timeout)
+
+    async def drain_engine(self, name: str, *, timeout: float | None = 300.0) -> Drained:
+        """No new binding goes to ``name``; its sessions move to another holder of their version at their
+        next turn boundary. Returns when no request of this deployment runs there (DrainTimeout names the
+        sessions still there after ``timeout`` s)."""
+        self._require_started()
+        return await self.membership.drain(name, timeout=timeout)
+
+    async def remove_engine(self, name: str, *, timeout: float | None = 30.0) -> None:
+        """Remove a drained (or unreachable) engine: reclaims stop waiting for it, its adapter is closed."""
+        self._require_started()
+        await self.membership.remove(name, timeout=timeout)
 
 
 class DeploymentOptions(TypedDict, total=False):

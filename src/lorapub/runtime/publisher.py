@@ -47,6 +47,7 @@ from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.runtime.engines import shared
 
 __all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher"]
 
@@ -149,7 +150,7 @@ class Publisher:
     ) -> None:
         self.clock = clock or SystemClock()
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.epoch = epoch
         self.deadlines = deadlines or Deadlines()
         self.bucket_cap_bytes = bucket_cap_bytes

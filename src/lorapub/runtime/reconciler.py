@@ -34,6 +34,7 @@ from lorapub.runtime.fleet import FleetView, Life
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.runtime.engines import shared
 
 __all__ = ["Blocker", "Health", "Reconciler"]
 
@@ -93,7 +94,7 @@ class Reconciler:
         tasks: TaskOwner | None = None,
     ) -> None:
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.deadlines = deadlines
         self.reclaimer = reclaimer
         self.publisher = publisher
