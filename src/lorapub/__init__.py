@@ -11,10 +11,12 @@ from lorapub.core.version import VersionState
 from lorapub.errors import (
     AlreadyStarted,
     BindingStale,
+    DrainTimeout,
     CapacityError,
     EngineCapacityError,
     EngineClosed,
     EngineError,
+    EngineNotDrained,
     EngineUnavailable,
     EpochMismatch,
     GroupClosed,
@@ -54,6 +56,7 @@ __all__ = [
     "NoPublishedVersion", "NotReady", "NotReclaimable", "OutcomeUnknown", "PublicationBlocked", "PublicationFailed",
     "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
+    "DrainTimeout", "EngineNotDrained",
     "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
     "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 ]

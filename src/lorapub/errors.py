@@ -12,6 +12,7 @@ __all__ = [
     "PublicationBlocked", "NotReady", "StaleAttempt", "SessionClosed", "NotReclaimable", "UnknownVersion",
     "UnknownEngine", "EpochMismatch", "InvalidInput", "EngineError", "OutcomeUnknown", "InvalidTransition",
     "SessionExpired", "EngineUnavailable", "StoreError", "StoreCorrupted", "EngineClosed", "AlreadyStarted",
+    "EngineNotDrained", "DrainTimeout",
 ]
 
 
@@ -201,3 +202,17 @@ class AlreadyStarted(LorapubError):
     """``start()`` on an object that is already running (live sessions would be dropped)."""
 
     code = "ALREADY_STARTED"
+
+
+class EngineNotDrained(LorapubError):
+    """``remove_engine`` of a member that still takes traffic: drain it first
+    (``await deployment.drain_engine(name)``), or it must be unreachable."""
+
+    code = "ENGINE_NOT_DRAINED"
+
+
+class DrainTimeout(LorapubError):
+    """``drain_engine`` ran out of time with sessions or requests still on the engine; it stays
+    draining (no new binding goes there). ``details['sessions']`` names the sessions still there."""
+
+    code = "DRAIN_TIMEOUT"

@@ -21,7 +21,7 @@ from lorapub.errors import InvalidTransition
 __all__ = [
     "Phase", "ACTIVE", "RESOLVED", "TargetState", "ReadyLocal", "Target", "Attempt", "Step", "Progress", "start",
     "resend_begins", "progress", "on_prepared", "on_bucket_done", "on_ready", "all_ready_current", "mark_committed",
-    "abort", "on_cleaned", "on_cleanup_unknown", "retry_cleanup", "on_engine_restarted",
+    "abort", "on_cleaned", "on_cleanup_unknown", "retry_cleanup", "on_engine_restarted", "on_engine_removed",
 ]
 
 
@@ -277,3 +277,19 @@ def on_engine_restarted(attempt: Attempt, engine: str, incarnation: str) -> Step
     attempt = attempt._with_target(target)
     return attempt, [SendCleanup(engine, incarnation, attempt.token, attempt.lora_name)]
 
+
+
+def on_engine_removed(attempt: Attempt, engine: str) -> Step:
+    """The engine left the fleet: nothing more is asked of it and its part counts as cleaned (what it
+    staged is no longer this deployment's). An active attempt aborts; the others are asked to clean."""
+    target = attempt.target(engine)
+    if target is None or attempt.resolved or target.state is TargetState.CLEANED:
+        return attempt, []
+    effects: list[Effect] = []
+    if attempt.phase in ACTIVE:
+        attempt, effects = abort(attempt, f"{engine} left the fleet")
+        effects = [fx for fx in effects if not (isinstance(fx, SendCleanup) and fx.engine == engine)]
+    attempt = attempt._with_target(attrs.evolve(target, state=TargetState.CLEANED, ready=None))
+    if all(t.state is TargetState.CLEANED for t in attempt.targets):
+        attempt = attrs.evolve(attempt, phase=Phase.CLEAN)
+    return attempt, effects

@@ -23,7 +23,7 @@ __all__ = [
     "ExpireSessions", "ExpireLeases", "StartReprovision", "RecordLost", "AbortStale", "BeginClose", "CloseAndRelease",
     "ForgetSessions", "ClaimReclaim", "RecordUnloaded", "RetryReclaim", "AuthorizeDispatch", "QueryAttempt",
     "ReadVersion", "ListReclaimable", "ReadState", "ReadFleet", "ReadSessionsOf", "Command", "QUERIES", "STAMPED",
-    "stamped",
+    "stamped", "AddEngine", "DrainEngine", "RemoveEngine",
 ]
 
 
@@ -36,6 +36,32 @@ def _session_keys(keys: Iterable[SessionKey]) -> tuple[SessionKey, ...]:
 class RegisterEngine:
     engine: str
     incarnation: str
+
+
+@attrs.frozen
+class AddEngine:
+    """``engine`` joins the fleet: JOINING (no traffic) until it holds every version sessions may use,
+    then SERVING. A draining member added again rejoins; a member's new incarnation is a restart."""
+
+    engine: str
+    incarnation: str
+
+
+@attrs.frozen
+class DrainEngine:
+    """``engine`` takes no new binding and no new version; its sessions move to another holder of their
+    version at their next turn boundary. Refused for the last member that takes traffic."""
+
+    engine: str
+
+
+@attrs.frozen
+class RemoveEngine:
+    """``engine`` leaves the fleet: only once draining (``force``: it is gone, e.g. unreachable). Reclaims
+    and cleanups stop waiting for it; its versions' slots are counted without it."""
+
+    engine: str
+    force: bool = False
 
 
 @attrs.frozen
@@ -286,7 +312,8 @@ Command = (
     RegisterEngine | Reserve | CancelWait | RecordPrepared | RecordBucketDone | RecordReady | RecordFailure
     | RecordUnknown | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | Rebind | BeginClose
     | CloseAndRelease | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim | RenewLeases
-    | ExpireSessions | ExpireLeases | StartReprovision | AbortStale | RecordLost
+    | ExpireSessions | ExpireLeases | StartReprovision | AbortStale | RecordLost | AddEngine | DrainEngine
+    | RemoveEngine
     | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState | ReadFleet | ReadSessionsOf
 )
 

@@ -54,6 +54,8 @@ from lorapub.runtime.observers import ObservedRegistry, Observers
 from lorapub.runtime.admission import check_engines, check_status_address, hand_transport, transport_name
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.fleet import FleetView, incarnation_of
+from lorapub.runtime.engines import Engines
+from lorapub.runtime.membership import Drained, FleetMembership
 from lorapub.runtime.publisher import PublicationReport, Publisher
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.tasks import TaskOwner
@@ -188,6 +190,7 @@ class Deployment:
         # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups), the
         # registry as the parts see it (every decision timed and told to the observers).
         self.tasks = TaskOwner("lorapub")
+        self.engines = Engines(self.engines)  # one live engine set, shared by every part (add/remove_engine)
         registry = ObservedRegistry(self.registry, self.observers)
         self.fleet = FleetView(registry, self.engines, deadline=self.deadlines.begin)
         self.reclaimer = Reclaimer(
@@ -209,6 +212,11 @@ class Deployment:
             publisher=self.publisher, interval=self.reconcile_interval,
             stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks, events=self.observers,
             sessions_here=self.sessions.counts,
+        )
+        self.membership = FleetMembership(
+            registry, self.engines, fleet=self.fleet, reconciler=self.reconciler, sessions=self.sessions,
+            deadlines=self.deadlines, transport=self.transport, own_engines=self.own_engines,
+            on_eligible=self.reclaimer.on_eligible,
         )
         self._started = True
         self.fleet.update(fleet)
@@ -443,6 +451,25 @@ class Deployment:
         the n>1 children of one prompt), and the group keeps it while any member is open."""
         self._require_started()
         return self.sessions.session(session_id, nonce, group=group)
+
+    # -- an elastic fleet (runtime/membership.py; docs/elastic.md) --------------------------------
+    async def add_engine(self, engine: EngineAdmin, *, timeout: float | None = 60.0) -> None:
+        """Add ``engine`` to the running deployment; returns once it holds every version sessions may
+        use and takes traffic (checked against ``capacity`` and the protected prefix first)."""
+        self._require_started()
+        await self.membership.add(engine, timeout=timeout)
+
+    async def drain_engine(self, name: str, *, timeout: float | None = 300.0) -> Drained:
+        """No new binding goes to ``name``; its sessions move to another holder of their version at their
+        next turn boundary. Returns when no request of this deployment runs there (DrainTimeout names the
+        sessions still there after ``timeout`` s)."""
+        self._require_started()
+        return await self.membership.drain(name, timeout=timeout)
+
+    async def remove_engine(self, name: str, *, timeout: float | None = 30.0) -> None:
+        """Remove a drained (or unreachable) engine: reclaims stop waiting for it, its adapter is closed."""
+        self._require_started()
+        await self.membership.remove(name, timeout=timeout)
 
 
 class DeploymentOptions(TypedDict, total=False):

@@ -18,6 +18,7 @@ from lorapub.core.session import Binding
 from lorapub.errors import LorapubError, OutcomeUnknown
 from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.clock import Elapsed
+from lorapub.runtime.engines import shared
 
 __all__ = ["FleetView", "Life", "incarnation_of"]
 
@@ -54,7 +55,7 @@ async def incarnation_of(name: str, engine: EngineAdmin, deadline: float) -> str
 class FleetView:
     def __init__(self, registry: Registry, engines: Mapping[str, EngineAdmin], *, deadline: float) -> None:
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.deadline = deadline  # how long one engine may take to say its life
         # the registry's latest view (None: not read yet, every engine is a candidate)
         self._holders: dict[VersionKey, frozenset[str]] | None = None
@@ -62,6 +63,8 @@ class FleetView:
         self._view_revision = -1  # the default revision of the last view
         self.retiring: frozenset[VersionKey] = frozenset()
         self.on_stale = "error"
+        self.joining: frozenset[str] = frozenset()  # members that take no traffic yet
+        self.draining: frozenset[str] = frozenset()  # members that take no new binding
         # the registry's time, carried forward here (a session's nonce is judged in it)
         self.registry_time = Elapsed()
         self._repair = asyncio.Event()  # the reconciler's wakeup
@@ -131,8 +134,10 @@ class FleetView:
         return fleet
 
     def update(self, fleet: Fleet) -> None:
-        """The registry's latest view: who holds what, the default revision, what is retiring."""
-        self._holders = dict(fleet.holders)
+        """The registry's latest view: who holds what (where sessions may go: never a joining member,
+        a draining one only for a version no other member holds), the default revision, what is retiring."""
+        self._holders = fleet.routing()
+        self.joining, self.draining = frozenset(fleet.joining), frozenset(fleet.draining)
         if fleet.now is not None:
             self.registry_time.set(fleet.now)
         self._view_revision = fleet.default_revision

@@ -56,6 +56,7 @@ from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.runtime.engines import shared
 
 __all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher"]
 
@@ -163,7 +164,7 @@ class Publisher:
         self.events: Observer = events or (lambda event: None)
         self.transport_name = transport_name  # how bucket bytes travel, for progress and byte counts
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.epoch = epoch
         self.deadlines = deadlines or Deadlines()
         self.bucket_cap_bytes = bucket_cap_bytes

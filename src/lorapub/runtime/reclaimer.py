@@ -18,6 +18,7 @@ from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.runtime.engines import shared
 
 __all__ = ["Reclaimer"]
 
@@ -47,7 +48,7 @@ class Reclaimer:
         clock: Clock | None = None,
     ) -> None:
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.deadlines = deadlines or Deadlines()
         self.auto = auto
         # the first claim, then up to ``retries`` retries of the unloads, waiting backoff * 2**n between them

@@ -44,6 +44,7 @@ from lorapub.runtime.fleet import FleetView, Life
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.runtime.engines import shared
 
 __all__ = ["Blocker", "Health", "Reconciler"]
 
@@ -107,7 +108,7 @@ class Reconciler:
         self.events: Observer = events or (lambda event: None)
         self.sessions_here = sessions_here  # (open sessions, groups) of this process, for the gauges
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.deadlines = deadlines
         self.reclaimer = reclaimer
         self.publisher = publisher

@@ -37,6 +37,7 @@ from lorapub.core.commands import (
 from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown, UnknownEngine
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
+from lorapub.runtime.engines import shared
 
 __all__ = ["OnReady", "OnEligible", "Deadlines", "RunLog", "EffectRunner"]
 
@@ -143,7 +144,7 @@ class EffectRunner:
             raise InvalidInput(f"bucket source {type(source).__name__} does not say whether it is collective "
                                "(lorapub.ports.BucketSource.collective: True or False)")
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.source = source
         self.deadlines = deadlines or Deadlines()
         self.on_ready = on_ready

@@ -42,6 +42,7 @@ from lorapub.ports import EngineAdmin, GenerationTarget, Registry, RoutedSession
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.runner import EffectRunner, OnEligible
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.runtime.engines import shared
 
 __all__ = ["DEFAULT_IDLE_TTL", "LocalState", "LIVE", "StickyRouter", "Session", "SessionService"]
 
@@ -75,15 +76,16 @@ class StickyRouter:
     def __init__(self, engines: Mapping[str, EngineAdmin]) -> None:
         if not engines:
             raise InvalidInput("a router needs at least one engine")
-        self._engines = list(engines.values())
+        self._engines = shared(engines)  # the deployment's live set: engines that join or leave count
         self._next = itertools.count()
 
     def pick(self, session: RoutedSession, holders: frozenset[str] | None = None) -> GenerationTarget:
         """``holders``: the engines that hold the session's version now (None: all of them)."""
+        engines = list(self._engines.values())
         last = session.engine
-        if last is not None and last in self._engines and (holders is None or last.name in holders):
+        if last is not None and last in engines and (holders is None or last.name in holders):
             return last
-        candidates = [e for e in self._engines if holders is None or e.name in holders]
+        candidates = [e for e in engines if holders is None or e.name in holders]
         if not candidates:
             raise EngineUnavailable(
                 f"no engine holds {session.binding.version if session.binding else 'the bound version'} right now "
@@ -367,7 +369,7 @@ class SessionService:
     ) -> None:
         self.events: Observer = events or (lambda event: None)
         self.registry = registry
-        self.engines = dict(engines)
+        self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.epoch = epoch
         self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=5.0)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-sessions")

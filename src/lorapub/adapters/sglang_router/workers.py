@@ -16,7 +16,7 @@ import attrs
 
 from lorapub.adapters.sglang_router.client import SGLangRouter, engine_name, normalize_url
 from lorapub.adapters.sglang_wire import SGLangWireEngine
-from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown
+from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, LorapubError, OutcomeUnknown
 
 __all__ = [
     "WorkerJoined", "WorkerLeft", "WorkerRestarted", "WorkerUnreachable", "WorkerQuarantined", "WorkerHealed",
@@ -162,6 +162,12 @@ class WorkerWatcher:
     Build with :meth:`discover` (the first listing: engines for the deployment, no
     handshake for workers already serving), then :meth:`start` the polling loop, or drive
     :meth:`poll_once` yourself.
+
+    ``elastic``: a started :class:`~lorapub.Deployment` whose fleet follows the router's list
+    (docs/elastic.md): a worker that joins is added to it (``add_engine``, its heal: loaded with
+    every needed version before it is put in rotation), a worker that leaves is drained when it
+    answers (``drain_timeout`` s at most) and removed (``remove_engine``). None (the default): the
+    deployment's engine set stays as it was built, as before.
     """
 
     def __init__(
@@ -178,9 +184,14 @@ class WorkerWatcher:
         engine_factory: Callable[[str, str], SGLangWireEngine] | None = None,
         probe_timeout: float = 5.0,
         request_timeout: float | None = None,
+        elastic: Any | None = None,
+        drain_timeout: float | None = 300.0,
     ) -> None:
         self.router = router
         self.heal = heal
+        self.elastic = elastic  # a Deployment whose engine set follows the router's list
+        self.drain_timeout = drain_timeout
+        self._leaves: dict[str, asyncio.Task] = {}
         self.on_event = on_event
         self.names = {normalize_url(u): n for u, n in (names or {}).items()}
         self.interval = interval
@@ -281,6 +292,8 @@ class WorkerWatcher:
             await self._joined(url, initial)
         for status in left:
             await self._emit(WorkerLeft(status.name, status.url))
+            if self.elastic is not None:
+                self._leave(status)
         serving = [s for s in self.workers.values() if s.state == "serving" and s.url in listed]
         await asyncio.gather(*(self._probe(s) for s in serving))
 
@@ -352,9 +365,13 @@ class WorkerWatcher:
             try:
                 await self.router.remove_worker(status.url)
                 incarnation = await engine.incarnation()
-                if self.heal is None:
+                if self.elastic is not None and status.name not in self.elastic.engines:
+                    await self._await_leave(status.url)
+                    await self.elastic.add_engine(engine)  # a new member: loaded before it takes traffic
+                elif self.heal is None:
                     raise InvalidInput("no heal callable: a worker cannot be re-provisioned")
-                await self.heal(status.name)
+                else:
+                    await self.heal(status.name)
                 after = await engine.incarnation()
                 if after != incarnation:
                     raise EngineError(f"{status.name} restarted during its heal ({incarnation} -> {after})")
@@ -377,14 +394,45 @@ class WorkerWatcher:
             await self._emit(WorkerReadmitted(status.name, status.url, status.incarnation))
             return
 
+    # -- an elastic deployment: a leave drains and removes the engine -----------------------
+    def _leave(self, status: WorkerStatus) -> None:
+        if status.url not in self._leaves and status.name in self.elastic.engines:
+            task = asyncio.get_running_loop().create_task(self._remove(status))
+            self._leaves[status.url] = task
+            task.add_done_callback(lambda _t, url=status.url: self._leaves.pop(url, None))
+
+    async def _await_leave(self, url: str) -> None:
+        """A worker that comes back while its removal runs joins once it is done."""
+        task = self._leaves.get(url)
+        if task is not None:
+            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
+
+    async def _remove(self, status: WorkerStatus) -> None:
+        """Drain the engine of a worker that left the router (when it answers), then remove it."""
+        name = status.name
+        try:
+            try:
+                await self.elastic.drain_engine(name, timeout=self.drain_timeout)
+            except LorapubError as e:
+                # unreachable, the last member that takes traffic, or its drain ran out of time: removal decides
+                log.warning("%s left the router; its drain did not finish: %s", name, getattr(e, "message", e))
+            await self.elastic.remove_engine(name)
+            self.engines.pop(name, None)  # a later join builds a fresh adapter (the deployment closed this one)
+            log.info("%s left the router and the deployment", name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a leave that cannot complete leaves the engine as it is
+            log.warning("%s left the router but stays a member of the deployment: %s", name, getattr(e, "message", e))
+
     async def settle(self) -> None:
-        """Wait for every running handshake (tests)."""
-        while self._handshakes:
-            await asyncio.gather(*list(self._handshakes.values()), return_exceptions=True)
+        """Wait for every running handshake and removal (tests)."""
+        while self._handshakes or self._leaves:
+            await asyncio.gather(*list(self._handshakes.values()), *list(self._leaves.values()),
+                                 return_exceptions=True)
 
     async def close(self) -> None:
         """Stop polling and every handshake; close the engines' HTTP clients."""
-        tasks = [t for t in [self._loop_task, *self._handshakes.values()] if t is not None]
+        tasks = [t for t in [self._loop_task, *self._handshakes.values(), *self._leaves.values()] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -15,6 +15,9 @@ import attrs
 
 from lorapub.core.commands import (  # noqa: F401 - the command values are part of this package's face
     AbortStale,
+    AddEngine,
+    DrainEngine,
+    RemoveEngine,
     AuthorizeDispatch,
     BeginClose,
     BindFirst,
@@ -60,6 +63,7 @@ from .state import (
     DEFAULT_LEASE_TTL,
     DEFAULT_TOMBSTONE_WINDOW,
     Fleet,
+    Membership,
     ON_STALE,
     Outcome,
     RegistryState,
@@ -103,6 +107,12 @@ from .reclaims import (
     record_unloaded,
     retry_reclaim,
 )
+from .membership import (
+    add_engine,
+    admit_joined,
+    drain_engine,
+    remove_engine,
+)
 from .recovery import (
     abort_stale,
     read_fleet,
@@ -123,7 +133,8 @@ __all__ = [
     "QUERIES", "QueryAttempt", "ReadFleet", "ReadSessionsOf", "ReadState", "ReadVersion", "Rebind",
     "RecordBucketDone", "RecordCleaned", "RecordFailure", "RecordLost", "RecordPrepared", "RecordReady",
     "RecordUnknown", "RecordUnloaded", "RegisterEngine", "RenewLeases", "Reserve", "RetryCleanup", "RetryReclaim",
-    "StartReprovision",
+    "StartReprovision", "Membership", "AddEngine", "DrainEngine", "RemoveEngine", "add_engine", "drain_engine",
+    "remove_engine", "admit_joined",
 ]
 
 
@@ -140,6 +151,7 @@ TRANSITIONS: dict[type, Callable[..., Outcome]] = {
     RetryReclaim: retry_reclaim, RenewLeases: renew_leases, ExpireSessions: expire_sessions,
     ExpireLeases: expire_leases,
     StartReprovision: start_reprovision, AbortStale: abort_stale, RecordLost: record_lost,
+    AddEngine: add_engine, DrainEngine: drain_engine, RemoveEngine: remove_engine,
 }
 
 QUERY_HANDLERS: dict[type, Callable[[RegistryState, Any], object]] = {
@@ -163,7 +175,12 @@ def handle(state: RegistryState, command: Command) -> Outcome:
     transition = TRANSITIONS.get(type(command))
     if transition is None:
         raise InvalidInput(f"{command!r} is not a registry command")
-    return transition(state, *(getattr(command, f.name) for f in attrs.fields(type(command))))
+    outcome = transition(state, *(getattr(command, f.name) for f in attrs.fields(type(command))))
+    if outcome.state.members:  # a joining member may hold every needed version now (docs/elastic.md)
+        admitted = admit_joined(outcome.state)
+        if admitted is not outcome.state:
+            outcome = attrs.evolve(outcome, state=admitted)
+    return outcome
 
 
 @attrs.frozen

@@ -36,13 +36,14 @@ _P = ParamSpec("_P")
 
 # -- engines -----------------------------------------------------------------
 def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outcome:
-    """Add an engine, or record that it restarted: attempts bound to its old life abort."""
+    """Record that a member restarted: attempts bound to its old life abort. An engine that is not a
+    member changes nothing (it joins by ``AddEngine``; a removed one is not re-added by a late probe)."""
     old = state.engines.get(engine)
+    if old is None:
+        return Outcome(state, None, [Ignored(f"engine {engine} is not a member; AddEngine adds it")])
     if old == incarnation:
         return Outcome(state)
     state = attrs.evolve(state, engines=state.engines.set(engine, incarnation))
-    if old is None:
-        return Outcome(state)
     # The new life holds no adapter: it leaves every version's holders (re-provisioned later
     # where sessions still need it), and a reclaim has nothing left to unload there.
     versions = state.versions
@@ -155,7 +156,10 @@ def reserve(
     state = _supersede_waiter(state, key)
     token = AttemptToken(key, state.attempt_seq + 1)
     name = lora_name_for(key, digest, state.name_prefix)
-    attempt, effects = att.start(token, name, digest, plan, state.engines, state.default_revision, publisher=publisher)
+    # every member but the draining ones: a joining member is loaded with it too (it joins with it)
+    attempt, effects = att.start(
+        token, name, digest, plan, state.publication_targets(), state.default_revision, publisher=publisher
+    )
     if existing is not None:
         version = advance(existing, VersionState.LOADING, attempt=token)
     else:

@@ -9,7 +9,6 @@ from lorapub.core import reclaim as rec
 from lorapub.core.effects import Ignored
 from lorapub.core.identity import VersionKey
 from lorapub.core.version import VersionState, advance
-from lorapub.errors import UnknownEngine
 
 from .state import Outcome, RegistryState
 
@@ -29,9 +28,9 @@ def claim_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
 
 
 def record_unloaded(state: RegistryState, key: VersionKey, reclaim_id: str, engine: str) -> Outcome:
-    """One engine's UNLOADED receipt for ``reclaim_id``."""
+    """One engine's UNLOADED receipt for ``reclaim_id`` (a late one from a removed engine changes nothing)."""
     if engine not in state.engines:
-        raise UnknownEngine(f"engine {engine} is not registered")
+        return Outcome(state, state.version(key).state, [Ignored(f"UNLOADED from {engine}, which is not a member")])
     version = state.version(key)
     new, effects = rec.confirm(version, reclaim_id, engine)
     return Outcome(attrs.evolve(state, versions=state.versions.set(key, new)), new.state, effects)

@@ -14,7 +14,7 @@ from lorapub.core.version import HELD_BY_ENGINES, SERVING, VersionState
 from lorapub.errors import UnknownEngine
 
 from .publication import step_attempt
-from .state import Fleet, Outcome, RegistryState
+from .state import Fleet, Membership, Outcome, RegistryState
 
 __all__ = ['abort_stale', 'read_fleet', 'record_lost', 'start_reprovision']
 
@@ -99,4 +99,6 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
         # unloaded, or failed and not yet cleaned): anything else managed of this epoch is an orphan
         lora_names={k: v.lora_name for k, v in state.versions.items()
                     if v.state in HELD_BY_ENGINES or v.state in (VersionState.LOADING, VersionState.ABORTED)},
+        joining=state.in_state(Membership.JOINING),
+        draining=state.in_state(Membership.DRAINING),
     )

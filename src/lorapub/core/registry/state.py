@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Iterable, Mapping, TypeVar
 
 import attrs
@@ -18,8 +19,8 @@ from lorapub.core.session_table import SessionTable
 from lorapub.core.version import CommitReceipt, Version, VersionState
 from lorapub.errors import EpochMismatch, InvalidInput, StaleAttempt, UnknownVersion
 
-__all__ = ['AttemptStatus', 'DEFAULT_CAPACITY', 'DEFAULT_LEASE_TTL', 'DEFAULT_TOMBSTONE_WINDOW', 'Fleet', 'ON_STALE',
-    'Outcome', 'RegistryState', 'ReserveReply', 'SessionsOf', 'SlotHolder', 'Waiter', 'Waiting', 'as_effects',
+__all__ = ['AttemptStatus', 'DEFAULT_CAPACITY', 'DEFAULT_LEASE_TTL', 'DEFAULT_TOMBSTONE_WINDOW', 'Fleet', 'Membership',
+    'ON_STALE', 'Outcome', 'RegistryState', 'ReserveReply', 'SessionsOf', 'SlotHolder', 'Waiter', 'Waiting', 'as_effects',
     'check_epoch', 'check_max_lag', 'new_registry']
 
 
@@ -33,6 +34,16 @@ DEFAULT_TOMBSTONE_WINDOW = 3600.0
 #: its next generation: ``"error"`` (BINDING_STALE, the session generates no more) or
 #: ``"rebind"`` (it moves to the default at that turn boundary, recorded in its provenance).
 ON_STALE = ("error", "rebind")
+
+
+class Membership(enum.Enum):
+    """An engine's place in the fleet (docs/elastic.md). ``JOINING``: added, takes no traffic until it
+    holds every version sessions may use; ``SERVING``; ``DRAINING``: takes no new binding and no new
+    version, on its way out."""
+
+    JOINING = "JOINING"
+    SERVING = "SERVING"
+    DRAINING = "DRAINING"
 
 
 @attrs.frozen
@@ -60,6 +71,10 @@ def _frozen_map(value: Mapping[_K, _V]) -> PMap[_K, _V]:
 
 # One converter a field (mypy's attrs plugin types the field's argument by its converter's).
 def _engines(value: Mapping[str, str]) -> PMap[str, str]:
+    return _frozen_map(value)
+
+
+def _members(value: Mapping[str, Membership]) -> PMap[str, Membership]:
     return _frozen_map(value)
 
 
@@ -122,6 +137,8 @@ class RegistryState:
     superseded: PMap[VersionKey, VersionKey] = attrs.field(factory=pmap, converter=_superseded)
     # how this deployment's versions are named on the engines (each engine protects one prefix)
     name_prefix: str = MANAGED_PREFIX
+    # engine -> JOINING or DRAINING; an engine of ``engines`` not named here is SERVING
+    members: PMap[str, Membership] = attrs.field(factory=pmap, converter=_members)
 
     __getstate__ = _fields.getstate
     __setstate__ = _fields.setstate
@@ -170,11 +187,24 @@ class RegistryState:
         ]
 
     def missing(self) -> list[tuple[str, VersionKey]]:
-        """(engine, version) pairs to re-provision: a needed version an engine lost in a restart."""
+        """(engine, version) pairs to load: a needed version an engine lost in a restart, or never
+        had (it joined); never on a draining engine."""
         return [
             (engine, v.key) for v in self.needed() for engine in sorted(self.engines)
             if engine not in v.engines and (engine, v.key) not in self.reprovisions
+            and self.members.get(engine) is not Membership.DRAINING
         ]
+
+    def membership(self, engine: str) -> Membership:
+        """``engine``'s place in the fleet (it must be one of ``engines``)."""
+        return self.members.get(engine, Membership.SERVING)
+
+    def in_state(self, membership: Membership) -> frozenset[str]:
+        return frozenset(e for e in self.engines if self.membership(e) is membership)
+
+    def publication_targets(self) -> dict[str, str]:
+        """The engines a new publication loads on (engine -> incarnation): every member not draining."""
+        return {e: inc for e, inc in self.engines.items() if self.members.get(e) is not Membership.DRAINING}
 
 
 @attrs.frozen
@@ -276,13 +306,26 @@ class Fleet:
     now: float | None = None  # the registry's clock when it answered
     name_prefix: str = MANAGED_PREFIX
     lora_names: Mapping[VersionKey, str] = attrs.field(factory=dict)  # every version engines may still hold
+    joining: frozenset[str] = frozenset()  # members that take no traffic until they hold every needed version
+    draining: frozenset[str] = frozenset()  # members that take no new binding (they are on their way out)
 
     @property
     def routable(self) -> frozenset[str]:
-        """Engines that hold every version sessions may still use."""
+        """Engines that take traffic and hold every version sessions may still use."""
+        serving = frozenset(self.engines) - self.joining - self.draining
         if not self.holders:
-            return frozenset(self.engines)
-        return frozenset.intersection(*self.holders.values())
+            return serving
+        return serving & frozenset.intersection(*self.holders.values())
+
+    def routing(self) -> dict[VersionKey, frozenset[str]]:
+        """Where each version's generations may go: its holders, less the joining members, and less
+        the draining ones unless no other member holds it (its sessions stay until it is loaded
+        elsewhere or they end)."""
+        routes = {}
+        for key, holders in self.holders.items():
+            taking = holders - self.joining
+            routes[key] = (taking - self.draining) or taking
+        return routes
 
 
 @attrs.frozen

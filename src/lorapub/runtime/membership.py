@@ -1,0 +1,296 @@
+"""An elastic fleet: engines join a running deployment, drain, and leave it.
+
+A joining engine takes no traffic until the reconciler loaded every needed version there; a draining
+one takes no new binding and its sessions move to another holder at a turn boundary; a removed one is
+forgotten by reclaims and cleanups. The decisions are the registry's (AddEngine, DrainEngine, RemoveEngine).
+See docs/elastic.md, "Growing and shrinking the fleet".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import attrs
+
+from lorapub.core.commands import AddEngine, DrainEngine, ReadFleet, RemoveEngine
+from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
+from lorapub.core.registry import Fleet, Membership
+from lorapub.errors import (
+    DrainTimeout,
+    EngineCapacityError,
+    EngineError,
+    EngineUnavailable,
+    InvalidInput,
+    OutcomeUnknown,
+    PublicationBlocked,
+    UnknownEngine,
+)
+from lorapub.ports import EngineAdmin, Registry, ReportsInventory, ReportsLimits, TakesTransport, Transport
+from lorapub.runtime.engines import Engines
+from lorapub.runtime.fleet import FleetView, incarnation_of
+from lorapub.runtime.reconciler import Reconciler
+from lorapub.runtime.runner import Deadlines, EffectRunner
+from lorapub.runtime.sessions import LIVE, SessionService
+
+__all__ = ["Drained", "FleetMembership", "check_limits", "check_protects"]
+
+log = logging.getLogger(__name__)
+
+#: How often a join, a drain or a removal looks again at what it waits for.
+POLL = 0.05
+
+
+@attrs.frozen
+class Drained:
+    """What :meth:`FleetMembership.drain` waited for: ``moved`` sessions of this process left the
+    engine at a turn boundary (they went to another holder of their version)."""
+
+    engine: str
+    seconds: float
+    moved: int
+
+
+async def _within(name: str, what: str, deadline: float, call: Awaitable[object]) -> object:
+    try:
+        async with asyncio.timeout(deadline):
+            return await call
+    except TimeoutError:
+        raise OutcomeUnknown(f"engine {name} did not say {what} within {deadline:g}s", engine=name) from None
+
+
+async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: float) -> None:
+    """Engine ``name`` must hold ``capacity`` pinned managed versions at once (EngineCapacityError naming it)."""
+    if not isinstance(engine, ReportsLimits):
+        log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
+        return
+    limits = await _within(name, "its LoRA limits", deadline, engine.limits())
+    holds = limits.managed_capacity()  # type: ignore[attr-defined]
+    if holds is not None and holds < capacity:
+        raise EngineCapacityError(
+            f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
+            f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "  # type: ignore[attr-defined]
+            f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
+            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)",
+            engine=name, limits=limits, capacity=capacity,
+        )
+
+
+async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: float) -> None:
+    """An engine that says which names it protects must protect the deployment's prefix."""
+    if not isinstance(engine, ReportsInventory):
+        return
+    protected = (await _within(name, "its inventory", deadline, engine.inventory())).managed_prefix  # type: ignore[attr-defined]
+    if protected is not None and protected != prefix:
+        raise EngineError(
+            f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "
+            f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix}", engine=name,
+        )
+
+
+class FleetMembership:
+    """Adds, drains and removes engines of a started deployment (``Deployment.add_engine``,
+    ``drain_engine``, ``remove_engine`` delegate here). The engine set it changes is the one every
+    part of the deployment shares."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        engines: Engines,
+        *,
+        fleet: FleetView,
+        reconciler: Reconciler,
+        sessions: SessionService,
+        deadlines: Deadlines,
+        transport: Transport | None = None,
+        own_engines: bool = True,
+        on_eligible: Callable[..., object] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.engines = engines
+        self.fleet = fleet
+        self.reconciler = reconciler
+        self.sessions = sessions
+        self.deadlines = deadlines
+        self.transport = transport
+        self.own_engines = own_engines
+        self.control = EffectRunner(registry, engines, None, deadlines, on_eligible=on_eligible)
+        self._lock = asyncio.Lock()  # one change of the engine set at a time in this process
+
+    async def _fleet(self) -> Fleet:
+        return await self.fleet.refresh()
+
+    # -- join ------------------------------------------------------------------------------
+    def _check_adapter(self, engine: object) -> tuple[str, EngineAdmin]:
+        name = getattr(engine, "name", None)
+        check_id("engine name", name)
+        if not isinstance(engine, EngineAdmin):
+            raise InvalidInput(f"engine {name!r} ({type(engine).__name__}) is not a lorapub.ports.EngineAdmin")
+        takes = isinstance(engine, TakesTransport)
+        if self.transport is not None and not takes:
+            raise InvalidInput(f"engine {name} takes no transport, but this deployment's engines receive buckets "
+                               f"by {self.transport!r}: every engine of a deployment receives them one way")
+        if self.transport is None and takes and self.engines and not any(
+                isinstance(e, TakesTransport) for e in self.engines.values()):
+            raise InvalidInput(f"engine {name} takes a transport, but this deployment's engines are sent "
+                               "safetensors bytes: every engine of a deployment receives them one way")
+        assert isinstance(name, str)
+        return name, engine
+
+    async def add(self, engine: EngineAdmin, *, timeout: float | None = 60.0) -> Membership:
+        """Add ``engine``: checked (capacity, protected prefix, transport), registered JOINING, loaded
+        with every version sessions may use, then SERVING (returned). ``timeout`` s: EngineUnavailable
+        if it is not loaded by then (it stays JOINING and keeps being loaded; add it again to wait)."""
+        name, engine = self._check_adapter(engine)
+        async with self._lock:
+            fleet = await self._fleet()
+            known = self.engines.get(name)
+            if known is not None and known is not engine and name in fleet.engines and name not in fleet.draining:
+                raise InvalidInput(f"engine {name} is already a member (another adapter object); remove it first")
+            await check_limits(name, engine, fleet.capacity, self.deadlines.begin)
+            await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
+            incarnation = await incarnation_of(name, engine, self.deadlines.begin)
+            if self.transport is not None and isinstance(engine, TakesTransport):
+                engine.use_transport(self.transport)  # one given another transport earlier refuses, naming itself
+            self.engines[name] = engine  # before the registry may target it
+            try:
+                result = await self.registry.handle(AddEngine(name, incarnation))
+            except BaseException:
+                if known is None:
+                    self.engines.pop(name, None)
+                raise
+            log.info("engine joining: engine=%s incarnation=%s membership=%s", name, incarnation, result.reply.value)
+            await self.control.run(result.effects)
+        return await self._wait_joined(name, timeout)
+
+    async def _wait_joined(self, name: str, timeout: float | None) -> Membership:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            fleet = await self._fleet()
+            if name not in fleet.engines:
+                raise UnknownEngine(f"engine {name} left the fleet while it joined", engine=name)
+            if name not in fleet.joining:
+                self.reconciler.kick()
+                return Membership.DRAINING if name in fleet.draining else Membership.SERVING
+            # the reconciler loads what it lacks (as on an engine that restarted), in the background
+            await self.reconciler.run_once()
+            await self.reconciler.settle(POLL * 10)
+            if deadline is not None and time.monotonic() > deadline:
+                fleet = await self._fleet()
+                if name not in fleet.joining:
+                    continue
+                lacks = sorted(str(k) for e, k in fleet.missing if e == name)
+                raise EngineUnavailable(
+                    f"engine {name} joined but takes no traffic yet: it lacks {', '.join(lacks) or 'a version a running publication makes'}"
+                    f" (health: {self.reconciler.health.describe()}); it keeps joining in the background — only the "
+                    "process that published a version keeps the frozen copy it is loaded from", engine=name,
+                )
+            await asyncio.sleep(POLL)
+
+    # -- drain -----------------------------------------------------------------------------
+    def _sessions_on(self, name: str) -> tuple[list[str], int]:
+        """This process's sessions whose next generation would go to ``name`` (their version has no
+        other holder), and its requests running there."""
+        staying, running = [], 0
+        for s in list(self.sessions.sessions.values()):
+            if s.engine is None or s.engine.name != name:
+                continue
+            if s.busy:
+                running += len(s._inflight)
+            if s.state in LIVE and s.binding is not None:
+                holders = self.fleet.holders(s.binding.version)
+                if holders is not None and name in holders:
+                    staying.append(s.key.session_id)
+        return staying, running
+
+    async def _engine_refs(self, name: str, fleet: Fleet) -> int:
+        """Requests running on this deployment's versions there, as the engine counts them (0 where
+        it keeps no inventory or does not answer)."""
+        engine = self.engines.get(name)
+        if not isinstance(engine, ReportsInventory):
+            return 0
+        life = await self.fleet.life(name)
+        if life.inventory is None:
+            return 0
+        ours = set(fleet.lora_names.values())
+        return sum(a.refs for n, a in life.inventory.adapters.items() if n in ours)
+
+    async def drain(self, name: str, *, timeout: float | None = 300.0) -> Drained:
+        """Drain ``name``: no new binding goes there; sessions move to another holder of their version
+        at their next turn boundary. Returns when no request of this deployment runs there and no session
+        of this process would go back; DrainTimeout after ``timeout`` s naming the sessions still there
+        (it stays draining)."""
+        started = time.monotonic()
+        async with self._lock:
+            await self.registry.handle(DrainEngine(name))
+        log.info("engine draining: engine=%s", name)
+        fleet = await self._fleet()
+        before = {s.key for s in self.sessions.sessions.values() if s.engine is not None and s.engine.name == name}
+        while True:
+            staying, running = self._sessions_on(name)
+            refs = 0 if staying or running else await self._engine_refs(name, fleet)
+            if not staying and not running and not refs:
+                moved = sum(1 for s in self.sessions.sessions.values()
+                            if s.key in before and s.engine is not None and s.engine.name != name)
+                return Drained(name, time.monotonic() - started, moved)
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise DrainTimeout(
+                    f"engine {name} still serves {len(staying)} session(s) ({', '.join(staying[:8]) or '-'}) and "
+                    f"{running + refs} running request(s) after {timeout:g}s: their version has no other holder yet, or "
+                    "their turns are long; it stays draining (no new binding goes there) — drain again to wait more",
+                    engine=name, sessions=staying, requests=running + refs,
+                )
+            await asyncio.sleep(POLL)
+            fleet = await self._fleet()
+
+    # -- removal ---------------------------------------------------------------------------
+    async def remove(self, name: str, *, timeout: float | None = 30.0) -> None:
+        """Remove ``name``: a draining member (once no running publication still needs it), or an
+        unreachable one (forced: a publication that still needs it aborts). A reachable member that is
+        not draining is EngineNotDrained; an unknown name UnknownEngine."""
+        started = time.monotonic()
+        while True:
+            async with self._lock:
+                fleet = await self._fleet()
+                if name not in fleet.engines:
+                    raise UnknownEngine(f"engine {name} is not a member of this fleet "
+                                        f"(members: {', '.join(sorted(fleet.engines))})", engine=name)
+                reachable = name in self.engines and (await self.fleet.life(name, inventory=False)).answered
+                try:
+                    result = await self.registry.handle(RemoveEngine(name, force=not reachable))
+                except PublicationBlocked:
+                    if timeout is not None and time.monotonic() - started > timeout:
+                        raise
+                    result = None
+                if result is not None:
+                    engine = self.engines.pop(name, None)
+                    log.info("engine removed: engine=%s reachable=%s", name, reachable)
+                    await self.control.run(result.effects)
+                    break
+            await asyncio.sleep(POLL)
+        await self._fleet()
+        self.reconciler.kick()  # a reclaim that waited for it may finish now
+        if engine is not None and reachable:
+            await self._unload_ours(name, engine, fleet)
+        if engine is not None and self.own_engines:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as e:  # noqa: BLE001 - closing is best effort
+                    log.warning("closing removed engine %s: %s", name, e)
+
+    async def _unload_ours(self, name: str, engine: EngineAdmin, fleet: Fleet) -> None:
+        """Best effort: unload this deployment's versions from a removed engine that answers, so it
+        leaves clean (it may join again later, or serve another deployment)."""
+        if not isinstance(engine, ReportsInventory):
+            return
+        try:
+            held = (await _within(name, "its inventory", self.deadlines.begin, engine.inventory())).adapters  # type: ignore[attr-defined]
+            for lora_name in sorted(set(fleet.lora_names.values()) & set(held)):
+                async with asyncio.timeout(self.deadlines.reclaim):
+                    await engine.reclaim(lora_name, f"removed-{name}-{lora_name}")
+        except Exception as e:  # noqa: BLE001 - it left the fleet: what it keeps is no longer ours
+            log.warning("unloading this deployment's versions from removed engine %s: %s", name, e)
