@@ -18,7 +18,7 @@ __all__ = [
     "PublishBegun", "PublishWaiting", "EngineReady", "PublishCommitted", "PublishFailed", "PublishSuperseded",
     "PublishProgress", "SessionBound", "SessionRebound", "SessionStale", "SessionsExpired", "VersionRetired",
     "ReclaimClaimed", "VersionUnloaded", "VersionReclaimed", "OrphanFound", "OrphanFreed", "EngineRestarted",
-    "EngineReprovisioned", "ReconcilePassed", "RegistryDecided", "RequestDispatched",
+    "EngineReprovisioned", "EngineJoining", "EngineDraining", "EngineDrained", "EngineRemoved", "ReconcilePassed", "RegistryDecided", "RequestDispatched",
 ]
 
 
@@ -235,6 +235,37 @@ class EngineReprovisioned(Event):
 
 
 @attrs.frozen
+class EngineJoining(Event):
+    """An engine added to a running fleet: it takes traffic once it holds every version in use."""
+
+    KIND = "engine.joining"
+    engine: str
+    incarnation: str
+    membership: str
+
+
+@attrs.frozen
+class EngineDraining(Event):
+    KIND = "engine.draining"
+    engine: str
+
+
+@attrs.frozen
+class EngineDrained(Event):
+    KIND = "engine.drained"
+    engine: str
+    seconds: float
+    sessions_moved: int
+
+
+@attrs.frozen
+class EngineRemoved(Event):
+    KIND = "engine.removed"
+    engine: str
+    reachable: bool
+
+
+@attrs.frozen
 class ReconcilePassed(Event):
     KIND = "reconcile.pass"
     LEVEL = logging.DEBUG
@@ -264,5 +295,5 @@ KINDS: tuple[type[Event], ...] = (
     PublishBegun, PublishWaiting, EngineReady, PublishCommitted, PublishFailed, PublishSuperseded, PublishProgress,
     SessionBound, SessionRebound, SessionStale, SessionsExpired, RequestDispatched, VersionRetired, ReclaimClaimed,
     VersionUnloaded, VersionReclaimed, OrphanFound, OrphanFreed, EngineRestarted, EngineReprovisioned,
-    ReconcilePassed, RegistryDecided,
+    EngineJoining, EngineDraining, EngineDrained, EngineRemoved, ReconcilePassed, RegistryDecided,
 )

@@ -190,3 +190,20 @@ def test_every_event_kind_is_unique_and_documented():
     doc = (pathlib.Path(__file__).parents[2] / "docs" / "operating.md").read_text()
     missing = [k for k in kinds if f"`{k}`" not in doc]
     assert not missing, missing
+
+
+async def test_a_join_a_drain_and_a_removal_are_told():
+    from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, EngineReprovisioned
+
+    seen = []
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=0.05, observers=[seen.append]).start()
+    await dep.publish(lora_snapshot(1), "A")
+    await dep.add_engine(MemoryEngine("e2"))
+    await dep.drain_engine("e2")
+    await dep.remove_engine("e2")
+    await dep.close()
+    told = [(type(e).__name__, e.engine) for e in seen
+            if isinstance(e, (EngineJoining, EngineDraining, EngineDrained, EngineRemoved))]
+    assert told == [("EngineJoining", "e2"), ("EngineDraining", "e2"), ("EngineDrained", "e2"),
+                    ("EngineRemoved", "e2")]
+    assert [(e.engine, str(e.version)) for e in seen if isinstance(e, EngineReprovisioned)] == [("e2", "1-A")]

@@ -4,13 +4,26 @@ every engine, the status endpoint's address. See docs/design.md, "Runtime wiring
 
 from __future__ import annotations
 
-from typing import Mapping
+import asyncio
+import logging
+from typing import Awaitable, Mapping, TypeVar
 
-from lorapub.core.identity import check_id
-from lorapub.errors import InvalidInput
-from lorapub.ports import EngineAdmin, OverwriteAdmin, TakesTransport, Transport
+from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
+from lorapub.errors import EngineCapacityError, EngineError, InvalidInput, OutcomeUnknown
+from lorapub.ports import (
+    EngineAdmin,
+    OverwriteAdmin,
+    ReportsInventory,
+    ReportsLimits,
+    TakesTransport,
+    Transport,
+)
 
-__all__ = ["check_engines", "hand_transport", "check_status_address", "transport_name"]
+__all__ = ["check_engines", "hand_transport", "check_status_address", "transport_name", "check_limits",
+           "check_protects", "answer_within"]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def check_engines(engines: object) -> dict[str, EngineAdmin]:
@@ -77,3 +90,44 @@ def check_status_address(status: object) -> tuple[str, int] | None:
 
 def transport_name(transport: Transport | None) -> str:
     return "inline" if transport is None else type(transport).__name__
+
+
+async def answer_within(name: str, what: str, deadline: float, call: Awaitable[_T]) -> _T:
+    """An engine's answer within ``deadline``: none is OUTCOME_UNKNOWN naming the engine."""
+    try:
+        async with asyncio.timeout(deadline):
+            return await call
+    except TimeoutError:
+        raise OutcomeUnknown(f"engine {name} did not say {what} within {deadline:g}s; try again once it answers",
+                             engine=name) from None
+
+
+async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: float) -> None:
+    """Engine ``name`` must hold ``capacity`` pinned managed versions at once (EngineCapacityError naming it)."""
+    if not isinstance(engine, ReportsLimits):
+        log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
+        return
+    limits = await answer_within(name, "its LoRA limits", deadline, engine.limits())
+    holds = limits.managed_capacity()
+    if holds is not None and holds < capacity:
+        raise EngineCapacityError(
+            f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
+            f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "
+            f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
+            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more), or lower capacity",
+            engine=name, limits=limits, capacity=capacity,
+        )
+
+
+async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: float) -> None:
+    """An engine that says which names it protects must protect the deployment's: one launched for
+    another prefix would let its versions be unloaded, overwritten or reloaded."""
+    if not isinstance(engine, ReportsInventory):
+        return
+    protected = (await answer_within(name, "its inventory", deadline, engine.inventory())).managed_prefix
+    if protected is not None and protected != prefix:
+        raise EngineError(
+            f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "
+            f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix} (or give the deployment "
+            f"name_prefix={protected!r})", engine=name,
+        )

@@ -8,14 +8,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Awaitable, Iterable, Literal, Mapping, TypedDict, TypeVar, Unpack, cast, overload
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, TypedDict, Unpack, cast, overload
 
 from lorapub.core.identity import (
     MANAGED_PREFIX,
-    MANAGED_PREFIX_ENV,
     VersionKey,
     _check_epoch,
     check_name_prefix,
@@ -32,26 +30,28 @@ from lorapub.core.registry import (
 )
 from lorapub.errors import (
     AlreadyStarted,
-    EngineCapacityError,
-    EngineError,
     InvalidInput,
     LorapubError,
-    OutcomeUnknown,
 )
 from lorapub.ports import (
     EngineAdmin,
     Inventory,
     OverwriteAdmin,
     Registry,
-    ReportsInventory,
-    ReportsLimits,
     Routing,
     Transport,
 )
 from lorapub.events import Observer
 from lorapub.runtime.decision_log import DecisionLog
 from lorapub.runtime.observers import ObservedRegistry, Observers
-from lorapub.runtime.admission import check_engines, check_status_address, hand_transport, transport_name
+from lorapub.runtime.admission import (
+    check_engines,
+    check_limits,
+    check_protects,
+    check_status_address,
+    hand_transport,
+    transport_name,
+)
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.engines import Engines
@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["Deployment", "DeploymentOptions", "deploy"]
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 
 class Deployment:
@@ -184,8 +183,9 @@ class Deployment:
             )
         fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
-        await self._check_limits(fleet.capacity)
-        await self._check_engines_protect(fleet.name_prefix)
+        for name, engine in sorted(self.engines.items()):
+            await check_limits(name, engine, fleet.capacity, self.deadlines.begin)
+            await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
         # The parts, each given what it works with, in the order they depend on each other: one
         # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups), the
         # registry as the parts see it (every decision timed and told to the observers).
@@ -216,7 +216,7 @@ class Deployment:
         self.membership = FleetMembership(
             registry, self.engines, fleet=self.fleet, reconciler=self.reconciler, sessions=self.sessions,
             deadlines=self.deadlines, transport=self.transport, own_engines=self.own_engines,
-            on_eligible=self.reclaimer.on_eligible,
+            on_eligible=self.reclaimer.on_eligible, events=self.observers,
         )
         self._started = True
         self.fleet.update(fleet)
@@ -250,46 +250,6 @@ class Deployment:
                 raise InvalidInput(
                     f"{name}={value!r} was asked for, but the registry this deployment uses has {name}={has!r} "
                     "(a shared registry's settings are made once, where it is created)"
-                )
-
-    async def _within(self, name: str, what: str, call: Awaitable[_T]) -> _T:
-        """An engine call at start, bounded by the begin deadline: no answer is OUTCOME_UNKNOWN."""
-        try:
-            async with asyncio.timeout(self.deadlines.begin):
-                return await call
-        except TimeoutError:
-            raise OutcomeUnknown(f"engine {name} did not say {what} within {self.deadlines.begin:g}s; "
-                                 "start again once it answers", engine=name) from None
-
-    async def _check_engines_protect(self, prefix: str) -> None:
-        """Every engine that says which names it protects must protect this deployment's: an engine
-        launched for another prefix would let its versions be unloaded, overwritten or reloaded."""
-        for name, engine in sorted(self.engines.items()):
-            if not isinstance(engine, ReportsInventory):
-                continue
-            protected = (await self._within(name, "its inventory", engine.inventory())).managed_prefix
-            if protected is not None and protected != prefix:
-                raise EngineError(
-                    f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "
-                    f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix} (or give the deployment "
-                    f"name_prefix={protected!r})", engine=name,
-                )
-
-    async def _check_limits(self, capacity: int) -> None:
-        """Every engine must hold ``capacity`` pinned managed versions at once."""
-        for name, engine in sorted(self.engines.items()):
-            if not isinstance(engine, ReportsLimits):
-                log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
-                continue
-            limits = await self._within(name, "its LoRA limits", engine.limits())
-            holds = limits.managed_capacity()
-            if holds is not None and holds < capacity:
-                raise EngineCapacityError(
-                    f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
-                    f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "
-                    f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
-                    f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more), or lower capacity",
-                    engine=name, limits=limits, capacity=capacity,
                 )
 
     async def close(self, grace: float = 5.0) -> None:

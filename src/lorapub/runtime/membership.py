@@ -11,31 +11,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Callable
 
 import attrs
 
-from lorapub.core.commands import AddEngine, DrainEngine, ReadFleet, RemoveEngine
-from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
+from lorapub.core.commands import AddEngine, DrainEngine, RemoveEngine
+from lorapub.core.identity import check_id
 from lorapub.core.registry import Fleet, Membership
 from lorapub.errors import (
     DrainTimeout,
-    EngineCapacityError,
-    EngineError,
     EngineUnavailable,
     InvalidInput,
-    OutcomeUnknown,
     PublicationBlocked,
     UnknownEngine,
 )
-from lorapub.ports import EngineAdmin, Registry, ReportsInventory, ReportsLimits, TakesTransport, Transport
+from lorapub.ports import EngineAdmin, Registry, ReportsInventory, TakesTransport, Transport
 from lorapub.runtime.engines import Engines
+from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, Observer
+from lorapub.runtime.admission import answer_within, check_limits, check_protects
 from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.reconciler import Reconciler
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.sessions import LIVE, SessionService
 
-__all__ = ["Drained", "FleetMembership", "check_limits", "check_protects"]
+__all__ = ["Drained", "FleetMembership"]
 
 log = logging.getLogger(__name__)
 
@@ -51,43 +50,6 @@ class Drained:
     engine: str
     seconds: float
     moved: int
-
-
-async def _within(name: str, what: str, deadline: float, call: Awaitable[object]) -> object:
-    try:
-        async with asyncio.timeout(deadline):
-            return await call
-    except TimeoutError:
-        raise OutcomeUnknown(f"engine {name} did not say {what} within {deadline:g}s", engine=name) from None
-
-
-async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: float) -> None:
-    """Engine ``name`` must hold ``capacity`` pinned managed versions at once (EngineCapacityError naming it)."""
-    if not isinstance(engine, ReportsLimits):
-        log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
-        return
-    limits = await _within(name, "its LoRA limits", deadline, engine.limits())
-    holds = limits.managed_capacity()  # type: ignore[attr-defined]
-    if holds is not None and holds < capacity:
-        raise EngineCapacityError(
-            f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
-            f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "  # type: ignore[attr-defined]
-            f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
-            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)",
-            engine=name, limits=limits, capacity=capacity,
-        )
-
-
-async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: float) -> None:
-    """An engine that says which names it protects must protect the deployment's prefix."""
-    if not isinstance(engine, ReportsInventory):
-        return
-    protected = (await _within(name, "its inventory", deadline, engine.inventory())).managed_prefix  # type: ignore[attr-defined]
-    if protected is not None and protected != prefix:
-        raise EngineError(
-            f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "
-            f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix}", engine=name,
-        )
 
 
 class FleetMembership:
@@ -107,7 +69,9 @@ class FleetMembership:
         transport: Transport | None = None,
         own_engines: bool = True,
         on_eligible: Callable[..., object] | None = None,
+        events: Observer | None = None,
     ) -> None:
+        self.events: Observer = events or (lambda event: None)
         self.registry = registry
         self.engines = engines
         self.fleet = fleet
@@ -161,7 +125,7 @@ class FleetMembership:
                 if known is None:
                     self.engines.pop(name, None)
                 raise
-            log.info("engine joining: engine=%s incarnation=%s membership=%s", name, incarnation, result.reply.value)
+            self.events(EngineJoining(name, incarnation, result.reply.value))
             await self.control.run(result.effects)
         return await self._wait_joined(name, timeout)
 
@@ -225,7 +189,7 @@ class FleetMembership:
         started = time.monotonic()
         async with self._lock:
             await self.registry.handle(DrainEngine(name))
-        log.info("engine draining: engine=%s", name)
+        self.events(EngineDraining(name))
         fleet = await self._fleet()
         before = {s.key for s in self.sessions.sessions.values() if s.engine is not None and s.engine.name == name}
         while True:
@@ -234,6 +198,7 @@ class FleetMembership:
             if not staying and not running and not refs:
                 moved = sum(1 for s in self.sessions.sessions.values()
                             if s.key in before and s.engine is not None and s.engine.name != name)
+                self.events(EngineDrained(name, time.monotonic() - started, moved))
                 return Drained(name, time.monotonic() - started, moved)
             if timeout is not None and time.monotonic() - started > timeout:
                 raise DrainTimeout(
@@ -266,7 +231,7 @@ class FleetMembership:
                     result = None
                 if result is not None:
                     engine = self.engines.pop(name, None)
-                    log.info("engine removed: engine=%s reachable=%s", name, reachable)
+                    self.events(EngineRemoved(name, reachable))
                     await self.control.run(result.effects)
                     break
             await asyncio.sleep(POLL)
@@ -288,7 +253,7 @@ class FleetMembership:
         if not isinstance(engine, ReportsInventory):
             return
         try:
-            held = (await _within(name, "its inventory", self.deadlines.begin, engine.inventory())).adapters  # type: ignore[attr-defined]
+            held = (await answer_within(name, "its inventory", self.deadlines.begin, engine.inventory())).adapters  # type: ignore[attr-defined]
             for lora_name in sorted(set(fleet.lora_names.values()) & set(held)):
                 async with asyncio.timeout(self.deadlines.reclaim):
                     await engine.reclaim(lora_name, f"removed-{name}-{lora_name}")
