@@ -93,8 +93,11 @@ async def test_each_decision_is_one_info_line_with_stable_keys(caplog):
     assert fields["version"] == "1-A" and fields["revision"] == "1" and fields["retired"] == "-"
     assert set(fields) == {"version", "revision", "retired", "seconds", "waited", "bytes", "phases"}
     json.loads(fields["phases"])
-    # the lora name is logged where it is a decision's subject, the attempt token and digests never are
+    # the lora name is logged where it is a decision's subject, the attempt token, digests and session
+    # nonces never are
     assert not any("token" in line or "digest" in line for line in lines)
+    bound = next(line for line in lines if line.startswith("session.bound "))
+    assert "session=s1 " in bound and "/" not in bound.split("session=", 1)[1].split(" ", 1)[0]
 
 
 async def test_the_json_formatter_writes_the_same_fields_as_one_object():

@@ -155,7 +155,7 @@ class Session:
         binding = self._adopt(result.reply)
         if self.state is LocalState.OPEN:
             self.state = LocalState.BOUND
-            self.service.events(SessionBound(str(self.key), binding.version, binding.group,
+            self.service.events(SessionBound(self.key.session_id, binding.version, binding.group,
                                              self.service.fleet.lag(binding)))
         return binding
 
@@ -177,7 +177,7 @@ class Session:
     def _became_stale(self) -> None:
         if self.state in LIVE:
             self.state = LocalState.STALE
-            self.service.events(SessionStale(str(self.key), self.binding.version if self.binding else None))
+            self.service.events(SessionStale(self.key.session_id, self.binding.version if self.binding else None))
 
     async def bind(self) -> Binding:
         """The session's one binding. A lost reply is retried with the same key: same answer."""
@@ -205,7 +205,7 @@ class Session:
             raise
         new = self._adopt(result.reply)
         if new.version != binding.version:
-            self.service.events(SessionRebound(str(self.key), new.version, new.rebinds))
+            self.service.events(SessionRebound(self.key.session_id, new.version, new.rebinds))
         return new
 
     # -- dispatch -----------------------------------------------------------
@@ -435,7 +435,7 @@ class SessionService:
             if s.state in LIVE:
                 s.state = LocalState.EXPIRED
             self.forget(s)
-        self.events(SessionsExpired(len(idle), "idle", tuple(str(s.key) for s in idle[:8])))
+        self.events(SessionsExpired(len(idle), "idle", tuple(s.key.session_id for s in idle[:8])))
         self.idle_expired += len(idle)
         self.fleet.kick()  # a released version may be reclaimable now
         return len(idle)
@@ -456,7 +456,7 @@ class SessionService:
         for s in live:
             if s.key in gone and s.binding is not None:  # unknown-but-unbound sessions hold nothing yet
                 s.state = LocalState.EXPIRED
-                expired.append(str(s.key))
+                expired.append(s.key.session_id)
             else:
                 s.lease_seen = max(s.lease_seen, sent)
         if expired:
