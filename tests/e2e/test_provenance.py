@@ -82,3 +82,33 @@ async def test_other_weights_under_the_right_name_are_caught_on_the_first_turn(t
         await dep.close()
         await engine.close()
         await d.stop()
+
+
+async def test_an_engine_that_does_not_stamp_is_noted_not_failed():
+    """Stock SGLang (no stamps): its turns are unattested, never failed; health notes it, healthy still."""
+    from lorapub.testing import MemoryEngine
+
+    stock, patched = MemoryEngine("stock"), MemoryEngine("patched")
+    stock.stamps = False
+    dep = await Deployment({"stock": stock, "patched": patched}, epoch=1, deadlines=FAST).start()
+    try:
+        await dep.publish(lora_snapshot(1), "A")
+        stamps = []
+        for i in range(4):
+            async with dep.session(f"s{i}") as s:
+                stamp = (await s.generate(TURN))["lorapub"]["stamp"]
+                stamps.append((s.engine.name, stamp))
+        assert {name for name, st in stamps if st is None} == {"stock"}
+        assert {name for name, st in stamps if st is not None} == {"patched"}
+        await dep.settle()
+        health = await dep.reconcile()
+        assert health.healthy and any(n.startswith("stock:") and "unattested" in n for n in health.notes)
+        assert not any(n.startswith("patched:") for n in health.notes)
+        # and the patched engine serving the wrong weights is still caught
+        patched.loaded = {name: "0" * 64 for name in patched.loaded}
+        with pytest.raises(ProvenanceMismatch):
+            for i in range(4):
+                async with dep.session(f"t{i}") as s:
+                    await s.generate(TURN)
+    finally:
+        await dep.close()
