@@ -30,6 +30,7 @@ from lorapub.errors import (
     PublicationBlocked,
     PublicationFailed,
     PublicationSuperseded,
+    ProvenanceMismatch,
     SessionClosed,
     SessionExpired,
     StaleAttempt,
@@ -57,6 +58,7 @@ __all__ = [
     "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
     "DrainTimeout", "EngineNotDrained",
+    "ProvenanceMismatch",
     "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
     "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 ]

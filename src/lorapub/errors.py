@@ -13,6 +13,7 @@ __all__ = [
     "UnknownEngine", "EpochMismatch", "InvalidInput", "EngineError", "OutcomeUnknown", "InvalidTransition",
     "SessionExpired", "EngineUnavailable", "StoreError", "StoreCorrupted", "EngineClosed", "AlreadyStarted",
     "EngineNotDrained", "DrainTimeout",
+    "ProvenanceMismatch",
 ]
 
 
@@ -216,3 +217,12 @@ class DrainTimeout(LorapubError):
     draining (no new binding goes there). ``details['sessions']`` names the sessions still there."""
 
     code = "DRAIN_TIMEOUT"
+
+
+class ProvenanceMismatch(LorapubError):
+    """A turn's engine stamp does not attest the session's binding: another name or digest, another
+    engine life, or no stamp where the engine declares it stamps (a silent base-model fallback). The
+    turn is not a success. ``details``: ``expected`` (the binding) and ``stamp`` (what the engine said).
+    See docs/provenance.md, "Stamp"."""
+
+    code = "PROVENANCE_MISMATCH"

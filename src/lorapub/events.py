@@ -19,6 +19,7 @@ __all__ = [
     "PublishProgress", "SessionBound", "SessionRebound", "SessionStale", "SessionsExpired", "VersionRetired",
     "ReclaimClaimed", "VersionUnloaded", "VersionReclaimed", "OrphanFound", "OrphanFreed", "EngineRestarted",
     "EngineReprovisioned", "EngineJoining", "EngineDraining", "EngineDrained", "EngineRemoved", "ReconcilePassed", "RegistryDecided", "RequestDispatched",
+    "ProvenanceMismatched",
 ]
 
 
@@ -170,6 +171,20 @@ class RequestDispatched(Event):
     lag: int
 
 
+@attrs.frozen
+class ProvenanceMismatched(Event):
+    """A turn's engine stamp did not attest the session's binding (docs/provenance.md, "Stamp"): the
+    turn raised ``ProvenanceMismatch``. ``stamp`` is what the engine said (None: no stamp)."""
+
+    KIND = "provenance.mismatch"
+    LEVEL = logging.WARNING
+    session: str
+    version: VersionKey
+    engine: str
+    reason: str
+    stamp: "dict[str, object] | None" = None
+
+
 # -- versions and reclaims --------------------------------------------------------------------
 
 @attrs.frozen
@@ -296,4 +311,5 @@ KINDS: tuple[type[Event], ...] = (
     SessionBound, SessionRebound, SessionStale, SessionsExpired, RequestDispatched, VersionRetired, ReclaimClaimed,
     VersionUnloaded, VersionReclaimed, OrphanFound, OrphanFreed, EngineRestarted, EngineReprovisioned,
     EngineJoining, EngineDraining, EngineDrained, EngineRemoved, ReconcilePassed, RegistryDecided,
+    ProvenanceMismatched,
 )

@@ -111,6 +111,7 @@ class Inventory:
     adapters: Mapping[str, HeldAdapter] = attrs.field(factory=dict)  # every adapter, managed or not
     staged: tuple[StagedAttempt, ...] = ()
     managed_prefix: str | None = None  # the names it protects (None: it does not say)
+    stamps: bool = False  # its responses with a managed adapter carry a provenance stamp (docs/provenance.md)
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ PUBLIC = {
     "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
     "DrainTimeout", "EngineNotDrained",
+    "ProvenanceMismatch",
 }
 
 TESTING = {

@@ -335,6 +335,10 @@ async def test_a_group_binds_as_one_across_a_publication(tmp_path):
             await relax.shard.finish_agent(sid)
         exports = await relax.shard.take_session_results("g1", ("s1", "s2"))
         assert [e["metadata"]["lorapub"]["version_id"] for e in exports] == ["step1", "step1"]
+        # the engine's stamp, checked against the binding, is in the exported sample (docs/provenance.md)
+        stamps = [e["metadata"]["lorapub"]["stamp"] for e in exports]
+        assert all(st is not None and st["lora_name"] == name for st in stamps)
+        assert {st["digest"] for st in stamps} == {relax.registry.digest_of("step1")}
     finally:
         await teardown(relax)
 

@@ -264,7 +264,7 @@ def test_command_line_checks_and_applies_all_or_nothing(release, tmp_path):
     shutil.copytree(root_of(release), pristine, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     out = subprocess.run([*run, "check", "--root", str(pristine)], capture_output=True, text=True)
     count = len(diffs.diff_files(release))
-    assert count == {"0.5.17": 4, "0.5.23": 5}[release]
+    assert count == {"0.5.17": 5, "0.5.23": 6}[release]
     assert out.returncode == 0 and f"SGLang {release} verified; {count} patches apply" in out.stdout, out.stderr
     out = subprocess.run([*run, "apply", "--root", str(pristine)], capture_output=True, text=True)
     assert out.returncode == 0 and f"applied {count} patches for SGLang {release}" in out.stdout, out.stderr
@@ -284,6 +284,8 @@ def test_shipped_0523_staging_diff_is_the_runtime_routes():
     assert rendered[diffs.STAGING_0523] == shipped[diffs.STAGING_0523]
     hook = diffs.PREPARED_LOAD["0.5.23"]
     assert rendered[hook] == shipped[hook]
+    stamp = diffs.PROVENANCE["0.5.23"]
+    assert rendered[stamp] == shipped[stamp]
 
 
 @pytest.mark.parametrize("release", RELEASES)

@@ -381,7 +381,8 @@ class SGLangAdminBase:
                 continue
             staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
         prefix = state.get("managed_prefix")
-        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None)
+        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None,
+                         stamps=state.get("stamps") is True)
 
     async def limits(self) -> EngineLimits:
         """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``

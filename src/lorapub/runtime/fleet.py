@@ -67,6 +67,8 @@ class FleetView:
         self.draining: frozenset[str] = frozenset()  # members that take no new binding
         # the registry's time, carried forward here (a session's nonce is judged in it)
         self.registry_time = Elapsed()
+        #: engine -> (whether it declares provenance stamps, the incarnation it said), from its last answer
+        self.attests: dict[str, tuple[bool, str]] = {}
         self._repair = asyncio.Event()  # the reconciler's wakeup
         self._changed = asyncio.Event()  # waiting publications' wakeup; replaced at each change
 
@@ -79,8 +81,14 @@ class FleetView:
             async with asyncio.timeout(limit):
                 if inventory and isinstance(engine, ReportsInventory):
                     found = await engine.inventory()
+                    self.attests[name] = (found.stamps, found.incarnation)
                     return Life(name, found.incarnation, found)
-                return Life(name, await engine.incarnation())
+                incarnation = await engine.incarnation()
+                if not isinstance(engine, ReportsInventory):  # it cannot say it stamps: it does not
+                    self.attests[name] = (False, incarnation)
+                elif name in self.attests:  # the same engine, maybe a new life
+                    self.attests[name] = (self.attests[name][0], incarnation)
+                return Life(name, incarnation)
         except TimeoutError:
             return Life(name, None, error=TimeoutError(f"no answer within {limit:g}s"))
         except Exception as e:  # noqa: BLE001 - unreachable now: routed around, asked again later

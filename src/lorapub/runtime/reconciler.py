@@ -41,6 +41,7 @@ from lorapub.events import (
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
+from lorapub.runtime.provenance import unstamped
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.tasks import TaskOwner
@@ -71,10 +72,13 @@ class Health:
     fleet: Fleet | None
     passes: int
     failed_passes: int
+    #: what is worth knowing but blocks nothing, e.g. an engine whose turns are unattested (it does
+    #: not stamp its responses: docs/provenance.md, "Stamp")
+    notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.healthy:
-            return "healthy"
+            return "healthy" + "".join(f"; note: {n}" for n in self.notes)
         return "; ".join(f"{b.kind} {b.subject}: {b.detail}" for b in self.blockers)
 
 
@@ -287,7 +291,9 @@ class Reconciler:
             blockers.append(Blocker("reprovisioning", engine, f"{key} lost by the engine, not loaded again yet"))
         active = set(map(str, fleet.active))
         blockers = [b for b in blockers if b.kind != "attempt_running" or b.subject in active]
-        return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed)
+        notes = tuple(f"{name}: does not stamp its responses (stock SGLang or an older patch): its turns are "
+                      "unattested" for name in unstamped(self.fleet))
+        return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed, notes)
 
     async def _retry_cleanup(self, token: AttemptToken) -> None:
         result = await self.registry.handle(RetryCleanup(token))

@@ -33,13 +33,15 @@ from lorapub.errors import (
     EngineUnavailable,
     InvalidInput,
     LorapubError,
+    ProvenanceMismatch,
     SessionClosed,
     SessionExpired,
     VersionMissing,
 )
-from lorapub.events import Observer, RequestDispatched, SessionBound, SessionRebound, SessionsExpired, SessionStale
+from lorapub.events import Observer, ProvenanceMismatched, RequestDispatched, SessionBound, SessionRebound, SessionsExpired, SessionStale
 from lorapub.ports import EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
 from lorapub.runtime.fleet import FleetView
+from lorapub.runtime.provenance import attest
 from lorapub.runtime.runner import EffectRunner, OnEligible
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
@@ -283,12 +285,24 @@ class Session:
         lag = self.service.fleet.lag(binding)
         self.service.events(RequestDispatched(binding.version, lag))
         out = await self._dispatch(binding, body)
+        stamp = await self._attest(binding, out)
         if isinstance(out, dict):
             out["lorapub"] = {
                 "version": str(binding.version), "version_id": binding.version.version_id, "lag": lag,
                 "lora_name": binding.lora_name, "rebinds": len(self.provenance) - 1,
+                "stamp": stamp,  # what the engine attests served this turn (None: it does not stamp)
             }
         return out
+
+    async def _attest(self, binding: Binding, out: Any) -> dict[str, Any] | None:
+        """Every turn's stamp is checked against the binding: a mismatch is never a success."""
+        target = getattr(self.engine, "name", "?")
+        try:
+            return await attest(self.service.fleet, target, binding, out)
+        except ProvenanceMismatch as e:
+            self.service.events(ProvenanceMismatched(
+                str(self.key), binding.version, target, str(e.details.get("reason")), e.details.get("stamp")))  # type: ignore[arg-type]
+            raise
 
     async def _dispatch(self, binding: Binding, body: dict[str, object]) -> dict[str, Any]:
         engine = self.engine = self.service.router.pick(self, self.service.fleet.holders(binding.version))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lorapub.sglang_patch import provenance as _provenance
 from lorapub.sglang_patch import release_0517, release_0523
 from lorapub.sglang_patch.edits import edited_source, install_method, install_methods
 from lorapub.sglang_patch.routes import INCARNATION, state_of
@@ -93,6 +94,7 @@ def apply(
     else:
         _apply_0517(tokenizer_manager_cls, root, managed_prefix, release.version)
     tokenizer_manager_cls.lorapub_managed_prefix = managed_prefix
+    _provenance.install(tokenizer_manager_cls)  # every managed response carries its stamp
     setattr(tokenizer_manager_cls, PATCH_MARK, release.version)
     if add_state_route:
         _add_state_route(app, release.version)

@@ -94,6 +94,7 @@ def render_0517(root: str) -> dict[str, str]:
         stem = os.path.splitext(os.path.basename(rel))[0].replace("_", "-")
         out[f"{n:04d}-{stem}.diff"] = diff
     out.update(render_prepared_load(root))
+    out.update(render_provenance(root))
     return out
 
 
@@ -139,10 +140,10 @@ def render_0523(root: str) -> dict[str, str]:
             before = f.read()
     pending = '        "pending_unloads": dict(tm.pending_lora_unloads),\n'
     after = insert_before(before, pending, "", HTTP_FILE).replace(
-        pending, pending + '        "staging": _LORAPUB_STAGING.report(),\n')
+        pending, pending + '        "staging": _LORAPUB_STAGING.report(),\n        "stamps": True,\n')
     after = insert_before(after, '@app.api_route("/open_session", methods=["GET", "POST"])\n', HTTP_STAGING_BLOCK,
                           HTTP_FILE)
-    return {STAGING_0523: _unified(HTTP_FILE, before, after), **render_prepared_load(root)}
+    return {STAGING_0523: _unified(HTTP_FILE, before, after), **render_prepared_load(root), **render_provenance(root)}
 
 
 #: The scheduler hook of :mod:`lorapub.sglang_patch.prepared_load`, the same in every release:
@@ -167,4 +168,30 @@ def render_prepared_load(root: str) -> dict[str, str]:
     return {PREPARED_LOAD[version]: _unified(SCHEDULER_FILE, before, before + SCHEDULER_HOOK)}
 
 
-__all__ = ["SUPPORTED", "already_applied", "apply_diffs", "diff_files", "render_0517", "render_0523", "render_prepared_load"]
+#: The stamp hook of :mod:`lorapub.sglang_patch.provenance`, the same in every release: appended to
+#: SGLang's ``tokenizer_manager.py``, it wraps ``TokenizerManager._wait_one_response``.
+TOKENIZER_HOOK = """
+
+# lorapub: every response that ran with a managed adapter carries a provenance stamp
+# (lorapub/sglang_patch/provenance.py)
+from lorapub.sglang_patch import provenance as _lorapub_provenance  # noqa: E402
+
+_lorapub_provenance.install(TokenizerManager)
+"""
+PROVENANCE = {"0.5.17": "0005-tokenizer-manager-provenance.diff", "0.5.23": "0006-tokenizer-manager-provenance.diff"}
+
+
+def render_provenance(root: str) -> dict[str, str]:
+    """The stamp-hook diff of the release at ``root`` (file name -> text)."""
+    from lorapub.sglang_patch.targets import TM_FILE
+
+    version = detect(root).upstream
+    with open(os.path.join(root, TM_FILE)) as f:
+        before = f.read()
+    return {PROVENANCE[version]: _unified(TM_FILE, before, before + TOKENIZER_HOOK)}
+
+
+__all__ = [
+    "PROVENANCE", "SUPPORTED", "TOKENIZER_HOOK", "already_applied", "apply_diffs", "diff_files", "render_0517",
+    "render_0523", "render_prepared_load", "render_provenance",
+]

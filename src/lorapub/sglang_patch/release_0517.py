@@ -260,6 +260,7 @@ async def lorapub_state():
         "sglang": "0.5.17",
         "patch": "diff",
         "managed_patch": True,
+        "stamps": True,
         "max_loaded_loras": tm.server_args.max_loaded_loras,
         "adapters": adapter_table(registry),
         "pending_unloads": dict(tm._lorapub_pending_unloads()),

@@ -52,6 +52,8 @@ def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
         "patch": form,
         "managed_patch": form != "observe",
         "managed_prefix": getattr(type(tm), "lorapub_managed_prefix", None) if form != "observe" else None,
+        # its responses with a managed adapter carry a provenance stamp (docs/provenance.md)
+        "stamps": form != "observe" and bool(getattr(type(tm), "lorapub_stamps", False)),
         "max_loaded_loras": _max_loaded_loras(tm),
         "adapters": adapter_table(registry),
         "pending_unloads": _pending_unloads(tm),

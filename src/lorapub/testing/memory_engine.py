@@ -51,6 +51,8 @@ class MemoryEngine:
         self.generations: list[tuple[str, str]] = []  # (incarnation, lora_name) that ran
         self.injected: list[tuple[str, str]] = []
         self.requests = 0  # generation requests that reached the engine
+        self.stamps = True  # provenance stamps in meta_info, as lorapub's patch (False: stock SGLang)
+        self.swap_weights = False  # TEST-ONLY: a new version is served with the previous one's weights
         self._boot()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -148,7 +150,7 @@ class MemoryEngine:
         adapters = {name: HeldAdapter(name, self.refs.get(name, 0)) for name in self.loaded}
         # as the patched server's state route: an attempt whose end loaded its adapter is not "staged"
         staged = tuple(StagedAttempt(t, req.lora_name) for t, (req, _) in self.stashes.items() if t not in self.ended)
-        return Inventory(self.incarnation_id, adapters, staged)
+        return Inventory(self.incarnation_id, adapters, staged, stamps=self.stamps)
 
     async def begin(self, request: SendBegin) -> str:
         return await self._call("begin", self._begin, request)
@@ -191,7 +193,9 @@ class MemoryEngine:
             raise EngineError(f"{self.name}: buckets {sorted(buckets)} of {len(request.plan)} arrived")
         self._verify(request, buckets)
         if request.lora_name not in self.loaded:
-            self.loaded[request.lora_name] = request.digest
+            previous = list(self.loaded.values())
+            swapped = self.swap_weights and previous and previous[-1] != request.digest
+            self.loaded[request.lora_name] = previous[-1] if swapped else request.digest
         self.ended.add(token)
         lora_id = hashlib.sha256(f"{self.incarnation_id}/{request.lora_name}".encode()).hexdigest()[:16]
         return ReadyLocal(self.name, token, request.digest, self.incarnation_id, lora_id)
@@ -275,7 +279,12 @@ class MemoryEngine:
         self.generations.append((life, name))
         if fault in ("reply", "stall"):
             raise OutcomeUnknown(f"{self.name} generate: injected lost reply")
-        return {"text": "ok", "meta_info": {"lora_path": name, "engine": self.name, "incarnation": life}}
+        meta: dict[str, Any] = {"lora_path": name, "engine": self.name, "incarnation": life}
+        if self.stamps and life == self.incarnation_id and name in self.loaded:
+            lora_id = hashlib.sha256(f"{life}/{name}".encode()).hexdigest()[:16]
+            meta["lorapub"] = {"lora_name": name, "digest": self.loaded[name], "engine": self.name,
+                               "incarnation": life, "lora_id": lora_id}
+        return {"text": "ok", "meta_info": meta}
 
 
 class MemoryUnderTest:

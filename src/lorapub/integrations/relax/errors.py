@@ -17,6 +17,7 @@ _CHAT_STATUS = {
     "NO_PUBLISHED_VERSION": 503, "VERSION_MISSING": 503, "VERSION_RECLAIMING": 503, "ENGINE_UNAVAILABLE": 503,
     "ENGINE_CLOSED": 503, "BINDING_STALE": 410, "SESSION_EXPIRED": 410, "GROUP_CLOSED": 410, "SESSION_CLOSED": 404,
     "OUTCOME_UNKNOWN": 504, "ENGINE_ERROR": 502, "INVALID_INPUT": 400,
+    "PROVENANCE_MISMATCH": 502,
 }
 CONTEXT_MARKERS = ("maximum context length", "Requested token count exceeds")
 
@@ -69,6 +70,7 @@ def error_result(exc: LorapubError) -> dict[str, Any]:
 
 def export_metadata(meta_info: Mapping[str, Any]) -> dict[str, Any]:
     """The provenance of one generation, for the exported sample's metadata (``{"lorapub": {...}}``:
-    version, version_id, lag, lora_name, rebinds); empty when lorapub did not serve it."""
+    version, version_id, lag, lora_name, rebinds, and ``stamp``: what the engine attests served it,
+    None where it does not stamp); empty when lorapub did not serve it."""
     provenance = meta_info.get("lorapub") if isinstance(meta_info, Mapping) else None
     return {"lorapub": dict(provenance)} if provenance else {}

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Mapping, Protocol
 
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
-from lorapub.sglang_patch.staging import claims, collective, landing, machine
+from lorapub.sglang_patch.staging import claims, collective, landing, machine, swap
 from lorapub.sglang_patch.staging import messages as m
 from lorapub.sglang_patch.staging.buffers import Buffer, verify_and_keep
 from lorapub.sglang_patch.staging.landing import Stash
@@ -125,6 +125,11 @@ class EngineStaging:
         self._stashes: dict[AttemptToken, Stash] = {}  # the I/O side of every attempt the machine stages
         self._landed: dict[tuple[AttemptToken, int], tuple[Buffer, list]] = {}  # bytes the machine decides on
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
+        #: name -> digest of what this life loaded under that name (the provenance stamps read it)
+        self.digests: dict[str, str] = {}
+        #: TEST-ONLY (LORAPUB_TEST_SWAP_WEIGHTS): load each new version with the previous one's weights
+        self.swap_weights = swap.enabled()
+        self._swap: swap.Kept | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next sweep, on the loop the routes run on
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._sweeping: asyncio.Task | None = None
@@ -477,19 +482,27 @@ class EngineStaging:
             raise Refused(400, "STAGE_DIGEST", f"the staged manifest does not hash to {digest[:12]}")
         if name in self.hooks.adapters():
             raise refuse(f"{name} is already loaded (not by this attempt)")
+        loaded = digest
         if stash.load == "dir":  # the tensors are in the folder already (received and verified there)
             path = await asyncio.to_thread(landing.finish_peft_dir, stash)
+            if self.swap_weights:
+                path, loaded, self._swap = await asyncio.to_thread(swap.dir_load, self._swap, path, digest, self.stash_root)
             error = await self.hooks.load_dir(name, path)
         else:
             path = "__tensor__"
             checksums = {e.name: e.sha256 for b in stash.plan.buckets for e in b.entries}
             config = json.loads(stash.plan.serving_config_json)
-            error = await self.hooks.load_tensors(name, landing.tensors(stash), config, checksums)
+            tensors = landing.tensors(stash)
+            if self.swap_weights:
+                (tensors, config, checksums), loaded, self._swap = swap.tensor_load(
+                    self._swap, (tensors, config, checksums), digest)
+            error = await self.hooks.load_tensors(name, tensors, config, checksums)
         if error is not None:
             raise refuse(f"load of {name} failed: {error}", "STAGE_LOAD")
         entry = self.hooks.adapters().get(name)
         if entry is None or not entry.get("pinned"):
             raise refuse(f"{name} is not registered pinned after its load", "STAGE_LOAD")
+        self.digests[name] = loaded  # what was really loaded under this name (the stamps say it)
         return m.Receipt(self.incarnation, name, digest, entry.get("lora_id"), entry.get("lora_path", path), stash.load,
                          verified - started, _now() - verified)
 

@@ -14,7 +14,11 @@ from typing import Any, Callable
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.sglang_patch.staging.engine import EngineStaging
 
-__all__ = ["SGLangHooks", "for_server", "max_loaded_loras", "starlette_json", "starlette_receive"]
+__all__ = ["CURRENT", "SGLangHooks", "for_server", "max_loaded_loras", "starlette_json", "starlette_receive"]
+
+
+#: The staging of this server life (set by :func:`for_server`; lorapub/sglang_patch/provenance.py reads it).
+CURRENT: EngineStaging | None = None
 
 
 class SGLangHooks:
@@ -76,6 +80,8 @@ def for_server(tokenizer_manager: Callable[[], Any], incarnation: str) -> Engine
     import atexit
 
     staging = EngineStaging(SGLangHooks(tokenizer_manager), incarnation=incarnation)
+    global CURRENT
+    CURRENT = staging  # the provenance stamps of this server read its digests and incarnation
     atexit.register(staging.close)
     return staging
 

@@ -15,6 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from lorapub.core.identity import MANAGED_PREFIX
+from lorapub.sglang_patch import provenance
 from lorapub.sglang_patch import staging as engine_side
 from lorapub.testing._sglang_registry import lora_registry_module
 from lorapub.testing.sglang_double.auth import sglang_decide, decide_request_auth
@@ -266,7 +267,15 @@ class DoubleEngine:
                 stash_root=self.__dict__.get("stash_root"), shm_dir=self.__dict__.get("shm_dir"),
                 idle_timeout=self.__dict__.get("stage_idle_s"),  # None: LORAPUB_STAGE_IDLE_S, as the server
             )
+            if self.__dict__.get("swap_weights"):  # TEST-ONLY: serve each new version with the last one's weights
+                current.swap_weights = True
         return current
+
+    def stamp(self, lora_name: object, lora_id: object) -> dict[str, Any] | None:
+        """The provenance stamp lorapub's patch puts in ``meta_info`` (None: no patch, or not managed)."""
+        if not self.managed_patch:
+            return None
+        return provenance.stamp(lora_name, lora_id, self.staging, self.name, self.managed_prefix)
 
     # -- introspection for tests ----------------------------------------------------
     def refs(self, name: str) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
+from lorapub.sglang_patch import provenance
 from lorapub.testing.sglang_double.auth import NORMAL, ROUTE_AUTH_LEVELS
 from lorapub.testing.sglang_double.engine import DoubleEngine, next_token, token_logprob
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
@@ -132,6 +133,7 @@ class SGLangDouble(DoubleEngine):
                 "max_loaded_loras": self.max_loaded_loras,
                 "managed_patch": self.managed_patch,
                 "managed_prefix": self.managed_prefix if self.managed_patch else None,
+                "stamps": self.managed_patch,
                 "adapters": adapters,
                 "pending_unloads": dict(self.pending_unloads),
                 "staging": self.staging.report(),
@@ -260,6 +262,10 @@ class SGLangDouble(DoubleEngine):
             self.aborted_rids.add(rid)
         return web.Response(status=200)
 
+    def _stamped(self, name: object, lora_id: object) -> dict[str, Any]:
+        found = self.stamp(name, lora_id)
+        return {} if found is None else {provenance.STAMP_KEY: found}
+
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
         self.generate_requests += 1
         body = await request.json()
@@ -320,6 +326,7 @@ class SGLangDouble(DoubleEngine):
                             "id": rid, "prompt_tokens": len(ids), "completion_tokens": len(seq) - len(ids),
                             "cached_tokens": cached, "lora_id": lora_id, "output_token_logprobs": logprobs,
                             "finish_reason": {"type": "abort", "message": "Abort in decode"},
+                            **self._stamped(name, lora_id),
                         },
                     })
                 if gen != self.abort_gen:
@@ -348,6 +355,7 @@ class SGLangDouble(DoubleEngine):
                     "output_token_logprobs": logprobs,
                     "input_token_logprobs": prompt_scores,
                     "finish_reason": {"type": "length", "length": max_new},
+                    **self._stamped(name, lora_id),
                 },
             }
             await release_once()
