@@ -104,6 +104,8 @@ async def test_an_engine_that_does_not_stamp_is_noted_not_failed():
         health = await dep.reconcile()
         assert health.healthy and any(n.startswith("stock:") and "unattested" in n for n in health.notes)
         assert not any(n.startswith("patched:") for n in health.notes)
+        status = await dep.status()  # status says it too
+        assert status.healthy and any(n.startswith("stock:") for n in status.notes)
         # and the patched engine serving the wrong weights is still caught
         patched.loaded = {name: "0" * 64 for name in patched.loaded}
         with pytest.raises(ProvenanceMismatch):

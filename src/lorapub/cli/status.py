@@ -135,6 +135,8 @@ def render(status: Status) -> Any:
         for a in status.attempts:
             attempts.add_row(a.token, a.phase, str(a.bucket), "-" if a.still_s is None else f"{a.still_s:.0f}s")
         parts.append(attempts)
+    if status.notes:
+        parts.append(Text("notes:\n" + "\n".join(f"  {n}" for n in status.notes), style="yellow"))
     if status.blockers:
         parts.append(Text("blockers:\n" + "\n".join(f"  {k} {s}: {d}" for k, s, d in status.blockers)))
     parts.append(Text(f"sessions open here: {status.sessions_here} (groups {status.groups_here})", style="dim"))
@@ -151,6 +153,7 @@ def _plain(status: Status) -> str:
         lines.append(f"  engine {e.name} {e.incarnation}: holds {', '.join(e.holds) or '-'}, should hold "
                      f"{', '.join(e.should_hold) or '-'}" + (f"; {e.last_error}" if e.last_error else ""))
     lines += [f"  blocker {k} {s}: {d}" for k, s, d in status.blockers]
+    lines += [f"  note {n}" for n in status.notes]
     return "\n".join(lines)
 
 

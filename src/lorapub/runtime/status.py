@@ -84,6 +84,7 @@ class Status:
     waiting: str | None  # a publication waiting for a slot
     sessions_here: int  # open sessions of this process
     groups_here: int
+    notes: tuple[str, ...] = ()  # what health says without it blocking (e.g. engines that do not stamp)
     schema: int = SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -97,6 +98,7 @@ class Status:
         body["engines"] = tuple(EngineStatus(**{**e, "holds": tuple(e["holds"]), "should_hold": tuple(e["should_hold"])})
                                 for e in body["engines"])
         body["attempts"] = tuple(AttemptView(**a) for a in body["attempts"])
+        body["notes"] = tuple(body.get("notes", ()))
         known = {f.name for f in attrs.fields(cls)}
         return cls(**{k: v for k, v in body.items() if k in known})
 
@@ -197,6 +199,7 @@ def build_status(
         versions=tuple(versions), engines=tuple(engines), attempts=attempts,
         waiting=str(fleet.waiting.key) if fleet.waiting is not None else None,
         sessions_here=len(local), groups_here=len({s.group for s in local.values() if s.group is not None}),
+        notes=tuple(getattr(health, "notes", ())),
     )
 
 
