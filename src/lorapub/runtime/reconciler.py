@@ -25,6 +25,7 @@ from lorapub.core.commands import (
     RetryCleanup,
     StartReprovision,
 )
+from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
@@ -408,6 +409,9 @@ class Reconciler:
         runner = EffectRunner(
             self.registry, self.engines,
             self.publisher.source_factory(snapshot, snapshot.plan(self.publisher.bucket_cap_bytes)), self.deadlines,
+            # the numeric READY gate holds for a re-provisioned load too
+            probe=getattr(snapshot, "probe", None),
+            lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),
         )
         runlog = await runner.run(result.effects)
         problems = "; ".join(runlog.failures + runlog.unknown)
