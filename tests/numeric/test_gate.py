@@ -20,9 +20,9 @@ def probed(seed: int, **kw):
     return snap.with_probe(reference_probe(snap, **kw))
 
 
-async def deployment(**engine_options) -> tuple[Deployment, dict[str, MemoryEngine]]:
+async def deployment(observers=(), **engine_options) -> tuple[Deployment, dict[str, MemoryEngine]]:
     engines = {n: MemoryEngine(n, **engine_options) for n in ("e0", "e1")}
-    dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None).start()
+    dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None, observers=observers).start()
     return dep, engines
 
 
@@ -66,7 +66,8 @@ async def test_ten_correct_publications_pass_the_gate():
 
 
 async def test_a_config_mismatch_is_refused_at_ready_and_the_default_stays():
-    dep, engines = await deployment()
+    events = []
+    dep, engines = await deployment(observers=[events.append])
     first = await dep.publish(probed(1), "A")
     snap = lora_snapshot(2)
     trainer_config = {**peft_config(), "lora_alpha": 4 * 8}  # the trainer computes with another alpha
@@ -83,6 +84,10 @@ async def test_a_config_mismatch_is_refused_at_ready_and_the_default_stays():
     b = state.versions[VersionKey(1, "B")]
     assert b.state is VersionState.FAILED_CLEAN
     assert all(b.lora_name not in eng.loaded for eng in engines.values())  # the attempt is cleaned
+    kinds = [ev.KIND for ev in events]
+    second = len(kinds) - 1 - kinds[::-1].index("publish.begun")  # B's events: no engine READY among them
+    assert "publish.numeric_mismatch" in kinds[second:] and "publish.ready" not in kinds[second:]
+    assert [ev.code for ev in events if ev.KIND == "publish.failed"] == ["NUMERIC_MISMATCH"]
     await dep.close()
 
 
