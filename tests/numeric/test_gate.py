@@ -112,3 +112,39 @@ async def test_without_a_probe_nothing_is_asked():
     report = await dep.publish(lora_snapshot(1), "A")
     assert "probe" not in report.phases and all(e.requests == 0 for e in engines.values())
     await dep.close()
+
+
+@pytest.fixture
+async def double_pair(tmp_path):
+    from lorapub.testing import SGLangDouble
+
+    pair = []
+    for name in ("e0", "e1"):
+        d = SGLangDouble(name)
+        d.stash_root = str(tmp_path / f"{name}-disk")
+        pair.append(await d.start())
+    yield pair
+    for d in pair:
+        await d.stop()
+
+
+async def test_the_gate_over_the_sglang_double(double_pair, monkeypatch):
+    """The double answers SGLang's input_token_logprobs from what it loaded: a correct version passes,
+    a config mismatch and (test-only switch) a scaled tensor are refused, the default stays."""
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+
+    engines = {d.name: SGLangWireEngine(d.name, d.url) for d in double_pair}
+    dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None).start()
+    a = await dep.publish(probed(1), "A")
+    assert "probe" in a.phases
+    snap = lora_snapshot(2)
+    bad = snap.with_probe(reference_probe(snap, serving_config={**peft_config(), "lora_alpha": 32}))
+    with pytest.raises(NumericMismatch):
+        await dep.publish(bad, "B")
+    monkeypatch.setenv(SCALE_ENV, "lora_B=2.0")
+    with pytest.raises(NumericMismatch):
+        await dep.publish(probed(3), "C")
+    monkeypatch.delenv(SCALE_ENV)
+    assert (await dep.state()).default == a.version
+    assert (await dep.publish(probed(3), "C")).state is VersionState.PUBLISHED
+    await dep.close()

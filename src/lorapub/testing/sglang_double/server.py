@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
+from lorapub.testing import numeric
 from lorapub.testing.sglang_double.auth import NORMAL, ROUTE_AUTH_LEVELS
 from lorapub.testing.sglang_double.engine import DoubleEngine, next_token, token_logprob
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
@@ -350,6 +351,10 @@ class SGLangDouble(DoubleEngine):
                     "finish_reason": {"type": "length", "length": max_new},
                 },
             }
+            if body.get("return_logprob") and lora_id in self.numeric:
+                # SGLang's shape from logprob_start_len 0: (logprob, token_id, None), the first token has none
+                scores = [None, *numeric.model_logprobs(self.numeric[lora_id], ids)]
+                out["meta_info"]["input_token_logprobs"] = [(lp, t, None) for lp, t in zip(scores, ids)]
             await release_once()
             return web.json_response(out)
         finally:
