@@ -26,6 +26,7 @@ from lorapub.errors import (
     NoPublishedVersion,
     NotReady,
     NotReclaimable,
+    NumericMismatch,
     OutcomeUnknown,
     PublicationBlocked,
     PublicationFailed,
@@ -41,12 +42,14 @@ from lorapub.errors import (
     VersionConflict,
     VersionMissing,
     VersionReclaiming,
+    VersionSuspect,
 )
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publisher import PublicationReport, WaitReport
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import Session
+from lorapub.runtime.probe import Probe
 from lorapub.runtime.snapshot import Snapshot
 
 __version__ = "0.1.0"
@@ -57,8 +60,8 @@ __all__ = [
     "NoPublishedVersion", "NotReady", "NotReclaimable", "OutcomeUnknown", "PublicationBlocked", "PublicationFailed",
     "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
-    "DrainTimeout", "EngineNotDrained",
+    "DrainTimeout", "EngineNotDrained", "NumericMismatch", "VersionSuspect",
     "ProvenanceMismatch",
-    "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
+    "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "Probe", "PublicationReport", "Session", "SessionKey",
     "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 ]

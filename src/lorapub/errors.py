@@ -14,6 +14,7 @@ __all__ = [
     "SessionExpired", "EngineUnavailable", "StoreError", "StoreCorrupted", "EngineClosed", "AlreadyStarted",
     "EngineNotDrained", "DrainTimeout",
     "ProvenanceMismatch",
+    "NumericMismatch", "VersionSuspect",
 ]
 
 
@@ -226,3 +227,19 @@ class ProvenanceMismatch(LorapubError):
     See docs/provenance.md, "Stamp"."""
 
     code = "PROVENANCE_MISMATCH"
+
+
+class NumericMismatch(PublicationFailed):
+    """An engine did not reproduce the snapshot's probe (the reference logprobs) under the exact
+    version name: its READY was never recorded, the attempt failed and the default did not move.
+    ``details``: engine, version, sequence, position (the worst token), expected, observed,
+    mean_abs and the tolerances."""
+
+    code = "NUMERIC_MISMATCH"
+
+
+class VersionSuspect(LorapubError):
+    """A new session was kept off the default because its canary drifted (``avoid_suspect``);
+    sessions already bound to it keep it. The next committed version clears it."""
+
+    code = "VERSION_SUSPECT"

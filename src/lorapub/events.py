@@ -20,6 +20,7 @@ __all__ = [
     "ReclaimClaimed", "VersionUnloaded", "VersionReclaimed", "OrphanFound", "OrphanFreed", "EngineRestarted",
     "EngineReprovisioned", "EngineJoining", "EngineDraining", "EngineDrained", "EngineRemoved", "ReconcilePassed", "RegistryDecided", "RequestDispatched",
     "ProvenanceMismatched",
+    "PublishNumericMismatch", "VersionSuspected",
 ]
 
 
@@ -124,6 +125,32 @@ class PublishProgress(Event):
     bytes_sent: int
     bytes_total: int
     transport: str
+
+
+@attrs.frozen
+class PublishNumericMismatch(Event):
+    """An engine did not reproduce the snapshot's probe: its READY was refused (the worst token)."""
+
+    KIND = "publish.numeric_mismatch"
+    LEVEL = logging.WARNING
+    version: VersionKey
+    engine: str
+    sequence: int
+    position: int
+    expected: float
+    observed: float
+    mean_abs: float
+
+
+@attrs.frozen
+class VersionSuspected(Event):
+    """The canary found a resident version's probe drifted on an engine: the version is suspect."""
+
+    KIND = "version.suspect"
+    LEVEL = logging.WARNING
+    version: VersionKey
+    engine: str
+    reason: str
 
 
 # -- sessions ---------------------------------------------------------------------------------
@@ -308,6 +335,7 @@ class RegistryDecided(Event):
 #: Every event kind, for the docs' table and the tests that check it.
 KINDS: tuple[type[Event], ...] = (
     PublishBegun, PublishWaiting, EngineReady, PublishCommitted, PublishFailed, PublishSuperseded, PublishProgress,
+    PublishNumericMismatch, VersionSuspected,
     SessionBound, SessionRebound, SessionStale, SessionsExpired, RequestDispatched, VersionRetired, ReclaimClaimed,
     VersionUnloaded, VersionReclaimed, OrphanFound, OrphanFreed, EngineRestarted, EngineReprovisioned,
     EngineJoining, EngineDraining, EngineDrained, EngineRemoved, ReconcilePassed, RegistryDecided,

@@ -22,13 +22,15 @@ PUBLIC = {
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
     "DrainTimeout", "EngineNotDrained",
     "ProvenanceMismatch",
+} | {
+    "NumericMismatch", "Probe", "VersionSuspect",  # the numeric READY gate and the canary (docs/provenance.md)
 }
 
 TESTING = {
     "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
     "peft_lora_state_dict",
-}
+} | {"reference_probe"}
 
 
 def test_the_public_face_is_exactly_all():

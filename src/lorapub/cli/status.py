@@ -112,7 +112,8 @@ def render(status: Status) -> Any:
         versions.add_column(col)
     for v in status.versions:
         running = ", ".join(f"{e}: {n}" for e, n in v.loaded_on.items()) or "-"
-        state = v.state + (" (default)" if v.default else "") + (" retiring" if v.retiring else "")
+        state = v.state + (" (default)" if v.default else "") + (" retiring" if v.retiring else "") \
+            + (" SUSPECT" if getattr(v, "suspect", None) else "")
         versions.add_row(v.version, state, "-" if v.lag is None else str(v.lag), str(v.session_refs), running,
                          "\n".join(v.blocked_by) or "-")
     parts.append(versions)

@@ -24,6 +24,7 @@ __all__ = [
     "ForgetSessions", "ClaimReclaim", "RecordUnloaded", "RetryReclaim", "AuthorizeDispatch", "QueryAttempt",
     "ReadVersion", "ListReclaimable", "ReadState", "ReadFleet", "ReadSessionsOf", "Command", "QUERIES", "STAMPED",
     "stamped", "AddEngine", "DrainEngine", "RemoveEngine",
+    "MarkSuspect",
 ]
 
 
@@ -36,6 +37,16 @@ def _session_keys(keys: Iterable[SessionKey]) -> tuple[SessionKey, ...]:
 class RegisterEngine:
     engine: str
     incarnation: str
+
+
+@attrs.frozen
+class MarkSuspect:
+    """The canary found ``engine`` computing with a resident version differently from its probe:
+    mark the version suspect (idempotent; only a PUBLISHED or RETIRED version)."""
+
+    key: VersionKey
+    engine: str
+    reason: str
 
 
 @attrs.frozen
@@ -313,7 +324,7 @@ Command = (
     | RecordUnknown | RecordCleaned | RetryCleanup | Commit | OpenSession | BindFirst | Rebind | BeginClose
     | CloseAndRelease | ForgetSessions | ClaimReclaim | RecordUnloaded | RetryReclaim | RenewLeases
     | ExpireSessions | ExpireLeases | StartReprovision | AbortStale | RecordLost | AddEngine | DrainEngine
-    | RemoveEngine
+    | RemoveEngine | MarkSuspect
     | AuthorizeDispatch | QueryAttempt | ReadVersion | ListReclaimable | ReadState | ReadFleet | ReadSessionsOf
 )
 

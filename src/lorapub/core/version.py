@@ -92,6 +92,9 @@ class Version:
     # it (they are told BINDING_STALE at their next generation), so it is reclaimed once the
     # requests already admitted on it end.
     retiring: bool = False
+    # The canary saw an engine compute with it differently from its probe (why, or None): new
+    # sessions may be kept off it (``avoid_suspect``); sessions bound to it keep it.
+    suspect: str | None = None
 
     __getstate__ = _fields.getstate
     __setstate__ = _fields.setstate

@@ -86,6 +86,9 @@ class Deployment:
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
     ``TorchDistributed()``), named once here and handed to every engine (None: the one they already
     use, HTTPBytes by default); an engine already given another one is :class:`InvalidInput`.
+    ``canary_interval``: seconds between re-runs of each resident version's probe on each engine
+    (None, the default: off); a drift marks the version suspect. ``avoid_suspect``: new sessions
+    are refused (``VERSION_SUSPECT``) while the default is suspect; bound sessions keep their version.
     """
 
     def __init__(
@@ -115,6 +118,8 @@ class Deployment:
         decision_log: bool = True,
         status: tuple[str, int] | None = None,
         status_token: str | None = None,
+        canary_interval: float | None = None,
+        avoid_suspect: bool = False,
     ) -> None:
         self.engines = check_engines(engines)
         _check_epoch(epoch)
@@ -123,7 +128,10 @@ class Deployment:
         check_max_lag(max_lag, on_stale)
         if name_prefix is not None:
             check_name_prefix(name_prefix)
+        if not isinstance(avoid_suspect, bool):
+            raise InvalidInput(f"avoid_suspect must be True or False, got {avoid_suspect!r}")
         for name, value in (("reconcile_interval", reconcile_interval), ("lease_ttl", lease_ttl),
+                            ("canary_interval", canary_interval),
                             ("stale_attempt_after", stale_attempt_after), ("idle_ttl", idle_ttl)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
@@ -144,6 +152,8 @@ class Deployment:
         self.capacity = capacity
         self.max_lag = max_lag
         self.on_stale = on_stale
+        self.canary_interval = canary_interval  # the canary (docs/provenance.md, "Canary"); None: off
+        self.avoid_suspect = avoid_suspect
         self.idle_ttl = idle_ttl
         self.own_engines = own_engines  # close() closes the engine adapters too
         self.name_prefix = name_prefix  # how versions are named on the engines (None: lorapub's default)
@@ -179,7 +189,7 @@ class Deployment:
             self.registry = LocalRegistry(
                 self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
                 tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
-                name_prefix=self.name_prefix or MANAGED_PREFIX,
+                name_prefix=self.name_prefix or MANAGED_PREFIX, avoid_suspect=self.avoid_suspect,
             )
         fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
@@ -211,7 +221,7 @@ class Deployment:
             registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
             publisher=self.publisher, interval=self.reconcile_interval,
             stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks, events=self.observers,
-            sessions_here=self.sessions.counts,
+            sessions_here=self.sessions.counts, canary_interval=self.canary_interval,
         )
         self.membership = FleetMembership(
             registry, self.engines, fleet=self.fleet, reconciler=self.reconciler, sessions=self.sessions,
@@ -244,6 +254,8 @@ class Deployment:
         asked: dict[str, object] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
         if self.max_lag is not None or self.on_stale != "error":
             asked.update(max_lag=self.max_lag, on_stale=self.on_stale)
+        if self.avoid_suspect:
+            asked.update(avoid_suspect=True)
         for name, value in asked.items():
             has = getattr(fleet, name)
             if value is not None and value != has:
@@ -458,6 +470,8 @@ class DeploymentOptions(TypedDict, total=False):
     decision_log: bool
     status: tuple[str, int] | None
     status_token: str | None
+    canary_interval: float | None
+    avoid_suspect: bool
 
 
 @overload

@@ -35,6 +35,7 @@ from lorapub.errors import (
     CapacityError,
     InvalidInput,
     LorapubError,
+    NumericMismatch,
     OutcomeUnknown,
     PublicationBlocked,
     PublicationFailed,
@@ -45,6 +46,7 @@ from lorapub.events import (
     PublishBegun,
     PublishCommitted,
     PublishFailed,
+    PublishNumericMismatch,
     PublishProgress,
     PublishSuperseded,
     PublishWaiting,
@@ -313,7 +315,7 @@ class Publisher:
         ready: list[ReadyToCommit] = []
         runner = EffectRunner(
             self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
-            on_ready=ready.append, on_eligible=self.on_eligible,
+            on_ready=ready.append, on_eligible=self.on_eligible, probe=snapshot.probe, lora_name=reply.lora_name,
         )
         try:
             runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=self._progress(key, plan, progress)))
@@ -329,7 +331,8 @@ class Publisher:
                     engine_phases=self._engine_phases(runlog, reply.token),
                 )
                 phases = {"reserve": reserved_at - started, **{p: report.phases[p] for p in
-                                                              ("begin", "transfer", "end", "commit") if p in report.phases}}
+                                                              ("begin", "transfer", "end", "probe", "commit")
+                                                              if p in report.phases}}
                 self.events(PublishCommitted(key, receipt.default_revision, receipt.retired, report.seconds, waited,
                                              plan.total_bytes, phases))
                 return report
@@ -341,6 +344,18 @@ class Publisher:
             raise
         self.fleet.changed()  # the attempt is over: another waiting publication may go
         why = "; ".join(runlog.failures + runlog.unknown) or status.phase.value
+        if runlog.mismatches:  # the numeric READY gate refused it: no READY was recorded, the default stays
+            engine, mismatch = sorted(runlog.mismatches.items())[0]
+            for name, m in sorted(runlog.mismatches.items()):
+                self.events(PublishNumericMismatch(key, name, m.sequence, m.position, m.expected, m.observed,
+                                                   m.mean_abs))
+            cleaned = status.phase is Phase.CLEAN
+            raise NumericMismatch(
+                f"{key}: engine {engine} did not reproduce the snapshot's probe under {reply.lora_name} "
+                f"({mismatch.describe()}); the attempt failed, the default did not move"
+                + ("" if cleaned else " and its cleanup is not confirmed yet (lorapub retries it)"),
+                version=key, engine=engine, cleaned=cleaned, **mismatch.details(),
+            )
         if status.phase is Phase.CLEAN:
             raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
         raise PublicationBlocked(

@@ -18,6 +18,7 @@ import attrs
 from lorapub.core.commands import (
     AbortStale,
     ExpireLeases,
+    MarkSuspect,
     ReadFleet,
     ReadSessionsOf,
     RecordLost,
@@ -25,6 +26,7 @@ from lorapub.core.commands import (
     RetryCleanup,
     StartReprovision,
 )
+from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
@@ -37,10 +39,12 @@ from lorapub.events import (
     OrphanFreed,
     ReconcilePassed,
     SessionsExpired,
+    VersionSuspected,
 )
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
+from lorapub.runtime.probe import Probe, compare, input_logprobs, probe_payload
 from lorapub.runtime.provenance import unstamped
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
@@ -57,7 +61,7 @@ class Blocker:
     """One thing that keeps the deployment from being healthy, and why."""
 
     # engine_unreachable | reprovisioning | cleanup_pending | reclaim_pending | publication_waiting |
-    # orphan_pending | attempt_running | reconcile_failed
+    # orphan_pending | attempt_running | reconcile_failed | version_suspect
     kind: str
     subject: str
     detail: str
@@ -108,6 +112,7 @@ class Reconciler:
         tasks: TaskOwner | None = None,
         events: Observer | None = None,
         sessions_here: Callable[[], tuple[int, int]] | None = None,
+        canary_interval: float | None = None,
     ) -> None:
         self.events: Observer = events or (lambda event: None)
         self.sessions_here = sessions_here  # (open sessions, groups) of this process, for the gauges
@@ -136,6 +141,8 @@ class Reconciler:
         self._failed = 0
         self.orphans: dict[tuple[str, str], str] = {}  # (engine, adapter or attempt) -> what is done about it
         self.health = Health(False, (Blocker("reconcile_failed", "-", "no pass ran yet"),), None, 0, 0)
+        self.canary_interval = canary_interval  # None: the canary is off
+        self._canary_last: dict[tuple[VersionKey, str], float] = {}  # (version, engine) -> last check
 
     def first_seen(self) -> dict[AttemptToken, float]:
         """When this reconciler first saw each attempt in flight at its current progress."""
@@ -281,7 +288,10 @@ class Reconciler:
         if self.publisher is not None:
             self.publisher.frozen.retain(set(fleet.holders) | {t.version for t in fleet.active})
         self.fleet.update(fleet)  # sessions route by it; waiting publications ask again
+        self._canary(fleet)
         # 8. what is left
+        for key, why in sorted(fleet.suspect.items()):
+            blockers.append(Blocker("version_suspect", str(key), why))
         for token in fleet.cleaning:
             blockers.append(Blocker("cleanup_pending", str(token), "cleanup not confirmed on every target"))
         blockers += await self._reclaim_blockers(fleet, inventories)
@@ -294,6 +304,45 @@ class Reconciler:
         notes = tuple(f"{name}: does not stamp its responses (stock SGLang or an older patch): its turns are "
                       "unattested" for name in unstamped(self.fleet))
         return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed, notes)
+
+    # -- the canary (docs/provenance.md, "Canary") ------------------------------------
+    def _canary(self, fleet: Fleet) -> None:
+        """Re-run each resident version's probe on each engine that holds it, every ``canary_interval``
+        (only versions this process published keep their snapshot, hence their probe)."""
+        if self.canary_interval is None or self.publisher is None:
+            return
+        now = self.clock.monotonic()
+        for key in [k for k in self._canary_last if k[0] not in fleet.holders]:
+            del self._canary_last[key]
+        for key, engines in sorted(fleet.holders.items()):
+            snapshot = self.publisher.frozen.get(key)
+            probe = getattr(snapshot, "probe", None)
+            name = fleet.lora_names.get(key)
+            if probe is None or name is None or key in fleet.suspect:
+                continue
+            for engine in sorted(engines):
+                last = self._canary_last.setdefault((key, engine), now)  # its READY probe was the first check
+                if now - last >= self.canary_interval and engine in self.engines:
+                    self._canary_last[(key, engine)] = now
+                    self._spawn(("canary", key, engine),
+                                lambda k=key, e=engine, p=probe, n=name: self._canary_one(k, e, p, n))
+
+    async def _canary_one(self, key: VersionKey, engine: str, probe: Probe, lora_name: str) -> None:
+        observed = []
+        for seq in probe.sequences:
+            try:
+                async with asyncio.timeout(self.deadlines.end):
+                    reply = await self.engines[engine].generate(probe_payload(lora_name, seq))
+                observed.append(input_logprobs(reply, len(seq)))
+            except (LorapubError, TimeoutError, ValueError) as e:  # unloaded meanwhile, away: not a drift
+                log.debug("canary of %s on %s not run: %s", key, engine, e)
+                return
+        mismatch = compare(probe, observed)
+        if mismatch is None:
+            return
+        result = await self.registry.handle(MarkSuspect(key, engine, mismatch.describe()))
+        if result.reply:
+            self.events(VersionSuspected(key, engine, mismatch.describe()))
 
     async def _retry_cleanup(self, token: AttemptToken) -> None:
         result = await self.registry.handle(RetryCleanup(token))
@@ -414,6 +463,9 @@ class Reconciler:
         runner = EffectRunner(
             self.registry, self.engines,
             self.publisher.source_factory(snapshot, snapshot.plan(self.publisher.bucket_cap_bytes)), self.deadlines,
+            # the numeric READY gate holds for a re-provisioned load too
+            probe=getattr(snapshot, "probe", None),
+            lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),
         )
         runlog = await runner.run(result.effects)
         problems = "; ".join(runlog.failures + runlog.unknown)

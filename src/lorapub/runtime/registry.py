@@ -60,6 +60,7 @@ class LocalRegistry:
         max_lag: int | None = None,
         on_stale: str = "error",
         name_prefix: str = MANAGED_PREFIX,
+        avoid_suspect: bool = False,
     ) -> None:
         self._store = store if store is not None else MemoryStore()
         # wall time (leases mean the same to every process and after a restart), advanced monotonically
@@ -75,7 +76,7 @@ class LocalRegistry:
             raise StoreError(f"registry store {where}: cannot load it: {type(e).__name__}: {e}") from None
         if loaded is None:
             self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale,
-                                         name_prefix)
+                                         name_prefix, avoid_suspect=avoid_suspect)
             self._save(self._state, None)
         elif not isinstance(loaded, RegistryState):
             self.close()  # refused: the store is released for whoever repairs it

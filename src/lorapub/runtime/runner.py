@@ -23,6 +23,7 @@ from lorapub.core.effects import (
     SendReclaim,
     TransferBucket,
 )
+from lorapub.core.attempt import ReadyLocal
 from lorapub.core.identity import VersionKey
 from lorapub.core.commands import (
     RecordBucketDone,
@@ -34,10 +35,11 @@ from lorapub.core.commands import (
     RecordUnloaded,
     RegisterEngine,
 )
-from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown, UnknownEngine
+from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown, UnknownEngine, VersionMissing
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.engines import shared
+from lorapub.runtime.probe import Mismatch, Probe, compare, input_logprobs, probe_payload
 
 __all__ = ["OnReady", "OnEligible", "Deadlines", "RunLog", "EffectRunner"]
 
@@ -88,6 +90,8 @@ class RunLog:
     collectives: int = 0
     phase_started: dict[str, float] = attrs.field(factory=dict)
     phase_ended: dict[str, float] = attrs.field(factory=dict)
+    # engines whose probe did not reproduce the reference: engine -> Mismatch (the numeric READY gate)
+    mismatches: dict[str, Mismatch] = attrs.field(factory=dict)
     # told of every phase boundary (phase, engine, bucket index or None): a publication's progress
     listener: Callable[[str, str | None, int | None], None] | None = None
 
@@ -139,6 +143,8 @@ class EffectRunner:
         *,
         on_ready: OnReady | None = None,
         on_eligible: OnEligible | None = None,
+        probe: Probe | None = None,
+        lora_name: str | None = None,
     ) -> None:
         if source is not None and not isinstance(getattr(source, "collective", None), bool):
             raise InvalidInput(f"bucket source {type(source).__name__} does not say whether it is collective "
@@ -149,6 +155,10 @@ class EffectRunner:
         self.deadlines = deadlines or Deadlines()
         self.on_ready = on_ready
         self.on_eligible = on_eligible
+        if probe is not None and not lora_name:
+            raise InvalidInput("a probe runs under the exact version name: pass lora_name with it")
+        self.probe = probe  # the numeric READY gate: no READY until the engine reproduces it
+        self.lora_name = lora_name
 
     async def run(self, effects: Iterable, runlog: RunLog | None = None) -> RunLog:
         runlog = runlog or RunLog()
@@ -229,10 +239,15 @@ class EffectRunner:
             return await self._transfer(fx, runlog)
         if isinstance(fx, SendEnd):
             engine = self._engine(fx.engine)
+            async def ready(receipt: ReadyLocal):
+                if self.probe is None:
+                    return await reg.handle(RecordReady(receipt))
+                return await self._gate(fx, engine, receipt, runlog)
+
             return await self._guarded(
                 fx.token, fx.engine, "end", runlog,
                 lambda: self._call(d.end, engine.end(fx.token)),
-                lambda receipt: reg.handle(RecordReady(receipt)),
+                ready,
             )
         if isinstance(fx, SendCleanup):
             engine = self._engine(fx.engine)
@@ -255,6 +270,40 @@ class EffectRunner:
                 return ()  # stays RECLAIMING with its slot; RetryReclaim later
             return (await reg.handle(RecordUnloaded(fx.version, fx.reclaim_id, fx.engine))).effects
         raise TypeError(f"no executor for {fx!r}")
+
+    async def _gate(self, fx: SendEnd, engine: EngineAdmin, receipt: ReadyLocal, runlog: RunLog):
+        """The numeric READY gate: the engine's READY is recorded only once it reproduces the probe
+        under the exact version name; a mismatch is the attempt's failure (RecordFailure)."""
+        probe, name = self.probe, self.lora_name
+        assert probe is not None and name is not None
+        runlog.mark("probe", fx.engine)
+        try:
+            observed = []
+            for seq in probe.sequences:
+                reply = await self._call(self.deadlines.end, engine.generate(probe_payload(name, seq)))
+                try:
+                    observed.append(input_logprobs(reply, len(seq)))
+                except ValueError as e:
+                    raise EngineError(f"probe: {e}") from None
+        except (EngineError, VersionMissing) as e:
+            runlog.failures.append(f"{fx.engine} probe: {e.message}")
+            return await self.registry.handle(RecordFailure(fx.token, fx.engine, f"probe: {e.message}"))
+        except OutcomeUnknown as e:
+            runlog.unknown.append(f"{fx.engine} probe: {e.message}")
+            return await self.registry.handle(RecordUnknown(fx.token, fx.engine, "probe"))
+        except Exception as e:  # an untyped client error: we cannot know what happened
+            log.exception("%s probe raised an untyped error; treating the outcome as unknown", fx.engine)
+            runlog.unknown.append(f"{fx.engine} probe: {type(e).__name__}: {e}")
+            return await self.registry.handle(RecordUnknown(fx.token, fx.engine, "probe"))
+        finally:
+            runlog.mark("probe", fx.engine)
+        mismatch = compare(probe, observed)
+        if mismatch is None:
+            return await self.registry.handle(RecordReady(receipt))
+        runlog.mismatches[fx.engine] = mismatch
+        runlog.failures.append(f"{fx.engine} numeric mismatch: {mismatch.describe()}")
+        return await self.registry.handle(
+            RecordFailure(fx.token, fx.engine, f"numeric mismatch: {mismatch.describe()}"))
 
     async def _guarded(self, token, engine: str, op: str, runlog: RunLog, call, feed):
         try:

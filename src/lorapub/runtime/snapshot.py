@@ -18,6 +18,7 @@ from lorapub.wire.dtypes import ACCEPTED, SAFETENSORS_DTYPES
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
+from lorapub.runtime.probe import Probe
 
 __all__ = ["DEFAULT_BUCKET_CAP", "tensor_bytes", "Snapshot", "load_safetensors", "InlineBucketSource"]
 
@@ -108,6 +109,12 @@ def _dtype(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _check_probe(probe: object) -> Probe | None:
+    if probe is not None and not isinstance(probe, Probe):
+        raise InvalidInput(f"a snapshot's probe is a lorapub.runtime.probe.Probe, got {type(probe).__name__}")
+    return probe
+
+
 class Snapshot:
     """Immutable once built. ``manifest.digest`` is the version's content digest.
 
@@ -117,9 +124,13 @@ class Snapshot:
     bool, uint8, int8/16/32/64, float16, bfloat16, float32, float64), and the serving config is
     plain JSON (no NaN, string keys). A violation is :class:`~lorapub.errors.InvalidInput`
     naming the offending key.
+
+    ``probe`` (optional): reference logprobs each engine must reproduce before its READY
+    (docs/provenance.md, "Numeric READY gate"); it is not part of the digest.
     """
 
-    def __init__(self, state_dict: Mapping[str, Tensor], serving_config: Mapping[str, object]) -> None:
+    def __init__(self, state_dict: Mapping[str, Tensor], serving_config: Mapping[str, object], *,
+                 probe: Probe | None = None) -> None:
         if not isinstance(state_dict, Mapping) or not isinstance(serving_config, Mapping):
             raise InvalidInput("Snapshot(state_dict, serving_config) takes two mappings")
         if not state_dict:
@@ -149,6 +160,15 @@ class Snapshot:
         ]
         self.manifest = Manifest.build(entries, self.serving_config)
         self._framework = next(iter(kinds.values()))
+        self.probe = _check_probe(probe)
+
+    def with_probe(self, probe: Probe | None) -> "Snapshot":
+        """The same frozen tensors and digest, carrying ``probe`` (the probe is not part of the
+        adapter's identity: it travels with the snapshot, outside the digest)."""
+        copy = object.__new__(Snapshot)
+        copy.__dict__.update(self.__dict__)
+        copy.probe = _check_probe(probe)
+        return copy
 
     def __repr__(self) -> str:
         size = self.manifest.total_bytes

@@ -32,6 +32,7 @@ class VersionStatus:
     default: bool
     loaded_on: Mapping[str, int]  # engine -> requests running on it there (native refs)
     blocked_by: tuple[str, ...]  # why it is not reclaimed yet, by name (empty: nothing holds it)
+    suspect: str | None = None  # the canary saw an engine drift from its probe (why); None: not suspect
 
 
 @attrs.frozen
@@ -164,6 +165,7 @@ def build_status(
             slot.version == fleet.default, dict(sorted(loaded_on.items())),
             _blocked_by(slot.version, slot.state, slot.retiring, sessions_of.get(slot.version), local, loaded_on,
                         slot.unloading_on, fleet.now),
+            getattr(fleet, "suspect", {}).get(slot.version),
         ))
     should: dict[str, list[str]] = {}
     for key, engines in fleet.holders.items():

@@ -9,10 +9,11 @@ from lorapub.testing.conformance import ConformanceFailure, EngineUnderTest, che
 from lorapub.testing.fixtures import fake_manifest, fake_plan, lora_snapshot, peft_config, peft_lora_state_dict
 from lorapub.testing.faults import FaultyRegistry
 from lorapub.testing.memory_engine import MemoryEngine
+from lorapub.testing.numeric import reference_probe
 from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest
 
 __all__ = [
     "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
-    "peft_lora_state_dict",
+    "peft_lora_state_dict", "reference_probe",
 ]

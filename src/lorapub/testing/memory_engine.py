@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 from typing import Any, Mapping
 
@@ -17,6 +18,7 @@ from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import Clock, EngineLimits, HeldAdapter, Inventory, StagedAttempt
 from lorapub.runtime.clock import SystemClock
+from lorapub.testing import numeric
 from lorapub.wire.codec import manifest_digest
 from lorapub.wire.refusal import Refused
 from lorapub.wire.safetensors import safetensors_layout, verify_spans
@@ -34,9 +36,11 @@ class MemoryEngine:
     def __init__(
         self, name: str, *, max_loaded: int = 3, max_per_batch: int | None = None, rate: float = 0.0,
         seed: int | None = None, generate_seconds: float = 0.0, stage_idle_s: float = 600.0,
-        clock: Clock | None = None,
+        clock: Clock | None = None, scale_tensor: str | None = None,
     ) -> None:
         self.name = name
+        # test-only: scale one tensor at load ("<substring>=<factor>"; default: lorapub.testing.numeric.SCALE_ENV)
+        self.scale_tensor = scale_tensor
         self.stage_idle_s = stage_idle_s  # the engine staging's LORAPUB_STAGE_IDLE_S default
         self.clock = clock or SystemClock()
         self.aged: list[AttemptToken] = []  # attempts dropped because nobody drove them (all lives)
@@ -59,6 +63,7 @@ class MemoryEngine:
     def _boot(self) -> None:
         self.incarnation_id = f"{self.name}-life{self.life}"
         self.loaded: dict[str, str] = {}  # lora_name -> digest (pinned)
+        self.numeric: dict[str, float] = {}  # lora_name -> its stand-in model (lorapub.testing.numeric)
         self.unregistered: set[str] = set()  # reclaim began: new requests refused
         self.refs: dict[str, int] = {}
         self.stashes: dict[AttemptToken, tuple[SendBegin, dict[int, bytes]]] = {}
@@ -193,9 +198,12 @@ class MemoryEngine:
             raise EngineError(f"{self.name}: buckets {sorted(buckets)} of {len(request.plan)} arrived")
         self._verify(request, buckets)
         if request.lora_name not in self.loaded:
-            previous = list(self.loaded.values())
-            swapped = self.swap_weights and previous and previous[-1] != request.digest
-            self.loaded[request.lora_name] = previous[-1] if swapped else request.digest
+            previous = list(self.loaded.items())
+            swapped = self.swap_weights and previous and previous[-1][1] != request.digest
+            self.loaded[request.lora_name] = previous[-1][1] if swapped else request.digest
+            # the numbers follow the weights it really serves (the previous version's, when swapped)
+            self.numeric[request.lora_name] = (self.numeric[previous[-1][0]] if swapped and previous[-1][0] in self.numeric
+                                               else self._stat(request, buckets))
         self.ended.add(token)
         lora_id = hashlib.sha256(f"{self.incarnation_id}/{request.lora_name}".encode()).hexdigest()[:16]
         return ReadyLocal(self.name, token, request.digest, self.incarnation_id, lora_id)
@@ -212,6 +220,18 @@ class MemoryEngine:
                 verify_spans(blob, safetensors_layout(blob, bucket), bucket)
         except Refused as e:
             raise EngineError(f"{self.name}: {request.lora_name} refused: {e.message}", engine=self.name) from None
+
+    def _stat(self, request: SendBegin, buckets: dict[int, bytes]) -> float:
+        """What the loaded adapter computes with (the test-only scale switch applied)."""
+        tensors: dict[str, Any] = {}
+        for bucket in request.plan.buckets:
+            tensors.update(numeric.blob_tensors(buckets[bucket.index], bucket))
+        tensors = numeric.apply_scale(tensors, numeric.scale_setting(self.scale_tensor))
+        return numeric.adapter_stat(tensors, json.loads(request.plan.serving_config_json))
+
+    def drift(self, lora_name: str, factor: float) -> None:
+        """Test aid: the loaded adapter computes differently from now on (what the canary catches)."""
+        self.numeric[lora_name] *= factor
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         return await self._call("cleanup", self._cleanup, token, lora_name)
@@ -238,6 +258,7 @@ class MemoryEngine:
             await asyncio.sleep(0.001)
             if self.life != life:
                 return  # the restart dropped it anyway
+        self.numeric.pop(lora_name, None)
         if self.loaded.pop(lora_name, None) is not None:
             self.unloads[lora_name] = self.unloads.get(lora_name, 0) + 1
         self.unregistered.discard(lora_name)
@@ -284,6 +305,11 @@ class MemoryEngine:
             lora_id = hashlib.sha256(f"{life}/{name}".encode()).hexdigest()[:16]
             meta["lorapub"] = {"lora_name": name, "digest": self.loaded[name], "engine": self.name,
                                "incarnation": life, "lora_id": lora_id}
+        ids = payload.get("input_ids")
+        if payload.get("return_logprob") and isinstance(ids, list) and name in self.numeric:
+            # SGLang's shape: (logprob, token_id, None) per input token from logprob_start_len; the first has none
+            scores = [None, *numeric.model_logprobs(self.numeric[name], ids)]
+            meta["input_token_logprobs"] = [(lp, int(t), None) for lp, t in zip(scores, ids)]
         return {"text": "ok", "meta_info": meta}
 
 

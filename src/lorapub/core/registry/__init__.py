@@ -30,6 +30,7 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     Commit,
     ForgetSessions,
     ListReclaimable,
+    MarkSuspect,
     OpenSession,
     QUERIES,
     QueryAttempt,
@@ -78,6 +79,7 @@ from .state import (
 from .publication import (
     cancel_wait,
     commit,
+    mark_suspect,
     query_attempt,
     record_bucket_done,
     record_cleaned,
@@ -152,6 +154,7 @@ TRANSITIONS: dict[type, Callable[..., Outcome]] = {
     ExpireLeases: expire_leases,
     StartReprovision: start_reprovision, AbortStale: abort_stale, RecordLost: record_lost,
     AddEngine: add_engine, DrainEngine: drain_engine, RemoveEngine: remove_engine,
+    MarkSuspect: mark_suspect,
 }
 
 QUERY_HANDLERS: dict[type, Callable[[RegistryState, Any], object]] = {

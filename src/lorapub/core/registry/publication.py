@@ -28,7 +28,7 @@ from .state import AttemptStatus, Outcome, RegistryState, ReserveReply, Waiter, 
 
 __all__ = ['cancel_wait', 'commit', 'query_attempt', 'reclaim_eligible', 'record_bucket_done', 'record_cleaned',
     'record_failure', 'record_prepared', 'record_ready', 'record_unknown', 'register_engine', 'reserve',
-    'retry_cleanup', 'step_attempt']
+    'retry_cleanup', 'step_attempt', 'mark_suspect']
 
 
 _P = ParamSpec("_P")
@@ -253,6 +253,16 @@ def _step_reprovision(state: RegistryState, new: Attempt, effects: list[Effect])
     if new.resolved and state.reprovisions.get(index) == new.token:
         state = attrs.evolve(state, reprovisions=state.reprovisions.remove(index))
     return Outcome(state, new.phase, effects)
+
+
+def mark_suspect(state: RegistryState, key: VersionKey, engine: str, reason: str) -> Outcome:
+    """A resident version the canary saw drift is suspect from now on (its first reason kept);
+    the reply says whether this call marked it. Nothing else changes: bound sessions keep it."""
+    version = state.version(key)
+    if version.state not in SERVING or version.suspect is not None:
+        return Outcome(state, False)
+    marked = attrs.evolve(version, suspect=f"{engine}: {reason}"[:500])
+    return Outcome(attrs.evolve(state, versions=state.versions.set(key, marked)), True)
 
 
 def record_prepared(state: RegistryState, token: AttemptToken, engine: str, incarnation: str) -> Outcome:

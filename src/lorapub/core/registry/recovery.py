@@ -95,6 +95,8 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
         waiting=state.waiter,
         now=now,
         name_prefix=state.name_prefix,
+        suspect={k: v.suspect for k, v in state.versions.items() if v.suspect is not None and v.state in SERVING},
+        avoid_suspect=state.avoid_suspect,
         # every version whose adapter engines may hold as the registry knows it (loading, serving, being
         # unloaded, or failed and not yet cleaned): anything else managed of this epoch is an orphan
         lora_names={k: v.lora_name for k, v in state.versions.items()

@@ -13,7 +13,7 @@ from lorapub.core.identity import SessionKey, VersionKey, check_id
 from lorapub.core.group import GroupRecord, GroupState
 from lorapub.core.session import Binding, SessionRecord, SessionState
 from lorapub.core.version import add_session_ref, drop_session_ref
-from lorapub.errors import BindingStale, SessionExpired, InvalidInput, NoPublishedVersion, VersionReclaiming
+from lorapub.errors import BindingStale, SessionExpired, InvalidInput, NoPublishedVersion, VersionReclaiming, VersionSuspect
 
 from .publication import reclaim_eligible
 from .state import Outcome, RegistryState, SessionsOf, check_epoch
@@ -83,6 +83,22 @@ def _refuse_if_stale(state: RegistryState, record: SessionRecord) -> None:
         raise BindingStale(f"session {record.key}: {why}{hint}", session=record.key, version=record.version)
 
 
+def _refuse_if_suspect(state: RegistryState, default: VersionKey, record: SessionRecord | None,
+                       group: str | None) -> None:
+    """``avoid_suspect``: a new binding never lands on a suspect default; a member of a group already
+    bound joins its group's version (a group never spans two versions)."""
+    suspect = state.versions[default].suspect
+    if not state.avoid_suspect or suspect is None:
+        return
+    gid = record.group if record is not None else group
+    if gid is not None and gid in state.groups and state.groups[gid].state is not GroupState.OPEN:
+        return
+    raise VersionSuspect(
+        f"the default {default} is suspect ({suspect}); avoid_suspect keeps new sessions off it until a newer "
+        "version is committed", version=default,
+    )
+
+
 def _join_group(state: RegistryState, found: SessionRecord | None, key: SessionKey, group: str | None) -> tuple[RegistryState, str | None]:
     """A new record joins ``group`` (one more open member); an existing one keeps its own."""
     if found is not None:
@@ -132,6 +148,7 @@ def bind_first(state: RegistryState, key: SessionKey, now: float | None = None, 
     default = state.default
     if default is None:
         raise NoPublishedVersion(f"no version is published yet in epoch {state.epoch}")
+    _refuse_if_suspect(state, default, record, group)
     state, gid = _join_group(state, record, key, group)
     if gid is None:
         version, holds = default, True

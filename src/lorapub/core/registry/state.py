@@ -139,6 +139,8 @@ class RegistryState:
     name_prefix: str = MANAGED_PREFIX
     # engine -> JOINING or DRAINING; an engine of ``engines`` not named here is SERVING
     members: PMap[str, Membership] = attrs.field(factory=pmap, converter=_members)
+    # a new session is kept off a suspect default (VERSION_SUSPECT); bound sessions are never moved
+    avoid_suspect: bool = False
 
     __getstate__ = _fields.getstate
     __setstate__ = _fields.setstate
@@ -308,6 +310,8 @@ class Fleet:
     lora_names: Mapping[VersionKey, str] = attrs.field(factory=dict)  # every version engines may still hold
     joining: frozenset[str] = frozenset()  # members that take no traffic until they hold every needed version
     draining: frozenset[str] = frozenset()  # members that take no new binding (they are on their way out)
+    suspect: Mapping[VersionKey, str] = attrs.field(factory=dict)  # resident versions the canary saw drift -> why
+    avoid_suspect: bool = False
 
     @property
     def routable(self) -> frozenset[str]:
@@ -347,6 +351,8 @@ def new_registry(
     max_lag: int | None = None,
     on_stale: str = "error",
     name_prefix: str = MANAGED_PREFIX,
+    *,
+    avoid_suspect: bool = False,
 ) -> RegistryState:
     if not engines:
         raise InvalidInput("a registry needs at least one target engine")
@@ -362,7 +368,7 @@ def new_registry(
     check_name_prefix(name_prefix)
     return RegistryState(
         epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
-        max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
+        max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix, avoid_suspect=avoid_suspect is True,
     )
 
 

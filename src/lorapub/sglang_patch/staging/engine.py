@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Mapping, Protocol
 
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
-from lorapub.sglang_patch.staging import claims, collective, landing, machine, swap
+from lorapub.sglang_patch.staging import claims, collective, landing, machine, swap, test_switch
 from lorapub.sglang_patch.staging import messages as m
 from lorapub.sglang_patch.staging.buffers import Buffer, verify_and_keep
 from lorapub.sglang_patch.staging.landing import Stash
@@ -487,6 +487,8 @@ class EngineStaging:
             path = await asyncio.to_thread(landing.finish_peft_dir, stash)
             if self.swap_weights:
                 path, loaded, self._swap = await asyncio.to_thread(swap.dir_load, self._swap, path, digest, self.stash_root)
+            if os.environ.get(test_switch.SCALE_ENV):  # test-only (docs/provenance.md): never in production
+                await asyncio.to_thread(test_switch.scale_for_test, path)
             error = await self.hooks.load_dir(name, path)
         else:
             path = "__tensor__"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import mmap
 import os
 import uuid
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.sglang_patch import provenance
 from lorapub.sglang_patch import staging as engine_side
+from lorapub.testing import numeric
 from lorapub.testing._sglang_registry import lora_registry_module
 from lorapub.testing.sglang_double.auth import sglang_decide, decide_request_auth
 from lorapub.wire.codec import json_bytes
@@ -50,6 +52,20 @@ def token_logprob(signature: str, prefix: list[int], token: int) -> float:
 def next_token(signature: str, prefix: list[int]) -> int:
     h = hashlib.sha256(f"{signature}|next|{prefix[-8:]}|{len(prefix)}".encode()).digest()
     return int.from_bytes(h[:2], "big") % 1000
+
+
+def _dir_stat(path: str) -> float | None:
+    """The stand-in model of an adapter folder, or None."""
+    try:
+        from safetensors.numpy import load_file
+
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        tensors = {n: t.astype("float64") for n, t in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
+    except (OSError, ValueError, TypeError):  # bf16 has no numpy dtype: no numeric model for it here
+        return None
+    # the test-only scale switch already scaled the folder's tensor (lorapub.sglang_patch.staging.test_switch)
+    return numeric.adapter_stat(tensors, config)
 
 
 class Fault:
@@ -118,6 +134,7 @@ class DoubleEngine:
         self.pending_unloads: dict[str, str] = {}
         self.update_lock = asyncio.Lock()
         self.loaded: dict[str, str] = {}  # lora_id -> content signature (the "GPU pool")
+        self.numeric: dict[str, float] = {}  # lora_id -> its stand-in model (lorapub.testing.numeric)
         self.prefix_cache: dict[str, list[tuple[int, ...]]] = {}
         self.paused = asyncio.Event()
         self.paused.set()
@@ -171,7 +188,8 @@ class DoubleEngine:
         finally:
             self._release_steps(gate)
 
-    async def _load(self, lora_name: str, lora_path: str, pinned: bool, signature: str | None = None) -> dict[str, Any]:
+    async def _load(self, lora_name: str, lora_path: str, pinned: bool, signature: str | None = None,
+                    stat: float | None = None) -> dict[str, Any]:
         if lora_name in self.pending_unloads:
             raise ValueError(f"LoRA adapter '{lora_name}' has an incomplete unload.")
         gate = self._hold_steps() if self.blocking_load else None  # callers hold update_lock: one load at a time
@@ -192,6 +210,10 @@ class DoubleEngine:
             ref = self._LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
             await self.lora_registry.register(ref)  # "already exists" -> ValueError
             self.loaded[ref.lora_id] = signature
+            if stat is None and lora_path != "__tensor__":
+                stat = await asyncio.to_thread(_dir_stat, lora_path)
+            if stat is not None:
+                self.numeric[ref.lora_id] = stat
             self.ref_cache[lora_name] = ref
             self.events.append(("load", lora_name))
         finally:
@@ -214,6 +236,7 @@ class DoubleEngine:
         if f is not None:
             await asyncio.sleep(f.delay)
         self.loaded.pop(lora_id, None)
+        self.numeric.pop(lora_id, None)
         self.prefix_cache.pop(lora_id, None)
         self.physical_unloads.append(lora_name)
         self.events.append(("unload", lora_name))
@@ -304,10 +327,10 @@ class _DoubleHooks:
     def managed_prefix(self) -> str:
         return self.double.managed_prefix
 
-    async def _load(self, lora_name: str, lora_path: str, signature: str | None) -> str | None:
+    async def _load(self, lora_name: str, lora_path: str, signature: str | None, stat: float | None = None) -> str | None:
         try:
             async with self.double.update_lock:
-                await self.double._load(lora_name, lora_path, True, signature)
+                await self.double._load(lora_name, lora_path, True, signature, stat)
         except (ValueError, OSError) as e:
             return str(e)
         return None
@@ -331,8 +354,12 @@ class _DoubleHooks:
             h.update(json_bytes(config))
             return h.hexdigest()
 
+        def stat() -> float:
+            values = {n: t.to(dtype=__import__("torch").float64).numpy() for n, t in tensors.items()}
+            return numeric.adapter_stat(numeric.apply_scale(values, numeric.scale_setting()), config)
+
         try:
             sig = await asyncio.to_thread(signature)
         except ValueError as e:
             return str(e)
-        return await self._load(lora_name, "__tensor__", sig)
+        return await self._load(lora_name, "__tensor__", sig, await asyncio.to_thread(stat))

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.sglang_patch import provenance
+from lorapub.testing import numeric
 from lorapub.testing.sglang_double.auth import NORMAL, ROUTE_AUTH_LEVELS
 from lorapub.testing.sglang_double.engine import DoubleEngine, next_token, token_logprob
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
@@ -358,6 +359,10 @@ class SGLangDouble(DoubleEngine):
                     **self._stamped(name, lora_id),
                 },
             }
+            if body.get("return_logprob") and lora_id in self.numeric:
+                # SGLang's shape from logprob_start_len 0: (logprob, token_id, None), the first token has none
+                scores = [None, *numeric.model_logprobs(self.numeric[lora_id], ids)]
+                out["meta_info"]["input_token_logprobs"] = [(lp, t, None) for lp, t in zip(scores, ids)]
             await release_once()
             return web.json_response(out)
         finally:
