@@ -184,8 +184,11 @@ class Reconciler:
 
     async def _loop(self) -> None:
         failed = 0  # passes failed in a row
+        first = True  # the first pass runs at once: health and status say something real from the start
         while True:
-            await self.fleet.wait_for_kick(self.backoff.delay(failed) if failed else self.interval)
+            if not first:
+                await self.fleet.wait_for_kick(self.backoff.delay(failed) if failed else self.interval)
+            first = False
             health = await self.run_once()
             failed = failed + 1 if health.blockers and health.blockers[0].kind == "reconcile_failed" else 0
 
