@@ -158,14 +158,19 @@ _lorapub_prepared_load.install(Scheduler)
 PREPARED_LOAD = {"0.5.17": "0004-scheduler-prepared-load.diff", "0.5.23": "0005-scheduler-prepared-load.diff"}
 
 
+def _render_hook(root: str, file: str, hook: str, names: dict[str, str]) -> dict[str, str]:
+    """The diff that appends ``hook`` to ``file`` of the release at ``root`` (file name -> text)."""
+    version = detect(root).upstream
+    with open(os.path.join(root, file)) as f:
+        before = f.read()
+    return {names[version]: _unified(file, before, before + hook)}
+
+
 def render_prepared_load(root: str) -> dict[str, str]:
     """The scheduler-hook diff of the release at ``root`` (file name -> text)."""
     from lorapub.sglang_patch.targets import SCHEDULER_FILE
 
-    version = detect(root).upstream
-    with open(os.path.join(root, SCHEDULER_FILE)) as f:
-        before = f.read()
-    return {PREPARED_LOAD[version]: _unified(SCHEDULER_FILE, before, before + SCHEDULER_HOOK)}
+    return _render_hook(root, SCHEDULER_FILE, SCHEDULER_HOOK, PREPARED_LOAD)
 
 
 #: The stamp hook of :mod:`lorapub.sglang_patch.provenance`, the same in every release: appended to
@@ -185,10 +190,7 @@ def render_provenance(root: str) -> dict[str, str]:
     """The stamp-hook diff of the release at ``root`` (file name -> text)."""
     from lorapub.sglang_patch.targets import TM_FILE
 
-    version = detect(root).upstream
-    with open(os.path.join(root, TM_FILE)) as f:
-        before = f.read()
-    return {PROVENANCE[version]: _unified(TM_FILE, before, before + TOKENIZER_HOOK)}
+    return _render_hook(root, TM_FILE, TOKENIZER_HOOK, PROVENANCE)
 
 
 __all__ = [

@@ -9,13 +9,12 @@ from __future__ import annotations
 import attrs
 
 from lorapub.core import attempt as att
-from lorapub.core import reclaim as rec
 from lorapub.core.effects import Effect, Ignored
 from lorapub.core.identity import check_id
-from lorapub.core.version import SERVING, VersionState
+from lorapub.core.version import VersionState
 from lorapub.errors import EngineNotDrained, InvalidInput, PublicationBlocked, UnknownEngine
 
-from .publication import _put_attempt, register_engine
+from .publication import _put_attempt, drop_holdings, register_engine
 from .state import Membership, Outcome, RegistryState
 
 __all__ = ["add_engine", "admit_joined", "drain_engine", "remove_engine"]
@@ -103,13 +102,7 @@ def remove_engine(state: RegistryState, engine: str, force: bool = False) -> Out
         )
     effects: list[Effect] = []
     # versions: no longer held there; a reclaim has nothing left to wait for there
-    versions = state.versions
-    for key, v in state.versions.items():
-        if v.state in SERVING and engine in v.engines:
-            versions = versions.set(key, attrs.evolve(v, engines=tuple(e for e in v.engines if e != engine)))
-        elif v.state is VersionState.RECLAIMING and engine in v.reclaim_pending:
-            versions = versions.set(key, rec.confirm(v, v.reclaim_id or "", engine)[0])
-    state = attrs.evolve(state, versions=versions)
+    state = drop_holdings(state, engine)
     # attempts: a publication still loading there aborts (forced); re-provisioning there ends
     reprovisions = state.reprovisions
     for (where, key), token in state.reprovisions.items():

@@ -26,7 +26,7 @@ from lorapub.errors import (
 
 from .state import AttemptStatus, Outcome, RegistryState, ReserveReply, Waiter, Waiting, check_epoch
 
-__all__ = ['cancel_wait', 'commit', 'query_attempt', 'reclaim_eligible', 'record_bucket_done', 'record_cleaned',
+__all__ = ['cancel_wait', 'commit', 'drop_holdings', 'query_attempt', 'reclaim_eligible', 'record_bucket_done', 'record_cleaned',
     'record_failure', 'record_prepared', 'record_ready', 'record_unknown', 'register_engine', 'reserve',
     'retry_cleanup', 'step_attempt', 'mark_suspect']
 
@@ -35,6 +35,18 @@ _P = ParamSpec("_P")
 
 
 # -- engines -----------------------------------------------------------------
+def drop_holdings(state: RegistryState, engine: str) -> RegistryState:
+    """``engine`` holds none of the versions any more (a new life, or it left the fleet): it leaves
+    every serving version's holders, and a reclaim has nothing left to unload there."""
+    versions = state.versions
+    for key, v in state.versions.items():
+        if v.state in SERVING and engine in v.engines:
+            versions = versions.set(key, attrs.evolve(v, engines=tuple(e for e in v.engines if e != engine)))
+        elif v.state is VersionState.RECLAIMING and engine in v.reclaim_pending:
+            versions = versions.set(key, rec.confirm(v, v.reclaim_id or "", engine)[0])
+    return attrs.evolve(state, versions=versions)
+
+
 def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outcome:
     """Record that a member restarted: attempts bound to its old life abort. An engine that is not a
     member changes nothing (it joins by ``AddEngine``; a removed one is not re-added by a late probe)."""
@@ -46,13 +58,7 @@ def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outc
     state = attrs.evolve(state, engines=state.engines.set(engine, incarnation))
     # The new life holds no adapter: it leaves every version's holders (re-provisioned later
     # where sessions still need it), and a reclaim has nothing left to unload there.
-    versions = state.versions
-    for key, v in state.versions.items():
-        if v.state in SERVING and engine in v.engines:
-            versions = versions.set(key, attrs.evolve(v, engines=tuple(e for e in v.engines if e != engine)))
-        elif v.state is VersionState.RECLAIMING and engine in v.reclaim_pending:
-            versions = versions.set(key, rec.confirm(v, v.reclaim_id or "", engine)[0])
-    state = attrs.evolve(state, versions=versions)
+    state = drop_holdings(state, engine)
     effects: list[Effect] = []
     for token, a in list(state.attempts.items()):
         if a.resolved or a.target(engine) is None:
