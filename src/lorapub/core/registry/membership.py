@@ -11,7 +11,6 @@ import attrs
 from lorapub.core import attempt as att
 from lorapub.core.effects import Effect, Ignored
 from lorapub.core.identity import check_id
-from lorapub.core.version import VersionState
 from lorapub.errors import EngineNotDrained, InvalidInput, PublicationBlocked, UnknownEngine
 
 from .publication import _put_attempt, drop_holdings, register_engine
