@@ -5,15 +5,17 @@ See docs/provenance.md, "Numeric READY gate".
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
 
-from lorapub.errors import InvalidInput
+from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
+from lorapub.ports import EngineAdmin
 
 __all__ = ["DEFAULT_MEAN_TOLERANCE", "DEFAULT_TOKEN_TOLERANCE", "Probe", "Mismatch", "probe_payload",
-           "input_logprobs", "compare"]
+           "input_logprobs", "observe", "compare"]
 
 #: Provisional defaults, in nats (to be confirmed on live hardware: docs/provenance.md says why).
 DEFAULT_MEAN_TOLERANCE = 0.05
@@ -113,6 +115,23 @@ def input_logprobs(reply: Mapping[str, Any], length: int) -> list[float]:
     if len(values) != length - 1 or any(v is None or not math.isfinite(v) for v in values):
         raise ValueError(f"the engine gave {len(items)} input token logprobs for {length} tokens: {items!r:.120}")
     return [float(v) for v in values if v is not None]
+
+
+async def observe(engine: EngineAdmin, lora_name: str, probe: Probe, deadline: float) -> list[list[float]]:
+    """Each of the probe's sequences run on ``engine`` under ``lora_name``: the input-token logprobs it
+    computed. No answer within ``deadline`` is OUTCOME_UNKNOWN; an answer without them ENGINE_ERROR."""
+    observed = []
+    for seq in probe.sequences:
+        try:
+            async with asyncio.timeout(deadline):
+                reply = await engine.generate(probe_payload(lora_name, seq))
+        except TimeoutError:
+            raise OutcomeUnknown(f"no answer within {deadline:g}s") from None
+        try:
+            observed.append(input_logprobs(reply, len(seq)))
+        except ValueError as e:
+            raise EngineError(f"probe: {e}") from None
+    return observed
 
 
 def compare(probe: Probe, observed: Sequence[Sequence[float]]) -> Mismatch | None:

@@ -44,7 +44,7 @@ from lorapub.events import (
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
-from lorapub.runtime.probe import Probe, compare, input_logprobs, probe_payload
+from lorapub.runtime.probe import Probe, compare, observe
 from lorapub.runtime.provenance import unstamped
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
@@ -331,15 +331,11 @@ class Reconciler:
                                 lambda k=key, e=engine, p=probe, n=name: self._canary_one(k, e, p, n))
 
     async def _canary_one(self, key: VersionKey, engine: str, probe: Probe, lora_name: str) -> None:
-        observed = []
-        for seq in probe.sequences:
-            try:
-                async with asyncio.timeout(self.deadlines.end):
-                    reply = await self.engines[engine].generate(probe_payload(lora_name, seq))
-                observed.append(input_logprobs(reply, len(seq)))
-            except (LorapubError, TimeoutError, ValueError) as e:  # unloaded meanwhile, away: not a drift
-                log.debug("canary of %s on %s not run: %s", key, engine, e)
-                return
+        try:
+            observed = await observe(self.engines[engine], lora_name, probe, self.deadlines.end)
+        except LorapubError as e:  # unloaded meanwhile, away, no logprobs: not a drift
+            log.debug("canary of %s on %s not run: %s", key, engine, e)
+            return
         mismatch = compare(probe, observed)
         if mismatch is None:
             return

@@ -39,7 +39,7 @@ from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnkno
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.engines import shared
-from lorapub.runtime.probe import Mismatch, Probe, compare, input_logprobs, probe_payload
+from lorapub.runtime.probe import Mismatch, Probe, compare, observe
 
 __all__ = ["OnReady", "OnEligible", "Deadlines", "RunLog", "EffectRunner"]
 
@@ -278,13 +278,7 @@ class EffectRunner:
         assert probe is not None and name is not None
         runlog.mark("probe", fx.engine)
         try:
-            observed = []
-            for seq in probe.sequences:
-                reply = await self._call(self.deadlines.end, engine.generate(probe_payload(name, seq)))
-                try:
-                    observed.append(input_logprobs(reply, len(seq)))
-                except ValueError as e:
-                    raise EngineError(f"probe: {e}") from None
+            observed = await observe(engine, name, probe, self.deadlines.end)
         except (EngineError, VersionMissing) as e:
             runlog.failures.append(f"{fx.engine} probe: {e.message}")
             return await self.registry.handle(RecordFailure(fx.token, fx.engine, f"probe: {e.message}"))
