@@ -16,9 +16,8 @@ import tempfile
 import time
 from typing import Any
 
-from lorapub.core.registry import RegistryState, SessionsOf
-from lorapub.core.registry.recovery import read_fleet
-from lorapub.core.registry.sessions import read_sessions_of
+from lorapub.core.commands import ReadFleet, ReadSessionsOf
+from lorapub.core.registry import RegistryState, SessionsOf, handle
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError, StoreError
 from lorapub.runtime.status import Status, build_status
@@ -69,9 +68,9 @@ def read_store(path: str) -> Status:
                 close()
     if not isinstance(state, RegistryState):
         raise StatusError(f"{path} holds no registry state (an empty store?)")
-    fleet = read_fleet(state)
-    sessions_of: dict[Any, SessionsOf] = {h.version: read_sessions_of(state, h.version) for h in fleet.slots
-                                          if h.state is VersionState.RETIRED and h.session_refs}
+    fleet = handle(state, ReadFleet()).reply  # the registry's own queries, through its one door
+    sessions_of: dict[Any, SessionsOf] = {h.version: handle(state, ReadSessionsOf(h.version)).reply
+                                          for h in fleet.slots if h.state is VersionState.RETIRED and h.session_refs}
     return build_status(fleet, source=f"store {path}", sessions_of=sessions_of)
 
 

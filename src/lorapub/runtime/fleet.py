@@ -17,6 +17,7 @@ from lorapub.core.registry import Fleet
 from lorapub.core.session import Binding
 from lorapub.errors import LorapubError, OutcomeUnknown
 from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
+from lorapub.runtime.admission import answer_within
 from lorapub.runtime.clock import Elapsed
 from lorapub.runtime.engines import shared
 
@@ -45,11 +46,7 @@ class Life:
 async def incarnation_of(name: str, engine: EngineAdmin, deadline: float) -> str:
     """Engine ``name``'s incarnation (what a registry is made with, before there is a fleet view);
     no answer within ``deadline`` is OUTCOME_UNKNOWN, an engine's own refusal is raised as it is."""
-    try:
-        async with asyncio.timeout(deadline):
-            return await engine.incarnation()
-    except TimeoutError:
-        raise OutcomeUnknown(f"{name} did not say its incarnation within {deadline:g}s", engine=name) from None
+    return await answer_within(name, "its incarnation", deadline, engine.incarnation())
 
 
 class FleetView:
