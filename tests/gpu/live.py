@@ -31,7 +31,8 @@ from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 from lorapub.core.identity import RECLAIM_HEADER
 from lorapub.demo.workload import WorkloadSpec, run_workload
 from tests.gpu import servers as srv
-from tests.gpu.fixtures import adapter_snapshot
+from tests.gpu import provenance_live
+from tests.gpu.fixtures import adapter_snapshot, fixture_paths
 
 SEED = 1234
 VOCAB = 1024
@@ -182,6 +183,13 @@ class Instrumented:
 
     async def state(self):
         return await self.inner.state()
+
+
+def wanted(section: str) -> bool:
+    """LORAPUB_GPU_SECTIONS (comma-separated: epsilon, which brings the core sections, wire,
+    provenance) runs only those; unset, all of them."""
+    only = os.environ.get("LORAPUB_GPU_SECTIONS")
+    return not only or section in {x.strip() for x in only.split(",")}
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -760,6 +768,10 @@ class Run:
         self.E1 = srv.start("e1", self.paths["base"], 30200, out_dir, patched=True, env=env, context_length=CONTEXT)
         self.U = srv.start("u", self.paths["base"], 30300, out_dir, patched=False, env=env, context_length=CONTEXT)
         all_servers = [self.E0, self.E1, self.U]
+        if wanted("provenance"):  # F: patched, with the test-only scale and swap switches on
+            self.F = srv.start("f", self.paths["base"], 30500, out_dir, patched=True, env={**env, **provenance_live.F_ENV},
+                               context_length=CONTEXT)
+            all_servers.append(self.F)
         self.to_close: list = []  # deployments (stopped first), then the engines they drove
         try:
             await srv.wait_healthy(all_servers)
@@ -776,23 +788,29 @@ class Run:
                 self.pubs = {"A": await self.dep.publish(self.snaps["A"], "A")}
                 self.names = {"A": self.pubs["A"].lora_name}
                 self.prompt = tokens(self.rng, PROMPT_LEN)
-                await self.section("epsilon", self.epsilon())
-                if not hasattr(self, "eps"):
-                    return self.report
-                await self.section("scenario", self.scenario())
-                if "B" in self.pubs:
-                    self.names["B"] = self.pubs["B"].lora_name
-                    await self.section("kv_isolation", self.kv_isolation())
-                    await self.section("lifecycle", self.lifecycle())
-                await self.section("patch_behaviour", self.patch_behaviour())
-                if "C2" in self.pubs:
-                    await self.section("online", self.online())
+                if wanted("epsilon"):
+                    await self.section("epsilon", self.epsilon())
+                    if not hasattr(self, "eps"):
+                        return self.report
+                    await self.section("scenario", self.scenario())
+                    if "B" in self.pubs:
+                        self.names["B"] = self.pubs["B"].lora_name
+                        await self.section("kv_isolation", self.kv_isolation())
+                        await self.section("lifecycle", self.lifecycle())
+                    await self.section("patch_behaviour", self.patch_behaviour())
+                    if "C2" in self.pubs:
+                        await self.section("online", self.online())
                 if os.environ.get("LORAPUB_GPU_RELAX"):
                     await self.section("relax_route", self.relax_route())
-                if os.environ.get("LORAPUB_GPU_WIRE"):
+                if os.environ.get("LORAPUB_GPU_WIRE") and wanted("wire"):
                     await self.section("wire", self.wire())
                 if os.environ.get("LORAPUB_GPU_ROUTER"):
                     await self.section("router", self.router())
+                if wanted("provenance"):
+                    await self.dep.close()  # its epoch's A would be swept by the section's newer epochs
+                    servers = {"e0": self.E0, "e1": self.E1, "f": self.F}
+                    await self.section("provenance", provenance_live.ProvenanceSection(
+                        self.http, servers, self.paths["probes"], self.paths, DEADLINES).main())
         finally:
             for obj in sorted(self.to_close, key=lambda o: not hasattr(o, "settle")):  # deployments first
                 try:
@@ -928,7 +946,10 @@ def verdicts(r: dict) -> dict[str, bool]:
             len(w) == 3 and all(x.get("within_eps") for x in w.values())
         v["wire: W reclaimed after, stashes freed"] = len(w) == 3 and all(
             x.get("W_after") == "RECLAIMED" and x.get("W_stash_freed") for x in w.values())
-    v["no section raised"] = not r.get("errors")
+    if s.get("provenance") is not None or wanted("provenance"):
+        v.update(provenance_live.verdicts(s.get("provenance")))
+    v["no section raised"] = not r.get("errors") and not any(
+        isinstance(x, dict) and "error" in x for x in (s.get("provenance") or {}).values())
     return v
 
 
@@ -939,8 +960,7 @@ def main() -> int:
     parser.add_argument("--fixtures", required=True, help="folder with base/ and lora_A|B|C built by tests.gpu.fixtures")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="lorapub-live-")
-    paths = {"base": os.path.join(args.fixtures, "base"),
-             **{k: os.path.join(args.fixtures, f"lora_{k}") for k in "ABC"}}
+    paths = fixture_paths(args.fixtures)
     run = Run(root, os.path.dirname(os.path.abspath(args.out)), paths, args.out)
     t0 = time.monotonic()
     report = asyncio.run(run.main())

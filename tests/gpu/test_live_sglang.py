@@ -22,6 +22,7 @@ if not FIXTURES:
     pytest.skip("LORAPUB_GPU_FIXTURES is not set (tests/gpu/run_on_device.sh builds them)", allow_module_level=True)
 
 from tests.gpu import live  # noqa: E402
+from tests.gpu.fixtures import fixture_paths  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def report():
     out = os.environ.get("LORAPUB_GPU_REPORT") or os.path.join(tempfile.mkdtemp(), "report.json")
-    paths = {"base": os.path.join(FIXTURES, "base"), **{k: os.path.join(FIXTURES, f"lora_{k}") for k in "ABC"}}
+    paths = fixture_paths(FIXTURES)
     run = live.Run(tempfile.mkdtemp(prefix="lorapub-live-"), os.path.dirname(os.path.abspath(out)), paths, out)
     r = asyncio.run(run.main())
     r["env"] = live.env_report()
