@@ -868,8 +868,9 @@ def compare(runs: dict) -> dict:
     return out
 
 
-def verdicts(r: dict) -> dict[str, bool]:
-    s = r.get("sections", {})
+def core_verdicts(s: dict) -> dict[str, bool]:
+    """The sections LORAPUB_GPU_SECTIONS=epsilon brings: numerics, scenario, KV isolation,
+    lifecycle, the patch's behaviour, online."""
     v: dict[str, bool] = {}
     eps = s.get("epsilon", {}).get("epsilon", 0)
     v["epsilon measured on SGLang, A/B separated by > 10 eps"] = bool(s.get("epsilon", {}).get("separated"))
@@ -925,9 +926,16 @@ def verdicts(r: dict) -> dict[str, bool]:
         and (ours.get("slots_held_max") or 99) <= 2 and "B" in ours.get("publication", {}).get("version", "")
     v["online: A reclaimed after the run"] = ours.get("A_after_run") == "RECLAIMED"
     v["online: switch-off and control runs side by side"] = bool(on.get("compare"))
-    rt = s.get("router")
-    if rt is not None or os.environ.get("LORAPUB_GPU_ROUTER"):
-        rt = rt or {}
+    return v
+
+
+def verdicts(r: dict) -> dict[str, bool]:
+    s = r.get("sections", {})
+    v: dict[str, bool] = {}
+    if wanted("epsilon") or "epsilon" in s:
+        v.update(core_verdicts(s))
+    if s.get("router") is not None or os.environ.get("LORAPUB_GPU_ROUTER"):
+        rt = s.get("router") or {}
         run = rt.get("run", {})
         pv = rt.get("per_version", {})
         v["router: sessions through the real SGLang router, B published under load, no failures, one version per session"] = \
