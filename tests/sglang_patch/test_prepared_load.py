@@ -263,6 +263,18 @@ def test_a_peft_folder_is_read_exactly_as_safetensors_reads_it(tmp_path):
     assert set(got) == set(want)
     for name, t in want.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    # the tensors map the file privately: writing one leaves the file as it was, and they stay readable
+    # once the staging removed the folder (it releases an attempt's bytes after its end)
+    got["ints"][0] = 99
+    assert torch.equal(load_file(str(folder / "adapter_model.safetensors"))["ints"], tensors["ints"])
+    import shutil
+
+    again = prepared_load.read_peft_folder(str(folder))
+    shutil.copytree(folder, tmp_path / "kept")
+    shutil.rmtree(folder)
+    for name, t in want.items():
+        assert torch.equal(again[name], t), name
+    folder = tmp_path / "kept"
     # any other layout is left to SGLang's own reader
     (folder / "extra.bin").write_bytes(b"x")
     assert prepared_load.read_peft_folder(str(folder)) is None
