@@ -7,7 +7,7 @@ measured), then runs ``bench/run.py`` against them: control, baseline (lorapub's
 flush, overwrite) and lorapub, interleaved rounds, lorapub's bytes over HTTP into each engine's own
 staging, each version a rescaled copy of adapter B, once per workload (WORKLOADS). Run by run.sh
 beside it, with the SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_ONLINE_WORKLOADS (which
-workloads, comma-separated; default all), LIVE_ONLINE_ARGS (extra bench/run.py arguments, every workload),
+workloads, comma-separated; default all; "<workload>@shm" runs one with the bytes through shared memory), LIVE_ONLINE_ARGS (extra bench/run.py arguments, every workload),
 LIVE_ONLINE_ARGS_<WORKLOAD> (one workload's), LIVE_ONLINE_MAX_LORAS (the servers' LoRA slots, default 3).
 """
 import asyncio
@@ -51,6 +51,7 @@ WORKLOADS = {
     "long": ["--sessions", "64", "--arrival", "0.1", "--max-new-tokens", "32", "--tool-latency", "0.5",
              "--turns", "8", "12", "--group-size", "4", "--publications", "4", "--cadence", "1.0"],
 }
+TRANSPORTS = {"http": ["--transport", "http"], "shm": ["--transport", "folder", "--stash-dir", "/dev/shm"]}
 #: SGLang's --max-loras-per-batch / --max-loaded-loras on both servers (capacity N needs N + 1).
 MAX_LORAS = int(os.environ.get("LIVE_ONLINE_MAX_LORAS", "3"))
 # each server's static share of GPU memory: 0.40 suits two servers on a 141 GB card; on an 80 GB card the
@@ -96,14 +97,18 @@ async def main() -> int:
         print(f"servers up {[round(s.boot_s) for s in engines]} s, warm-up {warm}", flush=True)
         rc = 0
         for name in os.environ.get("LIVE_ONLINE_WORKLOADS", ",".join(WORKLOADS)).split(","):
+            # "<workload>@shm": the same workload with lorapub's bytes as bucket files in shared memory
+            # (SharedDir over /dev/shm, the engines' default LORAPUB_SHM_DIR) instead of HTTP bodies
+            workload, _, transport = name.partition("@")
+            label = name.replace("@", "-")
             cmd = [sys.executable, os.path.join(ROOT, "bench", "run.py"),
                    *(a for s in engines for a in ("--engine-url", s.url)),
-                   "--transport", "http", "--adapter", os.path.join(MODEL, "B"), *WORKLOADS[name],
-                   "--json", os.path.join(OUT, f"online-{name}.json"),
+                   *TRANSPORTS[transport or "http"], "--adapter", os.path.join(MODEL, "B"), *WORKLOADS[workload],
+                   "--json", os.path.join(OUT, f"online-{label}.json"),
                    *shlex.split(os.environ.get("LIVE_ONLINE_ARGS", "")),
-                   *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{name.upper()}", ""))]
+                   *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{workload.upper()}", ""))]
             if importlib.util.find_spec("matplotlib") is not None:
-                cmd += ["--plot", os.path.join(OUT, f"timeline-{name}.png")]
+                cmd += ["--plot", os.path.join(OUT, f"timeline-{label}.png")]
             print(f"== workload {name} ==\n$", " ".join(cmd[1:]), flush=True)
             rc = rc or subprocess.run(cmd).returncode
         return rc
