@@ -231,3 +231,16 @@ async def test_the_registry_actor_takes_its_start_up_objects_out_of_the_collecto
     before = gc.get_freeze_count()
     _RegistryActor(3, _engines(), 2)
     assert gc.get_freeze_count() == before
+
+
+async def test_a_ray_registry_is_made_with_every_setting_a_local_one_takes(ray_cluster):
+    """max_lag, on_stale, name_prefix and avoid_suspect reach the actor's registry, so a Deployment
+    asking for them on a shared registry finds them there (it refuses a registry that differs)."""
+    registry = RayRegistry.create("reg-settings", epoch=3, engines=_engines(), call_timeout=20, max_lag=2,
+                                  on_stale="rebind", name_prefix="team_a_lora@", avoid_suspect=True)
+    try:
+        state = (await registry.handle(ReadState())).reply
+        assert (state.max_lag, state.on_stale, state.name_prefix, state.avoid_suspect) == (
+            2, "rebind", "team_a_lora@", True)
+    finally:
+        ray.kill(registry.actor)

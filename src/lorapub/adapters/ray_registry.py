@@ -39,11 +39,13 @@ class _RegistryActor:
         self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None,
         store_factory: Callable[[], RegistryStore] | None = None, lease_ttl: float | None = DEFAULT_LEASE_TTL,
         max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
+        avoid_suspect: bool = False,
     ) -> None:
         if store_factory is None and store_path:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
-        self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix)
+        self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
+                             avoid_suspect=avoid_suspect)
         self._store_factory = store_factory
         self.registry: LocalRegistry | None = None
         try:
@@ -140,6 +142,7 @@ class RayRegistry:
         store_path: str | None = None, store_factory: Callable[[], RegistryStore] | None = None,
         call_timeout: float = 30.0, lease_ttl: float | None = DEFAULT_LEASE_TTL, batch: bool = True,
         max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
+        avoid_suspect: bool = False,
     ) -> "RayRegistry":
         """A durable store lets Ray restart the actor without losing its state.
 
@@ -151,7 +154,8 @@ class RayRegistry:
         handle = RegistryActor.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
             max_restarts=-1 if durable else 0, max_task_retries=0,
-        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale, name_prefix)
+        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale, name_prefix,
+                 avoid_suspect)
         return cls(handle, call_timeout=call_timeout, batch=batch)
 
     @classmethod
