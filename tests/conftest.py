@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 try:
     from hypothesis import HealthCheck, settings
 except ImportError:  # the accelerator machine runs only tests/gpu and may lack hypothesis
@@ -24,3 +26,12 @@ try:
     import safetensors.torch  # noqa: F401
 except ImportError:
     pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup, pyproject's addopts)
+def pytest_collection_modifyitems(config, items):
+    """Every test marked ``ray`` (it starts a local Ray cluster) goes to one xdist worker, which runs
+    them one after another: two Ray clusters at once on CI's 2 cores would starve each other."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "run.py")
 
@@ -178,6 +180,7 @@ def test_the_transport_benchmark_runs_every_transport_and_prints_the_callers_loo
         assert row.endswith("| 0 (1 reclaimed, failed clean: True) |"), row  # no stash left, failure cleaned
 
 
+@pytest.mark.ray  # registry_bench.py starts a local Ray cluster
 def test_the_ray_registry_benchmark_prints_a_row_per_caller_count_and_size(tmp_path):
     """bench/registry_bench.py, small: callers 1 and 100 at one size, then 100 callers at a larger
     one (with the actor-freeze control); every row prints, the control makes one actor call per
