@@ -64,38 +64,3 @@ def test_a_changed_signature_is_refused():
     with pytest.raises(PatchMismatch):
         provenance.install(TM)
 
-
-def test_each_response_carries_its_time_to_first_token_once_it_has_one(monkeypatch):
-    """SGLang's own request times (created at arrival, first token when the first output came back):
-    the wrapper reads the request's state before SGLang drops it, and adds nothing without them."""
-    stats = types.SimpleNamespace(created_time=100.0, first_token_time=0.0)
-
-    class TM(FakeTM):
-        async def _wait_one_response(self, obj, request=None):
-            yield {"text": "0", "meta_info": {}}  # no first token yet
-            stats.first_token_time = 100.25
-            self.rid_to_state.pop(obj.rid, None)  # SGLang drops the state when the request ends
-            yield {"text": "1", "meta_info": {}}
-
-    provenance.install(TM)
-    monkeypatch.setattr(server, "CURRENT", None)
-    tm = TM()
-    tm.rid_to_state = {"r": types.SimpleNamespace(time_stats=stats)}
-    outs = run(tm, types.SimpleNamespace(rid="r", lora_path=NAME, lora_id="7"))
-    assert provenance.TTFT_KEY not in outs[0]["meta_info"]
-    assert outs[1]["meta_info"][provenance.TTFT_KEY] == pytest.approx(0.25)
-    tm.rid_to_state = {}  # a release that keeps no state under the rid: no figure, no error
-    stats.first_token_time = 0.0
-    assert all(provenance.TTFT_KEY not in o["meta_info"] for o in run(tm, types.SimpleNamespace(rid="r", lora_path=None)))
-
-
-@pytest.mark.parametrize("release", ["0.5.17", "0.5.23"])
-def test_each_release_keeps_the_request_times_the_wrapper_reads(release):
-    import os
-
-    root = root_of(release)
-    tm_source = open(os.path.join(root, TM_FILE)).read()
-    assert "time_stats: APIServerReqTimeStats" in tm_source and "state = self.rid_to_state[obj.rid]" in tm_source
-    stats = open(os.path.join(root, "srt", "observability", "req_time_stats.py")).read()
-    cls = stats[stats.index("class APIServerReqTimeStats"):]
-    assert "created_time: float" in cls and "first_token_time: float" in cls

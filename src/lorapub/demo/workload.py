@@ -34,18 +34,6 @@ class RequestRecord:
     tokens: int = 0  # new tokens it generated
     group: str | None = None
     rebinds: int = 0  # the session's rebinds to a newer version on purpose (on_stale="rebind"), so far
-    # when its first token came, on this clock: the end minus the engine's own decode time (patched SGLang's
-    # meta_info: e2e_latency - lorapub_ttft); None where the engine does not say
-    first_token: float | None = None
-
-
-def first_token_at(meta: Any, ended: float) -> float | None:
-    """When a response's first token came, on the clock ``ended`` was read from: the engine's decode time
-    (SGLang's ``e2e_latency`` minus the patch's ``lorapub_ttft``) before the response ended."""
-    e2e, ttft = meta.get("e2e_latency"), meta.get("lorapub_ttft")
-    if isinstance(e2e, (int, float)) and isinstance(ttft, (int, float)) and 0 <= ttft <= e2e:
-        return ended - (e2e - ttft)
-    return None
 
 
 @attrs.define
@@ -200,8 +188,6 @@ async def run_workload(
                 engine = getattr(getattr(session, "engine", None), "name", None)
                 rec.engine = engine
                 rec.ended = time.monotonic()
-                if rec.ok:
-                    rec.first_token = first_token_at(meta, rec.ended)
                 records.append(rec)
                 if on_record:
                     on_record(rec)

@@ -15,8 +15,7 @@ from lorapub.sglang_patch.staging import server as _server
 from lorapub.sglang_patch.staging import swap
 
 __all__ = [
-    "ENGINE_NAME_ENV", "STAMP_KEY", "SWAP_ENV", "TTFT_KEY", "engine_name", "install", "stamp", "stamp_output",
-    "time_output"]
+    "ENGINE_NAME_ENV", "STAMP_KEY", "SWAP_ENV", "engine_name", "install", "stamp", "stamp_output"]
 
 #: The key of ``meta_info`` that carries the stamp.
 STAMP_KEY = "lorapub"
@@ -60,30 +59,10 @@ def stamp_output(tm: Any, obj: Any, out: Any) -> None:
         out["meta_info"][STAMP_KEY] = found
 
 
-#: The key of ``meta_info`` that carries the request's time to its first token on the engine (seconds,
-#: from its arrival at the tokenizer manager), once it has one. With SGLang's own ``e2e_latency``
-#: it places the first token on the client's clock: the response's end minus (e2e - ttft).
-TTFT_KEY = "lorapub_ttft"
-
-
-def time_output(state: Any, out: Any) -> None:
-    """``out``'s ``TTFT_KEY`` from SGLang's own request times (nothing where this release keeps none)."""
-    stats = getattr(state, "time_stats", None)
-    first, created = getattr(stats, "first_token_time", 0.0), getattr(stats, "created_time", 0.0)
-    if isinstance(out, dict) and isinstance(out.get("meta_info"), dict) and isinstance(first, float) \
-            and isinstance(created, float) and first > 0 and created > 0:
-        out["meta_info"][TTFT_KEY] = round(first - created, 6)
-
-
 async def _stamped(tm: Any, obj: Any, outs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    # the request's state, while SGLang still holds it (it drops it once the request ends)
-    states = getattr(tm, "rid_to_state", None)
-    rid = getattr(obj, "rid", None)
-    state = states.get(rid) if isinstance(states, dict) and isinstance(rid, str) else None
     try:
         async for out in outs:
             stamp_output(tm, obj, out)
-            time_output(state, out)
             yield out
     finally:
         aclose = getattr(outs, "aclose", None)

@@ -268,16 +268,12 @@ class SGLangDouble(DoubleEngine):
         found = self.stamp(name, lora_id)
         return {} if found is None else {provenance.STAMP_KEY: found}
 
-    def _timed(self, created: float, first: float | None) -> dict[str, Any]:
-        """SGLang's own ``e2e_latency`` of a finished request, and with the patch its ``lorapub_ttft``."""
-        out: dict[str, Any] = {"e2e_latency": time.perf_counter() - created}
-        if self.managed_patch and first is not None:
-            out[provenance.TTFT_KEY] = first - created
-        return out
+    def _timed(self, created: float) -> dict[str, Any]:
+        """SGLang's own ``e2e_latency`` of a finished request (seconds since it arrived)."""
+        return {"e2e_latency": time.perf_counter() - created}
 
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
         created = time.perf_counter()
-        first: float | None = None
         self.generate_requests += 1
         body = await request.json()
         ids = list(body.get("input_ids") or [ord(c) % 1000 for c in body.get("text", "")])
@@ -351,7 +347,6 @@ class SGLangDouble(DoubleEngine):
                 tok = next_token(signature, seq)
                 logprobs.append(token_logprob(signature, seq, tok))
                 seq.append(tok)
-                first = first if first is not None else time.perf_counter()
             prompt_scores = [token_logprob(signature, ids[:i], ids[i]) for i in range(1, len(ids))]
             self.prefix_cache.setdefault(lora_id or "<base>", []).append(tuple(seq))
             self.generations += 1
@@ -368,7 +363,7 @@ class SGLangDouble(DoubleEngine):
                     "input_token_logprobs": prompt_scores,
                     "finish_reason": {"type": "length", "length": max_new},
                     **self._stamped(name, lora_id),
-                    **self._timed(created, first),
+                    **self._timed(created),
                 },
             }
             if body.get("return_logprob") and lora_id in self.numeric:
