@@ -102,6 +102,10 @@ def version_snapshot(args, i: int) -> Snapshot:
     return _ADAPTER_VERSIONS[i]
 
 
+#: The first-token request's prompt: 64 fixed token ids every model here has (uncached under a new name).
+SENTINEL_PROMPT = [1 + (i * 37) % 997 for i in range(64)]
+
+
 def lorapub_transport(args, stash: str):
     """How lorapub's bytes reach the engines' own staging: HTTP bodies (nothing shared between
     publisher and engines), or bucket files in a folder the engines read (their LORAPUB_SHM_DIR)."""
@@ -215,6 +219,31 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         # the trainer builds snapshots in its own process; here they are ready before the run
         snapshots = {i: version_snapshot(args, i) for i in range(1, n_publications + 1)}
         serial = asyncio.Lock()  # the old path publishes one at a time (a call queues behind the last)
+        sentinel_tasks: list[asyncio.Task] = []
+        sentinels = {"sent": 0, "ok": 0, "failed": 0}
+
+        async def first_token(call: dict, lora_name: str) -> None:
+            """The new version's first token: one request of one new token under its exact name (the old
+            path: the fixed name) sent to every engine the moment the call lands; the earliest answer, on
+            this clock, is when the version first served a token (the workload's own requests do not
+            say: SGLang returns a non-streaming request's tokens only when it ends). Counted apart from
+            the workload's requests."""
+            payload = {"input_ids": SENTINEL_PROMPT, "lora_path": lora_name,
+                       "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+            async def one(engine) -> float | None:
+                sentinels["sent"] += 1
+                try:
+                    await engine.generate(payload)
+                except Exception:  # noqa: BLE001 - counted and shown, never silent
+                    sentinels["failed"] += 1
+                    return None
+                sentinels["ok"] += 1
+                return time.monotonic()
+
+            answered = [t for t in await asyncio.gather(*(one(e) for e in engines.values())) if t is not None]
+            if answered:
+                call["first_token"] = min(answered) - call["called"]
 
         async def one_call(i: int) -> None:
             call = {"version": f"v{i}", "called": time.monotonic(), "outcome": None, "waited": 0.0}
@@ -225,19 +254,23 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
                     call.update(waited=report.waited, phases=dict(report.phases),
                                 engine_phases={e: dict(p) for e, p in report.engine_phases.items()})
                     loaded.append(report.lora_name)
+                    served = report.lora_name
                 else:
                     async with serial:
                         call["waited"] = time.monotonic() - call["called"]
                         paused = await dep.publish(snapshots[i], f"v{i}")
                     call["pause"] = paused
+                    served = FIXED_LORA_NAME
                 call["outcome"] = "done"
+                call["ended"] = time.monotonic()
+                sentinel_tasks.append(asyncio.create_task(first_token(call, served)))
             except PublicationSuperseded as e:
                 call.update(outcome="superseded", by=str(e.details.get("by")), waited=e.details.get("waited", 0.0))
             except (CapacityError, PublicationBlocked) as e:  # the wait ran out: the version never landed
                 call.update(outcome="deferred", error=e.code, waited=e.details.get("waited", 0.0))
             except LorapubError as e:
                 call.update(outcome="failed", error=f"{e.code}: {e.message[:200]}")
-            call["ended"] = time.monotonic()
+            call.setdefault("ended", time.monotonic())
 
         async def cadence():
             # The trainer publishes every --cadence seconds whatever the last call is doing (a
@@ -247,6 +280,7 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
                 await asyncio.sleep(args.cadence)
                 tasks.append(asyncio.create_task(one_call(i)))
             await asyncio.gather(*tasks)
+            await asyncio.gather(*sentinel_tasks)
 
         def session(name: str, group: str | None = None):
             sessions.append(dep.session(name, group=group))
@@ -264,6 +298,9 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
             if not publisher.done():  # the workload raised: no publication outlives its run
                 publisher.cancel()
                 await asyncio.gather(publisher, return_exceptions=True)
+            for task in sentinel_tasks:
+                task.cancel()
+            await asyncio.gather(*sentinel_tasks, return_exceptions=True)
             gc.enable()
             gc.unfreeze()
         if enabled:
@@ -309,6 +346,9 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         "to_first_served": statistics.median(first_served(result, calls, enabled)) if done else nan,
         "to_first_sent": statistics.median(first_served(result, calls, enabled, sent=True)) if done else nan,
         "to_first_sent_each": first_served(result, calls, enabled, sent=True) if done else [],
+        "to_first_token": statistics.median([c["first_token"] for c in done if "first_token" in c] or [nan]),
+        "to_first_token_each": [c["first_token"] for c in done if "first_token" in c],
+        "first_token_requests": dict(sentinels),
         "phases": {k: statistics.fmean([c["phases"].get(k, 0.0) for c in done]) for k in ("begin", "transfer", "end", "commit")}
         if done and "phases" in done[0] else {},
         "engine_phases": [c.get("engine_phases", {}) for c in done],
@@ -511,6 +551,7 @@ ROWS = [  # (figure, key in a run's figures, unit, strategies it applies to)
     ("publication latency (slot to commit)", "publication", "ms", STRATEGIES[1:]),
     ("publish call to commit (median)", "call_to_commit", "ms", STRATEGIES[1:]),
     ("publish call to first request sent on it", "to_first_sent", "ms", STRATEGIES[1:]),
+    ("publish call to its first token (one 1-token request per engine)", "to_first_token", "ms", STRATEGIES[1:]),
     ("publish call to first request on it completed", "to_first_served", "ms", STRATEGIES[1:]),
 ]
 
@@ -550,6 +591,9 @@ def method(args, spec: WorkloadSpec) -> str:
         "  excess = figure - the same round's control figure; removed = 1 - lorapub's excess gap / the baseline's.",
         "  publish call to the first request on the new version: sent, and completed (its first token comes",
         "    between the two, one prefill after it was sent); the old path: the first request after the overwrite.",
+        "  publish call to its first token: the moment a call lands, one request of one new token (a fixed",
+        "    64-token prompt) under the new version's exact name (the old path: the fixed name) goes to every",
+        "    engine; the earliest answer. Counted apart from the workload (first-token requests: sent, ok, failed).",
     ])
 
 
@@ -611,11 +655,17 @@ async def part1(args) -> tuple[dict, dict]:
     for engine, ph in sorted(per_engine.items()):
         print(f"  {engine}: " + ", ".join(f"{k} {statistics.median(v) * 1000:.1f} ms (median of {len(v)})"
                                           for k, v in sorted(ph.items())))
-    pooled = sorted(x for run in rounds for x in run["lorapub"].get("to_first_sent_each", []) if x == x)
-    if pooled:  # every landed publication of every round: its first token comes one prefill later
-        print(f"lorapub publish call to the first request sent on the new version, every landed publication of every "
-              f"round: p50 {percentile(pooled, 50) * 1000:.0f} ms, max {pooled[-1] * 1000:.0f} ms (n {len(pooled)}): "
-              + ", ".join(f"{x * 1000:.0f}" for x in pooled))
+    for key, what in (("to_first_sent_each", "the first request sent on the new version"),
+                      ("to_first_token_each", "the new version's first token")):
+        pooled = sorted(x for run in rounds for x in run["lorapub"].get(key, []) if x == x)
+        if pooled:  # every landed publication of every round
+            print(f"lorapub publish call to {what}, every landed publication of every round: p50 "
+                  f"{percentile(pooled, 50) * 1000:.0f} ms, max {pooled[-1] * 1000:.0f} ms (n {len(pooled)}): "
+                  + ", ".join(f"{x * 1000:.0f}" for x in pooled))
+    for strategy in STRATEGIES[1:]:
+        counts = [run[strategy].get("first_token_requests", {}) for run in rounds]
+        print(f"first-token requests ({strategy}, every round): " + ", ".join(
+            f"{k} {sum(c.get(k, 0) for c in counts)}" for k in ("sent", "ok", "failed")))
     for run_i, run in enumerate(rounds):
         print(f"round {run_i + 1} publish calls: " + "; ".join(
             f"{c['version']} {c['outcome']}" + (f" after {c['waited']:.2f}s" if c.get("waited") else "")

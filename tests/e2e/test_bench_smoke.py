@@ -64,6 +64,11 @@ def test_the_quick_benchmark_prints_every_figure_and_draws_its_timeline(tmp_path
         run = round_[strategy]
         assert 0 < run["to_first_sent"] <= run["to_first_served"], strategy
     assert round_["lorapub"]["to_first_sent_each"] and "lorapub publish call to the first request sent" in text
+    for strategy in ("baseline", "lorapub"):  # the first-token requests: one per engine per landed call, all answered
+        run = round_[strategy]
+        assert run["first_token_requests"] == {"sent": 2, "ok": 2, "failed": 0}, strategy
+        assert run["call_to_commit"] <= run["to_first_token"] < run["call_to_commit"] + 5, strategy
+    assert "first-token requests (lorapub, every round): sent 2, ok 2, failed 0" in text
     for key in ("baseline_excess_gap", "lorapub_excess_gap", "baseline_excess_p99", "lorapub_excess_p99", "removed"):
         assert not math.isnan(round_["derived"][key])
         assert set(online["summary"]["derived"][key]) == {"median", "min", "max"}
