@@ -327,6 +327,8 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     cached_after = [result.cached_ratio(a, b + 0.1) for a, b in windows]  # turns around each publication
     nan = float("nan")
     lags = result.token_lags() if enabled else [(0, r.tokens) for r in result.ok]  # the old path serves the latest
+    first_sent = first_served(result, calls, enabled, sent=True)
+    first_tokens = [c["first_token"] for c in done if "first_token" in c]
     return {
         "gap": longest_stall(result),
         "stall_per_publication": statistics.fmean(stalls) if stalls else nan,
@@ -344,10 +346,10 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         "call_to_commit": statistics.median([c["ended"] - c["called"] for c in done]) if done else nan,
         "waited": statistics.fmean([c["waited"] for c in calls]) if calls else nan,
         "to_first_served": statistics.median(first_served(result, calls, enabled)) if done else nan,
-        "to_first_sent": statistics.median(first_served(result, calls, enabled, sent=True)) if done else nan,
-        "to_first_sent_each": first_served(result, calls, enabled, sent=True) if done else [],
-        "to_first_token": statistics.median([c["first_token"] for c in done if "first_token" in c] or [nan]),
-        "to_first_token_each": [c["first_token"] for c in done if "first_token" in c],
+        "to_first_sent": statistics.median(first_sent) if done else nan,
+        "to_first_sent_each": first_sent if done else [],
+        "to_first_token": statistics.median(first_tokens or [nan]),
+        "to_first_token_each": first_tokens,
         "first_token_requests": dict(sentinels),
         "phases": {k: statistics.fmean([c["phases"].get(k, 0.0) for c in done]) for k in ("begin", "transfer", "end", "commit")}
         if done and "phases" in done[0] else {},

@@ -63,4 +63,3 @@ def test_a_changed_signature_is_refused():
 
     with pytest.raises(PatchMismatch):
         provenance.install(TM)
-

@@ -79,11 +79,11 @@ def verify_spans(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket) 
     def digest(span: tuple[int, int]) -> str:
         return hashlib.sha256(buf[span[0]:span[1]]).hexdigest()
 
-    pairs = list(zip(spans, bucket.entries))
-    large = HASH_THREADS > 1 and len(pairs) > 1 and sum(end - start for start, end in spans) >= PARALLEL_HASH_BYTES
+    checked = spans[:len(bucket.entries)]
+    large = HASH_THREADS > 1 and len(checked) > 1 and sum(end - start for start, end in checked) >= PARALLEL_HASH_BYTES
     # every hash ends before a refusal: the caller frees the buffer once this returns or raises
-    found = list(_hash_pool().map(digest, [span for span, _ in pairs]) if large else map(digest, [span for span, _ in pairs]))
-    for (_, e), got in zip(pairs, found):
+    found = list((_hash_pool().map if large else map)(digest, checked))
+    for e, got in zip(bucket.entries, found):
         if got != e.sha256:
             raise Refused(400, "STAGE_DIGEST", f"tensor {e.name!r} of bucket {bucket.index} does not match its SHA-256")
 

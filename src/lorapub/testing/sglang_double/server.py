@@ -268,10 +268,6 @@ class SGLangDouble(DoubleEngine):
         found = self.stamp(name, lora_id)
         return {} if found is None else {provenance.STAMP_KEY: found}
 
-    def _timed(self, created: float) -> dict[str, Any]:
-        """SGLang's own ``e2e_latency`` of a finished request (seconds since it arrived)."""
-        return {"e2e_latency": time.perf_counter() - created}
-
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
         created = time.perf_counter()
         self.generate_requests += 1
@@ -363,7 +359,7 @@ class SGLangDouble(DoubleEngine):
                     "input_token_logprobs": prompt_scores,
                     "finish_reason": {"type": "length", "length": max_new},
                     **self._stamped(name, lora_id),
-                    **self._timed(created),
+                    "e2e_latency": time.perf_counter() - created,  # SGLang's own: seconds since it arrived
                 },
             }
             if body.get("return_logprob") and lora_id in self.numeric:
