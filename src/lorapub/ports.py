@@ -235,7 +235,11 @@ class Transport(Protocol):
 
 @runtime_checkable
 class TakesTransport(Protocol):
-    """An :class:`EngineAdmin` whose buckets travel its deployment's :class:`Transport`."""
+    """An :class:`EngineAdmin` whose buckets travel its deployment's :class:`Transport`.
+
+    It may also define ``can_use_transport(transport) -> bool`` (False: :meth:`use_transport` would
+    refuse it): a deployment then asks every engine before it hands any the transport, so a refused
+    deployment leaves no engine holding it."""
 
     name: str
 

@@ -204,6 +204,14 @@ async def test_an_engine_given_another_transport_is_invalid_input_naming_it(tmp_
         assert repr(other) in e.value.message
         with pytest.raises(InvalidInput, match="engines e0 and e1 send buckets different ways"):
             Deployment(engines, epoch=1)  # named nowhere: the engines disagree
+        # refused: no engine of the failed deployment was handed its transport
+        assert engines["e0"].can_use_transport(other) and engines["e0"].can_use_transport(t)
+        Deployment(engines | {"e1": wire("e1")["e1"]}, epoch=1, transport=other)  # e0 still free to take another
+    # a deployment refused for another reason (here its status address) hands no engine its transport
+    engines = wire("e0", "e1")
+    with pytest.raises(InvalidInput, match="status must be"):
+        Deployment(engines, epoch=1, transport=SharedDir(other_dir), status=("127.0.0.1", -1))
+    assert all(e.can_use_transport(t) and e.transport == HTTPBytes() for e in engines.values())
     # equal transports are one way of sending: HTTPBytes() made twice, one folder spelled two ways
     engines = wire("e0", "e1")
     engines["e1"].use_transport(HTTPBytes())

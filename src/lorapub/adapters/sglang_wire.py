@@ -83,6 +83,10 @@ class SGLangWireEngine(SGLangAdminBase):
         """How this engine's buckets travel: its deployment's transport, else :data:`DEFAULT_TRANSPORT`."""
         return self._transport if self._transport is not None else DEFAULT_TRANSPORT
 
+    def can_use_transport(self, transport: Transport) -> bool:
+        """:meth:`use_transport` would take ``transport``: none given yet, or an equal one."""
+        return self._transport is None or self._transport == transport
+
     def use_transport(self, transport: Transport) -> None:
         """Send buckets ``transport``'s way (what a deployment does with its transport). An engine
         given another transport before (by another deployment) refuses: :class:`InvalidInput` naming it."""
@@ -91,7 +95,7 @@ class SGLangWireEngine(SGLangAdminBase):
                                f"SharedDir, TorchDistributed), got {transport!r}")
         if self._transport is None:
             self._transport = transport
-        elif self._transport != transport:
+        elif not self.can_use_transport(transport):
             raise InvalidInput(f"engine {self.name} already sends buckets {self._transport!r}; it cannot also send "
                                f"them {transport!r} (one transport per engine adapter: build another for this deployment)")
 

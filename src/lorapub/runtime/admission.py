@@ -74,8 +74,15 @@ def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Tra
             if engine.transport != transport:
                 raise InvalidInput(f"engines {first} and {name} send buckets different ways ({transport!r}, "
                                    f"{engine.transport!r}); name the transport once: Deployment(engines, transport=...)")
+    # Every engine is asked before any is handed the transport: one given another earlier (by another
+    # deployment) refuses here, and no engine of this failed deployment is left holding it.
+    for name, engine in sorted(takers.items()):
+        can = getattr(engine, "can_use_transport", None)  # optional (TakesTransport's docstring)
+        if can is not None and not can(transport):
+            raise InvalidInput(f"engine {name} already sends buckets {engine.transport!r}; it cannot also send them "
+                               f"{transport!r} (one transport per engine adapter: build another for this deployment)")
     for engine in takers.values():
-        engine.use_transport(transport)  # one given another transport earlier refuses, naming itself
+        engine.use_transport(transport)  # an engine without can_use_transport may still refuse, naming itself
     return transport
 
 

@@ -137,7 +137,6 @@ class Deployment:
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
         if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
             raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
-        self.transport = hand_transport(self.engines, transport)
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim
@@ -167,6 +166,8 @@ class Deployment:
         if self.status_address is not None:
             check_bind(self.status_address[0], status_token)
         self.status_token = status_token
+        # last: a deployment refused for any other reason leaves no engine holding its transport
+        self.transport = hand_transport(self.engines, transport)
         self.status_server: StatusServer | None = None
         self._started = False
         self._closed = False
