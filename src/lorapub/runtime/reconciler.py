@@ -47,6 +47,7 @@ from lorapub.runtime.fleet import FleetView, Life
 from lorapub.runtime.probe import Probe, compare, observe
 from lorapub.runtime.provenance import unstamped
 from lorapub.runtime.retry import RetryPolicy
+from lorapub.runtime.status import holders
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
@@ -437,10 +438,7 @@ class Reconciler:
             for h in fleet.slots:
                 if h.state is VersionState.RETIRED and h.session_refs and not h.retiring:
                     who = (await self.registry.handle(ReadSessionsOf(h.version))).reply
-                    names = [f"session {sid} ({state.lower()})" for sid, state, _ in who.session_ids]
-                    names += [f"group {g} ({m} open)" for g, m in who.group_ids]
-                    more = who.sessions + who.groups - len(names)
-                    kept.append(f"{h.version} kept by {', '.join(names)}" + (f" and {more} more" if more > 0 else ""))
+                    kept.append(f"{h.version} kept by {', '.join(holders(who))}")
             detail = "waiting for a slot: " + "; ".join(h.describe() for h in fleet.slots)
             blockers.append(Blocker("publication_waiting", str(fleet.waiting.key),
                                     detail + (" — " + "; ".join(kept) if kept else "")))

@@ -17,7 +17,7 @@ from lorapub.core.registry import Fleet, SessionsOf
 from lorapub.core.version import VersionState
 from lorapub.errors import InvalidInput
 
-__all__ = ["Status", "VersionStatus", "EngineStatus", "AttemptView", "LocalSession", "build_status", "check_bind"]
+__all__ = ["Status", "VersionStatus", "EngineStatus", "AttemptView", "LocalSession", "build_status", "check_bind", "holders"]
 
 SCHEMA = 1  # bumped when a field changes meaning; added fields keep it
 
@@ -108,20 +108,30 @@ def _ago(seconds: float | None) -> str:
     return "" if seconds is None else f", idle {seconds:.0f}s"
 
 
+def holders(sessions: SessionsOf, local: Mapping[str, LocalSession] = {},  # noqa: B006 - read only
+            now: float | None = None) -> list[str]:
+    """The sessions and groups holding a version, by name, in the one form ``status`` and ``health``
+    both show: ``session s1 (active, idle 12s, lease ends in 30s)``, ``group g (2 open member(s))``,
+    ``3 more session(s) or group(s)`` (idle: where this process holds the session; the lease: with ``now``)."""
+    why = []
+    for sid, sstate, lease_until in sessions.session_ids:
+        here = local.get(sid)
+        lease = f", lease ends in {lease_until - now:.0f}s" if lease_until is not None and now is not None else ""
+        why.append(f"session {sid} ({sstate.lower()}{_ago(here.idle_s if here else None)}{lease})")
+    why += [f"group {g} ({m} open member(s))" for g, m in sessions.group_ids]
+    more = sessions.sessions + sessions.groups - len(sessions.session_ids) - len(sessions.group_ids)
+    if more > 0:
+        why.append(f"{more} more session(s) or group(s)")
+    return why
+
+
 def _blocked_by(key: VersionKey, state: VersionState, retiring: bool, sessions: SessionsOf | None,
                 local: Mapping[str, LocalSession], loaded_on: Mapping[str, int], unloading_on: tuple[str, ...],
                 now: float | None) -> tuple[str, ...]:
     """What keeps a version that is not the default from being reclaimed, by name."""
     why: list[str] = []
     if state is VersionState.RETIRED and sessions is not None and not retiring:
-        for sid, sstate, lease_until in sessions.session_ids:
-            here = local.get(sid)
-            lease = (f", lease ends in {lease_until - now:.0f}s" if lease_until is not None and now is not None else "")
-            why.append(f"session {sid} ({sstate.lower()}{_ago(here.idle_s if here else None)}{lease})")
-        why += [f"group {g} ({m} open member(s))" for g, m in sessions.group_ids]
-        more = sessions.sessions + sessions.groups - len(sessions.session_ids) - len(sessions.group_ids)
-        if more > 0:
-            why.append(f"{more} more session(s) or group(s)")
+        why += holders(sessions, local, now)
     if state is VersionState.RETIRED and not why:
         why.append("reclaim not claimed yet")
     if state is VersionState.RECLAIMING:
