@@ -116,21 +116,33 @@ class FleetView:
                 result = await self.registry.handle(RegisterEngine(name, first.incarnation))
                 if result.effects:
                     await run(result.effects)
-                elif first.inventory is not None and version is not None and lora_name not in first.inventory.adapters:
-                    # lost only if the registry (read after this inventory) says the engine holds it and
-                    # the engine (read after the registry) still lacks it: never a load that was just made
+                elif (first.inventory is not None and version is not None and lora_name is not None
+                      and lora_name not in first.inventory.adapters):
                     holders = (await self.registry.handle(ReadVersion(version))).reply.engines
-                    again = await self.life(name)
-                    if (name in holders and again.inventory is not None and again.incarnation == first.incarnation
-                            and lora_name not in again.inventory.adapters):
-                        log.warning("version lost: engine=%s version=%s (found by a refused request)", name, version)
-                        await self.registry.handle(RecordLost(name, version))
+                    if name in holders and await self.confirm_lost(name, first.inventory, {version: lora_name},
+                                                                   "found by a refused request"):
                         self.kick()  # re-provision it there
             except (LorapubError, TimeoutError) as e:
                 log.warning("probe of %s failed: %s", name, e)
 
         await asyncio.gather(*(one(n) for n in names))
         await self.refresh()
+
+    async def confirm_lost(self, name: str, first: Inventory, suspects: Mapping[VersionKey, str], how: str,
+                           deadline: float | None = None) -> bool:
+        """Record as lost each of ``suspects`` (version -> its name on the engine) that engine ``name``'s
+        inventory ``first`` lacks, that the registry, read after ``first``, says it holds, and that the
+        engine, asked again now, still lacks in the same life: unloaded without a restart (an
+        operator's unload), never a load made meanwhile. True when the registry took any."""
+        again = await self.life(name, deadline=deadline)
+        if again.inventory is None or again.incarnation != first.incarnation:
+            return False  # unreachable, or restarted meanwhile: seen as such next time
+        changed = False
+        for key, lora_name in sorted(suspects.items()):
+            if lora_name not in first.adapters and lora_name not in again.inventory.adapters:
+                log.warning("version lost: engine=%s version=%s (%s)", name, key, how)
+                changed = bool((await self.registry.handle(RecordLost(name, key))).reply) or changed
+        return changed
 
     # -- the registry's view ----------------------------------------------------------------
     async def refresh(self) -> Fleet:

@@ -21,7 +21,6 @@ from lorapub.core.commands import (
     MarkSuspect,
     ReadFleet,
     ReadSessionsOf,
-    RecordLost,
     RegisterEngine,
     RetryCleanup,
     StartReprovision,
@@ -404,21 +403,14 @@ class Reconciler:
         holders (re-provisioned where still needed)."""
         changed = False
         for engine, inventory in sorted(inventories.items()):
-            suspects = [key for key, holders in fleet.holders.items()
-                        if engine in holders and fleet.lora_names.get(key) not in inventory.adapters]
-            if not suspects:
-                continue
-            again = await self._probe(engine)
-            if not isinstance(again, Inventory) or again.incarnation != inventory.incarnation:
-                continue  # unreachable, or restarted meanwhile: the next pass sees it as such
-            for key in suspects:
-                if fleet.lora_names.get(key) not in again.adapters:
-                    log.warning("version lost: engine=%s version=%s (unloaded without a restart)", engine, key)
-                    result = await self.registry.handle(RecordLost(engine, key))
-                    changed = changed or bool(result.reply)
+            suspects = {key: name for key, holders in fleet.holders.items()
+                        if engine in holders and (name := fleet.lora_names.get(key)) is not None
+                        and name not in inventory.adapters}
+            if suspects and await self.fleet.confirm_lost(engine, inventory, suspects, "unloaded without a restart",
+                                                          self.probe_deadline):
+                changed = True
         return changed
 
-    # -- health ------------------------------------------------------------------------
     async def _reclaim_blockers(self, fleet: Fleet, inventories: Mapping[str, Inventory]) -> list[Blocker]:
         """Each pending reclaim with what holds it, by name: the engines whose unload is not
         confirmed and the requests still running there; and a waiting publication with the
