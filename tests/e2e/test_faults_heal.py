@@ -184,6 +184,26 @@ async def test_a_version_an_operator_unloaded_is_noticed_and_loaded_again():
     await dep.close()
 
 
+async def test_a_version_an_operator_unloaded_everywhere_is_found_by_the_refused_request_and_loaded_again():
+    engines = memory_engines()
+    dep, _ = await faulty(engines)
+    a = await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    assert (await s.generate(GEN))["lorapub"]["version_id"] == "A"
+    for engine in engines.values():  # no restart: the incarnations stay
+        await engine.reclaim(a.lora_name, "an-operator")
+    with pytest.raises(EngineUnavailable, match="restarted or lost it") as e:
+        await s.generate(GEN)  # refused: the probe records it lost on both; never served by another version
+    assert e.value.code == "ENGINE_UNAVAILABLE" and version(dep, "A").engines == ()
+    assert s.binding is not None and s.binding.version.version_id == "A"  # the session keeps its version
+    health = await dep.reconcile()  # the pass the refused request asked for: loaded again everywhere
+    await dep.settle()
+    assert health.healthy, health.describe()
+    assert all(a.lora_name in engine.loaded for engine in engines.values())
+    assert (await s.generate(GEN))["lorapub"]["version_id"] == "A"
+    await dep.close()
+
+
 # -- items 15-18: input and cleanup a new user meets ---------------------------------------------------------
 @pytest.mark.parametrize("bad", ["", "e/../x", "e\n", "x" * 200])
 async def test_engine_names_are_checked(bad):

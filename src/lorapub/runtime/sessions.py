@@ -91,7 +91,7 @@ class StickyRouter:
         if not candidates:
             raise EngineUnavailable(
                 f"no engine holds {session.binding.version if session.binding else 'the bound version'} right now "
-                "(its engines restarted and it is being re-provisioned); retry the request later",
+                "(its engines restarted or lost it, and it is being re-provisioned); retry the request later",
                 session=session.key,
             )
         return candidates[next(self._next) % len(candidates)]
@@ -263,7 +263,7 @@ class Session:
 
     def _unavailable(self, binding: Binding) -> EngineUnavailable:
         return EngineUnavailable(
-            f"no engine holds {binding.version} right now (its engines restarted and it is being re-provisioned); "
+            f"no engine holds {binding.version} right now (its engines restarted or lost it, and it is being re-provisioned); "
             "the session keeps its version: retry the request later", session=self.key, version=binding.version,
         )
 
