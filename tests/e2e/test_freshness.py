@@ -156,6 +156,47 @@ async def test_a_newer_publication_supersedes_a_waiting_one_which_never_commits(
     await dep.close()
 
 
+async def _until(condition, seconds: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def _waiter(dep: Deployment) -> str | None:
+    waiter = dep.registry.state.waiter
+    return None if waiter is None else waiter.key.version_id
+
+
+async def test_a_superseding_call_that_is_cancelled_leaves_no_waiter_and_revives_nothing():
+    """C waits, D supersedes it, then D's caller cancels: D's wait is withdrawn (no ghost for D's
+    whole wait), and C stays superseded (docs/freshness.md says so): nothing publishes either."""
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    older = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=30))
+    await _until(lambda: _waiter(dep) == "C")
+    newer = asyncio.ensure_future(dep.publish(lora_snapshot(4), "D", wait=30))
+    with pytest.raises(PublicationSuperseded) as err:
+        await asyncio.wait_for(older, 5)
+    assert err.value.details["by"].version_id == "D"
+    await _until(lambda: _waiter(dep) == "D")
+    newer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await newer
+    await _until(lambda: _waiter(dep) is None)  # before the fix: D stayed the waiter for 30 s
+    health = await dep.reconcile(wait=0)
+    assert not [b for b in health.blockers if b.kind == "publication_waiting"], health.describe()
+    await s.close()
+    await dep.settle()
+    with pytest.raises(PublicationSuperseded):  # D never committed, and C is not revived
+        await dep.publish(lora_snapshot(3), "C")
+    assert version(dep, "C") is None and version(dep, "D") is None
+    assert (await dep.publish(lora_snapshot(5), "E")).state is VersionState.PUBLISHED
+    await dep.close()
+
+
 async def test_a_wait_that_runs_out_is_refused_with_what_held_the_slots():
     dep = await deployment(capacity=2)
     await dep.publish(lora_snapshot(1), "A")

@@ -378,7 +378,16 @@ class Publisher:
         self.fleet.changed()
 
     async def _reserve_slot(self, command: Reserve, wait: float, started: float):
-        """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``."""
+        """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``.
+        A call cancelled meanwhile withdraws its wait, so no waiter outlives its caller."""
+        try:
+            return await self._reserve_or_wait(command, wait, started)
+        except asyncio.CancelledError:
+            if wait:  # the registry may hold us as its waiter (even if the cancel hit our reserve)
+                await self._withdraw_wait(command.key)
+            raise
+
+    async def _reserve_or_wait(self, command: Reserve, wait: float, started: float):
         deadline = started + wait
         waited_for: WaitReport | None = None
         described = -1.0
@@ -422,9 +431,21 @@ class Publisher:
 
     async def _cancel_wait(self, key: VersionKey) -> None:
         try:
-            await self.registry.handle(CancelWait(key))
-        except LorapubError as e:  # the registry drops a waiter past its time anyway
+            async with asyncio.timeout(self.deadlines.commit):
+                await self.registry.handle(CancelWait(key))
+        except (LorapubError, TimeoutError) as e:
+            # a lost reply leaves the waiter only until the wait it asked for ends: each reserve
+            # records that time (Waiter.until), and the next lease pass drops a waiter past it
             log.debug("cancel wait of %s: %s", key, e)
+
+    async def _withdraw_wait(self, key: VersionKey) -> None:
+        """CancelWait for a call being cancelled: run as a task of its own and shielded, so the
+        cancellation (or a second one) does not stop the withdrawal; the deployment's close() joins it."""
+        if self.tasks.closed:  # nothing starts there any more: withdraw from this task, still bounded
+            await self._cancel_wait(key)
+            return
+        withdraw = self.tasks.spawn(self._cancel_wait(key), name=f"cancel-wait-{key}", key=("cancel-wait", key))
+        await asyncio.gather(asyncio.shield(withdraw), return_exceptions=True)
 
     async def _describe_wait(self, reply: Waiting) -> WaitReport:
         """The wait reply, with the requests still running on the versions being reclaimed."""
