@@ -15,6 +15,7 @@ from lorapub import (
     BindingStale,
     CapacityError,
     Deployment,
+    DeploymentClosed,
     EngineCapacityError,
     GroupClosed,
     PublicationSuperseded,
@@ -195,6 +196,39 @@ async def test_a_superseding_call_that_is_cancelled_leaves_no_waiter_and_revives
     assert version(dep, "C") is None and version(dep, "D") is None
     assert (await dep.publish(lora_snapshot(5), "E")).state is VersionState.PUBLISHED
     await dep.close()
+
+
+async def test_close_while_a_publish_waits_tells_its_caller_the_deployment_closed():
+    """Before the fix the caller got PUBLICATION_BLOCKED 'the publication … this call joined was
+    cancelled by its caller … publish again': wrong on all three counts."""
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=30))
+    await _until(lambda: _waiter(dep) == "C")
+    await dep.close()
+    with pytest.raises(DeploymentClosed) as err:
+        await call
+    assert err.value.code == "DEPLOYMENT_CLOSED" and err.value.details["waiting"] is True
+    assert "closed while publish of 1-C waited for a slot" in err.value.message
+    assert "new Deployment" in err.value.message  # what to do
+    assert "joined" not in err.value.message and "publish again" not in err.value.message
+    assert _waiter(dep) is None and version(dep, "C") is None  # no waiter left, nothing reserved
+
+
+async def test_close_while_a_publish_runs_tells_its_caller_the_deployment_closed():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    for e in dep.engines.values():
+        e.fail_next("end", "stall")  # B's end answers only at its deadline: B is running at close
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(2), "B"))
+    await _until(lambda: version(dep, "B") is not None)
+    await dep.close()
+    with pytest.raises(DeploymentClosed) as err:
+        await call
+    assert err.value.details["waiting"] is False and "aborted and cleaned" in err.value.message
+    assert version(dep, "B").state is not VersionState.PUBLISHED
 
 
 async def test_a_wait_that_runs_out_is_refused_with_what_held_the_slots():
