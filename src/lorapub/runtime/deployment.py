@@ -26,6 +26,7 @@ from lorapub.core.registry import (
     DEFAULT_TOMBSTONE_WINDOW,
     Fleet,
     RegistryState,
+    check_capacity,
     check_max_lag,
 )
 from lorapub.errors import (
@@ -77,10 +78,11 @@ log = logging.getLogger(__name__)
 class Deployment:
     """Versioned publication: ``publish`` returns a :class:`PublicationReport`, ``session`` a :class:`Session`.
 
-    ``capacity``: managed versions held at once (the RFC's 2 by default), checked at start against
-    what each engine can hold. ``max_lag``: a version more than that many commits behind the
-    default is retiring, and its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move
-    to the default at a turn boundary); None keeps a session on its version for life.
+    ``capacity``: managed versions held at once (the RFC's 2 by default, and at least 2: the default
+    holds one slot, a new version needs another), checked at start against what each engine can
+    hold. ``max_lag``: a version more than that many commits behind the default is retiring, and
+    its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move to the default at a turn
+    boundary); None keeps a session on its version for life.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
     ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
@@ -123,8 +125,8 @@ class Deployment:
     ) -> None:
         self.engines = check_engines(engines)
         _check_epoch(epoch)
-        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
-            raise InvalidInput(f"capacity must be an int >= 1 (managed versions held at once), got {capacity!r}")
+        if capacity is not None:
+            check_capacity(capacity)
         check_max_lag(max_lag, on_stale)
         if name_prefix is not None:
             check_name_prefix(name_prefix)
