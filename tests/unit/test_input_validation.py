@@ -290,3 +290,22 @@ def test_the_relax_config_refuses_a_capacity_below_two():
         LorapubConfig(capacity=1)
     assert LorapubConfig(capacity=2).capacity == 2
 
+
+@pytest.mark.parametrize("deadlines", ["x", 30, {"begin": 1}])
+def test_deadlines_that_are_not_a_deadlines_value_are_refused_naming_the_type(deadlines):
+    from lorapub import Deployment
+
+    with pytest.raises(InvalidInput) as e:  # was a bare AttributeError ('str' object has no attribute 'begin')
+        Deployment(_engines(), epoch=1, deadlines=deadlines)
+    assert "deadlines must be a lorapub.Deadlines" in e.value.message and type(deadlines).__name__ in e.value.message
+
+
+@pytest.mark.parametrize("name, bad", [("reclaim_retries", -1), ("reclaim_retries", 1.5), ("reclaim_retries", True),
+                                       ("reclaim_backoff", -1), ("reclaim_backoff", math.nan), ("reclaim_backoff", "1")])
+def test_reclaim_settings_are_refused_naming_the_argument_and_the_value_given(name, bad):
+    from lorapub import Deployment
+
+    with pytest.raises(InvalidInput) as e:  # was 'RetryPolicy.tries must be an int >= 1 … got 0' for -1
+        Deployment(_engines(), epoch=1, **{name: bad})
+    assert e.value.message.startswith(f"{name} must be") and f"got {bad!r}" in e.value.message
+    assert "RetryPolicy" not in e.value.message

@@ -139,6 +139,15 @@ class Deployment:
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
         if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
             raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise InvalidInput(f"deadlines must be a lorapub.Deadlines (e.g. Deadlines(begin=30, end=120)) or None, "
+                               f"got {type(deadlines).__name__} {deadlines!r:.60}")
+        # named here: the reclaimer's RetryPolicy would name its own fields, not these arguments
+        if not isinstance(reclaim_retries, int) or isinstance(reclaim_retries, bool) or reclaim_retries < 0:
+            raise InvalidInput(f"reclaim_retries must be an int >= 0 (retries of a failed reclaim), got {reclaim_retries!r}")
+        if (not isinstance(reclaim_backoff, (int, float)) or isinstance(reclaim_backoff, bool)
+                or not 0 <= reclaim_backoff < float("inf")):
+            raise InvalidInput(f"reclaim_backoff must be a finite number of seconds >= 0, got {reclaim_backoff!r}")
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim
