@@ -11,6 +11,7 @@ from lorapub.core.version import VersionState
 from lorapub.errors import (
     AlreadyStarted,
     BindingStale,
+    DeploymentClosed,
     DrainTimeout,
     CapacityError,
     EngineCapacityError,
@@ -60,7 +61,7 @@ __all__ = [
     "NoPublishedVersion", "NotReady", "NotReclaimable", "OutcomeUnknown", "PublicationBlocked", "PublicationFailed",
     "PublicationSuperseded", "SessionClosed", "SessionExpired", "StaleAttempt", "StoreCorrupted", "StoreError",
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
-    "DrainTimeout", "EngineNotDrained", "NumericMismatch", "VersionSuspect",
+    "DeploymentClosed", "DrainTimeout", "EngineNotDrained", "NumericMismatch", "VersionSuspect",
     "ProvenanceMismatch",
     "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "Probe", "PublicationReport", "Session", "SessionKey",
     "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",

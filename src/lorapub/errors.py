@@ -12,7 +12,7 @@ __all__ = [
     "PublicationBlocked", "NotReady", "StaleAttempt", "SessionClosed", "NotReclaimable", "UnknownVersion",
     "UnknownEngine", "EpochMismatch", "InvalidInput", "EngineError", "OutcomeUnknown", "InvalidTransition",
     "SessionExpired", "EngineUnavailable", "StoreError", "StoreCorrupted", "EngineClosed", "AlreadyStarted",
-    "EngineNotDrained", "DrainTimeout",
+    "EngineNotDrained", "DrainTimeout", "DeploymentClosed",
     "ProvenanceMismatch",
     "NumericMismatch", "VersionSuspect",
 ]
@@ -204,6 +204,14 @@ class AlreadyStarted(LorapubError):
     """``start()`` on an object that is already running (live sessions would be dropped)."""
 
     code = "ALREADY_STARTED"
+
+
+class DeploymentClosed(LorapubError):
+    """The deployment was closed while this publish call waited for a slot or ran: nothing was
+    committed (an attempt it began is aborted and cleaned). A closed deployment starts nothing more:
+    publish on a new one."""
+
+    code = "DEPLOYMENT_CLOSED"
 
 
 class EngineNotDrained(LorapubError):

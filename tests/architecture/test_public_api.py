@@ -22,6 +22,7 @@ PUBLIC = {
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
     "DrainTimeout", "EngineNotDrained",
     "ProvenanceMismatch",
+    "DeploymentClosed",
 } | {
     "NumericMismatch", "Probe", "VersionSuspect",  # the numeric READY gate and the canary (docs/provenance.md)
 }

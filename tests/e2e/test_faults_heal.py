@@ -21,7 +21,7 @@ from lorapub import (
 )
 from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
-from lorapub.core.commands import CloseAndRelease, ReadState, RecordPrepared
+from lorapub.core.commands import CancelWait, CloseAndRelease, ExpireLeases, ReadState, RecordPrepared
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.runtime.registry import LocalRegistry
@@ -75,6 +75,78 @@ async def test_a_replayed_publish_takes_over_its_own_attempt_after_a_lost_reply(
     report = await asyncio.wait_for(dep.publish(lora_snapshot(1), "B"), 5)  # the replay finishes it
     assert report.state is VersionState.PUBLISHED and dep.registry.state.default == VersionKey(1, "B")
     assert (await dep.reconcile()).healthy
+    await dep.close()
+
+
+# -- a publish cancelled while it waits for a slot ------------------------------------------------------
+async def _until(condition, seconds: float = 2.0) -> None:
+    """Poll ``condition`` (no fixed sleep decides the outcome): fail if it does not hold in time."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def _full(dep: Deployment):
+    """A and B published, A kept by a session: both slots held, the next publish must wait."""
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("holder")
+    await s.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")
+    return s
+
+
+def _waiter(dep: Deployment) -> str | None:
+    waiter = dep.registry.state.waiter
+    return None if waiter is None else waiter.key.version_id
+
+
+async def test_a_publish_cancelled_while_it_waits_withdraws_its_wait():
+    """Before the fix the registry kept the cancelled call as its waiter for its whole wait (30 s):
+    status.waiting and health's publication_waiting named a call nobody awaited."""
+    engines = memory_engines(max_loaded=3)
+    dep, _ = await faulty(engines)
+    s = await _full(dep)
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=30))
+    await _until(lambda: _waiter(dep) == "C")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await _until(lambda: _waiter(dep) is None)  # withdrawn at once, not 30 s later
+    health = await dep.reconcile(wait=0)
+    assert not [b for b in health.blockers if b.kind == "publication_waiting"], health.describe()
+    assert (await dep.status(probe=False)).waiting is None
+    await s.close()
+    await dep.settle()
+    assert (await dep.publish(lora_snapshot(3), "C", wait=5)).state is VersionState.PUBLISHED  # never superseded
+    await dep.close()
+
+
+async def test_a_lost_withdrawal_of_a_cancelled_wait_still_ends_when_the_wait_would_have():
+    """The CancelWait of a cancelled call is lost on the way: the registry drops the waiter once the
+    wait it asked for is over (Waiter.until), at the next lease pass; it never lingers longer."""
+    engines = memory_engines(max_loaded=3)
+    incarnations = {n: await e.incarnation() for n, e in engines.items()}
+    now = [1000.0]  # the registry's clock, stepped by the test
+    registry = FaultyRegistry(LocalRegistry(1, incarnations, lease_ttl=120.0, clock=lambda: now[0]))
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    s = await _full(dep)
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=30))
+    await _until(lambda: _waiter(dep) == "C")
+    registry.fail_next(CancelWait, "request")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await _until(lambda: ("CancelWait", "request") in registry.injected)
+    await dep.publisher.tasks.wait(2, kind="cancel-wait")
+    waiter = dep.registry.state.waiter
+    assert waiter is not None and waiter.key == VersionKey(1, "C") and waiter.until <= now[0] + 30
+    await registry.handle(ExpireLeases())
+    assert _waiter(dep) == "C"  # its wait is not over yet
+    now[0] = waiter.until + 0.001
+    await registry.handle(ExpireLeases())  # what the reconciler's pass runs
+    assert _waiter(dep) is None
+    await s.close()
     await dep.close()
 
 

@@ -15,6 +15,7 @@ from lorapub import (
     BindingStale,
     CapacityError,
     Deployment,
+    DeploymentClosed,
     EngineCapacityError,
     GroupClosed,
     PublicationSuperseded,
@@ -154,6 +155,80 @@ async def test_a_newer_publication_supersedes_a_waiting_one_which_never_commits(
     with pytest.raises(PublicationSuperseded):  # and it stays superseded
         await dep.publish(lora_snapshot(3), "C", wait=1)
     await dep.close()
+
+
+async def _until(condition, seconds: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def _waiter(dep: Deployment) -> str | None:
+    waiter = dep.registry.state.waiter
+    return None if waiter is None else waiter.key.version_id
+
+
+async def test_a_superseding_call_that_is_cancelled_leaves_no_waiter_and_revives_nothing():
+    """C waits, D supersedes it, then D's caller cancels: D's wait is withdrawn (no ghost for D's
+    whole wait), and C stays superseded (docs/freshness.md says so): nothing publishes either."""
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    older = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=30))
+    await _until(lambda: _waiter(dep) == "C")
+    newer = asyncio.ensure_future(dep.publish(lora_snapshot(4), "D", wait=30))
+    with pytest.raises(PublicationSuperseded) as err:
+        await asyncio.wait_for(older, 5)
+    assert err.value.details["by"].version_id == "D"
+    await _until(lambda: _waiter(dep) == "D")
+    newer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await newer
+    await _until(lambda: _waiter(dep) is None)  # before the fix: D stayed the waiter for 30 s
+    health = await dep.reconcile(wait=0)
+    assert not [b for b in health.blockers if b.kind == "publication_waiting"], health.describe()
+    await s.close()
+    await dep.settle()
+    with pytest.raises(PublicationSuperseded):  # D never committed, and C is not revived
+        await dep.publish(lora_snapshot(3), "C")
+    assert version(dep, "C") is None and version(dep, "D") is None
+    assert (await dep.publish(lora_snapshot(5), "E")).state is VersionState.PUBLISHED
+    await dep.close()
+
+
+async def test_close_while_a_publish_waits_tells_its_caller_the_deployment_closed():
+    """Before the fix the caller got PUBLICATION_BLOCKED 'the publication … this call joined was
+    cancelled by its caller … publish again': wrong on all three counts."""
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(3), "C", wait=30))
+    await _until(lambda: _waiter(dep) == "C")
+    await dep.close()
+    with pytest.raises(DeploymentClosed) as err:
+        await call
+    assert err.value.code == "DEPLOYMENT_CLOSED" and err.value.details["waiting"] is True
+    assert "closed while publish of 1-C waited for a slot" in err.value.message
+    assert "new Deployment" in err.value.message  # what to do
+    assert "joined" not in err.value.message and "publish again" not in err.value.message
+    assert _waiter(dep) is None and version(dep, "C") is None  # no waiter left, nothing reserved
+
+
+async def test_close_while_a_publish_runs_tells_its_caller_the_deployment_closed():
+    dep = await deployment(capacity=2)
+    await dep.publish(lora_snapshot(1), "A")
+    for e in dep.engines.values():
+        e.fail_next("end", "stall")  # B's end answers only at its deadline: B is running at close
+    call = asyncio.ensure_future(dep.publish(lora_snapshot(2), "B"))
+    await _until(lambda: version(dep, "B") is not None)
+    await dep.close()
+    with pytest.raises(DeploymentClosed) as err:
+        await call
+    assert err.value.details["waiting"] is False and "aborted and cleaned" in err.value.message
+    assert version(dep, "B").state is not VersionState.PUBLISHED
 
 
 async def test_a_wait_that_runs_out_is_refused_with_what_held_the_slots():

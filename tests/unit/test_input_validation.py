@@ -260,3 +260,52 @@ def test_positive_finite_deadlines_are_kept_as_given():
     assert (d.begin, d.bucket, d.end, d.cleanup, d.commit, d.reclaim) == (2, 0.02, 1e-3, 3.5, 1, 86_400)
     d.reclaim = 0.5
     assert d.reclaim == 0.5
+
+
+# -- Deployment arguments: refused at construction, naming the argument ------------------------------------
+def _engines():
+    from lorapub.testing import MemoryEngine
+
+    return {"e0": MemoryEngine("e0"), "e1": MemoryEngine("e1")}
+
+
+@pytest.mark.parametrize("capacity", [1, 0, -3])
+def test_a_capacity_below_two_is_refused_saying_why(capacity):
+    """capacity=1 was accepted, then no second version could ever publish: the default holds the only slot."""
+    from lorapub import Deployment
+    from lorapub.core.registry import new_registry
+
+    with pytest.raises(InvalidInput) as e:
+        Deployment(_engines(), epoch=1, capacity=capacity)
+    assert "capacity must be an int >= 2" in e.value.message and f"got {capacity}" in e.value.message
+    assert "the default version always holds one slot" in e.value.message and "capacity=2" in e.value.message
+    with pytest.raises(InvalidInput, match="capacity must be an int >= 2"):  # a registry made elsewhere too
+        new_registry(1, {"e0": "life-1"}, capacity=capacity)
+
+
+def test_the_relax_config_refuses_a_capacity_below_two():
+    from lorapub.integrations.relax.options import LorapubConfig
+
+    with pytest.raises(ValueError, match="capacity must be an int >= 2"):
+        LorapubConfig(capacity=1)
+    assert LorapubConfig(capacity=2).capacity == 2
+
+
+@pytest.mark.parametrize("deadlines", ["x", 30, {"begin": 1}])
+def test_deadlines_that_are_not_a_deadlines_value_are_refused_naming_the_type(deadlines):
+    from lorapub import Deployment
+
+    with pytest.raises(InvalidInput) as e:  # was a bare AttributeError ('str' object has no attribute 'begin')
+        Deployment(_engines(), epoch=1, deadlines=deadlines)
+    assert "deadlines must be a lorapub.Deadlines" in e.value.message and type(deadlines).__name__ in e.value.message
+
+
+@pytest.mark.parametrize("name, bad", [("reclaim_retries", -1), ("reclaim_retries", 1.5), ("reclaim_retries", True),
+                                       ("reclaim_backoff", -1), ("reclaim_backoff", math.nan), ("reclaim_backoff", "1")])
+def test_reclaim_settings_are_refused_naming_the_argument_and_the_value_given(name, bad):
+    from lorapub import Deployment
+
+    with pytest.raises(InvalidInput) as e:  # was 'RetryPolicy.tries must be an int >= 1 … got 0' for -1
+        Deployment(_engines(), epoch=1, **{name: bad})
+    assert e.value.message.startswith(f"{name} must be") and f"got {bad!r}" in e.value.message
+    assert "RetryPolicy" not in e.value.message

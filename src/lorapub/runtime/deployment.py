@@ -26,6 +26,7 @@ from lorapub.core.registry import (
     DEFAULT_TOMBSTONE_WINDOW,
     Fleet,
     RegistryState,
+    check_capacity,
     check_max_lag,
 )
 from lorapub.errors import (
@@ -77,10 +78,11 @@ log = logging.getLogger(__name__)
 class Deployment:
     """Versioned publication: ``publish`` returns a :class:`PublicationReport`, ``session`` a :class:`Session`.
 
-    ``capacity``: managed versions held at once (the RFC's 2 by default), checked at start against
-    what each engine can hold. ``max_lag``: a version more than that many commits behind the
-    default is retiring, and its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move
-    to the default at a turn boundary); None keeps a session on its version for life.
+    ``capacity``: managed versions held at once (the RFC's 2 by default, and at least 2: the default
+    holds one slot, a new version needs another), checked at start against what each engine can
+    hold. ``max_lag``: a version more than that many commits behind the default is retiring, and
+    its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move to the default at a turn
+    boundary); None keeps a session on its version for life.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
     ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
@@ -123,8 +125,8 @@ class Deployment:
     ) -> None:
         self.engines = check_engines(engines)
         _check_epoch(epoch)
-        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
-            raise InvalidInput(f"capacity must be an int >= 1 (managed versions held at once), got {capacity!r}")
+        if capacity is not None:
+            check_capacity(capacity)
         check_max_lag(max_lag, on_stale)
         if name_prefix is not None:
             check_name_prefix(name_prefix)
@@ -137,6 +139,15 @@ class Deployment:
                 raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
         if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
             raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise InvalidInput(f"deadlines must be a lorapub.Deadlines (e.g. Deadlines(begin=30, end=120)) or None, "
+                               f"got {type(deadlines).__name__} {deadlines!r:.60}")
+        # named here: the reclaimer's RetryPolicy would name its own fields, not these arguments
+        if not isinstance(reclaim_retries, int) or isinstance(reclaim_retries, bool) or reclaim_retries < 0:
+            raise InvalidInput(f"reclaim_retries must be an int >= 0 (retries of a failed reclaim), got {reclaim_retries!r}")
+        if (not isinstance(reclaim_backoff, (int, float)) or isinstance(reclaim_backoff, bool)
+                or not 0 <= reclaim_backoff < float("inf")):
+            raise InvalidInput(f"reclaim_backoff must be a finite number of seconds >= 0, got {reclaim_backoff!r}")
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim

@@ -33,6 +33,7 @@ from lorapub.core.registry import SlotHolder, Waiting
 from lorapub.core.version import CommitReceipt, VersionState
 from lorapub.errors import (
     CapacityError,
+    DeploymentClosed,
     InvalidInput,
     LorapubError,
     NumericMismatch,
@@ -140,6 +141,7 @@ class _Call:
     task: asyncio.Future
     callers: int = 0
     progress: list[Observer] = attrs.field(factory=list)  # each caller's progress callback
+    closed_while: str | None = None  # "waiting" or "running": close() cancelled it then
 
 
 class Publisher:
@@ -180,6 +182,8 @@ class Publisher:
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
         self.frozen = FrozenCopies()
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
+        self._waiting: set[VersionKey] = set()  # those of them waiting for a slot now
+        self._closed = False
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
     @property
@@ -218,6 +222,9 @@ class Publisher:
         if progress is not None and not callable(progress):
             raise InvalidInput(f"progress must be a callable taking a lorapub.events.PublishProgress, got {progress!r}")
         key = VersionKey(self.epoch, version_id)
+        if self._closed:  # close() ran while the deployment checked this call: start nothing
+            raise DeploymentClosed(f"the deployment was closed before publish of {key} began; nothing was sent — "
+                                   "a closed deployment starts nothing: publish it on a new Deployment", version=key)
         call = self._running.get(key)
         if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
             # owned by the deployment's tasks (its outcome goes to its callers, so a failure is not logged
@@ -238,8 +245,10 @@ class Publisher:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and not current.cancelling():
-                # not this caller: the publication it joined was cancelled by the caller that started it
                 call.callers -= 1
+                if call.closed_while is not None:  # not a caller: close() stopped the publication
+                    raise self._closed_error(key, call.closed_while) from None
+                # not this caller: the publication it joined was cancelled by the caller that started it
                 raise PublicationBlocked(
                     f"the publication of {key} this call joined was cancelled by its caller; its attempt is "
                     "aborted and cleaned — publish again", version=key,
@@ -252,6 +261,14 @@ class Publisher:
             raise
         call.callers -= 1
         return attrs.evolve(report, reused=True) if joined else report
+
+    @staticmethod
+    def _closed_error(key: VersionKey, closed_while: str) -> DeploymentClosed:
+        what = ("waited for a slot; it never began, nothing of it was sent or committed" if closed_while == "waiting"
+                else "ran; its attempt is aborted and cleaned (a commit that had already landed stays)")
+        return DeploymentClosed(f"the deployment was closed while publish of {key} {what} — a closed deployment "
+                                "starts nothing: publish it on a new Deployment", version=key,
+                                waiting=closed_while == "waiting")
 
     async def _publish(self, snapshot: Snapshot, key: VersionKey, wait: float,
                        progress: list[Observer]) -> PublicationReport:
@@ -378,7 +395,18 @@ class Publisher:
         self.fleet.changed()
 
     async def _reserve_slot(self, command: Reserve, wait: float, started: float):
-        """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``."""
+        """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``.
+        A call cancelled meanwhile withdraws its wait, so no waiter outlives its caller."""
+        try:
+            return await self._reserve_or_wait(command, wait, started)
+        except asyncio.CancelledError:
+            if wait:  # the registry may hold us as its waiter (even if the cancel hit our reserve)
+                await self._withdraw_wait(command.key)
+            raise
+        finally:
+            self._waiting.discard(command.key)
+
+    async def _reserve_or_wait(self, command: Reserve, wait: float, started: float):
         deadline = started + wait
         waited_for: WaitReport | None = None
         described = -1.0
@@ -404,6 +432,7 @@ class Publisher:
                 waited = self.clock.monotonic() - started if waited_for is not None else 0.0
                 return result, waited, waited_for
             now = self.clock.monotonic()
+            self._waiting.add(command.key)
             if waited_for is None:
                 self.events(PublishWaiting(command.key, reply.describe()))
             if waited_for is None or now - described >= 1.0:  # engines asked at most once a second
@@ -422,9 +451,21 @@ class Publisher:
 
     async def _cancel_wait(self, key: VersionKey) -> None:
         try:
-            await self.registry.handle(CancelWait(key))
-        except LorapubError as e:  # the registry drops a waiter past its time anyway
+            async with asyncio.timeout(self.deadlines.commit):
+                await self.registry.handle(CancelWait(key))
+        except (LorapubError, TimeoutError) as e:
+            # a lost reply leaves the waiter only until the wait it asked for ends: each reserve
+            # records that time (Waiter.until), and the next lease pass drops a waiter past it
             log.debug("cancel wait of %s: %s", key, e)
+
+    async def _withdraw_wait(self, key: VersionKey) -> None:
+        """CancelWait for a call being cancelled: run as a task of its own and shielded, so the
+        cancellation (or a second one) does not stop the withdrawal; the deployment's close() joins it."""
+        if self.tasks.closed:  # nothing starts there any more: withdraw from this task, still bounded
+            await self._cancel_wait(key)
+            return
+        withdraw = self.tasks.spawn(self._cancel_wait(key), name=f"cancel-wait-{key}", key=("cancel-wait", key))
+        await asyncio.gather(asyncio.shield(withdraw), return_exceptions=True)
 
     async def _describe_wait(self, reply: Waiting) -> WaitReport:
         """The wait reply, with the requests still running on the versions being reclaimed."""
@@ -457,6 +498,9 @@ class Publisher:
         """Cancel the publications still running in this process (each aborts and cleans its attempt)
         and wait up to ``grace`` s for those cleanups; the reconciler of the next process finishes
         what is left."""
+        self._closed = True
+        for key, call in self._running.items():  # its callers are told the deployment closed, and while doing what
+            call.closed_while = "waiting" if key in self._waiting else "running"
         running = [c.task for c in self._running.values()]
         for task in running:
             task.cancel()

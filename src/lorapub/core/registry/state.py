@@ -21,7 +21,7 @@ from lorapub.errors import EpochMismatch, InvalidInput, StaleAttempt, UnknownVer
 
 __all__ = ['AttemptStatus', 'DEFAULT_CAPACITY', 'DEFAULT_LEASE_TTL', 'DEFAULT_TOMBSTONE_WINDOW', 'Fleet', 'Membership',
     'ON_STALE', 'Outcome', 'RegistryState', 'ReserveReply', 'SessionsOf', 'SlotHolder', 'Waiter', 'Waiting', 'as_effects',
-    'check_epoch', 'check_max_lag', 'new_registry']
+    'check_capacity', 'check_epoch', 'check_max_lag', 'new_registry']
 
 
 DEFAULT_CAPACITY = 2
@@ -356,8 +356,7 @@ def new_registry(
 ) -> RegistryState:
     if not engines:
         raise InvalidInput("a registry needs at least one target engine")
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-        raise InvalidInput(f"capacity must be an int >= 1, got {capacity!r}")
+    check_capacity(capacity)
     if lease_ttl is not None and (not isinstance(lease_ttl, (int, float)) or not lease_ttl > 0):
         raise InvalidInput(f"lease_ttl must be a positive number of seconds or None, got {lease_ttl!r}")
     if tombstone_window is not None and (not isinstance(tombstone_window, (int, float)) or not tombstone_window > 0):
@@ -370,6 +369,17 @@ def new_registry(
         epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
         max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix, avoid_suspect=avoid_suspect is True,
     )
+
+
+def check_capacity(capacity: object) -> None:
+    what = f"capacity must be an int >= 2 (managed versions held at once; 2 is the RFC's minimum), got {capacity!r}"
+    if not isinstance(capacity, int) or isinstance(capacity, bool):
+        raise InvalidInput(what, capacity=capacity)
+    if capacity < 2:
+        # the default holds a slot for as long as it is the default: with one slot, nothing else ever loads
+        raise InvalidInput(f"{what}: the default version always holds one slot and a new version needs another "
+                           "to load beside it, so it could never publish a second version — use capacity=2 or more",
+                           capacity=capacity)
 
 
 def check_max_lag(max_lag: object, on_stale: object) -> None:

@@ -165,8 +165,9 @@ class LorapubConfig:
         check_name_prefix(self.name_prefix)
         if self.epoch is not None and (not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0):
             raise ValueError(f"epoch must be a non-negative int, got {self.epoch!r}")
-        if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {self.capacity!r}")
+        if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 2:
+            # the default holds one slot and a new version needs another: 1 could never publish a second
+            raise ValueError(f"capacity must be an int >= 2 (2 is the RFC's minimum), got {self.capacity!r}")
         if self.on_stale not in ("error", "rebind"):
             raise ValueError(f"on_stale must be 'error' or 'rebind', got {self.on_stale!r}")
         if self.transport not in TRANSPORTS:
