@@ -410,3 +410,17 @@ async def test_the_same_live_session_id_gives_the_same_session():
     again = dep.session("s")
     assert again is not s and again.key.nonce != s.key.nonce  # a new lifecycle after close
     await dep.close()
+
+
+async def test_health_follows_a_publication_at_once_not_at_the_next_interval():
+    dep = await deployment(reconcile_interval=30.0)  # the interval's own pass would come after the test
+    await asyncio.sleep(0.2)  # the first pass, at start
+    before = dep.health.passes
+    await dep.publish(lora_snapshot(1), "A")
+    for _ in range(50):
+        if dep.health.passes > before:
+            break
+        await asyncio.sleep(0.02)
+    status = await dep.status(probe=False)
+    assert dep.health.passes > before and status.healthy, status.blockers  # no 'attempt_running' left over
+    await dep.close()

@@ -407,7 +407,10 @@ class Deployment:
         if not wait:
             await self._settle_briefly()
         await self.refresh_engines()
-        report = await self.publisher.publish(snapshot, version_id, wait=wait, progress=progress)
+        try:
+            report = await self.publisher.publish(snapshot, version_id, wait=wait, progress=progress)
+        finally:
+            self.reconciler.kick()  # health follows now, not at the next interval's pass
         await self.fleet.refresh()  # sessions see the new default now
         return report
 
