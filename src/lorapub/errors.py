@@ -156,8 +156,9 @@ class EngineError(LorapubError):
 class OutcomeUnknown(LorapubError):
     """No answer (timeout, dropped connection): the operation may or may not have happened.
 
-    Callers must not retry a generation on this error and must not treat any
-    resource as released.
+    lorapub never resends a generation on this error and never treats any resource as
+    released; a caller that sends the turn again (where running it twice is harmless to its
+    rollout) is served by the session's same version.
     """
 
     code = "OUTCOME_UNKNOWN"

@@ -6,6 +6,8 @@ shapes, plain text, an HTML page, a 200 that is not JSON.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
 
@@ -68,9 +70,33 @@ async def test_a_refused_generation_carries_the_engines_own_words(scripted, stat
     with pytest.raises(EngineError) as e:
         await client().generate(GEN)
     assert not isinstance(e.value, OutcomeUnknown)
-    assert e.value.message == f"e0 /generate answered {said}" or said in e.value.message, e.value.message
+    told, _, advice = e.value.message.partition("; ")
+    assert told == f"e0 /generate answered {said}" or said in told, e.value.message
     assert f"answered {status}: {status}" not in e.value.message
+    assert "did not run" in advice and "send the turn again" in advice  # what to do
     assert e.value.details["status"] == status
+
+
+async def test_a_generation_without_an_answer_is_outcome_unknown_saying_what_to_do():
+    async def never(request: web.Request) -> web.Response:  # takes the request, answers too late
+        await asyncio.sleep(1)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/generate", never)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client = SGLangHTTP("e0", f"http://127.0.0.1:{port}", request_timeout=0.2, probe_timeout=2)
+    try:
+        with pytest.raises(OutcomeUnknown) as e:
+            await client.generate(GEN)
+        assert "may or may not have run" in e.value.message and "never sends it twice" in e.value.message
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def test_a_long_or_multiline_engine_text_is_clipped_to_one_line(scripted):
@@ -79,8 +105,9 @@ async def test_a_long_or_multiline_engine_text_is_clipped_to_one_line(scripted):
     answers["/generate"] = (502, page, "text/html")
     with pytest.raises(EngineError) as e:
         await client().generate(GEN)
-    assert "\n" not in e.value.message and e.value.message.endswith("…")
-    assert len(e.value.message) <= MAX_ENGINE_TEXT + len("e0 /generate answered 502: ")
+    told = e.value.message.partition("; the engine refused")[0]
+    assert "\n" not in e.value.message and told.endswith("…")
+    assert len(told) <= MAX_ENGINE_TEXT + len("e0 /generate answered 502: ")
 
 
 @pytest.mark.parametrize("body", ["Cache flushed.", "<html>ok</html>", "", "[1, 2]", '"text"', b"\xff\xfe\x00bad"])

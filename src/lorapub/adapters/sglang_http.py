@@ -317,15 +317,23 @@ class SGLangHTTP(OwnedHTTPSession):
         """One ``/generate`` with the API key, sent once; a missing adapter is :class:`VersionMissing`."""
         if not isinstance(payload, Mapping):
             raise InvalidInput(f"a generation payload is a mapping, got {type(payload).__name__}")
-        status, body = await self.request(
-            "POST", "/generate", json_body=dict(payload), timeout=self.request_timeout, admin=False
-        )
+        try:
+            status, body = await self.request(
+                "POST", "/generate", json_body=dict(payload), timeout=self.request_timeout, admin=False
+            )
+        except OutcomeUnknown as e:
+            raise OutcomeUnknown(f"{e.message}: the request may or may not have run there; lorapub never sends it "
+                                 "twice on its own: send the turn again only where running it twice is harmless to "
+                                 "your rollout (the session keeps its version)") from None
         if status == 200:
             return self.json_object("/generate", status, body)
         message = engine_message(body)
         if status == 400 and any(m in message for m in MISSING_MARKERS):
             raise VersionMissing(f"{self.name} does not hold {payload.get('lora_path')}: {message}", engine=self.name)
-        raise self.refusal("/generate", status, body)
+        refused = self.refusal("/generate", status, body)
+        raise EngineError(f"{refused.message}; the engine refused the request, so it did not run: send the turn again "
+                          "(the session keeps its version), or look at that engine if it keeps refusing",
+                          engine=self.name, status=status)
 
 
 class SGLangAdminBase:
