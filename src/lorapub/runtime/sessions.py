@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TTL = 600.0
 
 
+class _Overtaken(Exception):
+    """The binding became stale between this turn's check and its send (nothing was sent)."""
+
+
 def _failed(task: asyncio.Task) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
 
@@ -281,10 +285,14 @@ class Session:
 
     async def _send(self, binding: Binding, payload: Mapping[str, object]) -> dict[str, Any]:
         body = dict(payload)
-        body["lora_path"] = binding.lora_name
-        lag = self.service.fleet.lag(binding)
-        self.service.events(RequestDispatched(binding.version, lag))
-        out = await self._dispatch(binding, body)
+        while True:
+            binding = await self._fresh(binding)
+            body["lora_path"] = binding.lora_name
+            try:
+                out, lag = await self._dispatch(binding, body)
+                break
+            except _Overtaken:
+                continue  # a newer default was learnt since the check: decide this turn again
         stamp = await self._attest(binding, out)
         if isinstance(out, dict):
             out["lorapub"] = {
@@ -304,19 +312,26 @@ class Session:
                 str(self.key), binding.version, target, str(e.details.get("reason")), e.details.get("stamp")))  # type: ignore[arg-type]
             raise
 
-    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> dict[str, Any]:
+    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> tuple[dict[str, Any], int]:
+        """The engine's answer, and the binding's lag when the request was sent."""
         engine = self.engine = self.service.router.pick(self, self.service.fleet.holders(binding.version))
 
-        async def dispatch() -> dict[str, Any]:
+        async def dispatch() -> tuple[dict[str, Any], int]:
             # Checked where the request starts, with no suspension point before it: a close
-            # that began while we awaited (or before this task ran) sees no new request.
+            # that began while we awaited (or before this task ran) sees no new request, and a
+            # default learnt meanwhile (another session's bind) is judged against max_lag.
             self._refuse_if_ended("dispatch")
-            return await engine.generate(body)
+            fleet = self.service.fleet
+            if fleet.is_stale(binding):
+                raise _Overtaken
+            lag = fleet.lag(binding)
+            self.requests += 1
+            self.service.events(RequestDispatched(binding.version, lag))
+            return await engine.generate(body), lag
 
         task = asyncio.get_running_loop().create_task(dispatch())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
-        self.requests += 1
         try:
             return await task
         except asyncio.CancelledError:
