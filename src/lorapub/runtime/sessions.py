@@ -204,6 +204,13 @@ class Session:
             if stale is not None:
                 raise stale
             self._refuse_if_ended("dispatch")
+        while self._inflight:
+            # The turn boundary: requests of this session still running on its version end first,
+            # so it is never served by two versions at once (nor sent again on the stale one).
+            await asyncio.wait(set(self._inflight))
+            self._refuse_if_ended("dispatch")
+            if self.binding is not None and self.binding != binding:  # another turn rebound it meanwhile
+                return await self._fresh(self.binding)
         try:
             result = await self.service.registry.handle(Rebind(self.key))
         except BindingStale:
@@ -289,7 +296,7 @@ class Session:
             binding = await self._fresh(binding)
             body["lora_path"] = binding.lora_name
             try:
-                out, lag = await self._dispatch(binding, body)
+                out, lag, rebinds = await self._dispatch(binding, body)
                 break
             except _Overtaken:
                 continue  # a newer default was learnt since the check: decide this turn again
@@ -297,7 +304,7 @@ class Session:
         if isinstance(out, dict):
             out["lorapub"] = {
                 "version": str(binding.version), "version_id": binding.version.version_id, "lag": lag,
-                "lora_name": binding.lora_name, "rebinds": len(self.provenance) - 1,
+                "lora_name": binding.lora_name, "rebinds": rebinds,
                 "stamp": stamp,  # what the engine attests served this turn (None: it does not stamp)
             }
         return out
@@ -312,11 +319,12 @@ class Session:
                 str(self.key), binding.version, target, str(e.details.get("reason")), e.details.get("stamp")))  # type: ignore[arg-type]
             raise
 
-    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> tuple[dict[str, Any], int]:
-        """The engine's answer, and the binding's lag when the request was sent."""
+    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> tuple[dict[str, Any], int, int]:
+        """The engine's answer, with the binding's lag and the session's rebinds when the request was
+        sent (a rebind by a later turn while it runs is not this request's)."""
         engine = self.engine = self.service.router.pick(self, self.service.fleet.holders(binding.version))
 
-        async def dispatch() -> tuple[dict[str, Any], int]:
+        async def dispatch() -> tuple[dict[str, Any], int, int]:
             # Checked where the request starts, with no suspension point before it: a close
             # that began while we awaited (or before this task ran) sees no new request, and a
             # default learnt meanwhile (another session's bind) is judged against max_lag.
@@ -324,10 +332,10 @@ class Session:
             fleet = self.service.fleet
             if fleet.is_stale(binding):
                 raise _Overtaken
-            lag = fleet.lag(binding)
+            lag, rebinds = fleet.lag(binding), len(self.provenance) - 1
             self.requests += 1
             self.service.events(RequestDispatched(binding.version, lag))
-            return await engine.generate(body), lag
+            return await engine.generate(body), lag, rebinds
 
         task = asyncio.get_running_loop().create_task(dispatch())
         self._inflight.add(task)
