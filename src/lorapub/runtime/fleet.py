@@ -59,6 +59,7 @@ class FleetView:
         self.default_revision = 0
         self._view_revision = -1  # the default revision of the last view
         self.retiring: frozenset[VersionKey] = frozenset()
+        self.max_lag: int | None = None  # the registry's, as its last view said
         self.on_stale = "error"
         self.joining: frozenset[str] = frozenset()  # members that take no traffic yet
         self.draining: frozenset[str] = frozenset()  # members that take no new binding
@@ -160,6 +161,7 @@ class FleetView:
         self._view_revision = fleet.default_revision
         self.default_revision = max(self.default_revision, fleet.default_revision)
         self.retiring = frozenset(fleet.retiring)
+        self.max_lag = fleet.max_lag
         self.on_stale = fleet.on_stale
         self.changed()
 
@@ -176,7 +178,10 @@ class FleetView:
         return self._holders.get(version)
 
     def is_stale(self, binding: Binding) -> bool:
-        return binding.version in self.retiring
+        """Its version is retiring: the last view said so, or this process has since seen a default
+        more than max_lag commits past it (a bind's reply can outrun the view). The registry retires
+        a version exactly then, so this only learns it sooner, never wrongly."""
+        return binding.version in self.retiring or (self.max_lag is not None and self.lag(binding) > self.max_lag)
 
     def gone(self, binding: Binding) -> bool:
         """The last view (newer than the binding) no longer serves its version: it is being reclaimed."""

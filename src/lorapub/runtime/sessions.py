@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TTL = 600.0
 
 
+class _Overtaken(Exception):
+    """The binding became stale between this turn's check and its send (nothing was sent)."""
+
+
 def _failed(task: asyncio.Task) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
 
@@ -200,6 +204,13 @@ class Session:
             if stale is not None:
                 raise stale
             self._refuse_if_ended("dispatch")
+        while self._inflight:
+            # The turn boundary: requests of this session still running on its version end first,
+            # so it is never served by two versions at once (nor sent again on the stale one).
+            await asyncio.wait(set(self._inflight))
+            self._refuse_if_ended("dispatch")
+            if self.binding is not None and self.binding != binding:  # another turn rebound it meanwhile
+                return await self._fresh(self.binding)
         try:
             result = await self.service.registry.handle(Rebind(self.key))
         except BindingStale:
@@ -281,15 +292,19 @@ class Session:
 
     async def _send(self, binding: Binding, payload: Mapping[str, object]) -> dict[str, Any]:
         body = dict(payload)
-        body["lora_path"] = binding.lora_name
-        lag = self.service.fleet.lag(binding)
-        self.service.events(RequestDispatched(binding.version, lag))
-        out = await self._dispatch(binding, body)
+        while True:
+            binding = await self._fresh(binding)
+            body["lora_path"] = binding.lora_name
+            try:
+                out, lag, rebinds = await self._dispatch(binding, body)
+                break
+            except _Overtaken:
+                continue  # a newer default was learnt since the check: decide this turn again
         stamp = await self._attest(binding, out)
         if isinstance(out, dict):
             out["lorapub"] = {
                 "version": str(binding.version), "version_id": binding.version.version_id, "lag": lag,
-                "lora_name": binding.lora_name, "rebinds": len(self.provenance) - 1,
+                "lora_name": binding.lora_name, "rebinds": rebinds,
                 "stamp": stamp,  # what the engine attests served this turn (None: it does not stamp)
             }
         return out
@@ -304,19 +319,27 @@ class Session:
                 str(self.key), binding.version, target, str(e.details.get("reason")), e.details.get("stamp")))  # type: ignore[arg-type]
             raise
 
-    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> dict[str, Any]:
+    async def _dispatch(self, binding: Binding, body: dict[str, object]) -> tuple[dict[str, Any], int, int]:
+        """The engine's answer, with the binding's lag and the session's rebinds when the request was
+        sent (a rebind by a later turn while it runs is not this request's)."""
         engine = self.engine = self.service.router.pick(self, self.service.fleet.holders(binding.version))
 
-        async def dispatch() -> dict[str, Any]:
+        async def dispatch() -> tuple[dict[str, Any], int, int]:
             # Checked where the request starts, with no suspension point before it: a close
-            # that began while we awaited (or before this task ran) sees no new request.
+            # that began while we awaited (or before this task ran) sees no new request, and a
+            # default learnt meanwhile (another session's bind) is judged against max_lag.
             self._refuse_if_ended("dispatch")
-            return await engine.generate(body)
+            fleet = self.service.fleet
+            if fleet.is_stale(binding):
+                raise _Overtaken
+            lag, rebinds = fleet.lag(binding), len(self.provenance) - 1
+            self.requests += 1
+            self.service.events(RequestDispatched(binding.version, lag))
+            return await engine.generate(body), lag, rebinds
 
         task = asyncio.get_running_loop().create_task(dispatch())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
-        self.requests += 1
         try:
             return await task
         except asyncio.CancelledError:
