@@ -208,9 +208,9 @@ class AlreadyStarted(LorapubError):
 
 
 class DeploymentClosed(LorapubError):
-    """The deployment was closed while this publish call waited for a slot or ran: nothing was
-    committed (an attempt it began is aborted and cleaned). A closed deployment starts nothing more:
-    publish on a new one."""
+    """The deployment was closed: a publish call that waited for a slot or ran committed nothing
+    (an attempt it began is aborted and cleaned), and its sessions refuse new turns (no lease is
+    renewed any more). A closed deployment starts nothing more: publish and open sessions on a new one."""
 
     code = "DEPLOYMENT_CLOSED"
 

@@ -18,6 +18,7 @@ from lorapub import (
     DeploymentClosed,
     EngineCapacityError,
     GroupClosed,
+    InvalidInput,
     PublicationSuperseded,
     SessionClosed,
     SessionExpired,
@@ -424,3 +425,15 @@ async def test_health_follows_a_publication_at_once_not_at_the_next_interval():
     status = await dep.status(probe=False)
     assert dep.health.passes > before and status.healthy, status.blockers  # no 'attempt_running' left over
     await dep.close()
+
+
+async def test_a_session_of_a_closed_deployment_refuses_new_turns():
+    dep = await deployment()
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.close()
+    with pytest.raises(DeploymentClosed, match="deployment was closed") as e:
+        await s.generate(GEN)  # its lease is no longer renewed: never served on a version nobody protects
+    assert e.value.code == "DEPLOYMENT_CLOSED"
+    with pytest.raises(InvalidInput, match="closed"):
+        dep.session("s2")

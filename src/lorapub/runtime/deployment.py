@@ -286,6 +286,7 @@ class Deployment:
             await self._close_engines()
             return
         self._started, self._closed = False, True
+        self.sessions.closed = True
         if self.status_server is not None:
             await self.status_server.close()
         await self.publisher.close(grace)  # each cancelled publication aborts and cleans its attempt

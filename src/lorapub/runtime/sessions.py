@@ -30,6 +30,7 @@ from lorapub.core.identity import SessionKey, VersionKey, check_id, new_nonce
 from lorapub.core.session import Binding
 from lorapub.errors import (
     BindingStale,
+    DeploymentClosed,
     EngineUnavailable,
     InvalidInput,
     LorapubError,
@@ -166,6 +167,9 @@ class Session:
         return binding
 
     def _refuse_if_ended(self, what: str) -> None:
+        if self.service.closed:  # no lease is renewed and nothing is reconciled any more
+            raise DeploymentClosed(f"session {self.key}'s deployment was closed; {what} refused — open sessions on a "
+                                   "new Deployment", session=self.key)
         if self.state is LocalState.EXPIRED:
             raise SessionExpired(
                 f"session {self.key} expired (its lease was not renewed in time, or it was idle for its idle TTL) "
@@ -415,6 +419,7 @@ class SessionService:
         self.sessions: dict[SessionKey, Session] = {}
         self._by_id: dict[str, Session] = {}
         self.idle_ttl = idle_ttl
+        self.closed = False  # its deployment was closed: every session refuses new turns
         self.renewals = 0
         self.idle_expired = 0
         self.lease_ttl: float | None = None
