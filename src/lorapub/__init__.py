@@ -47,7 +47,7 @@ from lorapub.errors import (
 )
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.runtime.overwrite import OverwriteDeployment
-from lorapub.runtime.publisher import PublicationReport, WaitReport
+from lorapub.runtime.publication_report import PublicationReport, WaitReport
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import Session
 from lorapub.runtime.probe import Probe

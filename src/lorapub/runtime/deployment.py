@@ -57,7 +57,8 @@ from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.engines import Engines
 from lorapub.runtime.membership import Drained, FleetMembership
-from lorapub.runtime.publisher import PublicationReport, Publisher
+from lorapub.runtime.publication_report import PublicationReport
+from lorapub.runtime.publisher import Publisher
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.reconciler import Health, Reconciler

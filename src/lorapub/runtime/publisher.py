@@ -29,7 +29,7 @@ from lorapub.core.commands import (
     Reserve,
     RetryCleanup,
 )
-from lorapub.core.registry import SlotHolder, Waiting
+from lorapub.core.registry import Waiting
 from lorapub.core.version import CommitReceipt, VersionState
 from lorapub.errors import (
     CapacityError,
@@ -60,47 +60,11 @@ from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
+from lorapub.runtime.publication_report import PublicationReport, WaitReport
 
 __all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher"]
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class WaitReport:
-    """What a publication waited for before it got a slot (or gave up): the slot holders as last
-    seen (their session refs) and, per engine, the requests still running on the versions
-    being reclaimed (native refs), or the attempt that ran."""
-
-    reason: str
-    holders: tuple[SlotHolder, ...] = ()
-    running_requests: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)  # version -> engine -> refs
-    attempt: AttemptToken | None = None
-
-    def describe(self) -> str:
-        running = "; ".join(
-            f"{v}: {', '.join(f'{n} on {e}' for e, n in sorted(engines.items()))} running request(s)"
-            for v, engines in sorted(self.running_requests.items()) if any(engines.values())
-        )
-        return self.reason + (f" ({running})" if running else "")
-
-
-@attrs.frozen
-class PublicationReport:
-    """What one ``publish`` did: the version, its engine-side name and the commit receipt;
-    ``waited`` seconds for a slot (``waited_for`` says for what)."""
-
-    version: VersionKey
-    lora_name: str
-    receipt: CommitReceipt | None
-    state: VersionState
-    seconds: float
-    phases: Mapping[str, float]
-    collectives: int
-    reused: bool = False
-    waited: float = 0.0
-    waited_for: WaitReport | None = None
-    engine_phases: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)  # engine -> phase -> seconds
 
 
 class FrozenCopies:
@@ -376,7 +340,8 @@ class Publisher:
         if status.phase is Phase.CLEAN:
             raise PublicationFailed(f"{key} failed and was cleaned on every engine: {why}", version=key)
         raise PublicationBlocked(
-            f"{key} failed and cleanup is not confirmed on every engine ({status.targets}); its slot stays "
+            f"{key} failed and cleanup is not confirmed on every engine "
+            f"({', '.join(f'{e}: {t}' for e, t in status.targets)}); its slot stays "
             f"held until a cleanup is confirmed — lorapub retries it in the background "
             f"(`await deployment.reconcile()` retries it now): {why}",
             version=key,

@@ -111,7 +111,8 @@ def reserve(
     by = state.superseded.get(key)
     if by is not None:
         raise PublicationSuperseded(
-            f"version {key} was superseded by {by} while it waited for a slot; it is never committed — "
+            f"version {key} was superseded by {by} while it waited (for a slot or for the attempt before it); it is "
+            "never committed — "
             "publish the newest snapshot under a new version id", version=key, by=by,
         )
     existing = state.versions.get(key)

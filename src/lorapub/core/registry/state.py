@@ -246,7 +246,7 @@ class SlotHolder:
         elif self.state is VersionState.RETIRED:
             what += ": being reclaimed"
         elif self.state is VersionState.RECLAIMING:
-            what += f": waiting for requests still running on {', '.join(self.unloading_on) or 'its engines'}"
+            what += f": unload not confirmed yet on {', '.join(self.unloading_on) or 'its engines'}"
         elif self.state is VersionState.ABORTED:
             what += ": cleanup of its failed attempt not confirmed"
         return what
