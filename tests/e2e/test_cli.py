@@ -91,6 +91,9 @@ def test_the_demo_with_few_sessions_runs_and_removes_its_folder(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.rstrip().endswith("OK")
     assert list((tmp_path / "tmp").iterdir()) == []
+    # the engine counts span every life: e1's crash in the story is counted, its earlier unloads kept
+    e1 = next(line for line in out.stdout.splitlines() if line.startswith("  e1: loads"))
+    assert "restarts 1" in e1 and "physical unloads 0" not in e1, e1
 
 
 def test_a_terminated_demo_removes_its_folder(tmp_path):

@@ -239,9 +239,11 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
           f"p99 {result.latency(99) * 1000:.1f} ms")
     print("  longest no-progress gap " + ", ".join(f"{e} {g * 1000:.1f} ms" for e, g in sorted(gaps.items())))
     print(f"  managed slots held: max {max(occupancy) if occupancy else 0} (capacity {state.capacity})")
-    for dbl in doubles:
-        print(f"  {dbl.name}: loads {sum(1 for e in dbl.events if e[0] == 'load')}, physical unloads {len(dbl.physical_unloads)}, "
-              f"implicit reloads {sum(1 for e in dbl.events if e[0] == 'implicit_reload')}, pauses {sum(1 for e in dbl.events if e[0] == 'pause')}")
+    for dbl in doubles:  # every life of the engine (a restart drops what it held, not these counts)
+        count = {kind: sum(1 for e in dbl.events if e[0] == kind)
+                 for kind in ("load", "unload", "implicit_reload", "pause", "restart")}
+        print(f"  {dbl.name}: loads {count['load']}, physical unloads {count['unload']}, implicit reloads "
+              f"{count['implicit_reload']}, pauses {count['pause']}, restarts {count['restart']}")
     ok = result.failures == 0 and result.mixed_version_sessions() == 0 and max(occupancy or [0]) <= state.capacity
     print("\nOK" if ok else "\nFAILED")
     return 0 if ok else 1
