@@ -518,6 +518,16 @@ def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
     assert gate.waited_s == 0.0  # the next preparation has its own budget
 
 
+@pytest.mark.parametrize("raw, budget", [(None, 1.0), ("150", 0.15), ("0", 0.0), ("-5", 1.0), ("soon", 1.0)])
+def test_the_gate_budget_is_read_from_the_servers_environment(classes, monkeypatch, raw, budget):
+    if raw is None:
+        monkeypatch.delenv(prepared_load.GATE_BUDGET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(prepared_load.GATE_BUDGET_ENV, raw)  # a bad value keeps the default, logged
+    _, _, preparer = preparing(classes)
+    assert preparer.gate.budget_s == budget
+
+
 def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes):
     scheduler, manager, preparer = preparing(classes)
     assert scheduler.run_batch(batch(True)) == "result"  # nothing pending: stays open

@@ -17,10 +17,10 @@ from typing import Any
 from .gate import PrefillGate
 from .preparer import CHUNK_BYTES, Preparer
 from .reading import read_peft_folder
-from .settings import ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled
+from .settings import ENV, GATE_BUDGET_ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled
 from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_slot_fills
 
-__all__ = ["CHUNK_BYTES", "ENV", "GATE_ENV", "IMAGE_ATTR", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "PrefillGate",
+__all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ATTR", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "PrefillGate",
            "Preparer", "build_slot_image", "enabled", "install", "preparer_of", "read_peft_folder", "route_schedulers",
            "run_scheduler_process"]
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from .gate import PrefillGate
 from .reading import Stepped, read_peft_folder, weight_dicts
-from .settings import GATE_ENV, IMAGE_ENV, TRACE_ENV, switch_interval
+from .settings import GATE_ENV, IMAGE_ENV, TRACE_ENV, gate_budget, switch_interval
 from .slot_image import IMAGE_ATTR, build_slot_image
 
 __all__ = ["CHUNK_BYTES", "Preparer", "is_extend", "send_reply"]
@@ -51,7 +51,7 @@ class Preparer:
         self.switch_s = switch_interval()
         self.saved_switch: float | None = None
         self.slot_images = os.environ.get(IMAGE_ENV) == "1"
-        self.gate = PrefillGate(enabled=os.environ.get(GATE_ENV, "1") != "0")
+        self.gate = PrefillGate(enabled=os.environ.get(GATE_ENV, "1") != "0", budget_s=gate_budget())
         self.metrics: Any = None  # lorapub's engine series (--enable-metrics): each load counted and timed
 
     def tick(self) -> None:
