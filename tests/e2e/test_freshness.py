@@ -435,5 +435,7 @@ async def test_a_session_of_a_closed_deployment_refuses_new_turns():
     with pytest.raises(DeploymentClosed, match="deployment was closed") as e:
         await s.generate(GEN)  # its lease is no longer renewed: never served on a version nobody protects
     assert e.value.code == "DEPLOYMENT_CLOSED"
-    with pytest.raises(InvalidInput, match="closed"):
+    with pytest.raises(DeploymentClosed, match="Deployment is closed"):  # one code for a closed deployment
         dep.session("s2")
+    with pytest.raises(DeploymentClosed, match="Deployment is closed"):
+        await dep.publish(lora_snapshot(2), "B")

@@ -31,6 +31,7 @@ from lorapub.core.registry import (
 )
 from lorapub.errors import (
     AlreadyStarted,
+    DeploymentClosed,
     InvalidInput,
     LorapubError,
 )
@@ -366,7 +367,10 @@ class Deployment:
 
     def _require_started(self) -> None:
         if not self._started:
-            raise InvalidInput("call `await deployment.start()` first" if not self._closed else "this Deployment is closed")
+            if self._closed:  # one code for everything a closed deployment refuses
+                raise DeploymentClosed("this Deployment is closed; it starts nothing more — publish and open "
+                                       "sessions on a new one")
+            raise InvalidInput("call `await deployment.start()` first")
 
     async def state(self) -> RegistryState:
         """The registry's whole state (for reports and tests; sessions never need it)."""
