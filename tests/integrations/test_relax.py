@@ -488,6 +488,8 @@ async def test_without_a_lorapub_session_a_request_is_refused_typed_not_sent(rel
     assert isinstance(refused.value.__cause__, lorapub.SessionClosed)
     assert backend.inner.generate_calls == 0
     assert relax_lorapub.error_result(NoPublishedVersion("none yet"))["error"]["code"] == "NO_PUBLISHED_VERSION"
+    closed = relax_lorapub.error_result(lorapub.DeploymentClosed("closed at shutdown"))
+    assert (closed["_http_status"], closed["error"]["code"]) == (503, "DEPLOYMENT_CLOSED")  # never Relax's 500
 
 
 # ------------------------------------------------------------------------------------------------
