@@ -18,7 +18,6 @@ from lorapub import (
     DeploymentClosed,
     EngineCapacityError,
     GroupClosed,
-    InvalidInput,
     PublicationSuperseded,
     SessionClosed,
     SessionExpired,

@@ -7,6 +7,7 @@ shapes, plain text, an HTML page, a 200 that is not JSON.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -18,10 +19,13 @@ from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnkno
 
 @pytest.fixture
 async def scripted():
-    """A server whose answer per path is set by the test: ``answers[path] = (status, body, content_type)``."""
-    answers: dict[str, tuple[int, str | bytes, str]] = {}
+    """A server whose answer per path is set by the test: ``answers[path] = (status, body, content_type)``,
+    or a handler of its own."""
+    answers: dict[str, Any] = {}
 
     async def handler(request: web.Request) -> web.Response:
+        if callable(answers[request.path]):
+            return await answers[request.path](request)
         status, body, ctype = answers[request.path]
         return web.Response(status=status, body=body if isinstance(body, bytes) else body.encode(), content_type=ctype)
 
@@ -35,7 +39,7 @@ async def scripted():
     clients: list = []
 
     def client(cls=SGLangHTTP, *args, **kw):
-        c = cls("e0", f"http://127.0.0.1:{port}", *args, request_timeout=2, probe_timeout=2, **kw)
+        c = cls("e0", f"http://127.0.0.1:{port}", *args, **{"request_timeout": 2, "probe_timeout": 2, **kw})
         clients.append(c)
         return c
 
@@ -77,26 +81,17 @@ async def test_a_refused_generation_carries_the_engines_own_words(scripted, stat
     assert e.value.details["status"] == status
 
 
-async def test_a_generation_without_an_answer_is_outcome_unknown_saying_what_to_do():
-    async def never(request: web.Request) -> web.Response:  # takes the request, answers too late
+async def test_a_generation_without_an_answer_is_outcome_unknown_saying_what_to_do(scripted):
+    answers, client = scripted
+
+    async def late(request: web.Request) -> web.Response:  # takes the request, answers too late
         await asyncio.sleep(1)
         return web.Response()
 
-    app = web.Application()
-    app.router.add_post("/generate", never)
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    client = SGLangHTTP("e0", f"http://127.0.0.1:{port}", request_timeout=0.2, probe_timeout=2)
-    try:
-        with pytest.raises(OutcomeUnknown) as e:
-            await client.generate(GEN)
-        assert "may or may not have run" in e.value.message and "never sends it twice" in e.value.message
-    finally:
-        await client.close()
-        await runner.cleanup()
+    answers["/generate"] = late
+    with pytest.raises(OutcomeUnknown) as e:
+        await client(request_timeout=0.2).generate(GEN)
+    assert "may or may not have run" in e.value.message and "never sends it twice" in e.value.message
 
 
 async def test_a_long_or_multiline_engine_text_is_clipped_to_one_line(scripted):

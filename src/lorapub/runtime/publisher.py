@@ -62,7 +62,7 @@ from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
 from lorapub.runtime.publication_report import PublicationReport, WaitReport
 
-__all__ = ["WaitReport", "PublicationReport", "FrozenCopies", "Publisher"]
+__all__ = ["FrozenCopies", "Publisher"]
 
 log = logging.getLogger(__name__)
 

@@ -232,10 +232,6 @@ class Reconciler:
             self.health = health
             return health
 
-    async def _probe(self, name: str) -> Inventory | str | Exception:
-        """The engine's inventory where it keeps one, else its incarnation; the error if it is away."""
-        return _said(await self.fleet.life(name, deadline=self.probe_deadline))
-
     async def _pass(self) -> Health:
         blockers: list[Blocker] = []
         # 1. what every engine holds, read before the registry's view of what it should hold
@@ -403,14 +399,15 @@ class Reconciler:
         holders (re-provisioned where still needed)."""
         changed = False
         for engine, inventory in sorted(inventories.items()):
-            suspects = {key: name for key, holders in fleet.holders.items()
-                        if engine in holders and (name := fleet.lora_names.get(key)) is not None
+            suspects = {key: name for key, on in fleet.holders.items()
+                        if engine in on and (name := fleet.lora_names.get(key)) is not None
                         and name not in inventory.adapters}
             if suspects and await self.fleet.confirm_lost(engine, inventory, suspects, "unloaded without a restart",
                                                           self.probe_deadline):
                 changed = True
         return changed
 
+    # -- health ------------------------------------------------------------------------
     async def _reclaim_blockers(self, fleet: Fleet, inventories: Mapping[str, Inventory]) -> list[Blocker]:
         """Each pending reclaim with what holds it, by name: the engines whose unload is not
         confirmed and the requests still running there; and a waiting publication with the

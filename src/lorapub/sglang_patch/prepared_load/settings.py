@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 __all__ = ["ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget",
            "switch_interval"]
@@ -32,32 +33,31 @@ def enabled() -> bool:
 
 
 
-def switch_interval() -> float | None:
-    """``SWITCH_ENV`` in seconds; None when unset or not a positive integer (logged)."""
-    raw = os.environ.get(SWITCH_ENV)
+def _number(env: str, parse: Callable[[str], float], accept: Callable[[float], bool], what: str,
+            otherwise: str) -> float | None:
+    """``env`` parsed, or None when unset; a value ``parse`` or ``accept`` refuses is logged (it is not
+    ``what``; ``otherwise`` says what holds instead) and is None too."""
+    raw = os.environ.get(env)
     if not raw:
         return None
     try:
-        us = int(raw)
+        value = parse(raw)
     except ValueError:
-        us = 0
-    if us <= 0:
-        logger.warning("lorapub: %s=%r is not a positive number of microseconds; ignored", SWITCH_ENV, raw)
+        value = None
+    if value is None or not accept(value):
+        logger.warning("lorapub: %s=%r is not %s; %s", env, raw, what, otherwise)
         return None
-    return us / 1e6
+    return value
+
+
+def switch_interval() -> float | None:
+    """``SWITCH_ENV`` in seconds; None when unset or not a positive integer (logged)."""
+    us = _number(SWITCH_ENV, int, lambda n: n > 0, "a positive number of microseconds", "ignored")
+    return None if us is None else us / 1e6
 
 
 def gate_budget(default_s: float = 1.0) -> float:
     """``GATE_BUDGET_ENV`` in seconds; ``default_s`` when unset or not a number >= 0 (logged)."""
-    raw = os.environ.get(GATE_BUDGET_ENV)
-    if not raw:
-        return default_s
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:
-        logger.warning("lorapub: %s=%r is not a number of milliseconds >= 0; the default %g ms holds",
-                       GATE_BUDGET_ENV, raw, 1e3 * default_s)
-        return default_s
-    return ms / 1e3
+    ms = _number(GATE_BUDGET_ENV, float, lambda n: n >= 0, "a number of milliseconds >= 0",
+                 f"the default {1e3 * default_s:g} ms holds")
+    return default_s if ms is None else ms / 1e3
