@@ -36,3 +36,54 @@ def test_the_verdict_names_the_tensor_that_does_not_match_whatever_the_threads(m
         with pytest.raises(Refused) as e:
             st.verify_spans(memoryview(bytes(damaged)), spans, bucket)
         assert e.value.code == "STAGE_DIGEST" and f"'t{bad}'" in e.value.message
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_with_a_destination_the_tensors_are_copied_back_to_back_and_the_copy_is_what_is_checked(monkeypatch, threads):
+    monkeypatch.setattr(st, "HASH_THREADS", threads)
+    blobs = [os.urandom(n) for n in (3 << 20, 100, 2 << 20, 1 << 16)]
+    _, spans, bucket = bucket_of(blobs)
+    # the source holds the tensors with gaps between them (a safetensors body: a header first)
+    gap = b"\xee" * 24
+    source = memoryview(gap + gap.join(blobs))
+    spans = [(s + 24 * (i + 1), e + 24 * (i + 1)) for i, (s, e) in enumerate(spans)]
+    into = memoryview(bytearray(bucket.nbytes))
+    st.verify_spans(source, spans, bucket, into)
+    assert bytes(into) == b"".join(blobs)
+    # a damaged source: refused, naming the tensor
+    damaged = bytearray(source)
+    damaged[spans[2][0]] ^= 0x80
+    with pytest.raises(Refused) as e:
+        st.verify_spans(memoryview(bytes(damaged)), spans, bucket, memoryview(bytearray(bucket.nbytes)))
+    assert e.value.code == "STAGE_DIGEST" and "'t2'" in e.value.message
+    # a destination of another length than the plan's tensors: refused before anything is copied
+    with pytest.raises(Refused) as e:
+        st.verify_spans(source, spans, bucket, memoryview(bytearray(bucket.nbytes + 1)))
+    assert e.value.code == "STAGE_INVALID" and "plan says" in e.value.message
+
+
+def test_a_large_copy_leaves_the_gil_to_other_threads():
+    """The engine's event loop keeps running while a verifying thread copies a bucket into the
+    adapter's file (a memoryview assignment would hold the GIL for the whole copy)."""
+    pytest.importorskip("numpy")
+    import threading
+    import time
+
+    src, dst = memoryview(bytearray(os.urandom(1 << 20) * 192)), memoryview(bytearray(192 << 20))
+    window: list[float] = []
+
+    def copy() -> None:
+        window.append(time.perf_counter())
+        st.copy_bytes(dst, src)
+        window.append(time.perf_counter())
+
+    t = threading.Thread(target=copy)
+    ticks = []
+    t.start()
+    while t.is_alive():
+        ticks.append(time.perf_counter())
+    t.join()
+    start, end = window
+    inside = [x for x in ticks if start < x < end]
+    assert dst == src
+    assert len(inside) >= 100, f"the main thread ran {len(inside)} times during a {1e3 * (end - start):.0f} ms copy"

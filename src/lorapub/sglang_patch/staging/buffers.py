@@ -103,12 +103,13 @@ def close_all(buffers: list[Buffer]) -> None:
 
 def verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket,
                     into: tuple[str, int] | None) -> None:
-    """Check the bucket (:func:`verify_spans`); then, with ``into`` (file, offset), copy its verified
-    tensors there, back to back in plan order, through a shared mapping of that file region (a
-    ``write`` into a disk file's page cache costs several times more here). The file is opened, never
-    created: a folder a cleanup removed stays removed."""
-    verify_spans(buf, spans, bucket)
+    """Check the bucket (:func:`verify_spans`). With ``into`` (file, offset), its tensors are copied
+    there, back to back in plan order, through a shared mapping of that file region (a ``write`` into
+    a disk file's page cache costs several times more here), and the copy is what is checked, each
+    tensor on the hash threads as it is copied. The file is opened, never created: a folder a cleanup
+    removed stays removed."""
     if into is None:
+        verify_spans(buf, spans, bucket)
         return
     path, at = into
     try:
@@ -116,9 +117,6 @@ def verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucke
     except OSError as e:
         raise refuse(f"writing bucket {bucket.index} into the engine's folder failed: {e}", "STAGE_DISK") from None
     try:
-        offset = 0
-        for start, end in spans:
-            window.view[offset : offset + end - start] = buf[start:end]
-            offset += end - start
+        verify_spans(buf, spans, bucket, window.view)
     finally:
         window.close()
