@@ -28,19 +28,22 @@ from lorapub.wire.routes import SHM_NAME
 
 TOKEN = AttemptToken(VersionKey(1, "v1"), 1)
 SRC = os.path.dirname(os.path.dirname(lorapub.__file__))
-# A publisher that writes its first bucket (and the next, ahead) into the folder, says so, and waits.
+# A publisher that writes its first bucket (and the next ones, ahead) into the folder, says how many, and waits.
 PUBLISHER = textwrap.dedent("""
     import asyncio, sys, time
     from lorapub.adapters.sglang_wire import ShmBucketSource
+    from lorapub.adapters.transports.same_host import WRITE_AHEAD
     from lorapub.testing.fixtures import lora_snapshot
 
     async def main():
         snap = lora_snapshot(1)
-        source = ShmBucketSource(snap, snap.plan(4 << 10), sys.argv[1])
+        plan = snap.plan(4 << 10)
+        source = ShmBucketSource(snap, plan, sys.argv[1])
         await source.send(None, 0, ("e0",))
-        while len(source.files) < 2:
+        expected = min(1 + WRITE_AHEAD, len(plan.buckets))
+        while len(source.files) < expected:
             await asyncio.sleep(0.01)
-        print("written", flush=True)
+        print("written", expected, flush=True)
         await asyncio.sleep(3600)
 
     asyncio.run(main())
@@ -63,7 +66,9 @@ def swept(shm) -> sw.ShmBucketSource:
 def publisher(shm) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(shm)], stdout=subprocess.PIPE, env=env, text=True)
-    assert child.stdout.readline().strip() == "written", "the publisher never wrote its buckets"
+    told = child.stdout.readline().split()
+    assert told[:1] == ["written"], "the publisher never wrote its buckets"
+    child.written = int(told[1])  # type: ignore[attr-defined]
     return child
 
 
@@ -92,7 +97,8 @@ def shm(tmp_path):
 def test_a_sigkilled_publishers_bucket_files_are_removed_by_the_next_source(shm):
     child = publisher(shm)
     owners, buckets = lorapub_files(shm)
-    assert len(owners) == 1 and len(buckets) == 2  # the bucket being read and the one written ahead
+    # the bucket being read and those written ahead
+    assert len(owners) == 1 and len(buckets) == child.written == 1 + sw.WRITE_AHEAD
     assert all(SHM_NAME.fullmatch(n) for n in buckets)  # names the engine accepts
     assert all(n.startswith(owners[0][: -len(".owner")] + "-b") for n in buckets)
     (shm / "unrelated.bin").write_bytes(b"x")
@@ -118,7 +124,7 @@ def test_a_live_publishers_files_survive_every_sweep_and_go_once_it_is_killed(sh
 async def test_a_live_source_of_this_process_keeps_its_files_and_its_owner_file_goes_with_the_last(shm):
     live = source(shm)
     await live.send(TOKEN, 0, ("e0",))
-    while len(live.files) < 2:
+    while len(live.files) < min(1 + sw.WRITE_AHEAD, len(live.plan.buckets)):  # the writes ahead ended
         await asyncio.sleep(0.01)
     before = names(shm)
     assert sum(n.endswith(".owner") for n in before) == 1

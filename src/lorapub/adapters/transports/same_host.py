@@ -24,12 +24,18 @@ from lorapub.wire.collective import running_kernel
 
 from .http_bytes import HTTPBytes, RawBucket
 
-__all__ = ['LIVE_OWNERS', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S', 'SameHostIPC', 'SharedDir', 'ShmBucket', 'ShmBucketSource',
+__all__ = ['LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S', 'SameHostIPC', 'SharedDir', 'ShmBucket', 'ShmBucketSource',
     'sweep_shm']
 
 logger = logging.getLogger("lorapub.adapters.sglang_wire")
 
 # -- same-host IPC ------------------------------------------------------------------------------------
+#: Buckets a source writes ahead of the one being sent, each on its own thread. One thread fills a
+#: shared-memory file at about one core's copy speed (a 64 MiB bucket in 20-30 ms), about as long as
+#: the engines take to answer a bucket; several at once keep the engines fed. The folder holds at most
+#: this many buckets more than the engines are reading.
+WRITE_AHEAD = 3
+
 class ShmBucket:
     """A bucket written once into a shared-memory file; removed once every engine has read it."""
 
@@ -236,7 +242,7 @@ class ShmBucketSource:
         self._files: dict[int, ShmBucket] = {}
         self._engines: dict[int, set[str]] = {}
         self._read_by: dict[int, set[str]] = {}
-        self._ahead: dict[int, asyncio.Future] = {}  # at most the next bucket, written in advance
+        self._ahead: dict[int, asyncio.Future] = {}  # up to WRITE_AHEAD buckets, written in advance
         self._aborted = False
         self._finalizer = weakref.finalize(self, self._owner.remove_all)
         self.sweeping = threading.Thread(target=sweep_shm, args=(shm_dir,), name="lorapub-shm-sweep", daemon=True)
@@ -252,14 +258,15 @@ class ShmBucketSource:
 
     async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         self._engines[index] = set(engines)
+        last = min(index + WRITE_AHEAD, len(self.plan.buckets) - 1)
+        for nxt in range(index, last + 1):  # this bucket and the next ones, each written on its own thread
+            if not self._aborted and nxt not in self._files and nxt not in self._ahead:
+                self._ahead[nxt] = asyncio.ensure_future(asyncio.to_thread(self._write, nxt))
         if index not in self._files:
-            ahead = self._ahead.pop(index, None)  # written while the engines read the previous bucket
+            ahead = self._ahead.pop(index, None)
             self._files[index] = await (ahead if ahead is not None else asyncio.to_thread(self._write, index))
         for old in [i for i in self._files if i < index]:  # every party finished those buckets
             self._remove(old)
-        nxt = index + 1
-        if not self._aborted and nxt < len(self.plan.buckets) and nxt not in self._files and nxt not in self._ahead:
-            self._ahead[nxt] = asyncio.ensure_future(asyncio.to_thread(self._write, nxt))
 
     def payload(self, token: AttemptToken, index: int) -> ShmBucket:
         if index not in self._files:
