@@ -8,7 +8,7 @@ flush, overwrite) and lorapub, interleaved rounds, lorapub's bytes over HTTP int
 staging, each version a rescaled copy of adapter B, once per workload (WORKLOADS). Run by run.sh
 beside it, with the SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_ONLINE_WORKLOADS (which
 workloads, comma-separated; default all; "<workload>@shm" runs one with the bytes through shared memory), LIVE_ONLINE_ARGS (extra bench/run.py arguments, every workload),
-LIVE_ONLINE_ARGS_<WORKLOAD> (one workload's), LIVE_ONLINE_MAX_LORAS (the servers' LoRA slots, default 3).
+LIVE_ONLINE_ARGS_<WORKLOAD> (one workload's), LIVE_ONLINE_MAX_LORAS (the servers' LoRA slots, default 3), LIVE_ONLINE_CONTROL_PLANE=0 (no control-plane table).
 """
 import asyncio
 import importlib.util
@@ -109,7 +109,9 @@ async def main() -> int:
                    *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{workload.upper()}", ""))]
             if importlib.util.find_spec("matplotlib") is not None:
                 cmd += ["--plot", os.path.join(OUT, f"timeline-{label}.png")]
-            if n:  # the control plane (registry decisions alone, no engine) is the same for every workload
+            # the control plane (registry decisions alone, no engine) is the same for every workload, and
+            # needs no GPU: LIVE_ONLINE_CONTROL_PLANE=0 skips it for the first too
+            if n or os.environ.get("LIVE_ONLINE_CONTROL_PLANE") == "0":
                 cmd += ["--skip-control-plane"]
             print(f"== workload {name} ==\n$", " ".join(cmd[1:]), flush=True)
             rc = rc or subprocess.run(cmd).returncode
