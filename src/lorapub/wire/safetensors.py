@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import threading
+from typing import Any
 
 from lorapub.core.manifest import Bucket, TensorEntry
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
@@ -79,7 +80,7 @@ _NO_NUMPY = object()
 _np: object = None
 
 
-def _numpy():
+def _numpy() -> Any:
     """numpy, imported on first use (lorapub does not need it; the engines' Python has it); None without."""
     global _np
     if _np is None:
