@@ -518,6 +518,17 @@ def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
     assert gate.waited_s == 0.0  # the next preparation has its own budget
 
 
+@pytest.mark.parametrize("raw, scope", [(None, "launch"), ("launch", "launch"), ("1", "launch"), ("batch", "batch"),
+                                        ("0", "off"), ("sometimes", "launch")])
+def test_the_gate_scope_is_read_from_the_servers_environment(classes, monkeypatch, raw, scope):
+    if raw is None:
+        monkeypatch.delenv(prepared_load.GATE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(prepared_load.GATE_ENV, raw)  # an unknown value keeps the default, logged
+    _, _, preparer = preparing(classes)
+    assert preparer.gate_scope == scope and preparer.gate.enabled == (scope != "off")
+
+
 @pytest.mark.parametrize("raw, budget", [(None, 1.0), ("150", 0.15), ("0", 0.0), ("-5", 1.0), ("soon", 1.0)])
 def test_the_gate_budget_is_read_from_the_servers_environment(classes, monkeypatch, raw, budget):
     if raw is None:
@@ -528,7 +539,30 @@ def test_the_gate_budget_is_read_from_the_servers_environment(classes, monkeypat
     assert preparer.gate.budget_s == budget
 
 
-def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes):
+def test_a_prefill_closes_the_gate_while_it_is_launched_and_the_launch_reopens_it(classes, monkeypatch):
+    monkeypatch.delenv(prepared_load.GATE_ENV, raising=False)  # the default scope: the launch
+    scheduler, manager, preparer = preparing(classes)
+    seen = []
+    launching = scheduler.ran.append
+
+    class Ran(list):
+        def append(self, b):  # SGLang's run_batch, launching: what the preparing thread sees now
+            seen.append(preparer.gate.is_open)
+            launching(b)
+
+    scheduler.ran = Ran()
+    manager.gate.clear()  # the read blocks: a preparation is pending
+    scheduler.process_input_requests([Req("a")])
+    scheduler.run_batch(batch(True))
+    assert seen == [False] and preparer.gate.is_open  # closed during the launch, open once it returned
+    scheduler.run_batch(batch(False))  # a decode batch never closes it
+    assert seen == [False, True] and preparer.gate.is_open
+    manager.gate.set()
+    run_until(scheduler, 1)
+
+
+def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes, monkeypatch):
+    monkeypatch.setenv(prepared_load.GATE_ENV, "batch")  # closed until the next loop iteration
     scheduler, manager, preparer = preparing(classes)
     assert scheduler.run_batch(batch(True)) == "result"  # nothing pending: stays open
     assert preparer.gate.is_open
@@ -558,7 +592,8 @@ def peft_folder(tmp_path, n=6):
     return str(folder)
 
 
-def test_sglangs_processing_of_a_peft_folder_takes_each_tensor_only_through_an_open_gate(classes, tmp_path):
+def test_sglangs_processing_of_a_peft_folder_takes_each_tensor_only_through_an_open_gate(classes, tmp_path, monkeypatch):
+    monkeypatch.setenv(prepared_load.GATE_ENV, "batch")  # the gate stays closed after the prefill's run_batch
     class TensorManager(classes[1]):
         def load_lora_weights_from_tensors(self, ref, tensors):
             got = []

@@ -112,16 +112,20 @@ def _install_weights(manager_cls: Any) -> None:
 
 
 def _wrap_run_batch(scheduler_cls: Any) -> None:
-    # A prefill batch closes the preparing thread's gate (PrefillGate); the next poll opens it.
+    # A prefill batch closes the preparing thread's gate (PrefillGate) while it is launched (settings.GATE_ENV).
     stock_run = getattr(scheduler_cls, "run_batch", None)
     if stock_run is None:  # pragma: no cover - both supported releases have it
         return
 
     def run_batch(self, batch, *args, **kwargs):
         preparer = self.__dict__.get("_lorapub_preparer")
-        if preparer:
-            preparer.batch_started(batch)
-        return stock_run(self, batch, *args, **kwargs)
+        if not preparer:
+            return stock_run(self, batch, *args, **kwargs)
+        preparer.batch_started(batch)
+        try:
+            return stock_run(self, batch, *args, **kwargs)
+        finally:
+            preparer.batch_launched()
 
     run_batch.__wrapped__ = stock_run
     run_batch.__doc__ = stock_run.__doc__

@@ -18,8 +18,9 @@ class PrefillGate:
     before, and those long iterations are prefills. Decode batches replay CUDA graphs and leave the
     GIL free while the GPU works, so preparing beside them costs nothing visible.
 
-    The scheduler thread closes the gate when it launches an extend batch and opens it at its next loop
-    iteration; the preparing thread calls :meth:`step` between its Python steps (each tensor it reads,
+    The scheduler thread closes the gate when it starts launching an extend batch and opens it once the
+    launch returned (with the overlap scheduler the batch then runs on the GPU while the thread goes
+    on; ``LORAPUB_SGLANG_PREPARE_GATE=batch``: at its next loop iteration instead); the preparing thread calls :meth:`step` between its Python steps (each tensor it reads,
     hands to SGLang's processing, casts or copies) and waits there while the gate is closed. It never
     waits longer than ``max_wait_s`` at a time, and after such a wait runs ``slice_s`` of steps before
     it looks again; once one preparation has waited ``budget_s`` in all it stops waiting, so a

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from .gate import PrefillGate
 from .reading import Stepped, read_peft_folder, weight_dicts
-from .settings import GATE_ENV, IMAGE_ENV, TRACE_ENV, gate_budget, switch_interval
+from .settings import IMAGE_ENV, TRACE_ENV, gate_budget, gate_scope, switch_interval
 from .slot_image import IMAGE_ATTR, build_slot_image
 
 __all__ = ["CHUNK_BYTES", "Preparer", "is_extend", "send_reply"]
@@ -51,7 +51,8 @@ class Preparer:
         self.switch_s = switch_interval()
         self.saved_switch: float | None = None
         self.slot_images = os.environ.get(IMAGE_ENV) == "1"
-        self.gate = PrefillGate(enabled=os.environ.get(GATE_ENV, "1") != "0", budget_s=gate_budget())
+        self.gate_scope = gate_scope()  # "launch", "batch" or "off" (settings.GATE_ENV)
+        self.gate = PrefillGate(enabled=self.gate_scope != "off", budget_s=gate_budget())
         self.metrics: Any = None  # lorapub's engine series (--enable-metrics): each load counted and timed
 
     def tick(self) -> None:
@@ -75,6 +76,13 @@ class Preparer:
         """The scheduler thread launches ``batch``: a prefill closes the gate while a preparation runs."""
         if self.pending and is_extend(batch):
             self.gate.close()
+
+    def batch_launched(self) -> None:
+        """SGLang's run_batch returned: with the overlap scheduler the batch is queued on the GPU and
+        its kernels are launched, so the preparation goes on beside it (scope "launch"); scope "batch"
+        keeps the gate closed until the next loop iteration (:meth:`poll`)."""
+        if self.gate_scope == "launch":
+            self.gate.open()
 
     def poll(self) -> None:
         """Install every finished preparation, in arrival order, and send its reply."""

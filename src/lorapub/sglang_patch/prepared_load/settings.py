@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Callable
 
-__all__ = ["ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget",
+__all__ = ["ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget", "gate_scope",
            "switch_interval"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
@@ -21,7 +21,9 @@ TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"
 SWITCH_ENV = "LORAPUB_SGLANG_PREPARE_SWITCH_US"
 #: "1": build each adapter's slot image while preparing (off by default: see docs/sglang-patch.md).
 IMAGE_ENV = "LORAPUB_SGLANG_SLOT_IMAGE"
-#: "0": the preparing thread does not step aside while the scheduler runs a prefill batch (see PrefillGate).
+#: When the preparing thread steps aside for a prefill batch (see PrefillGate): unset or "launch", while the
+#: scheduler thread launches it (the gate opens as SGLang's run_batch returns); "batch", until the
+#: scheduler's next loop iteration (the earlier rule, kept to reproduce its measurements); "0", never.
 GATE_ENV = "LORAPUB_SGLANG_PREPARE_GATE"
 #: Milliseconds one preparation waits for prefills in all before it stops stepping aside (default
 #: 1000): a lower cap bounds a load's latency under back-to-back prefills, at the GIL cost the gate saves.
@@ -30,6 +32,17 @@ GATE_BUDGET_ENV = "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
+
+
+def gate_scope() -> str:
+    """``GATE_ENV`` as "launch", "batch" or "off"; an unknown value is logged and "launch" holds."""
+    raw = os.environ.get(GATE_ENV, "").strip().lower()
+    if raw in ("", "1", "launch"):
+        return "launch"
+    if raw in ("0", "batch"):
+        return "off" if raw == "0" else "batch"
+    logger.warning("lorapub: %s=%r is not launch, batch or 0; launch holds", GATE_ENV, raw)
+    return "launch"
 
 
 
