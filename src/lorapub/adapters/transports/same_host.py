@@ -30,11 +30,11 @@ __all__ = ['LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S
 logger = logging.getLogger("lorapub.adapters.sglang_wire")
 
 # -- same-host IPC ------------------------------------------------------------------------------------
-#: Buckets a source writes ahead of the one being sent, each on its own thread. One thread fills a
-#: shared-memory file at about one core's copy speed (a 64 MiB bucket in 20-30 ms), about as long as
-#: the engines take to answer a bucket; several at once keep the engines fed. The folder holds at most
-#: this many buckets more than the engines are reading.
-WRITE_AHEAD = 3
+#: Buckets a source writes ahead of the one being sent, each on its own thread, while the engines read
+#: the one before. Live (bench/results/2026-12-06-online-live-shm-parallel-checks), 3 ahead cut the
+#: transfer of 264 MB from 127 to 57 ms, but the engines' checks then ran behind it (80 -> 113 ms)
+#: and that workload's stall rose (+131 to +322 ms over control): one ahead until that is understood.
+WRITE_AHEAD = 1
 
 class ShmBucket:
     """A bucket written once into a shared-memory file; removed once every engine has read it."""
