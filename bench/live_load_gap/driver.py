@@ -6,7 +6,11 @@ Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 5
 SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (which servers, in
 measuring order: "unpatched,patched" by default; "patched-switch" is the patched server with a 100 us GIL
 switch interval while a preparation runs, "patched-image" the patched server building slot images,
-"patched-ungated" the patched server whose preparing thread does not step aside for prefill batches).
+"patched-ungated" the patched server whose preparing thread does not step aside for prefill batches,
+"patched-batch-gate" the patched server whose gate stays closed until the scheduler's next loop iteration
+-- what "patched" was in every run kept in 2026-12-03-load-gap; since 2026-12-06 "patched" steps aside only
+while a prefill is launched, so keep its runs in a new folder -- and "patched-budget150" the patched server
+whose preparations wait for prefills at most 150 ms in all).
 STALL_REPS / STALL_REPS32: loads of B (default 3) and of B32 (default 2) per server.
 With "unpatched" among them, a numerics check compares every other server's greedy outputs with it."""
 import asyncio, json, os, signal, subprocess, sys, time, urllib.request
@@ -31,7 +35,8 @@ def env_site():
     site = os.environ.get("STALL_SITE", "/tmp/site")
     src = os.environ.get("LORAPUB_SRC", os.path.join(HERE, "..", "..", "src"))
     e = dict(os.environ, PYTHONPATH=f"{site}:{os.path.abspath(src)}", PYTHONUNBUFFERED="1")
-    for variant_knob in ("LORAPUB_SGLANG_SLOT_IMAGE", "LORAPUB_SGLANG_PREPARE_SWITCH_US", "LORAPUB_SGLANG_PREPARE_GATE"):
+    for variant_knob in ("LORAPUB_SGLANG_SLOT_IMAGE", "LORAPUB_SGLANG_PREPARE_SWITCH_US", "LORAPUB_SGLANG_PREPARE_GATE",
+                         "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"):
         e.pop(variant_knob, None)  # only the server variant that names it gets it
     return e
 
@@ -63,7 +68,12 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
          "patched-image": {"port": 30003, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                            "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")},
          "patched-ungated": {"port": 30004, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
-                             "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="0")}}
+                             "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="0")},
+         # the gate closed until the next loop iteration (the rule of runs 7-9), and a 150 ms budget
+         "patched-batch-gate": {"port": 30005, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                                "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="batch")},
+         "patched-budget150": {"port": 30006, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                               "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS="150")}}
 REPS, REPS32 = int(os.environ.get("STALL_REPS", "3")), int(os.environ.get("STALL_REPS32", "2"))
 PER_SERVER_S = 10 + gap_bench.REP_S * (REPS + REPS32)  # warm-up, then each repetition
 ORDER = list(dict.fromkeys(n.strip() for n in os.environ.get("STALL_ORDER", "unpatched,patched").split(",") if n.strip()))
