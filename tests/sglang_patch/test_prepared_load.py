@@ -519,7 +519,7 @@ def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
 
 
 @pytest.mark.parametrize("raw, scope", [(None, "launch"), ("launch", "launch"), ("1", "launch"), ("batch", "batch"),
-                                        ("0", "off"), ("sometimes", "launch")])
+                                        ("0", "off"), ("off", "off"), ("sometimes", "launch")])
 def test_the_gate_scope_is_read_from_the_servers_environment(classes, monkeypatch, raw, scope):
     if raw is None:
         monkeypatch.delenv(prepared_load.GATE_ENV, raising=False)

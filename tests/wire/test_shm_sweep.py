@@ -98,7 +98,7 @@ def test_a_sigkilled_publishers_bucket_files_are_removed_by_the_next_source(shm)
     child = publisher(shm)
     owners, buckets = lorapub_files(shm)
     # the bucket being read and those written ahead
-    assert len(owners) == 1 and len(buckets) == child.written == 1 + sw.WRITE_AHEAD
+    assert len(owners) == 1 and len(buckets) == child.written >= min(2, 1 + sw.WRITE_AHEAD)
     assert all(SHM_NAME.fullmatch(n) for n in buckets)  # names the engine accepts
     assert all(n.startswith(owners[0][: -len(".owner")] + "-b") for n in buckets)
     (shm / "unrelated.bin").write_bytes(b"x")

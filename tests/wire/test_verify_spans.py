@@ -41,6 +41,10 @@ def test_the_verdict_names_the_tensor_that_does_not_match_whatever_the_threads(m
 @pytest.mark.parametrize("threads", [1, 4])
 def test_with_a_destination_the_tensors_are_copied_back_to_back_and_the_copy_is_what_is_checked(monkeypatch, threads):
     monkeypatch.setattr(st, "HASH_THREADS", threads)
+    monkeypatch.setattr(st, "PARALLEL_HASH_BYTES", 1 << 20)  # these 5 MiB go to the threads when there are several
+    pooled = []
+    pool = st._hash_pool
+    monkeypatch.setattr(st, "_hash_pool", lambda: (pooled.append(1), pool())[1])
     blobs = [os.urandom(n) for n in (3 << 20, 100, 2 << 20, 1 << 16)]
     _, spans, bucket = bucket_of(blobs)
     # the source holds the tensors with gaps between them (a safetensors body: a header first)
@@ -56,10 +60,39 @@ def test_with_a_destination_the_tensors_are_copied_back_to_back_and_the_copy_is_
     with pytest.raises(Refused) as e:
         st.verify_spans(memoryview(bytes(damaged)), spans, bucket, memoryview(bytearray(bucket.nbytes)))
     assert e.value.code == "STAGE_DIGEST" and "'t2'" in e.value.message
-    # a destination of another length than the plan's tensors: refused before anything is copied
+    assert bool(pooled) == (threads > 1)
+    # a destination of another length than the plan's tensors, or read-only, or a source shorter than
+    # the tensors' places: refused before anything is copied
+    for wrong, what in ((memoryview(bytearray(bucket.nbytes + 1)), "plan says"),
+                        (memoryview(bytes(bucket.nbytes)), "read-only")):
+        with pytest.raises(Refused) as e:
+            st.verify_spans(source, spans, bucket, wrong)
+        assert e.value.code == "STAGE_INVALID" and what in e.value.message
     with pytest.raises(Refused) as e:
-        st.verify_spans(source, spans, bucket, memoryview(bytearray(bucket.nbytes + 1)))
-    assert e.value.code == "STAGE_INVALID" and "plan says" in e.value.message
+        st.verify_spans(source[:-1], spans, bucket, memoryview(bytearray(bucket.nbytes)))
+    assert e.value.code == "STAGE_INVALID" and "do not fit" in e.value.message
+
+
+def test_a_copy_that_fails_is_a_typed_refusal_once_every_other_copy_ended(monkeypatch):
+    monkeypatch.setattr(st, "HASH_THREADS", 4)
+    monkeypatch.setattr(st, "PARALLEL_HASH_BYTES", 0)
+    blobs = [os.urandom(1 << 16) for _ in range(8)]
+    buf, spans, bucket = bucket_of(blobs)
+    ended, real = [], st.copy_bytes
+
+    def copy(dst, src):
+        if bytes(src[:16]) == blobs[2][:16]:
+            raise OSError("no space left on device")
+        real(dst, src)
+        ended.append(1)
+
+    monkeypatch.setattr(st, "copy_bytes", copy)
+    into = memoryview(bytearray(bucket.nbytes))
+    with pytest.raises(Refused) as e:
+        st.verify_spans(buf, spans, bucket, into)
+    assert e.value.code == "STAGE_DISK" and "'t2'" in e.value.message and "no space left" in e.value.message
+    assert len(ended) == 7  # every other tensor was copied before the refusal
+    into.release()  # nothing still exports the destination
 
 
 def test_a_large_copy_leaves_the_gil_to_other_threads():
@@ -69,7 +102,7 @@ def test_a_large_copy_leaves_the_gil_to_other_threads():
     import threading
     import time
 
-    src, dst = memoryview(bytearray(os.urandom(1 << 20) * 192)), memoryview(bytearray(192 << 20))
+    src, dst = memoryview(bytearray(b"\x5a" * (96 << 20))), memoryview(bytearray(96 << 20))
     window: list[float] = []
 
     def copy() -> None:

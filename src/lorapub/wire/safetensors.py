@@ -12,7 +12,7 @@ from typing import Any
 
 from lorapub.core.manifest import Bucket, TensorEntry
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
-from lorapub.wire.refusal import Refused, bad
+from lorapub.wire.refusal import Refused, bad, refuse
 
 __all__ = ["copy_bytes", "safetensors_header", "safetensors_layout", "verify_spans", "raw_spans"]
 
@@ -109,29 +109,44 @@ def verify_spans(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket,
     """Every tensor's bytes against its manifest SHA-256 (one pass; run it off the event loop), the
     tensors of a large bucket on a few threads at once. With ``into`` (writable, as long as the
     tensors), each tensor is first copied there, back to back in plan order, and the copy is what is
-    hashed: the bytes kept are the bytes checked, whatever happens to ``buf`` afterwards."""
+    hashed: the bytes kept are the bytes checked, whatever happens to ``buf`` afterwards. Every copy
+    and hash has ended when this returns or raises (the caller frees the buffers then)."""
     checked = spans[:len(bucket.entries)]
+    if len(checked) != len(bucket.entries) or any(not 0 <= start <= end <= len(buf) for start, end in checked):
+        raise bad(f"bucket {bucket.index}: its tensors' places do not fit its {len(buf)} bytes")
     places, offset = [], 0
     for start, end in checked:
         places.append((offset, offset + end - start))
         offset += end - start
-    if into is not None and len(into) != offset:
-        raise bad(f"bucket {bucket.index} has {offset} bytes of tensors, but the plan says {len(into)}")
+    if into is not None and (len(into) != offset or into.readonly):
+        raise bad(f"bucket {bucket.index} has {offset} bytes of tensors, but the plan says {len(into)}"
+                  if len(into) != offset else f"bucket {bucket.index}: its destination is read-only")
 
-    def digest(i: int) -> str:
+    def digest(i: int) -> str | _Failed:
         start, end = checked[i]
-        if into is None:
-            return hashlib.sha256(buf[start:end]).hexdigest()
-        lo, hi = places[i]
-        copy_bytes(into[lo:hi], buf[start:end])
-        return hashlib.sha256(into[lo:hi]).hexdigest()
+        try:
+            if into is None:
+                return hashlib.sha256(buf[start:end]).hexdigest()
+            lo, hi = places[i]
+            copy_bytes(into[lo:hi], buf[start:end])
+            return hashlib.sha256(into[lo:hi]).hexdigest()
+        except Exception as e:  # noqa: BLE001 - kept as text: no traceback keeps the buffers exported
+            return _Failed(f"{type(e).__name__}: {e}")
 
     large = HASH_THREADS > 1 and len(checked) > 1 and offset >= PARALLEL_HASH_BYTES
-    # every hash ends before a refusal: the caller frees the buffer once this returns or raises
-    found = list((_hash_pool().map if large else map)(digest, range(len(checked))))
+    found = list((_hash_pool().map if large else map)(digest, range(len(checked))))  # digest never raises
     for e, got in zip(bucket.entries, found):
+        if isinstance(got, _Failed):
+            raise refuse(f"keeping tensor {e.name!r} of bucket {bucket.index} failed: {got.why}", "STAGE_DISK")
         if got != e.sha256:
             raise Refused(400, "STAGE_DIGEST", f"tensor {e.name!r} of bucket {bucket.index} does not match its SHA-256")
+
+
+class _Failed:
+    """A tensor whose copy or hash raised (what it raised, as text)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
 
 
 def raw_spans(bucket: Bucket) -> list[tuple[int, int]]:

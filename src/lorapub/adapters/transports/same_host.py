@@ -30,10 +30,13 @@ __all__ = ['LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S
 logger = logging.getLogger("lorapub.adapters.sglang_wire")
 
 # -- same-host IPC ------------------------------------------------------------------------------------
-#: Buckets a source writes ahead of the one being sent, each on its own thread, while the engines read
-#: the one before. Live (bench/results/2026-12-06-online-live-shm-parallel-checks), 3 ahead cut the
-#: transfer of 264 MB from 127 to 57 ms, but the engines' checks then ran behind it (80 -> 113 ms)
-#: and that workload's stall rose (+131 to +322 ms over control): one ahead until that is understood.
+#: Buckets a source writes ahead of the one being sent: each send starts, each on its own thread, the
+#: writes of its bucket and of the WRITE_AHEAD after it that are not under way yet (before 2026-12-06 the
+#: next one started only once the current one was written). Live
+#: (bench/results/2026-12-06-online-live-shm-parallel-checks), 3 ahead cut the transfer of 264 MB from
+#: 127 to 57 ms, but the engines' checks then ran behind it (80 -> 113 ms) and that workload's stall
+#: rose (+131 to +322 ms over control); with 1 the transfer took 54 ms and the checks 68 ms
+#: (bench/results/2026-12-06-online-live-launch-gate).
 WRITE_AHEAD = 1
 
 class ShmBucket:
@@ -226,7 +229,8 @@ def sweep_shm(shm_dir: str, *, stale_after: float = SHM_STALE_S) -> list[str]:
 class ShmBucketSource:
     """The publisher's half for :class:`SameHostIPC`: bucket ``i`` is written into one shared-memory
     file (off the event loop) for every engine on the host, and removed when all of them read it;
-    bucket ``i+1`` is written while the engines read bucket ``i`` (at most two files at a time).
+    the ``WRITE_AHEAD`` buckets after ``i`` are written while the engines read bucket ``i`` (at most
+    ``WRITE_AHEAD + 2`` files at a time: the one read last is removed once ``i`` is written).
 
     While it has bucket files it holds their owner file's lock (:class:`_ShmOwner`), so a publisher
     killed mid-publication leaves files the next source made on the host removes (:func:`sweep_shm`,

@@ -23,7 +23,7 @@ SWITCH_ENV = "LORAPUB_SGLANG_PREPARE_SWITCH_US"
 IMAGE_ENV = "LORAPUB_SGLANG_SLOT_IMAGE"
 #: When the preparing thread steps aside for a prefill batch (see PrefillGate): unset or "launch", while the
 #: scheduler thread launches it (the gate opens as SGLang's run_batch returns); "batch", until the
-#: scheduler's next loop iteration (the earlier rule, kept to reproduce its measurements); "0", never.
+#: scheduler's next loop iteration (the earlier rule, kept to reproduce its measurements); "0" or "off", never.
 GATE_ENV = "LORAPUB_SGLANG_PREPARE_GATE"
 #: Milliseconds one preparation waits for prefills in all before it stops stepping aside (default
 #: 1000): a lower cap bounds a load's latency under back-to-back prefills, at the GIL cost the gate saves.
@@ -39,8 +39,10 @@ def gate_scope() -> str:
     raw = os.environ.get(GATE_ENV, "").strip().lower()
     if raw in ("", "1", "launch"):
         return "launch"
-    if raw in ("0", "batch"):
-        return "off" if raw == "0" else "batch"
+    if raw == "batch":
+        return "batch"
+    if raw in ("0", "off", "false", "no"):
+        return "off"
     logger.warning("lorapub: %s=%r is not launch, batch or 0; launch holds", GATE_ENV, raw)
     return "launch"
 

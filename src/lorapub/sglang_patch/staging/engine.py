@@ -190,8 +190,9 @@ class EngineStaging:
     def _verify(self, token: AttemptToken, index: int) -> None:
         """Keep the bucket and check every tensor's SHA-256 beside the next bucket's transfer (off the
         event loop); a ``dir`` load's bucket that did not arrive in the adapter's file (a safetensors
-        blob, or the publisher's shared-memory pages mapped here) is copied there once verified.
-        ``end`` waits for every check and copy before anything is loaded."""
+        blob, or the publisher's shared-memory pages mapped here) is copied there, tensor by tensor,
+        and the copy is what is checked. ``end`` waits for every check and copy before anything is
+        loaded."""
         buf, spans = self._landed.pop((token, index))
         stash = self._stashes[token]
         stash.buckets[index] = (buf, spans)
