@@ -561,6 +561,24 @@ def test_a_prefill_closes_the_gate_while_it_is_launched_and_the_launch_reopens_i
     run_until(scheduler, 1)
 
 
+def test_a_launch_that_raises_reopens_the_gate_and_its_error_goes_on(classes, monkeypatch):
+    monkeypatch.delenv(prepared_load.GATE_ENV, raising=False)
+    scheduler, manager, preparer = preparing(classes)
+
+    class Boom(list):
+        def append(self, b):
+            raise RuntimeError("CUDA error: out of memory")
+
+    scheduler.ran = Boom()
+    manager.gate.clear()
+    scheduler.process_input_requests([Req("a")])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        scheduler.run_batch(batch(True))
+    assert preparer.gate.is_open  # the preparation is never left waiting on a launch that ended
+    manager.gate.set()
+    run_until(scheduler, 1)
+
+
 def test_only_a_prefill_launched_while_a_load_prepares_closes_the_gate(classes, monkeypatch):
     monkeypatch.setenv(prepared_load.GATE_ENV, "batch")  # closed until the next loop iteration
     scheduler, manager, preparer = preparing(classes)
