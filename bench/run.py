@@ -59,6 +59,7 @@ from lorapub.runtime.registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
 from lorapub.runtime.snapshot import Snapshot  # noqa: E402
+from bench.decode_probe import DecodeProbe, probe_gap  # noqa: E402
 
 ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
@@ -286,6 +287,9 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
             sessions.append(dep.session(name, group=group))
             return sessions[-1]
 
+        # The decode probe: one streamed request per engine for the whole run (bench/decode_probe.py).
+        probe = DecodeProbe({f"e{i}": u for i, u in enumerate(urls)}, SENTINEL_PROMPT)
+        await probe.start()
         # The measured window: no collection pause of this process lands in it.
         gc.collect()
         gc.freeze()
@@ -295,6 +299,7 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
             result = await run_workload(spec, session)
             await publisher
         finally:
+            await probe.stop()
             if not publisher.done():  # the workload raised: no publication outlives its run
                 publisher.cancel()
                 await asyncio.gather(publisher, return_exceptions=True)
@@ -329,9 +334,16 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     lags = result.token_lags() if enabled else [(0, r.tokens) for r in result.ok]  # the old path serves the latest
     first_sent = first_served(result, calls, enabled, sent=True)
     first_tokens = [c["first_token"] for c in done if "first_token" in c]
+    # the probe's tokens in seconds since the workload started, those while it ran
+    ticks = {e: [round(t - result.started, 5) for t in ts if result.started <= t <= result.ended]
+             for e, ts in probe.ticks.items()}
+    decode_stalls = [probe_gap(ticks, (a - result.started, b - result.started)) for a, b in windows]
     return {
         "gap": longest_stall(result),
         "stall_per_publication": statistics.fmean(stalls) if stalls else nan,
+        "decode_gap": probe_gap(ticks),
+        "decode_stall_per_publication": statistics.fmean(decode_stalls) if decode_stalls else nan,
+        "probe": {"ticks": ticks, **probe.counts},
         "p50": result.latency(50), "p95": result.latency(95), "p99": result.latency(99),
         "failed": sum(1 for r in result.records if not r.ok and r.error != "BINDING_STALE"),
         "stale_cut": sum(1 for r in result.records if r.error == "BINDING_STALE"),
@@ -507,6 +519,14 @@ def derived(run: dict[str, dict]) -> dict:
         out[f"lorapub_excess_{key}"] = l[key] - c[key]
     base = out["baseline_excess_gap"]
     out["removed"] = 1 - out["lorapub_excess_gap"] / base if base > 0 else float("nan")
+    # the probe's decode stall per publication against the control's over the same stretches of its run
+    # (the same seeded workload, so the same phase of it): one decode step's resolution, not one turn's
+    for s, figures in (("baseline", b), ("lorapub", l)):
+        windows = [(x["called"] + x["waited"], x["ended"]) for x in figures["call_log"] if x["outcome"] == "done"]
+        control = [probe_gap(c["probe"]["ticks"], w) for w in windows]
+        same = statistics.fmean(control) if control else float("nan")
+        out[f"control_decode_stall_{s}_windows"] = same
+        out[f"{s}_excess_decode_stall"] = figures["decode_stall_per_publication"] - same
     return out
 
 
@@ -529,6 +549,8 @@ def fmt(s: dict, unit: str) -> str:
 ROWS = [  # (figure, key in a run's figures, unit, strategies it applies to)
     ("longest no-progress gap (whole run)", "gap", "ms", STRATEGIES),
     ("stall per publication (mean)", "stall_per_publication", "ms", STRATEGIES[1:]),
+    ("longest decode gap, probe stream (whole run)", "decode_gap", "ms", STRATEGIES),
+    ("decode stall per publication, probe stream (mean)", "decode_stall_per_publication", "ms", STRATEGIES[1:]),
     ("version lag p50 (token-weighted)", "lag_p50", "n", STRATEGIES),
     ("version lag p99 (token-weighted)", "lag_p99", "n", STRATEGIES),
     ("version lag max", "lag_max", "n", STRATEGIES),
@@ -590,6 +612,11 @@ def method(args, spec: WorkloadSpec) -> str:
         "  no-progress gap: per engine, the longest time between two completions while a request was pending (from",
         "    the earliest start among the requests not yet completed when that is later); a run's figure is its",
         "    larger engine's. A stall per publication: the longest such gap overlapping it, averaged over them.",
+        "  decode probe: one streamed request per engine for the whole run (the base model, the fixed 64-token",
+        "    prompt, 4096 tokens, end token ignored; sent again at once if it ends), counted apart (sent, ended,",
+        "    cut at the run's end, failed). Its longest gap between two tokens is one engine's longest decode step: a decode stall per",
+        "    publication is the longest such gap overlapping it, and the control's, over the same stretches of",
+        "    its run, is what the excess decode stall is measured from.",
         "  excess = figure - the same round's control figure; removed = 1 - lorapub's excess gap / the baseline's.",
         "  publish call to the first request on the new version: sent, and completed (its first token comes",
         "    between the two, one prefill after it was sent); the old path: the first request after the overwrite.",
@@ -639,7 +666,8 @@ async def part1(args) -> tuple[dict, dict]:
         cells = [fmt(summary[s][key], unit) if s in applies else "—" for s in STRATEGIES]
         print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     for name, key, unit in (("excess no-progress gap over control", "gap", "ms"),
-                            ("excess request latency p99 over control", "p99", "ms")):
+                            ("excess request latency p99 over control", "p99", "ms"),
+                            ("excess decode stall per publication (probe; control: same stretches)", "decode_stall", "ms")):
         cells = ["—", fmt(dv[f"baseline_excess_{key}"], unit), fmt(dv[f"lorapub_excess_{key}"], unit)]
         print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     per_round = ", ".join(f"{run['derived']['removed'] * 100:.0f} %" for run in rounds)
@@ -664,6 +692,10 @@ async def part1(args) -> tuple[dict, dict]:
             print(f"lorapub publish call to {what}, every landed publication of every round: p50 "
                   f"{percentile(pooled, 50) * 1000:.0f} ms, max {pooled[-1] * 1000:.0f} ms (n {len(pooled)}): "
                   + ", ".join(f"{x * 1000:.0f}" for x in pooled))
+    for strategy in STRATEGIES:
+        counts = [run[strategy]["probe"] for run in rounds]
+        print(f"decode probe streams ({strategy}, every round): " + ", ".join(
+            f"{k} {sum(c.get(k, 0) for c in counts)}" for k in ("sent", "ended", "cut", "failed")))
     for strategy in STRATEGIES[1:]:
         counts = [run[strategy].get("first_token_requests", {}) for run in rounds]
         print(f"first-token requests ({strategy}, every round): " + ", ".join(

@@ -44,6 +44,8 @@ def test_the_quick_benchmark_prints_every_figure_and_draws_its_timeline(tmp_path
         assert name in text
     for line in ("method:", "excess no-progress gap over control", "excess request latency p99 over control",
                  "share of the baseline's excess stall that lorapub removes", "lorapub phases",
+                 "excess decode stall per publication (probe; control: same stretches)",
+                 "decode probe streams (control, every round)",
                  "== control plane", "== performance bars =="):
         assert line in text
 
@@ -207,3 +209,30 @@ def test_the_ray_registry_benchmark_prints_a_row_per_caller_count_and_size(tmp_p
     assert all(r["runs"][0]["apply_max"] > 0 for r in rows)  # timed inside the actor
     printed = [line for line in done.stdout.splitlines() if "actor not frozen (control)" in line]
     assert len(printed) == 2
+
+
+def test_the_decode_probe_counts_every_stream_and_the_gaps_overlapping_a_window():
+    from bench.decode_probe import probe_gap
+
+    ticks = {"e0": [0.0, 0.02, 0.04, 0.30, 0.32], "e1": [0.0, 0.05, 0.10]}
+    assert probe_gap(ticks) == pytest.approx(0.26)  # e0's 0.04 -> 0.30
+    assert probe_gap(ticks, (0.05, 0.08)) == pytest.approx(0.26)  # the gap over the window counts
+    assert probe_gap(ticks, (0.29, 0.5)) == pytest.approx(0.26)  # ... and one that ends inside it
+    assert probe_gap(ticks, (0.31, 0.5)) == pytest.approx(0.02)  # not one that ended before it
+    assert probe_gap(ticks, (0.0, 0.01)) == pytest.approx(0.05)  # e1's first step
+    assert math.isnan(probe_gap({"e0": [1.0]}))  # one token: no gap measured, never 0
+
+
+def test_the_quick_benchmark_measures_the_probe_in_every_run(tmp_path):
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, SCRIPT, "--quick", "--skip-control-plane", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (round_,) = json.loads(out.read_text())["online"]["rounds"]
+    for strategy in bench.STRATEGIES:
+        probe = round_[strategy]["probe"]
+        assert probe["failed"] == 0 and probe["sent"] == probe["ended"] + probe["cut"] >= 2
+        assert all(len(ts) > 10 for ts in probe["ticks"].values())  # a token at every decode step of each engine
+    derived = round_["derived"]
+    assert not math.isnan(derived["lorapub_excess_decode_stall"])
+    assert not math.isnan(derived["control_decode_stall_lorapub_windows"])

@@ -8,6 +8,7 @@ See docs/testing.md, "`SGLangDouble`: the SGLang contract double".
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
@@ -316,13 +317,25 @@ class SGLangDouble(DoubleEngine):
                 await asyncio.sleep(self.prefill_per_token * (len(ids) - cached))
             seq = list(ids)
             logprobs = []
+            # "stream": SGLang's server-sent events, one "data: {...}" per token, then "data: [DONE]"
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"}) if body.get("stream") else None
+
+            async def ended(out: dict, status: int = 200) -> web.StreamResponse:
+                if stream is None:
+                    return web.json_response(out, status=status)
+                await stream.write(b"data: " + json.dumps(out).encode() + b"\n\n" + b"data: [DONE]\n\n")
+                await stream.write_eof()
+                return stream
+
+            if stream is not None:
+                await stream.prepare(request)
             if self.first_use_stop and lora_id is not None and lora_id not in self._slot_filled:
                 self._slot_filled.add(lora_id)
                 await self._stop_steps(self.first_use_stop)
             for _ in range(max_new):
                 if rid in self.aborted_rids:  # /abort_request: what it made so far, finish_reason abort
                     await release_once()
-                    return web.json_response({
+                    return await ended({
                         "text": " ".join(map(str, seq[len(ids):])),
                         "output_ids": seq[len(ids):],
                         "meta_info": {
@@ -334,7 +347,7 @@ class SGLangDouble(DoubleEngine):
                     })
                 if gen != self.abort_gen:
                     await release_once()
-                    return web.json_response({"error": {"message": "Request aborted by pause_generation"}}, status=503)
+                    return await ended({"error": {"message": "Request aborted by pause_generation"}}, status=503)
                 await self.paused.wait()
                 await self.not_loading.wait()
                 await asyncio.sleep(self.decode_delay)
@@ -343,6 +356,9 @@ class SGLangDouble(DoubleEngine):
                 tok = next_token(signature, seq)
                 logprobs.append(token_logprob(signature, seq, tok))
                 seq.append(tok)
+                if stream is not None and len(seq) - len(ids) < max_new:  # the last token comes with the whole answer
+                    await stream.write(b"data: " + json.dumps({"output_ids": [tok], "meta_info": {
+                        "id": rid, "completion_tokens": len(seq) - len(ids)}}).encode() + b"\n\n")
             prompt_scores = [token_logprob(signature, ids[:i], ids[i]) for i in range(1, len(ids))]
             self.prefix_cache.setdefault(lora_id or "<base>", []).append(tuple(seq))
             self.generations += 1
@@ -367,7 +383,7 @@ class SGLangDouble(DoubleEngine):
                 scores = [None, *numeric.model_logprobs(self.numeric[lora_id], ids)]
                 out["meta_info"]["input_token_logprobs"] = [(lp, t, None) for lp, t in zip(scores, ids)]
             await release_once()
-            return web.json_response(out)
+            return await ended(out)
         finally:
             if isinstance(rid, str):
                 self.running_rids.discard(rid)
