@@ -34,6 +34,9 @@ class SGLangDouble(DoubleEngine):
     with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
     ``registered()`` show what happened.
 
+    ``/generate`` with ``"stream": true`` answers as SGLang's does: server-sent events, one
+    ``data: {...}`` per token (the last one the whole answer), then ``data: [DONE]``.
+
     ``api_key``/``admin_api_key`` are the server's ``--api-key``/``--admin-api-key``: requests
     are let in or refused (401/403, ``{"error": "Unauthorized"}``) exactly as SGLang's
     middleware decides. ``stock=True`` is SGLang without lorapub's patch: ``/lorapub/state``
