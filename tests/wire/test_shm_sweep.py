@@ -161,3 +161,18 @@ def test_an_owner_file_being_made_or_of_another_kernel_is_left_alone(shm):
         (shm / f"lorapub-{owner}-b0.bucket").write_bytes(b"x")
     swept(shm)
     assert names(shm) == sorted(f"lorapub-{o}{s}" for o in (making, elsewhere) for s in (".owner", "-b0.bucket"))
+
+
+async def test_a_source_closed_while_it_writes_ahead_leaves_no_file(shm):
+    live = source(shm)
+    assert len(live.plan.buckets) > 2
+    write = live._write
+    live._write = lambda i: (time.sleep(0.2) if i else None, write(i))[1]  # a slow write ahead
+    await live.send(TOKEN, 0, ("e0",))  # bucket 0 written; bucket 1 being written ahead on a thread
+    live.close()
+    await asyncio.sleep(0.3)  # the write ahead has ended
+    for _ in range(500):  # ... and its file goes (from a thread)
+        if not names(shm):
+            break
+        await asyncio.sleep(0.01)
+    assert names(shm) == []

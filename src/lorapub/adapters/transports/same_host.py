@@ -305,6 +305,8 @@ class ShmBucketSource:
             threading.Thread(target=self._owner.remove, args=({path},), name="lorapub-shm-unlink", daemon=True).start()
 
     def close(self) -> None:
+        """Remove every bucket file now, and each one still being written ahead once it is written."""
+        self.abort()
         self._finalizer()
         self._files.clear()
 
