@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
 
 import aiohttp
 
@@ -38,6 +39,7 @@ class DecodeProbe:
         self._http: aiohttp.ClientSession | None = None
         self._stopping = False
         self.tokens: dict[str, int] = {}  # engine -> tokens its stream asks for
+        self._rids: dict[str, str] = {}  # engine -> its stream's request id now
 
     async def start(self, first_token_within: float = 5.0) -> None:
         """Every engine's stream sent; returns once each has its first token (or after ``first_token_within``)."""
@@ -49,11 +51,23 @@ class DecodeProbe:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        """Cut every stream, and ask each engine to abort it (a disconnect alone may leave it decoding
+        into the next run)."""
         self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._http is not None:
+        if self._http is None:
+            return
+        try:
+            for name, rid in self._rids.items():
+                try:
+                    async with self._http.post(self.urls[name].rstrip("/") + "/abort_request", json={"rid": rid},
+                                               timeout=aiohttp.ClientTimeout(total=5)):
+                        pass
+                except Exception:  # noqa: BLE001 - the disconnect aborts it too
+                    pass
+        finally:
             await self._http.close()
 
     async def _tokens(self, url: str) -> int:
@@ -73,6 +87,7 @@ class DecodeProbe:
         ticks = self.ticks[name]
         while not self._stopping:
             self.counts["sent"] += 1
+            self._rids[name] = body["rid"] = f"lorapub-probe-{uuid.uuid4().hex}"
             got = 0
             try:
                 async with self._http.post(url.rstrip("/") + "/generate", json=body) as r:
