@@ -32,19 +32,18 @@ class DecodeProbe:
     run did), cut (by the run's end) and failed."""
 
     def __init__(self, urls: dict[str, str], prompt: list[int]) -> None:
-        self.urls, self.prompt = urls, prompt
+        self.urls = {name: url.rstrip("/") for name, url in urls.items()}
+        self.prompt = prompt
         self.ticks: dict[str, list[float]] = {name: [] for name in urls}
         self.counts = {"sent": 0, "ended": 0, "cut": 0, "failed": 0}
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
         self._stopping = False
-        self.tokens: dict[str, int] = {}  # engine -> tokens its stream asks for
         self._rids: dict[str, str] = {}  # engine -> its stream's request id now
 
     async def start(self, first_token_within: float = 5.0) -> None:
         """Every engine's stream sent; returns once each has its first token (or after ``first_token_within``)."""
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-        self.tokens = {name: await self._tokens(url) for name, url in self.urls.items()}
         self._tasks = [asyncio.create_task(self._stream(name, url)) for name, url in self.urls.items()]
         deadline = time.monotonic() + first_token_within
         while time.monotonic() < deadline and not all(self.ticks.values()):
@@ -62,7 +61,7 @@ class DecodeProbe:
         try:
             for name, rid in self._rids.items():
                 try:
-                    async with self._http.post(self.urls[name].rstrip("/") + "/abort_request", json={"rid": rid},
+                    async with self._http.post(self.urls[name] + "/abort_request", json={"rid": rid},
                                                timeout=aiohttp.ClientTimeout(total=5)):
                         pass
                 except Exception:  # noqa: BLE001 - the disconnect aborts it too
@@ -74,7 +73,7 @@ class DecodeProbe:
         """PROBE_TOKENS, or fewer where the engine's context (its /v1/models ``max_model_len``) is shorter."""
         assert self._http is not None
         try:
-            async with self._http.get(url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self._http.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 limit = int((await r.json())["data"][0]["max_model_len"])
         except Exception:  # noqa: BLE001 - unknown: ask for PROBE_TOKENS (a refusal is counted as failed)
             return PROBE_TOKENS
@@ -83,14 +82,14 @@ class DecodeProbe:
     async def _stream(self, name: str, url: str) -> None:
         assert self._http is not None
         body = {"input_ids": self.prompt, "stream": True,
-                "sampling_params": {"max_new_tokens": self.tokens[name], "temperature": 0, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": await self._tokens(url), "temperature": 0, "ignore_eos": True}}
         ticks = self.ticks[name]
         while not self._stopping:
             self.counts["sent"] += 1
             self._rids[name] = body["rid"] = f"lorapub-probe-{uuid.uuid4().hex}"
             got = 0
             try:
-                async with self._http.post(url.rstrip("/") + "/generate", json=body) as r:
+                async with self._http.post(url + "/generate", json=body) as r:
                     if r.status == 200:
                         async for line in r.content:
                             if line.startswith(b"data:"):

@@ -518,23 +518,25 @@ def test_a_preparation_waits_for_prefills_at_most_its_budget_in_all():
     assert gate.waited_s == 0.0  # the next preparation has its own budget
 
 
+def server_env(monkeypatch, name: str, raw: str | None) -> None:
+    """The server's environment variable ``name`` set to ``raw`` (None: unset)."""
+    if raw is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, raw)
+
+
 @pytest.mark.parametrize("raw, scope", [(None, "launch"), ("launch", "launch"), ("1", "launch"), ("batch", "batch"),
                                         ("0", "off"), ("off", "off"), ("sometimes", "launch")])
 def test_the_gate_scope_is_read_from_the_servers_environment(classes, monkeypatch, raw, scope):
-    if raw is None:
-        monkeypatch.delenv(prepared_load.GATE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(prepared_load.GATE_ENV, raw)  # an unknown value keeps the default, logged
+    server_env(monkeypatch, prepared_load.GATE_ENV, raw)  # an unknown value keeps the default, logged
     _, _, preparer = preparing(classes)
     assert preparer.gate_scope == scope and preparer.gate.enabled == (scope != "off")
 
 
 @pytest.mark.parametrize("raw, budget", [(None, 1.0), ("150", 0.15), ("0", 0.0), ("-5", 1.0), ("soon", 1.0)])
 def test_the_gate_budget_is_read_from_the_servers_environment(classes, monkeypatch, raw, budget):
-    if raw is None:
-        monkeypatch.delenv(prepared_load.GATE_BUDGET_ENV, raising=False)
-    else:
-        monkeypatch.setenv(prepared_load.GATE_BUDGET_ENV, raw)  # a bad value keeps the default, logged
+    server_env(monkeypatch, prepared_load.GATE_BUDGET_ENV, raw)  # a bad value keeps the default, logged
     _, _, preparer = preparing(classes)
     assert preparer.gate.budget_s == budget
 

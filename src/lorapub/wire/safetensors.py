@@ -4,6 +4,7 @@ blob checked against the plan, and every tensor's SHA-256."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -76,21 +77,16 @@ def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 #: Below this a copy stays in Python (numpy's call costs more than the GIL it releases).
 _NUMPY_COPY_BYTES = 1 << 16
-_NO_NUMPY = object()
-_np: object = None
 
 
+@functools.cache
 def _numpy() -> Any:
     """numpy, imported on first use (lorapub does not need it; the engines' Python has it); None without."""
-    global _np
-    if _np is None:
-        try:
-            import numpy
-        except ImportError:  # pragma: no cover - numpy comes with torch and SGLang
-            _np = _NO_NUMPY
-        else:
-            _np = numpy
-    return None if _np is _NO_NUMPY else _np
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch and SGLang
+        return None
+    return numpy
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
@@ -118,9 +114,10 @@ def verify_spans(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket,
     for start, end in checked:
         places.append((offset, offset + end - start))
         offset += end - start
-    if into is not None and (len(into) != offset or into.readonly):
-        raise bad(f"bucket {bucket.index} has {offset} bytes of tensors, but the plan says {len(into)}"
-                  if len(into) != offset else f"bucket {bucket.index}: its destination is read-only")
+    if into is not None and len(into) != offset:
+        raise bad(f"bucket {bucket.index} has {offset} bytes of tensors, but the plan says {len(into)}")
+    if into is not None and into.readonly:
+        raise bad(f"bucket {bucket.index}: its destination is read-only")
 
     def digest(i: int) -> str | _Failed:
         start, end = checked[i]

@@ -20,8 +20,9 @@ class PrefillGate:
 
     The scheduler thread closes the gate when it starts launching an extend batch and opens it once the
     launch returned (with the overlap scheduler the batch then runs on the GPU while the thread goes
-    on; ``LORAPUB_SGLANG_PREPARE_GATE=batch``: at its next loop iteration instead); the preparing thread calls :meth:`step` between its Python steps (each tensor it reads,
-    hands to SGLang's processing, casts or copies) and waits there while the gate is closed. It never
+    on; ``LORAPUB_SGLANG_PREPARE_GATE=batch``: at its next loop iteration instead); the preparing
+    thread calls :meth:`step` between its Python steps (each tensor it reads, hands to SGLang's
+    processing, casts or copies) and waits there while the gate is closed. It never
     waits longer than ``max_wait_s`` at a time, and after such a wait runs ``slice_s`` of steps before
     it looks again; once one preparation has waited ``budget_s`` in all it stops waiting, so a
     scheduler that prefills back to back delays a load by at most that much.

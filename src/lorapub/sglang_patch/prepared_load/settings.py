@@ -47,7 +47,6 @@ def gate_scope() -> str:
     return "launch"
 
 
-
 def _number(env: str, parse: Callable[[str], float], accept: Callable[[float], bool], what: str,
             otherwise: str) -> float | None:
     """``env`` parsed, or None when unset; a value ``parse`` or ``accept`` refuses is logged (it is not

@@ -326,7 +326,7 @@ class SGLangDouble(DoubleEngine):
             async def ended(out: dict, status: int = 200) -> web.StreamResponse:
                 if stream is None:
                     return web.json_response(out, status=status)
-                await stream.write(b"data: " + json.dumps(out).encode() + b"\n\n" + b"data: [DONE]\n\n")
+                await stream.write(_event(out) + b"data: [DONE]\n\n")
                 await stream.write_eof()
                 return stream
 
@@ -360,8 +360,8 @@ class SGLangDouble(DoubleEngine):
                 logprobs.append(token_logprob(signature, seq, tok))
                 seq.append(tok)
                 if stream is not None and len(seq) - len(ids) < max_new:  # the last token comes with the whole answer
-                    await stream.write(b"data: " + json.dumps({"output_ids": [tok], "meta_info": {
-                        "id": rid, "completion_tokens": len(seq) - len(ids)}}).encode() + b"\n\n")
+                    await stream.write(_event({"output_ids": [tok], "meta_info": {
+                        "id": rid, "completion_tokens": len(seq) - len(ids)}}))
             prompt_scores = [token_logprob(signature, ids[:i], ids[i]) for i in range(1, len(ids))]
             self.prefix_cache.setdefault(lora_id or "<base>", []).append(tuple(seq))
             self.generations += 1
@@ -437,3 +437,8 @@ class SGLangDouble(DoubleEngine):
                               (END_ROUTE, end), (CLEANUP_ROUTE, cleanup),
                               (RELEASE_ROUTE, release)):
             r.add_post(path, handler)
+
+
+def _event(obj: dict) -> bytes:
+    """One server-sent event of a streamed /generate, as SGLang frames it."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
