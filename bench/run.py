@@ -634,7 +634,7 @@ def adapter_text(args) -> str:
             "rescaled per version")
 
 
-async def part1(args) -> tuple[dict, dict]:
+async def part1(args, on_round=None) -> tuple[dict, dict]:
     spec = WorkloadSpec(sessions=args.sessions, arrival_interval=args.arrival, turns=tuple(args.turns), seed=args.seed,
                         tool_latency=args.tool_latency, max_new_tokens=args.max_new_tokens, group_size=args.group_size)
     load = os.getloadavg()[0]
@@ -656,6 +656,13 @@ async def part1(args) -> tuple[dict, dict]:
               f"{run['baseline']['gap'] * 1e3:.1f} ms, lorapub {run['lorapub']['gap'] * 1e3:.1f} ms; "
               f"excess baseline {d['baseline_excess_gap'] * 1e3:.1f} ms, lorapub {d['lorapub_excess_gap'] * 1e3:.1f} ms; "
               f"removed {d['removed'] * 100:.0f} %", flush=True)
+        firsts = [x for x in run["lorapub"].get("to_first_token_each", []) if x == x]
+        print(f"round {r + 1}: excess decode stall per publication (probe) baseline "
+              f"{d['baseline_excess_decode_stall'] * 1e3:.1f} ms, lorapub {d['lorapub_excess_decode_stall'] * 1e3:.1f} ms; "
+              f"lorapub publish call to first token p50 "
+              + (f"{statistics.median(firsts) * 1e3:.0f} ms (n {len(firsts)})" if firsts else "none"), flush=True)
+        if on_round:  # what is measured is kept even if a time limit cuts the later rounds
+            on_round(rounds)
 
     summary = {s: {key: spread([run[s][key] for run in rounds]) for _, key, _, _ in ROWS} for s in STRATEGIES}
     summary["derived"] = {key: spread([run["derived"][key] for run in rounds]) for key in rounds[0]["derived"]}
@@ -860,7 +867,10 @@ async def main() -> int:
                 json.dump({"args": vars(args), "online": figures, "control_plane": control_figures, "bars": bars},
                           f, indent=1)
 
-    bars, figures = ({}, {}) if args.skip_online else await part1(args)
+    def keep_rounds(rounds: list) -> None:
+        write_json({"rounds": rounds, "partial": f"{len(rounds)} of {args.rounds} round(s)"}, {}, {})
+
+    bars, figures = ({}, {}) if args.skip_online else await part1(args, keep_rounds)
     write_json(figures, {}, dict(bars))  # Part 1's figures are kept even if Part 2 never ends (a run's time limit)
     control_bars, control_figures = ({}, {}) if args.skip_control_plane else part2()
     bars.update(control_bars)
