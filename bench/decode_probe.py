@@ -120,3 +120,11 @@ def probe_gap(ticks: dict[str, list[float]], window: tuple[float, float] | None 
             seen = True
             longest = max(longest, b - a)
     return longest if seen else math.nan
+
+
+def probe_tokens(ticks: dict[str, list[float]], windows: list[tuple[float, float]]) -> int:
+    """Probe tokens of every engine that arrived inside any of ``windows`` (a token in two
+    overlapping windows counts once). Set against the control's count over the same stretches it
+    is a decode-rate loss: a sum over every step, not the one longest step, so one long prefill
+    of the control's does not hide it."""
+    return sum(1 for ts in ticks.values() for t in ts if any(a < t <= b for a, b in windows))

@@ -59,7 +59,7 @@ from lorapub.runtime.registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
 from lorapub.runtime.snapshot import Snapshot  # noqa: E402
-from bench.decode_probe import DecodeProbe, probe_gap  # noqa: E402
+from bench.decode_probe import DecodeProbe, probe_gap, probe_tokens  # noqa: E402
 
 ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
@@ -527,6 +527,9 @@ def derived(run: dict[str, dict]) -> dict:
         same = statistics.fmean(control) if control else float("nan")
         out[f"control_decode_stall_{s}_windows"] = same
         out[f"{s}_excess_decode_stall"] = figures["decode_stall_per_publication"] - same
+        # decode tokens the probe got while the publications ran, against the control's over the same stretches
+        got, control_got = probe_tokens(figures["probe"]["ticks"], windows), probe_tokens(c["probe"]["ticks"], windows)
+        out[f"{s}_probe_token_loss"] = 1 - got / control_got if control_got else float("nan")
     return out
 
 
@@ -616,7 +619,9 @@ def method(args, spec: WorkloadSpec) -> str:
         "    prompt, 4096 tokens, end token ignored; sent again at once if it ends), counted apart (sent, ended,",
         "    cut at the run's end, failed). Its longest gap between two tokens is one engine's longest decode",
         "    step: a decode stall per publication is the longest such gap overlapping it, and the control's,",
-        "    over the same stretches of its run, is what the excess decode stall is measured from.",
+        "    over the same stretches of its run, is what the excess decode stall is measured from. Probe decode",
+        "    tokens lost while publishing: 1 - the probe's tokens inside the publications' windows / the control's",
+        "    over the same stretches (a sum over every step, so one long prefill of the control's hides nothing).",
         "  excess = figure - the same round's control figure; removed = 1 - lorapub's excess gap / the baseline's.",
         "  publish call to the first request on the new version: sent, and completed (its first token comes",
         "    between the two, one prefill after it was sent); the old path: the first request after the overwrite.",
@@ -659,6 +664,8 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
         firsts = [x for x in run["lorapub"].get("to_first_token_each", []) if x == x]
         print(f"round {r + 1}: excess decode stall per publication (probe) baseline "
               f"{d['baseline_excess_decode_stall'] * 1e3:.1f} ms, lorapub {d['lorapub_excess_decode_stall'] * 1e3:.1f} ms; "
+              f"probe tokens lost while publishing baseline {d['baseline_probe_token_loss'] * 100:.0f} %, "
+              f"lorapub {d['lorapub_probe_token_loss'] * 100:.0f} %; "
               f"lorapub publish call to first token p50 "
               + (f"{statistics.median(firsts) * 1e3:.0f} ms (n {len(firsts)})" if firsts else "none"), flush=True)
         if on_round:  # what is measured is kept even if a time limit cuts the later rounds
@@ -677,6 +684,9 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
                             ("excess decode stall per publication (probe; control: same stretches)", "decode_stall", "ms")):
         cells = ["—", fmt(dv[f"baseline_excess_{key}"], unit), fmt(dv[f"lorapub_excess_{key}"], unit)]
         print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
+    cells = ["—", fmt(spread([run["derived"]["baseline_probe_token_loss"] for run in rounds]), "%"),
+             fmt(spread([run["derived"]["lorapub_probe_token_loss"] for run in rounds]), "%")]
+    print(f"{'probe decode tokens lost while publishing':42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     per_round = ", ".join(f"{run['derived']['removed'] * 100:.0f} %" for run in rounds)
     print(f"\nshare of the baseline's excess stall that lorapub removes: {fmt(dv['removed'], '%')} (per round: {per_round})")
     phases = [run["lorapub"]["phases"] for run in rounds if run["lorapub"]["phases"]]

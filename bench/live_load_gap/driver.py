@@ -13,7 +13,7 @@ while a prefill is launched, so keep its runs in a new folder -- and "patched-bu
 whose preparations wait for prefills at most 150 ms in all).
 STALL_REPS / STALL_REPS32: loads of B (default 3) and of B32 (default 2) per server.
 With "unpatched" among them, a numerics check compares every other server's greedy outputs with it."""
-import asyncio, json, os, signal, subprocess, sys, time, urllib.request
+import asyncio, json, os, re, signal, subprocess, sys, time, urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -85,9 +85,26 @@ SERVERS = {name: KNOWN[name] for name in ORDER}
 COMMON[COMMON.index(None)] = f"{min(0.42, 0.84 / len(SERVERS)):.2f}"
 
 
+FRACTION_TOO_LOW = re.compile(r"Raise --mem-fraction-static above ([0-9]+(?:\.[0-9]+)?)")
+
+
+def fraction_asked(name):
+    """The static memory fraction a server that died said it needs (SGLang 0.5.17 names it when the
+    servers booted before it leave too little), or None."""
+    try:
+        with open(f"{OUT}/server_{name}.log", errors="replace") as f:
+            found = FRACTION_TOO_LOW.findall(f.read()[-20000:])
+    except OSError:
+        return None
+    return float(found[-1]) if found else None
+
+
 def launch(name, graphs=True):
     s = SERVERS[name]
-    cmd = [sys.executable, *s["entry"], *COMMON, "--port", str(s["port"]), *s["extra"]]
+    common = list(COMMON)
+    if s.get("fraction"):  # raised after a boot that found too little memory left
+        common[common.index("--mem-fraction-static") + 1] = f"{s['fraction']:.3f}"
+    cmd = [sys.executable, *s["entry"], *common, "--port", str(s["port"]), *s["extra"]]
     if not graphs:
         cmd += ["--cuda-graph-backend-decode", "disabled"]
     s["cmd"] = " ".join(cmd[3:])
@@ -129,7 +146,12 @@ while time.time() < boot_deadline and not all("ready" in s for s in SERVERS.valu
             continue
         if s["proc"].poll() is not None:
             log(f"{name} died rc={s['proc'].returncode} graphs={s['graphs']}")
-            if s["graphs"]:
+            asked = fraction_asked(name)
+            if asked is not None and not s.get("fraction"):  # once: the same boot with the fraction it named
+                s["fraction"] = asked + 0.02
+                log(f"{name} asked for --mem-fraction-static above {asked}: booting it again with {s['fraction']:.3f}")
+                launch(name, graphs=s["graphs"])
+            elif s["graphs"]:
                 launch(name, graphs=False)
             else:
                 s["ready"] = None
@@ -153,7 +175,12 @@ results = {}
 for k, name in enumerate(ORDER):
     s = SERVERS[name]
     if not s.get("ready"):
-        log(f"skip {name}: not ready"); continue
+        why = ("it died at boot (its log says why)" if s["proc"].poll() is not None
+               else "not up by the boot deadline (LORAPUB_GAP_BUDGET_S)")
+        log(f"skip {name}: not ready, {why}")
+        with open(f"{OUT}/not_measured.txt", "a") as f:  # the summary names every server it lacks
+            f.write(f"{name}: {why}\n")
+        continue
     later = sum(1 for n in ORDER[k + 1:] if SERVERS[n].get("ready"))
     dl = DEADLINE - PER_SERVER_S * later - 25  # room for the servers after this one and for the numerics check
     os.environ["STALL_DEADLINE"] = str(dl)

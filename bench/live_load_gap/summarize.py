@@ -67,3 +67,7 @@ for name in names:
             print(f"first request {v}: new version {new} ms, same request on the old version {old} ms, "
                   f"median new - old {round(med(new) - med(old), 1):+} ms")
     print()
+missing = os.path.join(d, "not_measured.txt")
+if os.path.exists(missing):  # a server of STALL_ORDER that never answered: shown, never silently absent
+    for line in open(missing):
+        print(f"## {line.split(':')[0]}  NOT MEASURED: {line.split(':', 1)[1].strip()}")

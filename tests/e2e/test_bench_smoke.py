@@ -223,6 +223,16 @@ def test_the_decode_probe_counts_every_stream_and_the_gaps_overlapping_a_window(
     assert math.isnan(probe_gap({"e0": [1.0]}))  # one token: no gap measured, never 0
 
 
+def test_the_decode_probe_counts_the_tokens_inside_windows_once():
+    from bench.decode_probe import probe_tokens
+
+    ticks = {"e0": [0.0, 0.02, 0.04, 0.30, 0.32], "e1": [0.0, 0.05, 0.10]}
+    assert probe_tokens(ticks, [(0.01, 0.05)]) == 3  # e0's 0.02 and 0.04, e1's 0.05
+    assert probe_tokens(ticks, [(0.01, 0.05), (0.03, 0.31)]) == 5  # 0.04 and 0.05 in both: once each
+    assert probe_tokens(ticks, [(0.0, 0.0)]) == 0  # a token at a window's start is before it
+    assert probe_tokens(ticks, []) == 0
+
+
 def test_the_quick_benchmark_measures_the_probe_in_every_run(tmp_path):
     out = tmp_path / "figures.json"
     done = subprocess.run([sys.executable, SCRIPT, "--quick", "--skip-control-plane", "--json", str(out)],
@@ -236,3 +246,5 @@ def test_the_quick_benchmark_measures_the_probe_in_every_run(tmp_path):
     derived = round_["derived"]
     assert not math.isnan(derived["lorapub_excess_decode_stall"])
     assert not math.isnan(derived["control_decode_stall_lorapub_windows"])
+    assert 0 <= derived["baseline_probe_token_loss"] <= 1  # stock loads stop decoding: tokens are lost
+    assert derived["lorapub_probe_token_loss"] <= 1

@@ -43,6 +43,11 @@ def test_a_publication_is_compared_with_both_control_windows_not_one(tmp_path):
     # 78 against the longer control's 80, not against the first window's 70 alone (+8.0)
     assert "control over as long [80.0], median 80.0; excess -2.0" in line
 
+    # a server of the run's order that never answered is named in the summary, not silently absent
+    (tmp_path / "not_measured.txt").write_text("patched-budget150: it died at boot (its log says why)\n")
+    out = run("summarize.py", tmp_path)
+    assert "## patched-budget150  NOT MEASURED: it died at boot (its log says why)" in out.splitlines()
+
 
 def test_the_pooled_live_figures_in_the_docs_are_what_pool_prints():
     out = run("pool.py")
