@@ -415,7 +415,8 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
     preparer.manager = types.SimpleNamespace(dtype=torch.bfloat16)
     preparer.device, preparer.stream = "cpu", types.SimpleNamespace(synchronize=lambda: None)
     preparer.chunks = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
-    total = preparer._to_device(adapter)
+    total, queued_s = preparer._to_device(adapter)
+    assert 0 <= queued_s < 1  # the device sync (a no-op here) is timed apart
     tensors = sum(len(d) for d in want)
     # a gate step before each tensor is cast and before each part of a tensor goes into a chunk
     assert len(steps) >= 2 * tensors
@@ -684,3 +685,24 @@ def test_a_slot_image_built_in_gate_steps_is_the_same_image(monkeypatch):
     assert len(steps) == len(adapter.layers)  # one per layer the fill took
     assert [torch.equal(a, b) for a, b in zip(plain.sources, stepped.sources)] == [True] * len(plain.sources)
     assert stepped.fits(pool, 1)
+
+
+def test_a_device_preparation_logs_where_its_copy_time_went(classes, caplog, monkeypatch):
+    """The device branch's log line (live only otherwise): the copy's time split into the GPU work
+    queued before it and the waits for prefills."""
+    import logging
+
+    scheduler, manager, preparer = preparing(classes)
+    preparer.on_cuda, preparer.slot_images = True, False
+
+    def to_device(adapter):  # a copy that stepped aside for a prefill for 20 ms, after 30 ms of queued work
+        preparer.gate.waited_s += 0.020
+        return 264_000_000, 0.030
+
+    monkeypatch.setattr(preparer, "_to_device", to_device)
+    with caplog.at_level(logging.INFO):
+        scheduler.process_input_requests([Req("a")])
+        run_until(scheduler, 1)
+    [line] = [r.getMessage() for r in caplog.records if "off the scheduler thread" in r.getMessage()]
+    assert "of which queued GPU work 30 ms and prefill waits 20 ms" in line and "264 MB" in line
+    assert "0 waits for prefills, 20 ms" in line  # the total, from the gate

@@ -162,23 +162,29 @@ class Preparer:
                         1e3 * (t1 - t0), self.gate.reset())
             return adapter
         host = [dict(d) for d in weight_dicts(adapter)] if self.slot_images else []
-        moved = self._to_device(adapter)
+        waited_reading = self.gate.waited_s
+        moved, queued_s = self._to_device(adapter)
         t2 = time.perf_counter()
+        waited_moving = self.gate.waited_s - waited_reading
         image = build_slot_image(manager, adapter, self.stream, self.gate.step) if self.slot_images else None
         if image is not None:  # the image serves every slot fill; the weights stay in host memory, as SGLang keeps them
             for d, h in zip(weight_dicts(adapter), host):
                 d.update(h)
             adapter.__dict__[IMAGE_ATTR] = image
         t3 = time.perf_counter()
+        # "to device" split three ways: waiting for the GPU work queued before it (a running batch),
+        # stepping aside for prefills, and the copies themselves
         logger.info("lorapub: prepared %s off the scheduler thread in %.0f ms (read %.0f ms of which bytes %.0f ms, "
-                    "to device %.0f ms, slot image %.0f ms, %.0f MB; %s) at %.3f", ref.lora_name, 1e3 * (t3 - t0),
-                    1e3 * (t1 - t0), 1e3 * (t_bytes - t0), 1e3 * (t2 - t1),
+                    "to device %.0f ms of which queued GPU work %.0f ms and prefill waits %.0f ms, "
+                    "slot image %.0f ms, %.0f MB; %s) at %.3f", ref.lora_name, 1e3 * (t3 - t0),
+                    1e3 * (t1 - t0), 1e3 * (t_bytes - t0), 1e3 * (t2 - t1), 1e3 * queued_s, 1e3 * waited_moving,
                     1e3 * (t3 - t2) if image is not None else float("nan"), moved / 1e6, self.gate.reset(),
                     time.time())
         return adapter
 
-    def _to_device(self, adapter: Any) -> int:
-        """Every tensor of ``adapter`` into one device buffer, through the fixed pinned chunks; returns bytes."""
+    def _to_device(self, adapter: Any) -> tuple[int, float]:
+        """Every tensor of ``adapter`` into one device buffer, through the fixed pinned chunks; returns the
+        bytes moved and the seconds spent waiting for the GPU work queued before the copy."""
         import torch
 
         pool_dtype = getattr(self.manager, "dtype", None)
@@ -196,10 +202,12 @@ class Preparer:
                 spans.append((total, size))
                 total += -(-size // _ALIGN) * _ALIGN
         if total == 0:
-            return 0
+            return 0, 0.0
         # Device blocks freed by an earlier unload return to this stream's pool: wait for every
         # kernel queued before this preparation, so none can still read what this copy overwrites.
+        t_queued = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        queued_s = time.perf_counter() - t_queued
         with torch.cuda.stream(self.stream):
             dev = torch.empty(total, dtype=torch.uint8, device=self.device)
         chunks = self._chunks()
@@ -228,7 +236,7 @@ class Preparer:
         self.stream.synchronize()
         for (d, name, t), (start, size) in zip(slots, spans):
             d[name] = dev[start:start + size].view(t.dtype).view(t.shape)
-        return total
+        return total, queued_s
 
     def _chunks(self) -> list[Any]:
         """Two pinned chunks, allocated once per scheduler: pinning host memory stalls the whole
