@@ -684,8 +684,7 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
                             ("excess decode stall per publication (probe; control: same stretches)", "decode_stall", "ms")):
         cells = ["—", fmt(dv[f"baseline_excess_{key}"], unit), fmt(dv[f"lorapub_excess_{key}"], unit)]
         print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
-    cells = ["—", fmt(spread([run["derived"]["baseline_probe_token_loss"] for run in rounds]), "%"),
-             fmt(spread([run["derived"]["lorapub_probe_token_loss"] for run in rounds]), "%")]
+    cells = ["—", fmt(dv["baseline_probe_token_loss"], "%"), fmt(dv["lorapub_probe_token_loss"], "%")]
     print(f"{'probe decode tokens lost while publishing':42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     per_round = ", ".join(f"{run['derived']['removed'] * 100:.0f} %" for run in rounds)
     print(f"\nshare of the baseline's excess stall that lorapub removes: {fmt(dv['removed'], '%')} (per round: {per_round})")
