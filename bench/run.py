@@ -337,8 +337,11 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     # the probe's tokens in seconds since the workload started, those while it ran
     ticks = {e: [round(t - result.started, 5) for t in ts if result.started <= t <= result.ended]
              for e, ts in probe.ticks.items()}
-    decode_stalls = [probe_gap(ticks, (a - result.started, b - result.started)) for a, b in windows]
+    # the same windows in seconds since the workload started, as the probe's ticks and the call log are
+    relative = [(a - result.started, b - result.started) for a, b in windows]
+    decode_stalls = [probe_gap(ticks, w) for w in relative]
     return {
+        "publication_windows": relative,
         "gap": longest_stall(result),
         "stall_per_publication": statistics.fmean(stalls) if stalls else nan,
         "decode_gap": probe_gap(ticks),
@@ -522,7 +525,7 @@ def derived(run: dict[str, dict]) -> dict:
     # the probe's decode stall per publication against the control's over the same stretches of its run
     # (the same seeded workload, so the same phase of it): one decode step's resolution, not one turn's
     for s, figures in (("baseline", b), ("lorapub", l)):
-        windows = [(x["called"] + x["waited"], x["ended"]) for x in figures["call_log"] if x["outcome"] == "done"]
+        windows = [tuple(w) for w in figures["publication_windows"]]
         control = [probe_gap(c["probe"]["ticks"], w) for w in windows]
         same = statistics.fmean(control) if control else float("nan")
         out[f"control_decode_stall_{s}_windows"] = same
