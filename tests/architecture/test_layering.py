@@ -244,7 +244,8 @@ def test_engine_staging_runs_in_the_server_without_lorapubs_runtime():
     """The engine side (what the patched SGLang server imports) needs only the standard library,
     lorapub.core (with attrs and pyrsistent, the core's own dependencies), lorapub.wire and, for its
     torch transport and tensor loads, torch."""
-    allowed = {"lorapub.core", "lorapub.errors", "lorapub.wire", "lorapub.sglang_patch.staging"}
+    # sglang_patch.env: the standard library only, the one rule for the server's environment settings
+    allowed = {"lorapub.core", "lorapub.errors", "lorapub.wire", "lorapub.sglang_patch.staging", "lorapub.sglang_patch.env"}
     modules = sorted(STAGING.glob("*.py"))
     assert {p.stem for p in modules} >= {"__init__", "machine", "messages", "engine", "receivers", "collective",
                                           "buffers", "landing", "claims", "server"}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+
+from lorapub.sglang_patch.env import env_number
 
 __all__ = ["ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget", "gate_scope",
            "switch_interval"]
@@ -47,31 +48,14 @@ def gate_scope() -> str:
     return "launch"
 
 
-def _number(env: str, parse: Callable[[str], float], accept: Callable[[float], bool], what: str,
-            otherwise: str) -> float | None:
-    """``env`` parsed, or None when unset; a value ``parse`` or ``accept`` refuses is logged (it is not
-    ``what``; ``otherwise`` says what holds instead) and is None too."""
-    raw = os.environ.get(env)
-    if not raw:
-        return None
-    try:
-        value = parse(raw)
-    except ValueError:
-        value = None
-    if value is None or not accept(value):
-        logger.warning("lorapub: %s=%r is not %s; %s", env, raw, what, otherwise)
-        return None
-    return value
-
-
 def switch_interval() -> float | None:
     """``SWITCH_ENV`` in seconds; None when unset or not a positive integer (logged)."""
-    us = _number(SWITCH_ENV, int, lambda n: n > 0, "a positive number of microseconds", "ignored")
+    us = env_number(SWITCH_ENV, int, lambda n: n > 0, "a positive number of microseconds", "ignored", logger)
     return None if us is None else us / 1e6
 
 
 def gate_budget(default_s: float = 1.0) -> float:
     """``GATE_BUDGET_ENV`` in seconds; ``default_s`` when unset or not a number >= 0 (logged)."""
-    ms = _number(GATE_BUDGET_ENV, float, lambda n: n >= 0, "a number of milliseconds >= 0",
-                 f"the default {1e3 * default_s:g} ms holds")
+    ms = env_number(GATE_BUDGET_ENV, float, lambda n: n >= 0, "a number of milliseconds >= 0",
+                    f"the default {1e3 * default_s:g} ms holds", logger)
     return default_s if ms is None else ms / 1e3

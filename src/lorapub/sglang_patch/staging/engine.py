@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Mapping, Protocol
 
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
+from lorapub.sglang_patch.env import env_number
 from lorapub.sglang_patch.staging import claims, collective, landing, machine, swap, test_switch
 from lorapub.sglang_patch.staging import messages as m
 from lorapub.sglang_patch.staging.buffers import Buffer, verify_and_keep
@@ -45,17 +46,9 @@ _now = time.monotonic
 def idle_timeout_setting() -> float:
     """``LORAPUB_STAGE_IDLE_S`` in seconds (``inf``: never); the default when unset, or when not a
     positive number (logged)."""
-    raw = os.environ.get(IDLE_ENV)
-    if not raw:
-        return DEFAULT_IDLE_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:  # zero, negative, NaN or not a number
-        logger.warning("lorapub: %s=%r is not a positive number of seconds; using %g", IDLE_ENV, raw, DEFAULT_IDLE_S)
-        return DEFAULT_IDLE_S
-    return seconds
+    seconds = env_number(IDLE_ENV, float, lambda s: s > 0, "a positive number of seconds",
+                         f"using {DEFAULT_IDLE_S:g}", logger)
+    return DEFAULT_IDLE_S if seconds is None else seconds
 
 
 class EngineHooks(Protocol):
