@@ -13,7 +13,7 @@ from lorapub.core.registry import (  # noqa: E402
 )
 from lorapub.core.version import VersionState  # noqa: E402
 from lorapub.runtime.deployment import Deployment  # noqa: E402
-from lorapub.errors import CapacityError, NoPublishedVersion  # noqa: E402
+from lorapub.errors import CapacityError, InvalidInput, NoPublishedVersion  # noqa: E402
 from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from tests.e2e.conftest import FAST  # noqa: E402
 
@@ -236,7 +236,11 @@ async def test_the_registry_actor_takes_its_start_up_objects_out_of_the_collecto
 async def test_a_ray_registry_is_made_with_every_setting_a_local_one_takes(ray_cluster):
     """max_lag, on_stale, name_prefix and avoid_suspect reach the actor's registry, so a Deployment
     asking for them on a shared registry finds them there (it refuses a registry that differs)."""
-    registry = RayRegistry.create("reg-settings", epoch=3, engines=_engines(), call_timeout=20, max_lag=2,
+    with pytest.raises(InvalidInput, match="use capacity=4 or more"):  # refused before any actor is made
+        RayRegistry.create("reg-refused", epoch=3, engines=_engines(), call_timeout=20, max_lag=2)
+    with pytest.raises(ValueError):
+        ray.get_actor("reg-refused", namespace="lorapub")
+    registry = RayRegistry.create("reg-settings", epoch=3, engines=_engines(), call_timeout=20, capacity=4, max_lag=2,
                                   on_stale="rebind", name_prefix="team_a_lora@", avoid_suspect=True)
     try:
         state = (await registry.handle(ReadState())).reply

@@ -684,14 +684,14 @@ def test_arguments_follow_relaxs_convention_and_the_config_is_one_block(tmp_path
     assert validate_args(off) is None
 
     block = tmp_path / "lorapub.yaml"
-    block.write_text("capacity: 3\nmax_lag: 2\non_stale: rebind\ntransport: nccl\n")
+    block.write_text("capacity: 4\nmax_lag: 2\non_stale: rebind\ntransport: nccl\n")
     on = parser.parse_args([ENABLE_FLAG, CONFIG_FLAG, str(block)])
     on.lora_rank, on.lora_adapter_mode, on.lora_merge_mode = 8, False, False
     with pytest.raises(ValueError, match="--lora-adapter-mode"):
         validate_args(on)
     on.lora_adapter_mode = True
     config = validate_args(on)
-    assert (config.capacity, config.max_lag, config.on_stale, config.transport) == (3, 2, "rebind", "nccl")
+    assert (config.capacity, config.max_lag, config.on_stale, config.transport) == (4, 2, "rebind", "nccl")
     assert isinstance(config.epoch, int) and relax_lorapub.config_from_args(on) == config  # fixed once, on args
     bare = parser.parse_args([ENABLE_FLAG])
     with pytest.raises(ValueError, match="validate_args"):  # an actor never picks its own epoch
@@ -699,6 +699,11 @@ def test_arguments_follow_relaxs_convention_and_the_config_is_one_block(tmp_path
     block.write_text("capacity: 2\nbogus: 1\n")
     with pytest.raises(ValueError, match="unknown lorapub setting"):
         LorapubConfig.from_file(str(block))
+    block.write_text("capacity: 3\nmax_lag: 2\n")  # max_lag 2 needs 4 slots: refused before any actor starts
+    with pytest.raises(ValueError, match="set capacity: 4 or more, or max_lag: 1 or less"):
+        LorapubConfig.from_file(str(block))
+    with pytest.raises(ValueError, match="max_lag must be an int"):
+        LorapubConfig(max_lag=-1)
     assert relax_lorapub.version_id_for(12) == "step12"
     assert engine_name("http://10.0.0.7:30000/") == "10.0.0.7_30000"
 

@@ -43,6 +43,8 @@ class FreshnessMachine(RegistryMachine):
     )
     def setup(self, capacity, max_lag, on_stale):
         RegistryMachine.setup.__wrapped__(self)
+        if max_lag is not None:  # max_lag k needs k + 2 slots (smaller is refused: R.check_room_for_lag)
+            capacity = max(capacity, max_lag + 2)
         self.state = R.new_registry(EPOCH, self.incarnations, capacity=capacity, lease_ttl=120.0,
                                     tombstone_window=WINDOW, max_lag=max_lag, on_stale=on_stale)
         self.waiting: list[VersionKey] = []  # every key that was answered Waiting once

@@ -283,6 +283,31 @@ def test_a_capacity_below_two_is_refused_saying_why(capacity):
         new_registry(1, {"e0": "life-1"}, capacity=capacity)
 
 
+@pytest.mark.parametrize("capacity, max_lag", [(2, 1), (3, 2), (None, 1), (4, 3)])
+def test_a_max_lag_the_capacity_cannot_serve_is_refused_saying_which_to_change(capacity, max_lag):
+    """capacity 2 with max_lag 1 was accepted: the version one commit behind then kept the slot the next
+    needed (within max_lag, it never retires), so every publication waited for sessions to end."""
+    from lorapub import Deployment
+    from lorapub.core.registry import DEFAULT_CAPACITY, new_registry
+
+    slots = capacity or DEFAULT_CAPACITY
+    with pytest.raises(InvalidInput) as e:
+        Deployment(_engines(), epoch=1, capacity=capacity, max_lag=max_lag)
+    assert f"capacity {slots} cannot serve max_lag={max_lag}" in e.value.message
+    assert f"use capacity={max_lag + 2} or more, or max_lag={slots - 2} or less" in e.value.message
+    assert e.value.details == {"capacity": slots, "max_lag": max_lag}
+    with pytest.raises(InvalidInput, match="cannot serve max_lag"):  # a registry made elsewhere too
+        new_registry(1, {"e0": "life-1"}, capacity=slots, max_lag=max_lag)
+
+
+@pytest.mark.parametrize("capacity, max_lag", [(2, 0), (3, 1), (4, 2), (2, None)])
+def test_a_capacity_with_room_for_max_lag_is_kept(capacity, max_lag):
+    from lorapub import Deployment
+
+    dep = Deployment(_engines(), epoch=1, capacity=capacity, max_lag=max_lag)
+    assert (dep.capacity, dep.max_lag) == (capacity, max_lag)
+
+
 def test_the_relax_config_refuses_a_capacity_below_two():
     from lorapub.integrations.relax.options import LorapubConfig
 

@@ -17,9 +17,9 @@ def test_a_snapshot_prints_its_digest_tensors_size_and_framework():
 
 
 async def test_a_deployment_prints_its_epoch_life_engines_and_settings_through_its_life():
-    dep = Deployment({"e1": MemoryEngine("e1"), "e0": MemoryEngine("e0")}, epoch=7, capacity=2, max_lag=2,
+    dep = Deployment({"e1": MemoryEngine("e1", max_loaded=5), "e0": MemoryEngine("e0", max_loaded=5)}, epoch=7, capacity=4, max_lag=2,
                      reconcile_interval=None)
-    assert repr(dep) == "<Deployment epoch=7 not started engines=['e0', 'e1'] capacity=2 max_lag=2>"
+    assert repr(dep) == "<Deployment epoch=7 not started engines=['e0', 'e1'] capacity=4 max_lag=2>"
     await dep.start()
     assert " started " in repr(dep)
     session = dep.session("s1")

@@ -15,7 +15,7 @@ import ray
 
 from lorapub import errors
 from lorapub.core.commands import Command
-from lorapub.core.registry import COMMANDS, DEFAULT_LEASE_TTL, Result
+from lorapub.core.registry import COMMANDS, DEFAULT_LEASE_TTL, Result, check_capacity, check_max_lag, check_room_for_lag
 from lorapub.ports import RegistryStore
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.runtime.registry import LocalRegistry
@@ -150,6 +150,10 @@ class RayRegistry:
         path (on the actor's node); ``store_factory`` builds any other store inside the
         actor (it is pickled there), e.g. ``functools.partial(FileStore, path)``.
         """
+        # refused here, before a detached actor is made that could only fail its every call
+        check_capacity(capacity)
+        check_max_lag(max_lag, on_stale)
+        check_room_for_lag(capacity, max_lag)
         durable = bool(store_path) or store_factory is not None
         handle = RegistryActor.options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True,

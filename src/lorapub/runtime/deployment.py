@@ -28,6 +28,7 @@ from lorapub.core.registry import (
     RegistryState,
     check_capacity,
     check_max_lag,
+    check_room_for_lag,
 )
 from lorapub.errors import (
     AlreadyStarted,
@@ -130,6 +131,8 @@ class Deployment:
         if capacity is not None:
             check_capacity(capacity)
         check_max_lag(max_lag, on_stale)
+        if registry is None or capacity is not None:  # a shared registry given alone was checked where it was made
+            check_room_for_lag(capacity or DEFAULT_CAPACITY, max_lag)
         if name_prefix is not None:
             check_name_prefix(name_prefix)
         if not isinstance(avoid_suspect, bool):

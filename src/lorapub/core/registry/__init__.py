@@ -75,6 +75,7 @@ from .state import (
     Waiting,
     check_capacity,
     check_max_lag,
+    check_room_for_lag,
     new_registry,
 )
 from .publication import (
@@ -126,7 +127,7 @@ from .recovery import (
 __all__ = [
     "DEFAULT_CAPACITY", "DEFAULT_LEASE_TTL", "DEFAULT_TOMBSTONE_WINDOW", "ON_STALE", "Waiter", "RegistryState",
     "Outcome", "ReserveReply", "SlotHolder", "Waiting", "SessionsOf", "Fleet", "AttemptStatus", "new_registry",
-    "check_capacity", "check_max_lag", "register_engine", "reserve", "cancel_wait", "record_prepared", "record_bucket_done",
+    "check_capacity", "check_max_lag", "check_room_for_lag", "register_engine", "reserve", "cancel_wait", "record_prepared", "record_bucket_done",
     "record_ready", "record_failure", "record_unknown", "record_cleaned", "retry_cleanup", "commit", "query_attempt",
     "open_session", "bind_first", "rebind", "begin_close", "close_and_release", "forget_sessions", "renew_leases",
     "expire_sessions", "expire_leases", "authorize_dispatch", "read_sessions_of", "claim_reclaim", "record_unloaded",

@@ -364,6 +364,7 @@ def new_registry(
     if lease_ttl is not None and tombstone_window is not None and tombstone_window < 2 * lease_ttl:
         raise InvalidInput(f"tombstone_window ({tombstone_window:g}s) must be at least twice lease_ttl ({lease_ttl:g}s)")
     check_max_lag(max_lag, on_stale)
+    check_room_for_lag(capacity, max_lag)
     check_name_prefix(name_prefix)
     return RegistryState(
         epoch=epoch, engines=dict(engines), capacity=capacity, lease_ttl=lease_ttl, tombstone_window=tombstone_window,
@@ -387,6 +388,18 @@ def check_max_lag(max_lag: object, on_stale: object) -> None:
         raise InvalidInput(f"max_lag must be an int >= 0 (commits behind the default) or None, got {max_lag!r}")
     if on_stale not in ON_STALE:
         raise InvalidInput(f"on_stale must be one of {', '.join(map(repr, ON_STALE))}, got {on_stale!r}")
+
+
+def check_room_for_lag(capacity: int, max_lag: int | None) -> None:
+    """``max_lag = k`` frees slots only if ``capacity >= k + 2``: the default and the k versions behind
+    it that sessions may still use, plus one for the next version to load. With fewer, a version
+    within ``max_lag`` holds the slot the next one needs, and every publication waits for sessions
+    to end, which is what ``max_lag`` exists to avoid (docs/freshness.md)."""
+    if max_lag is not None and capacity < max_lag + 2:
+        raise InvalidInput(f"capacity {capacity} cannot serve max_lag={max_lag}: the default and the {max_lag} "
+                           f"version(s) behind it stay usable and the next version needs a slot of its own, so "
+                           f"{max_lag + 2} slots are needed — use capacity={max_lag + 2} or more, or "
+                           f"max_lag={capacity - 2} or less", capacity=capacity, max_lag=max_lag)
 
 
 def check_epoch(state: RegistryState, epoch: int, what: object) -> None:

@@ -168,6 +168,14 @@ class LorapubConfig:
         if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 2:
             # the default holds one slot and a new version needs another: 1 could never publish a second
             raise ValueError(f"capacity must be an int >= 2 (2 is the RFC's minimum), got {self.capacity!r}")
+        if self.max_lag is not None:
+            if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
+                raise ValueError(f"max_lag must be an int >= 0 (commits behind the default) or null, got {self.max_lag!r}")
+            if self.capacity < self.max_lag + 2:  # the core's check_room_for_lag, said before any actor starts
+                raise ValueError(f"capacity {self.capacity} cannot serve max_lag={self.max_lag}: the default and the "
+                                 f"{self.max_lag} version(s) behind it stay usable and the next version needs a slot "
+                                 f"of its own — set capacity: {self.max_lag + 2} or more, or max_lag: "
+                                 f"{self.capacity - 2} or less")
         if self.on_stale not in ("error", "rebind"):
             raise ValueError(f"on_stale must be 'error' or 'rebind', got {self.on_stale!r}")
         if self.transport not in TRANSPORTS:
