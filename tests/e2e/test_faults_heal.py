@@ -373,3 +373,17 @@ async def test_a_deployment_names_its_versions_with_its_prefix_and_engines_must_
     finally:
         for d in doubles:
             await d.stop()
+
+
+async def test_health_before_the_first_pass_says_starting_not_failed_and_a_pass_makes_it_healthy():
+    # a caller polling health right after start() must tell "not known yet" from "the registry is down"
+    dep = Deployment({"e0": MemoryEngine("e0")}, epoch=1, reconcile_interval=None)
+    await dep.start()
+    try:
+        first = dep.health
+        assert not first.healthy and [b.kind for b in first.blockers] == ["starting"], first.describe()
+        assert "reconcile()" in first.blockers[0].detail
+        health = await dep.reconcile()
+        assert health.healthy and health.passes == 1, health.describe()
+    finally:
+        await dep.close()

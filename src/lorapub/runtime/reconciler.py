@@ -61,7 +61,7 @@ class Blocker:
     """One thing that keeps the deployment from being healthy, and why."""
 
     # engine_unreachable | reprovisioning | cleanup_pending | reclaim_pending | publication_waiting |
-    # orphan_pending | attempt_running | reconcile_failed | version_suspect
+    # orphan_pending | attempt_running | reconcile_failed | version_suspect | starting (no pass has finished)
     kind: str
     subject: str
     detail: str
@@ -140,7 +140,10 @@ class Reconciler:
         self._passes = 0
         self._failed = 0
         self.orphans: dict[tuple[str, str], str] = {}  # (engine, adapter or attempt) -> what is done about it
-        self.health = Health(False, (Blocker("reconcile_failed", "-", "no pass ran yet"),), None, 0, 0)
+        # not "reconcile_failed": nothing failed, and a caller polling health right after start()
+        # must be able to tell "not known yet" from "the registry is down"
+        self.health = Health(False, (Blocker("starting", "-", "the first reconciliation pass has not finished "
+                                             "yet; await deployment.reconcile() to run one now"),), None, 0, 0)
         self.canary_interval = canary_interval  # None: the canary is off
         self._canary_last: dict[tuple[VersionKey, str], float] = {}  # (version, engine) -> last check
 
