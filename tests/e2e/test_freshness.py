@@ -152,8 +152,9 @@ async def test_a_newer_publication_supersedes_a_waiting_one_which_never_commits(
     await s.close()
     assert (await asyncio.wait_for(newer, 5)).state is VersionState.PUBLISHED
     assert version(dep, "C") is None  # never reserved, never sent, never committed
-    with pytest.raises(PublicationSuperseded):  # and it stays superseded
+    with pytest.raises(PublicationSuperseded) as again:  # and it stays superseded, refused at once
         await dep.publish(lora_snapshot(3), "C", wait=1)
+    assert "(it waited" not in again.value.message and "new version id" in again.value.message
     await dep.close()
 
 
@@ -282,6 +283,7 @@ async def test_a_session_beyond_max_lag_is_told_binding_stale_and_its_version_is
     with pytest.raises(BindingStale) as err:
         await s.generate(GEN)
     assert err.value.code == "BINDING_STALE" and "max_lag" in err.value.message
+    assert err.value.details["lag"] == 2 and err.value.details["max_lag"] == 1  # how far behind, against what
     with pytest.raises(BindingStale):  # a stale session never generates again
         await s.generate(GEN)
     await s.close()
@@ -361,8 +363,9 @@ async def test_a_stale_group_retires_together():
     for member in (a, b):  # b never generated: it would have bound A, now retiring
         with pytest.raises(BindingStale):
             await member.generate(GEN)
-    with pytest.raises(BindingStale, match="stale group retires together"):
+    with pytest.raises(BindingStale, match="stale group retires together") as err:
         await dep.session("c", group="G").generate(GEN)
+    assert (err.value.details["lag"], err.value.details["max_lag"], str(err.value.details["default"])) == (1, 0, "1-B")
     await dep.settle()
     assert version(dep, "A").state is VersionState.RECLAIMED
     await dep.close()

@@ -138,10 +138,11 @@ async def test_capacity_refusal_and_supersession_are_told():
     session = dep.session("s1")
     await session.generate(GEN)
     await dep.publish(lora_snapshot(2), "B")  # A retires, its session keeps it: both slots are held
-    with pytest.raises(CapacityError):
+    with pytest.raises(CapacityError) as refused:
         await dep.publish(lora_snapshot(3), "C")
     failed = [e for e in seen if isinstance(e, PublishFailed)]
     assert [(str(e.version), e.code) for e in failed] == [("1-C", "CAPACITY_ERROR")]
+    assert len(refused.value.message) > 300 and failed[0].reason == refused.value.message  # whole: the fix it names reaches the log
     import asyncio
 
     waiting = asyncio.ensure_future(dep.publish(lora_snapshot(4), "D", wait=30))

@@ -74,7 +74,8 @@ def _refuse_if_ending(record: SessionRecord, what: str) -> None:
             f"{what} refused — start a new session", session=record.key,
         )
     if record.state in ENDING:
-        raise SessionClosed(f"session {record.key} is {record.state.value}; {what} refused")
+        raise SessionClosed(f"session {record.key} is {record.state.value}; {what} refused — open a new session "
+                            "(dep.session(id) again starts a new lifecycle of the id)", session=record.key)
 
 
 def opened(record: SessionRecord | None, key: SessionKey) -> SessionRecord:

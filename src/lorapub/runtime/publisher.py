@@ -244,7 +244,8 @@ class Publisher:
             self.events(PublishSuperseded(key, e.details.get("by"), float(e.details.get("waited", 0.0))))
             raise
         except LorapubError as e:
-            self.events(PublishFailed(key, e.code, e.message[:300], self.clock.monotonic() - started))
+            # the whole message: its last sentence says what to do, and a cut log line would lose it
+            self.events(PublishFailed(key, e.code, e.message, self.clock.monotonic() - started))
             raise
         except asyncio.CancelledError:
             self.events(PublishFailed(key, "CANCELLED", "the publish call was cancelled; its attempt is aborted "
@@ -381,8 +382,11 @@ class Publisher:
                 result = await self._reserve(attrs.evolve(command, wait=remaining if remaining > 0 else None))
             except PublicationSuperseded as e:
                 waited = self.clock.monotonic() - started
+                # a call refused at once (its version was superseded before this call) never waited
+                said = (f" (it waited {waited:.2f}s for: {waited_for.describe()})" if waited_for else
+                        f" (it waited {waited:.2f}s)" if waited >= 0.005 else "")
                 raise PublicationSuperseded(
-                    f"{e.message} (it waited {waited:.2f}s" + (f" for: {waited_for.describe()})" if waited_for else ")"),
+                    f"{e.message}{said}",
                     **e.details, waited=waited,
                 ) from None
             except (CapacityError, PublicationBlocked) as e:

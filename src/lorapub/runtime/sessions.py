@@ -176,13 +176,16 @@ class Session:
                 f"and its version ref was released; {what} refused — start a new session", session=self.key,
             )
         if self.state is LocalState.STALE:
+            fleet = self.service.fleet
             raise BindingStale(
                 f"session {self.key} is stale: its version fell more than max_lag commits behind the default and "
                 f"its ref was released; {what} refused — start a new session", session=self.key,
                 version=self.binding.version if self.binding else None,
+                lag=fleet.lag(self.binding) if self.binding else None, max_lag=fleet.max_lag,
             )
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
-            raise SessionClosed(f"session {self.key} is {self.state.value}; {what} refused")
+            raise SessionClosed(f"session {self.key} is {self.state.value}; {what} refused — open a new session "
+                                "(dep.session(id) again starts a new lifecycle of the id)", session=self.key)
 
     def _became_stale(self) -> None:
         if self.state in LIVE:
@@ -350,7 +353,10 @@ class Session:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # our caller was cancelled: let that propagate
-            raise SessionClosed(f"session {self.key} closed; its in-flight request was aborted") from None
+            # the request's connection was dropped; SGLang aborts a request whose client went away
+            raise SessionClosed(f"session {self.key} was closed while this request ran: lorapub dropped the request "
+                                "(the engine stops it when it sees the connection close) and its tokens are lost — "
+                                "retry the turn in a new session", session=self.key) from None
 
     @property
     def busy(self) -> bool:

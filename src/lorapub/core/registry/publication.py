@@ -119,7 +119,8 @@ def reserve(
     if existing is not None:
         if existing.digest != digest:
             raise VersionConflict(
-                f"version {key} already has digest {existing.digest[:12]}…, not {digest[:12]}…",
+                f"version {key} already has digest {existing.digest[:12]}…, not {digest[:12]}…: a version id names "
+                "one snapshot — publish this snapshot under a new version id (a retry must send the same snapshot)",
                 version=key,
             )
         if existing.state in (VersionState.RECLAIMING, VersionState.RECLAIMED):

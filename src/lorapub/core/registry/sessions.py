@@ -80,7 +80,14 @@ def _refuse_if_stale(state: RegistryState, record: SessionRecord) -> None:
     if why is not None:
         hint = (" — it rebinds to the default at its next generation" if state.on_stale == "rebind"
                 else "; its ref was released and it generates no more — start a new session")
-        raise BindingStale(f"session {record.key}: {why}{hint}", session=record.key, version=record.version)
+        raise BindingStale(f"session {record.key}: {why}{hint}", session=record.key, version=record.version,
+                           **_lag_details(state, _version_of(record)))
+
+
+def _lag_details(state: RegistryState, version: VersionKey) -> dict[str, object]:
+    """What a BindingStale's details carry beside the session: how far behind, against what rule."""
+    return {"lag": state.versions[version].lag(state.default_revision), "max_lag": state.max_lag,
+            "default": state.default}
 
 
 def _refuse_if_suspect(state: RegistryState, default: VersionKey, record: SessionRecord | None,
@@ -164,7 +171,7 @@ def bind_first(state: RegistryState, key: SessionKey, now: float | None = None, 
                 raise BindingStale(
                     f"session {key}: its group {gid!r} is bound to {g.version}, {lag} commits behind the default "
                     f"(max_lag {state.max_lag}); a stale group retires together — start a new group",
-                    session=key, version=g.version,
+                    session=key, version=g.version, **_lag_details(state, _version_of(g)),
                 )
             g, release = grp.rebound(g, default)
             state = _add_ref(_drop_ref(state, release), default)

@@ -1,0 +1,57 @@
+"""A refusal names the next step (what to call, with what), not only what went wrong."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorapub import Deployment, SessionClosed, VersionConflict
+from lorapub.testing import MemoryEngine, lora_snapshot
+from tests.e2e.conftest import FAST
+
+GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+
+async def _deployment(**engine) -> Deployment:
+    return await Deployment({"e0": MemoryEngine("e0", **engine)}, epoch=1, deadlines=FAST,
+                            reconcile_interval=None).start()
+
+
+async def test_a_version_id_sent_with_another_snapshot_is_told_to_use_a_new_id():
+    dep = await _deployment()
+    await dep.publish(lora_snapshot(1), "A")
+    with pytest.raises(VersionConflict) as err:
+        await dep.publish(lora_snapshot(2), "A")
+    assert "under a new version id" in err.value.message and "same snapshot" in err.value.message
+    await dep.close()
+
+
+async def test_a_closed_session_is_told_how_to_start_again_and_the_id_can_be_used_again():
+    dep = await _deployment()
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.generate(GEN)
+    await s.close()
+    with pytest.raises(SessionClosed) as err:
+        await s.generate(GEN)
+    assert "dep.session(id) again" in err.value.message and err.value.details["session"] == s.key
+    again = dep.session("s")  # what the message says works: a new lifecycle of the same id
+    assert again is not s and (await again.generate(GEN))["lorapub"]["version_id"] == "A"
+    await dep.close()
+
+
+async def test_a_request_cut_by_close_says_its_tokens_are_lost_and_to_retry_in_a_new_session():
+    dep = await _deployment(generate_seconds=5.0)
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.open()
+    running = asyncio.ensure_future(s.generate(GEN))
+    while not s.busy:
+        await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(s.close())
+    with pytest.raises(SessionClosed) as err:
+        await asyncio.wait_for(running, 5)
+    await closing
+    assert "tokens are lost" in err.value.message and "new session" in err.value.message
+    await dep.close()
