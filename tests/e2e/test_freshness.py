@@ -441,3 +441,28 @@ async def test_a_session_of_a_closed_deployment_refuses_new_turns():
         dep.session("s2")
     with pytest.raises(DeploymentClosed, match="Deployment is closed"):
         await dep.publish(lora_snapshot(2), "B")
+
+
+async def test_a_refused_start_leaves_no_connection_open_and_can_be_retried_with_the_same_adapters():
+    double = await SGLangDouble("e0", max_loaded_loras=3, max_loras_per_batch=3).start()
+    engine = SGLangWireEngine("e0", double.url)
+    try:
+        dep = Deployment({"e0": engine}, epoch=1, capacity=3, deadlines=FAST, reconcile_interval=None)
+        with pytest.raises(EngineCapacityError) as err:  # 3 batch slots pin at most 2
+            await dep.start()
+        http = engine.client.current_http
+        assert http is None or http.closed  # nothing the caller could never close is left open
+        # the adapter is still usable: a deployment that fits starts with it and closes it
+        ok = await Deployment({"e0": engine}, epoch=1, capacity=2, deadlines=FAST, reconcile_interval=None).start()
+        await ok.publish(lora_snapshot(1), "A")
+        await ok.close()
+        assert engine.client.current_http is not None and engine.client.current_http.closed
+    finally:
+        await engine.close()
+        await double.stop()
+
+
+async def test_capacity_two_is_not_told_to_lower_capacity():
+    with pytest.raises(EngineCapacityError) as err:
+        await deployment(capacity=2, slots=2)  # 2 batch slots pin at most 1
+    assert "or lower capacity" not in err.value.message and "least lorapub runs with" in err.value.message

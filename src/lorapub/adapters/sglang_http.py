@@ -186,6 +186,12 @@ class OwnedHTTPSession:
         if self._own_http and self._http is not None:
             await self._http.close()
 
+    async def release(self) -> None:
+        """Close the connections of lorapub's own session but stay usable (the next call opens a new
+        session): what a refused ``Deployment.start()`` does, so that a retry of it leaks nothing."""
+        if self._own_http and self._http is not None and not self._http.closed:
+            await self._http.close()
+
 
 class SGLangHTTP(OwnedHTTPSession):
     """One SGLang server's HTTP API. A request with no (complete) answer is :class:`OutcomeUnknown`.
@@ -364,6 +370,10 @@ class SGLangAdminBase:
     async def close(self) -> None:
         await self.client.close()
 
+    async def release(self) -> None:
+        """Close the client's own connections; the adapter stays usable (see OwnedHTTPSession.release)."""
+        await self.client.release()
+
     async def state(self) -> dict[str, Any]:
         return await self.client.state()
 
@@ -459,6 +469,10 @@ class SGLangOverwriteAdmin:
 
     async def close(self) -> None:
         await self.client.close()
+
+    async def release(self) -> None:
+        """Close the client's own connections; the adapter stays usable (see OwnedHTTPSession.release)."""
+        await self.client.release()
 
     async def pause_generation(self) -> None:
         await self.client.admin("/pause_generation", {"mode": "abort"})

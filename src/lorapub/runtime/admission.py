@@ -121,7 +121,8 @@ async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: 
             f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
             f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "
             f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
-            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more), or lower capacity",
+            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)"
+            + (", or lower capacity" if capacity > 2 else " (capacity 2 is the least lorapub runs with)"),
             engine=name, limits=limits, capacity=capacity,
         )
 

@@ -200,19 +200,13 @@ class Deployment:
             raise AlreadyStarted("this Deployment is already started; a second start() would drop its live sessions")
         if self._closed:
             raise AlreadyStarted("this Deployment was closed; build a new one")
-        if self.registry is None:
-            incarnations = {name: await incarnation_of(name, engine, self.deadlines.begin)
-                            for name, engine in self.engines.items()}
-            self.registry = LocalRegistry(
-                self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
-                tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
-                name_prefix=self.name_prefix or MANAGED_PREFIX, avoid_suspect=self.avoid_suspect,
-            )
-        fleet = (await self.registry.handle(ReadFleet())).reply
-        self._check_shared_settings(fleet)
-        for name, engine in sorted(self.engines.items()):
-            await check_limits(name, engine, fleet.capacity, self.deadlines.begin)
-            await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
+        try:
+            fleet = await self._admit()
+        except BaseException:
+            # refused (an engine down, too small, a settings clash): nothing started, and no connection
+            # is left open; the adapters stay usable, so start() may be called again once it is fixed
+            await self._release_engines()
+            raise
         # The parts, each given what it works with, in the order they depend on each other: one
         # owner of background tasks, one fleet view (engine lives, who holds what, the wakeups), the
         # registry as the parts see it (every decision timed and told to the observers).
@@ -252,6 +246,34 @@ class Deployment:
         if self.status_address is not None:
             await self._serve_status(*self.status_address)
         return self
+
+    async def _admit(self) -> Fleet:
+        """The registry (made here unless one was given) and the checks every engine must pass first."""
+        if self.registry is None:
+            incarnations = {name: await incarnation_of(name, engine, self.deadlines.begin)
+                            for name, engine in self.engines.items()}
+            self.registry = LocalRegistry(
+                self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
+                tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
+                name_prefix=self.name_prefix or MANAGED_PREFIX, avoid_suspect=self.avoid_suspect,
+            )
+        fleet = (await self.registry.handle(ReadFleet())).reply
+        self._check_shared_settings(fleet)
+        for name, engine in sorted(self.engines.items()):
+            await check_limits(name, engine, fleet.capacity, self.deadlines.begin)
+            await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
+        return fleet
+
+    async def _release_engines(self) -> None:
+        if not self.own_engines:
+            return
+        for engine in self.engines.values():
+            release = getattr(engine, "release", None)
+            if release is not None:
+                try:
+                    await release()
+                except Exception as e:  # noqa: BLE001 - best effort: the refusal is what the caller must see
+                    log.warning("releasing engine %s: %s", getattr(engine, "name", "?"), e)
 
     async def _serve_status(self, host: str, port: int) -> None:
         from lorapub.runtime.status_server import StatusServer  # aiohttp's server: only when asked for
