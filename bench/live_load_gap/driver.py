@@ -9,8 +9,9 @@ switch interval while a preparation runs, "patched-image" the patched server bui
 "patched-ungated" the patched server whose preparing thread does not step aside for prefill batches,
 "patched-batch-gate" the patched server whose gate stays closed until the scheduler's next loop iteration
 -- what "patched" was in every run kept in 2026-12-03-load-gap; since 2026-12-06 "patched" steps aside only
-while a prefill is launched, so keep its runs in a new folder -- and "patched-budget150" the patched server
-whose preparations wait for prefills at most 150 ms in all).
+while a prefill is launched, so keep its runs in a new folder -- "patched-budget150" the patched server
+whose preparations wait for prefills at most 150 ms in all, the default since 2026-12-06 (named apart so the
+runs before it read the same), and "patched-budget1000" at most 1 s, the default before).
 STALL_REPS / STALL_REPS32: loads of B (default 3) and of B32 (default 2) per server.
 With "unpatched" among them, a numerics check compares every other server's greedy outputs with it."""
 import asyncio, json, os, re, signal, subprocess, sys, time, urllib.request
@@ -73,7 +74,9 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
          "patched-batch-gate": {"port": 30005, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                                 "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="batch")},
          "patched-budget150": {"port": 30006, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
-                               "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS="150")}}
+                               "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS="150")},
+         "patched-budget1000": {"port": 30007, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                                "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS="1000")}}
 REPS, REPS32 = int(os.environ.get("STALL_REPS", "3")), int(os.environ.get("STALL_REPS32", "2"))
 PER_SERVER_S = 10 + gap_bench.REP_S * (REPS + REPS32)  # warm-up, then each repetition
 ORDER = list(dict.fromkeys(n.strip() for n in os.environ.get("STALL_ORDER", "unpatched,patched").split(",") if n.strip()))

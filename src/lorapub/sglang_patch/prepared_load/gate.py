@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from .settings import DEFAULT_GATE_BUDGET_S
+
 __all__ = ["PrefillGate"]
 
 
@@ -29,7 +31,7 @@ class PrefillGate:
     """
 
     def __init__(self, enabled: bool = True, max_wait_s: float = 0.1, slice_s: float = 0.005,
-                 budget_s: float = 1.0) -> None:
+                 budget_s: float = DEFAULT_GATE_BUDGET_S) -> None:
         self.enabled = enabled
         self.max_wait_s, self.slice_s, self.budget_s = max_wait_s, slice_s, budget_s
         self._open = threading.Event()

@@ -7,7 +7,7 @@ import os
 
 from lorapub.sglang_patch.env import env_number
 
-__all__ = ["ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget", "gate_scope",
+__all__ = ["DEFAULT_GATE_BUDGET_S", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget", "gate_scope",
            "switch_interval"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
@@ -27,8 +27,12 @@ IMAGE_ENV = "LORAPUB_SGLANG_SLOT_IMAGE"
 #: scheduler's next loop iteration (the earlier rule, kept to reproduce its measurements); "0" or "off", never.
 GATE_ENV = "LORAPUB_SGLANG_PREPARE_GATE"
 #: Milliseconds one preparation waits for prefills in all before it stops stepping aside (default
-#: 1000): a lower cap bounds a load's latency under back-to-back prefills, at the GIL cost the gate saves.
+#: 150): a lower cap bounds a load's latency under back-to-back prefills, at the GIL cost the gate saves.
 GATE_BUDGET_ENV = "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"
+#: 150 ms, not the earlier 1 s: live, a load's decode gaps stayed within 5 ms of the control with either
+#: (docs/benchmarks.md, Part 5), and only 150 ms brought a new version's first token under 0.75 s on
+#: the online workload (1 s: 1.8 s, its loads waiting up to the whole second behind prefills).
+DEFAULT_GATE_BUDGET_S = 0.15
 
 
 def enabled() -> bool:
@@ -54,7 +58,7 @@ def switch_interval() -> float | None:
     return None if us is None else us / 1e6
 
 
-def gate_budget(default_s: float = 1.0) -> float:
+def gate_budget(default_s: float = DEFAULT_GATE_BUDGET_S) -> float:
     """``GATE_BUDGET_ENV`` in seconds; ``default_s`` when unset or not a number >= 0 (logged)."""
     ms = env_number(GATE_BUDGET_ENV, float, lambda n: n >= 0, "a number of milliseconds >= 0",
                     f"the default {1e3 * default_s:g} ms holds", logger)
