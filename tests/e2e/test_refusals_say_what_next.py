@@ -55,3 +55,15 @@ async def test_a_request_cut_by_close_says_its_tokens_are_lost_and_to_retry_in_a
     await closing
     assert "tokens are lost" in err.value.message and "new session" in err.value.message
     await dep.close()
+
+
+async def test_publishing_a_retired_version_again_is_a_retry_that_never_makes_it_the_default():
+    dep = await _deployment()
+    first = await dep.publish(lora_snapshot(1), "A")
+    await dep.session("on-a").generate(GEN)  # keeps A (RETIRED, not reclaimed) once B is the default
+    await dep.publish(lora_snapshot(2), "B")
+    again = await dep.publish(lora_snapshot(1), "A")  # e.g. a trainer retrying after a lost reply
+    assert again.reused and again.receipt == first.receipt and again.state.value == "RETIRED"
+    out = await dep.session("s").generate(GEN)
+    assert out["lorapub"]["version_id"] == "B"  # the default is still the newer version
+    await dep.close()

@@ -433,7 +433,12 @@ class Deployment:
         failing at once with ``CAPACITY_ERROR``/``PUBLICATION_BLOCKED``; a newer publication
         supersedes a waiting one (``SUPERSEDED``, naming it). The report says how long it waited
         and for what. ``progress``: called with a :class:`~lorapub.events.PublishProgress` (bytes
-        sent per engine, and the phase) as the publication moves."""
+        sent per engine, and the phase) as the publication moves.
+
+        The same id with the same snapshot again is a safe retry (a lost reply, a restarted trainer):
+        it joins or returns that publication (``reused=True``), with the version's state now —
+        ``RETIRED`` once a newer version became the default, which a retry never undoes. Another
+        snapshot under the id is ``VERSION_CONFLICT``; an id already reclaimed, ``VERSION_RECLAIMING``."""
         self._require_started()
         if not wait:
             await self._settle_briefly()
