@@ -5,10 +5,10 @@ others idle. Run with the image's python, no PYTHONPATH.
 Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 560), STALL_SITE (the
 SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (which servers, in
 measuring order: "unpatched,patched" by default; "patched-switch" is the patched server with a 100 us GIL
-switch interval while a preparation runs, "patched-image" the patched server building slot images,
+switch interval while a preparation runs, "patched-image" the patched server building slot images (both with the default gate),
 "patched-ungated" the patched server whose preparing thread does not step aside for prefill batches,
-"patched-batch-gate" the patched server whose gate stays closed until the scheduler's next loop iteration
--- what "patched" was in every run kept in 2026-12-03-load-gap; since 2026-12-06 "patched" steps aside only
+"patched-batch-gate" the patched server whose gate stays closed until the scheduler's next loop iteration,
+budget 1 s -- what "patched" was in every run kept in 2026-12-03-load-gap; since 2026-12-06 "patched" steps aside only
 while a prefill is launched, so keep its runs in a new folder -- "patched-budget150" the patched server
 whose preparations wait for prefills at most 150 ms in all, the default since 2026-12-06 (named apart so the
 runs before it read the same), and "patched-budget1000" at most 1 s, the default before).
@@ -70,9 +70,11 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
                            "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")},
          "patched-ungated": {"port": 30004, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                              "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="0")},
-         # the gate closed until the next loop iteration (the rule of runs 7-9), and a 150 ms budget
+         # the gate closed until the next loop iteration, budget 1 s (the rule of runs 7-9); then the
+         # default gate with a 150 ms budget (the default since 2026-12-06) and with 1 s (the default before)
          "patched-batch-gate": {"port": 30005, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
-                                "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="batch")},
+                                "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="batch",
+                                            LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS="1000")},
          "patched-budget150": {"port": 30006, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                                "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS="150")},
          "patched-budget1000": {"port": 30007, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],

@@ -28,7 +28,12 @@ __all__ = [
 
 @runtime_checkable
 class EngineAdmin(Protocol):
-    """One serving engine (E0, E1…), addressed by its stable ``name``."""
+    """One serving engine (E0, E1…), addressed by its stable ``name``.
+
+    Beyond this protocol an adapter may have ``async close()`` (called when its deployment closes,
+    with ``own_engines=True``) and ``async release()``: close its connections but stay usable, called
+    when ``Deployment.start()`` or ``add_engine`` refuses it, so a refusal leaks nothing and the same
+    adapter may be offered again. Without ``release()`` a refused adapter keeps what it opened."""
 
     name: str
 

@@ -81,6 +81,22 @@ async def test_an_engine_too_small_for_the_capacity_is_refused_naming_it():
     await dep.close()
 
 
+async def test_an_engine_refused_at_join_leaks_no_connection_and_stays_usable(engines, transport):
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, transport=transport, reconcile_interval=None).start()
+    double = await SGLangDouble("small", max_loaded_loras=2, max_loras_per_batch=2).start()
+    engine = SGLangWireEngine("small", double.url)
+    try:
+        with pytest.raises(EngineCapacityError):
+            await dep.add_engine(engine)  # 2 batch slots pin 1, capacity is 2
+        assert engine.client.current_http is None or engine.client.current_http.closed
+        # the adapter is still usable: the same object answers (a session is opened again)
+        assert (await engine.limits()).max_loaded_loras == 2
+    finally:
+        await engine.close()
+        await double.stop()
+        await dep.close()
+
+
 async def test_a_join_during_a_publication_is_in_it_or_loaded_after_it():
     dep = await memory_deployment()
     await dep.publish(lora_snapshot(1), "A")

@@ -284,6 +284,7 @@ async def test_a_session_beyond_max_lag_is_told_binding_stale_and_its_version_is
         await s.generate(GEN)
     assert err.value.code == "BINDING_STALE" and "max_lag" in err.value.message
     assert err.value.details["lag"] == 2 and err.value.details["max_lag"] == 1  # how far behind, against what
+    assert str(err.value.details["default"]) == "1-C"
     with pytest.raises(BindingStale):  # a stale session never generates again
         await s.generate(GEN)
     await s.close()
@@ -462,7 +463,13 @@ async def test_a_refused_start_leaves_no_connection_open_and_can_be_retried_with
         await double.stop()
 
 
-async def test_capacity_two_is_not_told_to_lower_capacity():
+@pytest.mark.parametrize("capacity, slots, max_lag, told", [
+    (2, 2, None, " (capacity 2 is the least lorapub runs with)"),  # 2 batch slots pin 1: no lower capacity
+    (4, 4, None, ", or lower capacity to 3"),
+    (4, 4, 1, ", or lower capacity to 3"),  # 3 still serves max_lag 1
+    (4, 4, 2, ", or lower capacity and max_lag together (capacity 3 serves max_lag=1 at most)"),
+])
+async def test_engine_capacity_suggests_only_a_capacity_lorapub_would_accept(capacity, slots, max_lag, told):
     with pytest.raises(EngineCapacityError) as err:
-        await deployment(capacity=2, slots=2)  # 2 batch slots pin at most 1
-    assert "or lower capacity" not in err.value.message and "least lorapub runs with" in err.value.message
+        await deployment(capacity=capacity, slots=slots, max_lag=max_lag)
+    assert err.value.message.endswith(told), err.value.message

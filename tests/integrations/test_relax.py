@@ -755,3 +755,46 @@ def test_nothing_names_relaxs_gone_hooks_or_its_old_home():
     for path in files:
         text = path.read_text()
         assert not [g for g in gone if g in text], path
+
+
+async def test_a_failed_start_closes_the_adapters_it_built_and_a_retry_builds_new_ones(tmp_path):
+    double = await SGLangDouble("e0", managed_prefix="lorapub@").start()  # as engine_env() launches it
+    args = relax_args(tmp_path, enabled=True, settings={"registry": "lorapub_test_registry"})
+    pub = relax_lorapub.RelaxLorapub(args, worker_urls=[double.url], deadlines=FAST)
+    built: list = []
+    build = pub._build_engines
+
+    async def spy():
+        engines = await build()
+        built.extend(engines.values())
+        return engines
+
+    async def registry_down(engines, options):  # as a Ray registry that fails after the engines were asked
+        for engine in engines.values():
+            await engine.incarnation()
+        raise RuntimeError("the Ray cluster is unreachable")
+
+    async def no_ray(engines, options):  # this test's stand-in for a reachable Ray registry: in-process
+        return None
+
+    pub._build_engines, pub._shared_registry = spy, registry_down
+    try:
+        with pytest.raises(RuntimeError, match="unreachable"):
+            await pub.start()
+        assert built and all(e.client.current_http.closed for e in built) and pub._built_engines == []
+        pub._shared_registry = no_ray  # the cluster is back: the retry starts with adapters of its own
+        await pub.start()
+        assert len(built) == 2 and built[1] is not built[0]
+        assert (await pub.deployment.publish(lora_snapshot(1), "step1")).lora_name
+    finally:
+        await pub.aclose()
+        await double.stop()
+
+
+async def test_an_in_process_registry_is_refused_for_relaxs_own_workers(tmp_path):
+    # trainer and shards are processes of their own: registries of their own would unload each other's versions
+    args = relax_args(tmp_path, enabled=True, settings={"registry": ""})
+    pub = relax_lorapub.RelaxLorapub(args, worker_urls=["http://127.0.0.1:9"], deadlines=FAST)
+    with pytest.raises(ValueError, match="set registry: <a Ray actor name>"):
+        await pub.start()
+    await pub.aclose()

@@ -124,6 +124,27 @@ async def test_the_endpoint_serves_status_and_metrics_on_localhost_only_with_its
     assert dep.status_server._runner is None
 
 
+async def test_a_port_already_taken_is_refused_and_the_adapters_serve_the_next_deployment():
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+    from lorapub.testing import SGLangDouble
+
+    double = await SGLangDouble("e0").start()
+    engine = SGLangWireEngine("e0", double.url)
+    taken = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = taken.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(InvalidInput, match="pick another port"):
+            await Deployment({"e0": engine}, epoch=1, reconcile_interval=None, status=("127.0.0.1", port)).start()
+        assert engine.client.current_http is None or engine.client.current_http.closed  # nothing left open
+        dep = await Deployment({"e0": engine}, epoch=2, reconcile_interval=None, status=("127.0.0.1", 0)).start()
+        await dep.publish(lora_snapshot(1), "A")  # the same adapter, as the message invites
+        await dep.close()
+    finally:
+        taken.close()
+        await engine.close()
+        await double.stop()
+
+
 def test_an_endpoint_beyond_localhost_needs_a_token_and_a_bad_address_is_refused():
     with pytest.raises(InvalidInput, match="beyond localhost"):
         Deployment(_engines(), epoch=1, status=("0.0.0.0", 9464))

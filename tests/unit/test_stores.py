@@ -733,3 +733,16 @@ def test_a_failed_group_commit_applies_none_of_the_batch(tmp_path):
     answers = registry.apply_many([CloseAndRelease(sk(0)), BindFirst(sk("y"))])
     assert all(isinstance(a, StoreError) for a in answers)
     assert registry.state is state
+
+
+def test_a_stored_capacity_too_small_for_its_max_lag_resumes_with_a_warning(tmp_path, caplog):
+    import attrs
+
+    registry = LocalRegistry(EP, E, store=FileStore(str(tmp_path / "r.pickle")))
+    state = attrs.evolve(registry.state, capacity=2, max_lag=1)  # what a release before the check could store
+    registry._save(state, None)
+    registry.close()
+    with caplog.at_level("WARNING", logger="lorapub.runtime.registry"):
+        resumed = LocalRegistry(EP, E, store=FileStore(str(tmp_path / "r.pickle")))
+    assert (resumed.state.capacity, resumed.state.max_lag) == (2, 1)  # resumed, not refused
+    assert "capacity 2 cannot serve max_lag=1" in caplog.text and "capacity=3 or more" in caplog.text

@@ -470,10 +470,6 @@ class SGLangOverwriteAdmin:
     async def close(self) -> None:
         await self.client.close()
 
-    async def release(self) -> None:
-        """Close the client's own connections; the adapter stays usable (see OwnedHTTPSession.release)."""
-        await self.client.release()
-
     async def pause_generation(self) -> None:
         await self.client.admin("/pause_generation", {"mode": "abort"})
 

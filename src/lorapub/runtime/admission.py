@@ -109,8 +109,10 @@ async def answer_within(name: str, what: str, deadline: float, call: Awaitable[_
                              engine=name) from None
 
 
-async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: float) -> None:
-    """Engine ``name`` must hold ``capacity`` pinned managed versions at once (EngineCapacityError naming it)."""
+async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: float,
+                       max_lag: int | None = None) -> None:
+    """Engine ``name`` must hold ``capacity`` pinned managed versions at once (EngineCapacityError naming it).
+    The message suggests a lower capacity only where one is still allowed (2 or more, and max_lag + 2 or more)."""
     if not isinstance(engine, ReportsLimits):
         log.info("engine %s does not report its LoRA limits; capacity %d is not checked there", name, capacity)
         return
@@ -121,10 +123,30 @@ async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: 
             f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
             f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "
             f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
-            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)"
-            + (", or lower capacity" if capacity > 2 else " (capacity 2 is the least lorapub runs with)"),
+            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)" + _lower(capacity, holds, max_lag),
             engine=name, limits=limits, capacity=capacity,
         )
+
+
+async def release_adapter(engine: object) -> None:
+    """Close the connections an adapter lorapub owns has open, keeping it usable (its optional
+    ``release()``: an adapter refused at admission must leak nothing, yet may be offered again)."""
+    release = getattr(engine, "release", None)
+    if release is None:
+        return
+    try:
+        await release()
+    except Exception as e:  # noqa: BLE001 - best effort: the refusal is what the caller must see
+        log.warning("releasing engine %s: %s", getattr(engine, "name", "?"), e)
+
+
+def _lower(capacity: int, holds: int, max_lag: int | None) -> str:
+    """The other way out, where there is one: the capacity this engine holds, if lorapub allows it."""
+    if holds < 2:
+        return " (capacity 2 is the least lorapub runs with)"
+    if max_lag is None or holds >= max_lag + 2:
+        return f", or lower capacity to {holds}"
+    return f", or lower capacity and max_lag together (capacity {holds} serves max_lag={holds - 2} at most)"
 
 
 async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: float) -> None:

@@ -53,6 +53,7 @@ from lorapub.runtime.admission import (
     check_protects,
     check_status_address,
     hand_transport,
+    release_adapter,
     transport_name,
 )
 from lorapub.runtime.overwrite import OverwriteDeployment
@@ -85,7 +86,8 @@ class Deployment:
     holds one slot, a new version needs another), checked at start against what each engine can
     hold. ``max_lag``: a version more than that many commits behind the default is retiring, and
     its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move to the default at a turn
-    boundary); None keeps a session on its version for life.
+    boundary); None keeps a session on its version for life. It needs ``capacity >= max_lag + 2``
+    (the default and the ``max_lag`` versions behind it, plus one loading): less is ``INVALID_INPUT``.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
     ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
@@ -260,20 +262,14 @@ class Deployment:
         fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
         for name, engine in sorted(self.engines.items()):
-            await check_limits(name, engine, fleet.capacity, self.deadlines.begin)
+            await check_limits(name, engine, fleet.capacity, self.deadlines.begin, fleet.max_lag)
             await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
         return fleet
 
     async def _release_engines(self) -> None:
-        if not self.own_engines:
-            return
-        for engine in self.engines.values():
-            release = getattr(engine, "release", None)
-            if release is not None:
-                try:
-                    await release()
-                except Exception as e:  # noqa: BLE001 - best effort: the refusal is what the caller must see
-                    log.warning("releasing engine %s: %s", getattr(engine, "name", "?"), e)
+        if self.own_engines:
+            for engine in self.engines.values():
+                await release_adapter(engine)
 
     async def _serve_status(self, host: str, port: int) -> None:
         from lorapub.runtime.status_server import StatusServer  # aiohttp's server: only when asked for
@@ -284,7 +280,9 @@ class Deployment:
         try:
             self.status_server = await server.start()
         except OSError as e:
-            await self.close()
+            # refused: what started stops, and the adapters stay usable for the Deployment built next
+            await self._shutdown()
+            await self._release_engines()
             raise InvalidInput(f"the status endpoint cannot bind {host}:{port}: {e}; pick another port "
                                "(0: any free one)") from None
 
@@ -312,6 +310,11 @@ class Deployment:
             self._closed = True
             await self._close_engines()
             return
+        await self._shutdown(grace)
+        await self._close_engines()
+
+    async def _shutdown(self, grace: float = 5.0) -> None:
+        """Stop every part start() started; the engine adapters are left to the caller."""
         self._started, self._closed = False, True
         self.sessions.closed = True
         if self.status_server is not None:
@@ -320,7 +323,6 @@ class Deployment:
         await self.reconciler.stop()  # a pass that runs finishes first
         await self.reclaimer.settle(timeout=grace)
         await self.tasks.close()  # every background task left (lease renewals, retried closes) is joined
-        await self._close_engines()
 
     async def _close_engines(self) -> None:
         if not self.own_engines:
@@ -359,7 +361,8 @@ class Deployment:
 
     @property
     def health(self) -> Health:
-        """The health report of the last reconciliation pass."""
+        """The health report of the last reconciliation pass (before the first one ends, a report whose
+        one blocker is ``starting``; ``await reconcile()`` runs a pass now)."""
         self._require_started()
         return self.reconciler.health
 

@@ -57,6 +57,7 @@ class FleetView:
         # the registry's latest view (None: not read yet, every engine is a candidate)
         self._holders: dict[VersionKey, frozenset[str]] | None = None
         self.default_revision = 0
+        self.default: VersionKey | None = None  # the version at default_revision, where known
         self._view_revision = -1  # the default revision of the last view
         self.retiring: frozenset[VersionKey] = frozenset()
         self.max_lag: int | None = None  # the registry's, as its last view said
@@ -159,6 +160,8 @@ class FleetView:
         if fleet.now is not None:
             self.registry_time.set(fleet.now)
         self._view_revision = fleet.default_revision
+        if fleet.default_revision >= self.default_revision:
+            self.default = fleet.default
         self.default_revision = max(self.default_revision, fleet.default_revision)
         self.retiring = frozenset(fleet.retiring)
         self.max_lag = fleet.max_lag
@@ -169,6 +172,8 @@ class FleetView:
         self._holders = dict(holders)
 
     def note_binding(self, binding: Binding) -> None:
+        if binding.revision > self.default_revision:  # a bind lands on the default of its moment
+            self.default = binding.version
         self.default_revision = max(self.default_revision, binding.revision)
 
     def holders(self, version: VersionKey) -> frozenset[str] | None:

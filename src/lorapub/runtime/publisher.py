@@ -382,9 +382,9 @@ class Publisher:
                 result = await self._reserve(attrs.evolve(command, wait=remaining if remaining > 0 else None))
             except PublicationSuperseded as e:
                 waited = self.clock.monotonic() - started
-                # a call refused at once (its version was superseded before this call) never waited
-                said = (f" (it waited {waited:.2f}s for: {waited_for.describe()})" if waited_for else
-                        f" (it waited {waited:.2f}s)" if waited >= 0.005 else "")
+                # a call refused at once (its version was superseded before this call) never waited,
+                # however long the registry took to say so
+                said = f" (it waited {waited:.2f}s for: {waited_for.describe()})" if waited_for else ""
                 raise PublicationSuperseded(
                     f"{e.message}{said}",
                     **e.details, waited=waited,

@@ -9,6 +9,7 @@ point in between, so it is a correct single writer under asyncio and inside a Ra
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -21,6 +22,8 @@ from lorapub.core.session_table import SessionTable
 from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreError
 from lorapub.ports import RegistryStore
 from lorapub.runtime.clock import RegistryClock
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MemoryStore", "LocalRegistry"]
 
@@ -93,6 +96,12 @@ class LocalRegistry:
             self._state = attrs.evolve(loaded)
         else:
             self._state = loaded
+        if loaded is not None and self._state.max_lag is not None and self._state.capacity < self._state.max_lag + 2:
+            # stored before such settings were refused: it resumes (refusing would strand its sessions),
+            # but every publication will wait for sessions to end, so the operator is told how to fix it
+            log.warning("registry store %s: capacity %d cannot serve max_lag=%d (publications wait for sessions "
+                        "to end); start the next epoch with capacity=%d or more, or max_lag=%d or less", where,
+                        self._state.capacity, self._state.max_lag, self._state.max_lag + 2, self._state.capacity - 2)
         self.transitions = 0
 
     @property

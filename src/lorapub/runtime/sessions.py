@@ -181,7 +181,7 @@ class Session:
                 f"session {self.key} is stale: its version fell more than max_lag commits behind the default and "
                 f"its ref was released; {what} refused — start a new session", session=self.key,
                 version=self.binding.version if self.binding else None,
-                lag=fleet.lag(self.binding) if self.binding else None, max_lag=fleet.max_lag,
+                lag=fleet.lag(self.binding) if self.binding else None, max_lag=fleet.max_lag, default=fleet.default,
             )
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
             raise SessionClosed(f"session {self.key} is {self.state.value}; {what} refused — open a new session "

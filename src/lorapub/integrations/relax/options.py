@@ -154,7 +154,8 @@ class LorapubConfig:
     transport: str = "auto"
     #: Address the engines reach rank 0 at for gloo/nccl (default: this host's address).
     transport_host: str | None = None
-    #: Ray actor name of lorapub's registry shared by the trainer and every shard ("": in-process).
+    #: Ray actor name of lorapub's registry shared by the trainer and every shard ("": in-process, for
+    #: engines given to RelaxLorapub in one process; refused where lorapub builds them from Relax's workers).
     registry: str = "lorapub_relax_registry"
     #: A SQLite file for the registry's decisions (durable across a registry restart); None: in memory.
     registry_store: str | None = None

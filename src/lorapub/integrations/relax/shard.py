@@ -93,6 +93,23 @@ class RelaxLorapub:
         return self
 
     async def _start_once(self) -> None:
+        try:
+            await self._start_deployment()
+        except BaseException:
+            # a failed start is retried with adapters built afresh: the ones built here leak nothing
+            built, self._built_engines = self._built_engines, []
+            for engine in built:
+                await engine.close()
+            raise
+
+    async def _start_deployment(self) -> None:
+        if not self.config.registry and self._registry is None and self._given_engines is None:
+            # Relax runs its trainer and each rollout shard in processes of their own: registries of
+            # their own, under one epoch, would each take the other's versions for orphans and unload them
+            raise ValueError(
+                "lorapub registry: \"\" (in-process) cannot serve Relax's workers: the trainer and every "
+                "shard run in processes of their own, and each would unload the versions the others publish "
+                "and bind — set registry: <a Ray actor name> (the default, lorapub_relax_registry)")
         engines = self._given_engines if self._given_engines is not None else await self._build_engines()
         if not engines:
             raise RuntimeError("lorapub needs at least one SGLang worker")

@@ -29,9 +29,10 @@ GATE_ENV = "LORAPUB_SGLANG_PREPARE_GATE"
 #: Milliseconds one preparation waits for prefills in all before it stops stepping aside (default
 #: 150): a lower cap bounds a load's latency under back-to-back prefills, at the GIL cost the gate saves.
 GATE_BUDGET_ENV = "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"
-#: 150 ms, not the earlier 1 s: live, a load's decode gaps stayed within 5 ms of the control with either
-#: (docs/benchmarks.md, Part 5), and only 150 ms brought a new version's first token under 0.75 s on
-#: the online workload (1 s: 1.8 s, its loads waiting up to the whole second behind prefills).
+#: 150 ms, not the earlier 1 s: live, a load's decode gaps stayed within a few ms of the control with
+#: either (docs/benchmarks.md, Part 5: pooled medians +1.6 and +0.1 ms), and in the online runs so far
+#: only 150 ms brought a new version's first token under 0.75 s (1 s: 1.8 s, its loads waiting up to
+#: the whole second behind prefills).
 DEFAULT_GATE_BUDGET_S = 0.15
 
 
