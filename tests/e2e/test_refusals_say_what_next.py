@@ -67,3 +67,19 @@ async def test_publishing_a_retired_version_again_is_a_retry_that_never_makes_it
     out = await dep.session("s").generate(GEN)
     assert out["lorapub"]["version_id"] == "B"  # the default is still the newer version
     await dep.close()
+
+
+async def test_slots_kept_only_by_an_engine_that_does_not_confirm_are_named_with_the_way_out():
+    from lorapub import CapacityError
+
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1")}
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, reconcile_interval=None, reclaim_retries=0).start()
+    await dep.publish(lora_snapshot(1), "A")
+    engines["e1"].fail_next("reclaim", "reply", count=1000)  # e1 stops answering its unloads
+    await dep.publish(lora_snapshot(2), "B")  # A retires, no session keeps it: its reclaim waits on e1
+    with pytest.raises(CapacityError) as err:
+        await dep.publish(lora_snapshot(3), "C")
+    assert err.value.details["held_by_sessions"] == 0 and err.value.details["waiting_on_engines"] == ["e1"]
+    assert "No session keeps them: they wait for e1" in err.value.message
+    assert "remove_engine" in err.value.message
+    await dep.close()

@@ -798,3 +798,26 @@ async def test_an_in_process_registry_is_refused_for_relaxs_own_workers(tmp_path
     with pytest.raises(ValueError, match="set registry: <a Ray actor name>"):
         await pub.start()
     await pub.aclose()
+
+
+@pytest.mark.parametrize("details, status", [
+    ({"held_by_sessions": 2, "waiting_on_engines": []}, "deferred"),  # sessions keep the slots: a later step
+    ({"held_by_sessions": 1, "waiting_on_engines": ["e1"]}, "deferred"),  # sessions too: they will free one
+    ({"held_by_sessions": 0, "waiting_on_engines": ["e1"]}, "failed"),  # only an engine that does not confirm
+])
+def test_a_step_whose_slots_only_an_unconfirming_engine_keeps_fails_instead_of_waiting_for_ever(
+        tmp_path, details, status):
+    import concurrent.futures
+    import types
+
+    from lorapub import CapacityError
+    from lorapub.integrations.relax.trainer import LorapubWeightPath, PublishOutcome
+
+    backend = types.SimpleNamespace(args=relax_args(tmp_path, enabled=True))
+    path = LorapubWeightPath(backend, None, original=lambda *a: None, rank=lambda: 0, background=True)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(CapacityError("2 managed version slots are held", **details))
+    outcome = PublishOutcome("step3", "d" * 64)
+    path._settled(outcome, future, background=True)
+    assert outcome.status == status
+    assert path._take_background_failures() == (status == "failed")  # raised on every rank at the next update

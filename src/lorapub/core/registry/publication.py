@@ -86,12 +86,29 @@ def _blocked_advice(blocker: Attempt) -> str:
 
 
 def _capacity_advice(state: RegistryState) -> str:
-    return (
-        f"{state.capacity} managed version slots are held: "
-        + "; ".join(h.describe() for h in state.slot_holders())
-        + ". publish(..., wait=seconds) waits for a slot (a newer publication supersedes a waiting one); "
+    holders = state.slot_holders()
+    held = f"{state.capacity} managed version slots are held: " + "; ".join(h.describe() for h in holders) + ". "
+    engines = sorted({e for h in holders for e in h.waits_on_engines})
+    if engines and not any(h.session_refs for h in holders if h.state is not VersionState.PUBLISHED):
+        # no session keeps a slot: only engines that have not confirmed an unload or a cleanup do
+        return held + (
+            f"No session keeps them: they wait for {', '.join(engines)} to confirm. A reachable engine does "
+            "within seconds (publish(..., wait=seconds) waits for it); one that stays unreachable keeps the "
+            "slot until it answers again or Deployment.remove_engine(name) removes it (health names it "
+            "engine_unreachable)"
+        )
+    return held + (
+        "publish(..., wait=seconds) waits for a slot (a newer publication supersedes a waiting one); "
         "Deployment(max_lag=k) bounds how long sessions keep old versions; Deployment(capacity=N) holds more"
     )
+
+
+def _capacity_details(state: RegistryState) -> dict[str, object]:
+    holders = state.slot_holders()
+    return {"held": [h.describe() for h in holders],
+            # what frees a slot: sessions closing, or engines confirming (Relax's trainer tells them apart)
+            "held_by_sessions": sum(1 for h in holders if h.session_refs and h.state is not VersionState.PUBLISHED),
+            "waiting_on_engines": sorted({e for h in holders for e in h.waits_on_engines})}
 
 
 def reserve(
@@ -159,7 +176,7 @@ def reserve(
             return _wait(state, key, digest, publisher, wait, now, blocker)
         if blocker is not None:
             raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token)
-        raise CapacityError(_capacity_advice(state), held=[h.describe() for h in state.slot_holders()])
+        raise CapacityError(_capacity_advice(state), **_capacity_details(state))
     # A slot is free: this call takes it. A different publication still waiting is older: superseded.
     state = _supersede_waiter(state, key)
     token = AttemptToken(key, state.attempt_seq + 1)

@@ -10,7 +10,7 @@ from pyrsistent import PMap, pmap
 
 from lorapub.core import _fields
 from lorapub.core import attempt as att
-from lorapub.core.attempt import Attempt, Phase
+from lorapub.core.attempt import Attempt, Phase, TargetState
 from lorapub.core.effects import Effect
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken, SessionKey, VersionKey, check_name_prefix
 from lorapub.core.group import GroupRecord
@@ -153,9 +153,16 @@ class RegistryState:
     def slot_holders(self) -> tuple["SlotHolder", ...]:
         return tuple(
             SlotHolder(k, v.state, v.session_refs, v.lag(self.default_revision), v.retiring,
-                       tuple(sorted(v.reclaim_pending)))
+                       tuple(sorted(v.reclaim_pending)), self._cleaning_on(v))
             for k, v in sorted(self.versions.items()) if v.holds_slot
         )
+
+    def _cleaning_on(self, version: Version) -> tuple[str, ...]:
+        """ABORTED: the engines whose cleanup of its attempt is not confirmed."""
+        if version.state is not VersionState.ABORTED:
+            return ()
+        attempt = self.attempts.get(version.attempt)
+        return tuple(sorted(t.engine for t in attempt.targets if t.state is not TargetState.CLEANED)) if attempt else ()
 
     def unresolved_attempt(self) -> Attempt | None:
         # Versions hold at most `capacity` live attempts, so this scan is tiny.
@@ -236,6 +243,12 @@ class SlotHolder:
     lag: int | None
     retiring: bool
     unloading_on: tuple[str, ...] = ()  # RECLAIMING: engines whose unload is not confirmed
+    cleaning_on: tuple[str, ...] = ()  # ABORTED: engines whose cleanup of its attempt is not confirmed
+
+    @property
+    def waits_on_engines(self) -> tuple[str, ...]:
+        """The engines whose confirmation (unload, cleanup) frees this slot; () when sessions keep it."""
+        return self.unloading_on or self.cleaning_on
 
     def describe(self) -> str:
         what = f"{self.version} {self.state.value}"
@@ -248,7 +261,7 @@ class SlotHolder:
         elif self.state is VersionState.RECLAIMING:
             what += f": unload not confirmed yet on {', '.join(self.unloading_on) or 'its engines'}"
         elif self.state is VersionState.ABORTED:
-            what += ": cleanup of its failed attempt not confirmed"
+            what += f": cleanup of its failed attempt not confirmed on {', '.join(self.cleaning_on) or 'its engines'}"
         return what
 
 

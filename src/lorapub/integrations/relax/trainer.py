@@ -144,7 +144,9 @@ class LorapubWeightPath:
       sent over lorapub's wire, with no pause and no flush. Relax's actor_fwd/reference sync still runs
       (Relax's own path with ``actor_fwd_only=True``, which pauses nothing).
     * A superseded publication (a newer step took its place while it waited for a slot) is logged; so is
-      one still waiting for a slot when the wait ends. Neither fails the step. Any other failure raises
+      one still waiting for a slot that sessions keep when the wait ends. Neither fails the step. A slot
+      that no session keeps, only engines that do not confirm an unload or cleanup (one unreachable, say),
+      fails it: a later step would find the same. That and any other failure raises
       :class:`WeightPublicationFailed` on every rank (``share_verdict``: a MAX over the ranks), at this
       update with ``background_publish`` off, at the next one with it on.
     """
@@ -249,16 +251,28 @@ class LorapubWeightPath:
         except PublicationSuperseded as e:
             outcome.status, outcome.error = "superseded", e
             log.info("lorapub: %s was superseded by a newer step before it got a slot: %s", outcome.version_id, e)
-        except (CapacityError, PublicationBlocked) as e:
+        except CapacityError as e:
+            if e.details.get("waiting_on_engines") and not e.details.get("held_by_sessions"):
+                # no session keeps a slot: engines that do not confirm an unload do, and a later step
+                # would find the same (training would go on with a stale policy and nothing raised)
+                self._failed(outcome, e, background)
+                return
             outcome.status, outcome.error = "deferred", e
             log.warning("lorapub: %s found no slot within the wait (sessions hold the versions); a later step "
                         "publishes: %s", outcome.version_id, e)
+        except PublicationBlocked as e:
+            outcome.status, outcome.error = "deferred", e
+            log.warning("lorapub: %s waited for the publication before it, which did not end within the wait; "
+                        "a later step publishes: %s", outcome.version_id, e)
         except BaseException as e:  # noqa: BLE001 - reported on every rank by the next update
-            outcome.status, outcome.error = "failed", e
-            log.error("lorapub: publishing %s failed: %r", outcome.version_id, e)
-            if background:
-                with self._lock:
-                    self._unreported.append(outcome)
+            self._failed(outcome, e, background)
+
+    def _failed(self, outcome: PublishOutcome, e: BaseException, background: bool) -> None:
+        outcome.status, outcome.error = "failed", e
+        log.error("lorapub: publishing %s failed: %r", outcome.version_id, e)
+        if background:
+            with self._lock:
+                self._unreported.append(outcome)
 
     def _take_background_failures(self) -> int:
         with self._lock:
