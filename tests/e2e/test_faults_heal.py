@@ -387,3 +387,20 @@ async def test_health_before_the_first_pass_says_starting_not_failed_and_a_pass_
         assert health.healthy and health.passes == 1, health.describe()
     finally:
         await dep.close()
+
+
+async def test_a_cleanup_not_confirmed_is_named_in_health_by_the_engine_that_owes_it():
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1")}
+    dep = await Deployment(engines, epoch=1, reconcile_interval=None, deadlines=Deadlines(begin=1.0)).start()
+    await dep.publish(lora_snapshot(1), "A")
+    engines["e1"].fail_next("begin", "error")
+    engines["e1"].fail_next("cleanup", "reply", count=1000)  # e1 never confirms the cleanup
+    from lorapub import LorapubError
+
+    with pytest.raises(LorapubError):  # B failed on e1, and its cleanup there is not confirmed
+        await dep.publish(lora_snapshot(2), "B")
+    health = await dep.reconcile(wait=0)
+    pending = [b for b in health.blockers if b.kind == "cleanup_pending"]
+    assert pending and pending[0].detail == "cleanup not confirmed on e1", health.describe()
+    engines["e1"].clear_faults()
+    await dep.close()

@@ -105,3 +105,18 @@ def test_metrics_without_prometheus_client_says_what_to_install(monkeypatch):
     monkeypatch.setattr(module, "_prom", None)
     with pytest.raises(InvalidInput, match=r"lorapub\[metrics\]"):
         module.Metrics()
+
+
+def test_a_second_metrics_on_one_registry_is_a_typed_refusal_that_leaves_the_first_intact():
+    from prometheus_client import CollectorRegistry
+
+    from lorapub.adapters.prometheus import Metrics
+    from lorapub.errors import InvalidInput
+
+    registry = CollectorRegistry()
+    first = Metrics(registry)
+    with pytest.raises(InvalidInput, match="same Metrics instance") as err:
+        Metrics(registry)
+    assert err.value.code == "INVALID_INPUT"
+    assert b"lorapub_slots_free" in first.exposition()[0]
+    assert Metrics(registry, namespace="other").registry is registry  # another namespace is allowed

@@ -176,3 +176,93 @@ async def test_the_command_reads_a_store_from_a_copy_and_leaves_it_as_it_was(tmp
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no registry store" in out.stderr
     del session
+
+
+def test_a_live_store_that_commits_between_the_copies_of_its_files_reads_whole(tmp_path, monkeypatch):
+    import shutil
+
+    from lorapub.cli import status as cli
+    from lorapub.core.commands import BindFirst
+    from tests.unit.test_stores import EP, E, publish_through, sk
+
+    path = str(tmp_path / "registry.db")
+    registry = LocalRegistry(EP, E, store=SQLiteStore(path, mark_sync_every=0))
+    publish_through(registry, "A")
+    copy, commits = shutil.copyfile, iter(range(1000))
+
+    def copy_then_commit(src, dst):  # the live registry commits a decision after every file copied
+        copy(src, dst)
+        registry.apply(BindFirst(sk(next(commits))))
+
+    monkeypatch.setattr(cli.shutil, "copyfile", copy_then_commit)
+    monkeypatch.setattr(cli, "COPY_ATTEMPTS", 1)  # the order alone must make the copy whole
+    status = cli.read_store(path)
+    assert status.default == f"{EP}-A"
+    registry.close()
+
+
+def test_a_damaged_store_is_named_by_its_own_path_not_the_copys(tmp_path):
+    from lorapub.cli.status import StatusError, read_store
+
+    path = tmp_path / "registry.db"
+    registry = LocalRegistry(1, {"e0": "i0"}, store=SQLiteStore(str(path)))
+    registry.store.close()
+    data = bytearray(path.read_bytes())
+    data[100:4096] = bytes(len(data[100:4096]))  # the schema page zeroed past the header
+    path.write_bytes(bytes(data))
+    with pytest.raises(StatusError) as err:
+        read_store(str(path))
+    assert str(path) in str(err.value) and "lorapub-status-" not in str(err.value)
+
+
+@pytest.mark.parametrize("said", ["400 [red]bad adapter[/red]", 'answered 500: {"detail": "[/lorapub/stage/end] failed"}'])
+def test_what_an_engine_says_is_shown_as_it_is_never_as_markup(said):
+    from rich.console import Console
+
+    from lorapub.cli.status import render
+    from lorapub.runtime.status import EngineStatus
+
+    status = Status(epoch=1, at=0.0, source="deployment", default=None, default_revision=0, capacity=2, slots_used=0,
+                    max_lag=None, healthy=False, blockers=(("engine_unreachable", "e0", said),), versions=(),
+                    engines=(EngineStatus("e0", "i", None, False, (), (), 0, said),), attempts=(), waiting=None,
+                    sessions_here=0, groups_here=0)
+    console = Console(width=400, record=True)
+    console.print(render(status))
+    assert said in console.export_text()
+
+
+async def test_a_registry_that_does_not_answer_is_a_typed_503_with_health_and_the_command_says_so():
+    from lorapub.core.commands import ReadFleet
+    from lorapub.testing import FaultyRegistry
+
+    engines = _engines()
+    registry = FaultyRegistry(LocalRegistry(1, {n: await e.incarnation() for n, e in engines.items()}, 2))
+    dep = await Deployment(engines, epoch=1, registry=registry, reconcile_interval=None,
+                           status=("127.0.0.1", 0)).start()
+    await dep.publish(lora_snapshot(1), "A")
+    await dep.reconcile()
+    registry.fail_next(ReadFleet, "request", count=1000)
+    try:
+        url = dep.status_server.url
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/status") as r:
+                assert r.status == 503
+                body = await r.json()
+        assert body["code"] and body["error"].startswith(body["code"]) and body["health"] == "healthy"
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "lorapub", "status", "--url", url],
+                                      capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"answered 503: {body['code']}" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    finally:
+        registry.clear_faults()
+        await dep.close()
+
+
+async def test_a_wrong_token_is_told_as_refused_not_as_missing():
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, status=("127.0.0.1", 0),
+                           status_token=TOKEN).start()
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "lorapub", "status", "--url",
+                                                   dep.status_server.url, "--token", "not-" + TOKEN],
+                                  capture_output=True, text=True, timeout=60)
+    await dep.close()
+    assert out.returncode == 2 and "refused the token given" in out.stderr, out.stderr

@@ -86,10 +86,20 @@ class Metrics:
         self.registry = registry if registry is not None else _prom.REGISTRY
         self.namespace = namespace
         kinds = {"gauge": _prom.Gauge, "counter": _prom.Counter, "histogram": _prom.Histogram}
+        made: list[Any] = []
         for attr, kind, name, labels, meaning, buckets in SERIES:
             extra = {"buckets": buckets} if buckets else {}
-            setattr(self, attr, kinds[kind](name, meaning, list(labels), namespace=namespace, registry=self.registry,
-                                            **extra))
+            try:
+                made.append(kinds[kind](name, meaning, list(labels), namespace=namespace, registry=self.registry,
+                                        **extra))
+            except ValueError as e:  # prometheus_client's "Duplicated timeseries": a second Metrics() here
+                for collector in made:  # leave the registry as it was
+                    self.registry.unregister(collector)
+                raise InvalidInput(
+                    f"lorapub's series are already registered in this prometheus registry ({e}): give every "
+                    "deployment of the process the same Metrics instance, or give this one a registry of its "
+                    "own: Metrics(prometheus_client.CollectorRegistry()), or another namespace=") from None
+            setattr(self, attr, made[-1])
         self._sent: dict[tuple[str, str], int] = {}  # (version, engine) -> bytes counted so far
 
     def exposition(self) -> tuple[bytes, str]:

@@ -52,26 +52,49 @@ def read_store(path: str) -> Status:
         raise StatusError(f"no registry store at {path}")
     with open(path, "rb") as f:
         sqlite = f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
-    with tempfile.TemporaryDirectory(prefix="lorapub-status-") as tmp:
-        copy = os.path.join(tmp, os.path.basename(path))
-        for suffix in ("", "-wal", "-mark") if sqlite else ("",):
-            if os.path.exists(path + suffix):
-                shutil.copyfile(path + suffix, copy + suffix)
-        store = SQLiteStore(copy) if sqlite else FileStore(copy)
+    for attempt in range(COPY_ATTEMPTS):
         try:
-            state = store.load()
+            state = _load_copy(path, sqlite)
+            break
         except LorapubError as e:
-            raise StatusError(f"cannot read the store {path}: {e.message}") from None
-        finally:
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            # A live store's files are copied one after the other while it commits: a copy can catch a
+            # checkpoint half done. Copied again it is whole; a store damaged for real fails every time.
+            if attempt == COPY_ATTEMPTS - 1:
+                raise StatusError(f"cannot read the store {path}: {e.message}") from None
+            time.sleep(0.05 * (attempt + 1))
     if not isinstance(state, RegistryState):
         raise StatusError(f"{path} holds no registry state (an empty store?)")
     fleet = handle(state, ReadFleet()).reply  # the registry's own queries, through its one door
     sessions_of: dict[Any, SessionsOf] = {h.version: handle(state, ReadSessionsOf(h.version)).reply
                                           for h in fleet.slots if h.state is VersionState.RETIRED and h.session_refs}
     return build_status(fleet, source=f"store {path}", sessions_of=sessions_of)
+
+
+#: How many copies of a store ``read_store`` reads before it says the store cannot be read.
+COPY_ATTEMPTS = 5
+
+
+def _load_copy(path: str, sqlite: bool) -> Any:
+    """The state in a copy of the store's files, its errors naming the store, not the copy."""
+    with tempfile.TemporaryDirectory(prefix="lorapub-status-") as tmp:
+        copy = os.path.join(tmp, os.path.basename(path))
+        # The mark first: the store writes it after each commit it acknowledges, so a mark copied
+        # before the database can only be behind it (the other order finds a mark ahead: "damaged").
+        for suffix in ("-mark", "", "-wal") if sqlite else ("",):
+            try:
+                shutil.copyfile(path + suffix, copy + suffix)
+            except FileNotFoundError:
+                pass  # no -wal after a clean close; no -mark on an older store
+        store = SQLiteStore(copy) if sqlite else FileStore(copy)
+        try:
+            return store.load()
+        except LorapubError as e:
+            e.message = e.message.replace(copy, path)
+            raise
+        finally:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
 
 
 async def fetch(url: str, token: str | None, probe: bool = True) -> Status:
@@ -83,9 +106,16 @@ async def fetch(url: str, token: str | None, probe: bool = True) -> Status:
             async with http.get(url.rstrip("/") + "/status", params={"probe": "1" if probe else "0"},
                                 headers=headers) as r:
                 if r.status == 401:
-                    raise StatusError(f"{url} wants a token: give --token or set LORAPUB_STATUS_TOKEN")
+                    raise StatusError(f"{url} refused the token given: check --token or LORAPUB_STATUS_TOKEN" if token
+                                      else f"{url} wants a token: give --token or set LORAPUB_STATUS_TOKEN")
                 if r.status != 200:
-                    raise StatusError(f"{url}/status answered {r.status}: {(await r.text())[:200]}")
+                    text = await r.text()
+                    try:
+                        said = json.loads(text)
+                        text = said["error"] + (f" (health: {said['health']})" if said.get("health") else "")
+                    except (ValueError, KeyError, TypeError):
+                        text = text[:200]
+                    raise StatusError(f"{url}/status answered {r.status}: {text}")
                 return Status.from_json(await r.json())
     except (aiohttp.ClientError, TimeoutError) as e:
         raise StatusError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
@@ -94,18 +124,22 @@ async def fetch(url: str, token: str | None, probe: bool = True) -> Status:
 def render(status: Status) -> Any:
     """The status as rich renderables (a Group): health, versions, engines, attempts."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
+    def cells(*values: str) -> list[Text]:  # what engines and sessions say is shown as it is, never as markup
+        return [Text(v) for v in values]
+
     health = {True: "[green]healthy[/]", False: "[red]not healthy[/]", None: "[dim]health unknown (no reconciler)[/]"}
     head = Text.from_markup(
-        f"[bold]lorapub[/] epoch {status.epoch} · {status.source} · default [bold]{status.default or '-'}[/] "
+        f"[bold]lorapub[/] epoch {status.epoch} · {escape(status.source)} · default [bold]{escape(status.default or '-')}[/] "
         f"(revision {status.default_revision}) · slots {status.slots_used}/{status.capacity} · "
         f"max_lag {status.max_lag if status.max_lag is not None else 'none'} · {health[status.healthy]} · "
         f"{time.strftime('%H:%M:%S', time.localtime(status.at))}")
     parts: list[Any] = [head]
     if status.waiting:
-        parts.append(Text.from_markup(f"[yellow]publication waiting for a slot: {status.waiting}[/]"))
+        parts.append(Text(f"publication waiting for a slot: {status.waiting}", style="yellow"))
     versions = Table(title="versions", title_justify="left", expand=True)
     for col in ("version", "state", "lag", "session refs", "running requests", "what blocks its reclaim"):
         versions.add_column(col)
@@ -113,8 +147,8 @@ def render(status: Status) -> Any:
         running = ", ".join(f"{e}: {n}" for e, n in v.loaded_on.items()) or "-"
         state = v.state + (" (default)" if v.default else "") + (" retiring" if v.retiring else "") \
             + (" SUSPECT" if getattr(v, "suspect", None) else "")
-        versions.add_row(v.version, state, "-" if v.lag is None else str(v.lag), str(v.session_refs), running,
-                         "\n".join(v.blocked_by) or "-")
+        versions.add_row(*cells(v.version, state, "-" if v.lag is None else str(v.lag), str(v.session_refs), running,
+                                "\n".join(v.blocked_by) or "-"))
     parts.append(versions)
     engines = Table(title="engines", title_justify="left", expand=True)
     for col in ("engine", "incarnation", "holds", "should hold", "running", "last error"):
@@ -123,17 +157,18 @@ def render(status: Status) -> Any:
         life = e.incarnation or "-"
         if e.seen is not None and e.seen != e.incarnation:
             life += f" (says {e.seen}: restarted)"
+        row = cells(e.name, life, ", ".join(e.holds) or ("?" if e.answered is None else "-"),
+                    ", ".join(e.should_hold) or "-", str(e.running_requests), e.last_error or "-")
         if e.answered is False:
-            life += " [red]unreachable[/]"
-        engines.add_row(e.name, life, ", ".join(e.holds) or ("?" if e.answered is None else "-"),
-                        ", ".join(e.should_hold) or "-", str(e.running_requests), e.last_error or "-")
+            row[1].append(" unreachable", style="red")
+        engines.add_row(*row)
     parts.append(engines)
     if status.attempts:
         attempts = Table(title="attempts in flight", title_justify="left")
         for col in ("attempt", "phase", "bucket", "still for"):
             attempts.add_column(col)
         for a in status.attempts:
-            attempts.add_row(a.token, a.phase, str(a.bucket), "-" if a.still_s is None else f"{a.still_s:.0f}s")
+            attempts.add_row(*cells(a.token, a.phase, str(a.bucket), "-" if a.still_s is None else f"{a.still_s:.0f}s"))
         parts.append(attempts)
     if status.notes:
         parts.append(Text("notes:\n" + "\n".join(f"  {n}" for n in status.notes), style="yellow"))

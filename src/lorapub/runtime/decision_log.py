@@ -55,7 +55,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``ts``, ``level``, ``logger``, and for a decision ``event`` and
     its fields; any other record carries its ``message``.
 
-    ``handler.setFormatter(lorapub.JsonFormatter())``."""
+    ``handler.setFormatter(lorapub.runtime.decision_log.JsonFormatter())``."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {

@@ -178,7 +178,7 @@ class Deployment:
         # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
         self.router = router
         # Every decision, as a lorapub.events value: the decision log (INFO lines on lorapub.decisions)
-        # unless switched off, then the caller's observers (e.g. lorapub.observe.Metrics()).
+        # unless switched off, then the caller's observers (e.g. lorapub.adapters.prometheus.Metrics()).
         self.observers = Observers([*([DecisionLog()] if decision_log else []), *observers])
         self.status_address = check_status_address(status)
         if self.status_address is not None:
@@ -276,7 +276,7 @@ class Deployment:
 
         exposition = next((o.exposition for o in self.observers if callable(getattr(o, "exposition", None))), None)
         server = StatusServer(host, port, status=lambda probe: self.status(probe=probe), exposition=exposition,
-                              token=self.status_token)
+                              token=self.status_token, health=lambda: self.reconciler.health)
         try:
             self.status_server = await server.start()
         except OSError as e:

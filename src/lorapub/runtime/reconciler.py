@@ -294,8 +294,11 @@ class Reconciler:
         # 8. what is left
         for key, why in sorted(fleet.suspect.items()):
             blockers.append(Blocker("version_suspect", str(key), why))
+        cleaning_on = {h.version: h.cleaning_on for h in fleet.slots}
         for token in fleet.cleaning:
-            blockers.append(Blocker("cleanup_pending", str(token), "cleanup not confirmed on every target"))
+            engines = cleaning_on.get(token.version) or ()
+            blockers.append(Blocker("cleanup_pending", str(token), "cleanup not confirmed on "
+                                    + (", ".join(engines) if engines else "every target")))
         blockers += await self._reclaim_blockers(fleet, inventories)
         for (engine, what), doing in sorted(self.orphans.items()):
             blockers.append(Blocker("orphan_pending", f"{engine}:{what}", doing))

@@ -1,6 +1,6 @@
 """The read-only status endpoint a running :class:`Deployment` may serve (``status=(host, port)``):
 ``GET /status`` (the :class:`~lorapub.runtime.status.Status` as JSON) and ``GET /metrics`` (the
-Prometheus text of a ``lorapub.observe.Metrics`` observer). Off by default; beyond localhost it
+Prometheus text of a ``lorapub.adapters.prometheus.Metrics`` observer). Off by default; beyond localhost it
 needs a token. See docs/operating.md, "Status".
 """
 
@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from lorapub.errors import LorapubError
 from lorapub.runtime.status import check_bind
 
 __all__ = ["StatusServer"]
@@ -24,10 +25,12 @@ class StatusServer:
     """Serves ``status()`` and ``exposition()`` (each called per request) on ``host:port``."""
 
     def __init__(self, host: str, port: int, *, status: Callable[[bool], Awaitable[Any]],
-                 exposition: Callable[[], tuple[bytes, str]] | None = None, token: str | None = None) -> None:
+                 exposition: Callable[[], tuple[bytes, str]] | None = None, token: str | None = None,
+                 health: Callable[[], Any] | None = None) -> None:
         check_bind(host, token)
         self.host, self.port = host, port
         self._status, self._exposition, self._token = status, exposition, token
+        self._health = health  # the last reconcile pass's report: what a failed status is answered with
         self._runner: web.AppRunner | None = None
 
     def _allowed(self, request: web.Request) -> bool:
@@ -39,14 +42,19 @@ class StatusServer:
     async def _get_status(self, request: web.Request) -> web.Response:
         if not self._allowed(request):
             return web.json_response({"error": "UNAUTHORIZED: send 'Authorization: Bearer <token>'"}, status=401)
-        status = await self._status(request.query.get("probe", "1") != "0")
+        try:
+            status = await self._status(request.query.get("probe", "1") != "0")
+        except LorapubError as e:  # the registry did not answer, say: what is known is answered, typed
+            health = self._health() if self._health is not None else None
+            return web.json_response({"error": f"{e.code}: {e.message}", "code": e.code,
+                                      "health": health.describe() if health is not None else None}, status=503)
         return web.Response(text=json.dumps(status.to_json(), default=str), content_type="application/json")
 
     async def _get_metrics(self, request: web.Request) -> web.Response:
         if not self._allowed(request):
             return web.Response(text="UNAUTHORIZED: send 'Authorization: Bearer <token>'\n", status=401)
         if self._exposition is None:
-            return web.Response(text="no metrics: give the deployment a lorapub.observe.Metrics() observer "
+            return web.Response(text="no metrics: give the deployment a lorapub.adapters.prometheus.Metrics() observer "
                                      "(pip install 'lorapub[metrics]')\n", status=404)
         body, content_type = self._exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
