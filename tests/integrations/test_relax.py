@@ -821,3 +821,18 @@ def test_a_step_whose_slots_only_an_unconfirming_engine_keeps_fails_instead_of_w
     path._settled(outcome, future, background=True)
     assert outcome.status == status
     assert path._take_background_failures() == (status == "failed")  # raised on every rank at the next update
+
+
+def test_the_guides_config_block_names_every_setting_with_its_default():
+    import dataclasses
+    import re
+
+    guide = (pathlib.Path(__file__).parents[2] / "docs" / "relax.md").read_text()
+    block = guide.split("# lorapub.yaml: every key is optional; these are the defaults\n", 1)[1].split("```", 1)[0]
+    said = dict(re.findall(r"^(\w+): (\S+)", block, flags=re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(LorapubConfig)}
+    assert set(said) == set(fields)
+    for name, default in fields.items():
+        assert said[name].strip('"') == ("null" if default is None else str(default).lower()
+                                         if isinstance(default, bool) else f"{default:g}"
+                                         if isinstance(default, float) else str(default)), name

@@ -159,6 +159,8 @@ class LorapubConfig:
     registry: str = "lorapub_relax_registry"
     #: A SQLite file for the registry's decisions (durable across a registry restart); None: in memory.
     registry_store: str | None = None
+    #: The SGLang servers' ``--api-key`` (sent with generations) and ``--admin-api-key`` (loads, unloads,
+    #: lorapub's routes); None: the servers take none.
     api_key: str | None = None
     admin_api_key: str | None = None
 
