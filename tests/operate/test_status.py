@@ -266,3 +266,33 @@ async def test_a_wrong_token_is_told_as_refused_not_as_missing():
                                   capture_output=True, text=True, timeout=60)
     await dep.close()
     assert out.returncode == 2 and "refused the token given" in out.stderr, out.stderr
+
+
+class _ListsNothing:
+    """An engine adapter without ``inventory()`` (optional in the port): it says its life, not its holdings."""
+
+    def __init__(self, inner: MemoryEngine) -> None:
+        self._inner, self.name = inner, inner.name
+
+    def __getattr__(self, attr: str):
+        if attr == "inventory":
+            raise AttributeError(attr)
+        return getattr(self._inner, attr)
+
+
+async def test_an_engine_that_lists_nothing_is_shown_as_not_reported_not_as_holding_nothing():
+    from rich.console import Console
+
+    from lorapub.cli.status import render
+
+    dep = await Deployment({"e0": _ListsNothing(MemoryEngine("e0"))}, epoch=1, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    status = await dep.status()
+    [engine] = status.engines
+    assert engine.answered and not engine.reports_holdings and engine.should_hold == ("1-A",)
+    assert engine.seen is not None  # its life is still read
+    assert Status.from_json(json.loads(json.dumps(status.to_json(), default=str))).engines[0].reports_holdings is False
+    console = Console(width=300, record=True)
+    console.print(render(status))
+    assert "not reported" in console.export_text()
+    await dep.close()

@@ -157,8 +157,11 @@ def render(status: Status) -> Any:
         life = e.incarnation or "-"
         if e.seen is not None and e.seen != e.incarnation:
             life += f" (says {e.seen}: restarted)"
-        row = cells(e.name, life, ", ".join(e.holds) or ("?" if e.answered is None else "-"),
-                    ", ".join(e.should_hold) or "-", str(e.running_requests), e.last_error or "-")
+        unknown = e.answered is not True or not e.reports_holdings  # not asked, no answer, or lists nothing
+        holds = "not reported" if e.answered and not e.reports_holdings else ", ".join(e.holds) or (
+            "?" if unknown else "-")
+        row = cells(e.name, life, holds, ", ".join(e.should_hold) or "-",
+                    "?" if unknown else str(e.running_requests), e.last_error or "-")
         if e.answered is False:
             row[1].append(" unreachable", style="red")
         engines.add_row(*row)
@@ -185,7 +188,8 @@ def _plain(status: Status) -> str:
         lines.append(f"  {v.version} {v.state} lag {v.lag} refs {v.session_refs}"
                      + (": " + "; ".join(v.blocked_by) if v.blocked_by else ""))
     for e in status.engines:
-        lines.append(f"  engine {e.name} {e.incarnation}: holds {', '.join(e.holds) or '-'}, should hold "
+        holds = "not reported" if not e.reports_holdings else ", ".join(e.holds) or "-"
+        lines.append(f"  engine {e.name} {e.incarnation}: holds {holds}, should hold "
                      f"{', '.join(e.should_hold) or '-'}" + (f"; {e.last_error}" if e.last_error else ""))
     lines += [f"  blocker {k} {s}: {d}" for k, s, d in status.blockers]
     lines += [f"  note {n}" for n in status.notes]

@@ -38,7 +38,6 @@ from lorapub.errors import (
 )
 from lorapub.ports import (
     EngineAdmin,
-    Inventory,
     OverwriteAdmin,
     Registry,
     Routing,
@@ -377,8 +376,9 @@ class Deployment:
         inventories = None
         if probe:
             lives = await self.fleet.lives(deadline=min(2.0, self.deadlines.begin))
+            # an engine that lists nothing it holds is told apart from one that holds nothing
             inventories = {name: life.error if life.error is not None else
-                           (life.inventory if life.inventory is not None else Inventory(life.incarnation or "?"))
+                           (life.inventory if life.inventory is not None else life.incarnation or "?")
                            for name, life in lives.items()}
         now = time.monotonic()
         local = {s.key.session_id: LocalSession(s.key.session_id, str(s.binding.version) if s.binding else None,

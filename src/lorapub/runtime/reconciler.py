@@ -306,7 +306,7 @@ class Reconciler:
             blockers.append(Blocker("reprovisioning", engine, f"{key} lost by the engine, not loaded again yet"))
         active = set(map(str, fleet.active))
         blockers = [b for b in blockers if b.kind != "attempt_running" or b.subject in active]
-        notes = tuple(f"{name}: does not stamp its responses (stock SGLang or an older patch): its turns are "
+        notes = tuple(f"{name}: does not stamp its responses (stock SGLang, an older patch, or an adapter that does not): its turns are "
                       "unattested" for name in unstamped(self.fleet))
         return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed, notes)
 

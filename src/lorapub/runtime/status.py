@@ -45,6 +45,9 @@ class EngineStatus:
     should_hold: tuple[str, ...]
     running_requests: int
     last_error: str | None
+    #: False: the engine lists nothing it holds (its adapter has no ``inventory()``): ``holds`` and
+    #: ``running_requests`` are unknown, not empty
+    reports_holdings: bool = True
 
 
 @attrs.frozen
@@ -148,7 +151,7 @@ def build_status(
     *,
     source: str,
     sessions_of: Mapping[VersionKey, SessionsOf] = {},  # noqa: B006 - read only
-    inventories: Mapping[str, Any] | None = None,  # engine -> Inventory, or the error it raised
+    inventories: Mapping[str, Any] | None = None,  # engine -> Inventory, its incarnation (str: it lists nothing), or the error it raised
     health: Any = None,
     local: Mapping[str, LocalSession] = {},  # noqa: B006 - read only
     first_seen: Mapping[AttemptToken, float] = {},  # noqa: B006 - read only
@@ -189,15 +192,16 @@ def build_status(
     for engine, incarnation in sorted(fleet.engines.items()):
         said = answers.get(engine)
         error = said if isinstance(said, BaseException) else None
-        inv = None if error is not None else said
+        inv = None if error is not None or isinstance(said, str) else said  # a str: its incarnation alone
         last = next((d for k, s, d in blockers if s == engine or s.startswith(f"{engine}:")), None)
         engines.append(EngineStatus(
-            engine, incarnation, getattr(inv, "incarnation", None),
+            engine, incarnation, said if isinstance(said, str) else getattr(inv, "incarnation", None),
             None if inventories is None else error is None and said is not None,
             tuple(sorted(names[n] for n in getattr(inv, "adapters", {}) if n in names)),
             tuple(sorted(should.get(engine, ()))),
             sum(a.refs for n, a in getattr(inv, "adapters", {}).items() if n in names),
             f"{type(error).__name__}: {error}" if error is not None else last,
+            not isinstance(said, str),
         ))
     attempts = tuple(
         AttemptView(str(token), str(token.version), progress[0].value, progress[1],
