@@ -46,8 +46,10 @@ async def test_ray_registry_shared_and_replayable(ray_cluster, engines, transpor
         state = (await again.handle(ReadState())).reply
         assert state.versions[a.version].session_refs == 1 and state.default_revision == 1
         await dep.publish(lora_snapshot(2), "B")
-        with pytest.raises(CapacityError):
+        with pytest.raises(CapacityError) as refused:
             await dep.publish(lora_snapshot(3), "C")
+        # the refusal's details cross the actor as they are in one process
+        assert refused.value.details["held_by_sessions"] == 1 and refused.value.details["held"]
         await s.close()
         await dep.settle()
         assert (await again.handle(ReadState())).reply.versions[a.version].state is VersionState.RECLAIMED

@@ -80,6 +80,30 @@ async def test_slots_kept_only_by_an_engine_that_does_not_confirm_are_named_with
     with pytest.raises(CapacityError) as err:
         await dep.publish(lora_snapshot(3), "C")
     assert err.value.details["held_by_sessions"] == 0 and err.value.details["waiting_on_engines"] == ["e1"]
-    assert "No session keeps them: they wait for e1" in err.value.message
-    assert "remove_engine" in err.value.message
+    assert err.value.details["unreachable_engines"] == []  # e1 answers: its unload may yet be confirmed
+    assert "No session keeps them: they wait for e1" in err.value.message and "does not answer" not in err.value.message
+    engines["e1"].clear_faults()
+    engines["e1"].fail_next(None, "request", count=1000)  # now e1 answers nothing at all
+    with pytest.raises(CapacityError) as err:
+        await dep.publish(lora_snapshot(3), "C")
+    assert err.value.details["unreachable_engines"] == ["e1"]
+    assert "Now e1 does not answer" in err.value.message and "remove_engine" in err.value.message
+    engines["e1"].clear_faults()
+    await dep.close()
+
+
+async def test_a_retiring_versions_refs_do_not_count_as_sessions_keeping_its_slot():
+    from lorapub import CapacityError
+
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1")}
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, reconcile_interval=None, reclaim_retries=0,
+                           capacity=2, max_lag=0).start()
+    await dep.publish(lora_snapshot(1), "A")
+    await dep.session("s").generate(GEN)  # a ref on A, which max_lag=0 retires at the next commit
+    engines["e1"].fail_next("reclaim", "reply", count=1000)
+    await dep.publish(lora_snapshot(2), "B")
+    with pytest.raises(CapacityError) as err:
+        await dep.publish(lora_snapshot(3), "C")
+    assert err.value.details["held_by_sessions"] == 0 and err.value.details["waiting_on_engines"] == ["e1"]
+    engines["e1"].clear_faults()
     await dep.close()

@@ -800,23 +800,28 @@ async def test_an_in_process_registry_is_refused_for_relaxs_own_workers(tmp_path
     await pub.aclose()
 
 
-@pytest.mark.parametrize("details, status", [
-    ({"held_by_sessions": 2, "waiting_on_engines": []}, "deferred"),  # sessions keep the slots: a later step
-    ({"held_by_sessions": 1, "waiting_on_engines": ["e1"]}, "deferred"),  # sessions too: they will free one
-    ({"held_by_sessions": 0, "waiting_on_engines": ["e1"]}, "failed"),  # only an engine that does not confirm
+@pytest.mark.parametrize("error, details, status", [
+    ("capacity", {"held_by_sessions": 2, "waiting_on_engines": []}, "deferred"),  # sessions keep the slots
+    # an engine still running requests on the version it unloads: it confirms once they end
+    ("capacity", {"held_by_sessions": 0, "waiting_on_engines": ["e1"], "unreachable_engines": []}, "deferred"),
+    ("capacity", {"held_by_sessions": 1, "waiting_on_engines": ["e1"], "unreachable_engines": ["e1"]}, "deferred"),
+    # only an engine that does not answer: every later step would find the same
+    ("capacity", {"held_by_sessions": 0, "waiting_on_engines": ["e1"], "unreachable_engines": ["e1"]}, "failed"),
+    ("blocked", {"attempt": "1-A#a1"}, "deferred"),  # waiting behind another publication
+    ("blocked", {"version": "1-C", "failed": True}, "failed"),  # this step's own publication failed
 ])
-def test_a_step_whose_slots_only_an_unconfirming_engine_keeps_fails_instead_of_waiting_for_ever(
-        tmp_path, details, status):
+def test_a_step_is_deferred_only_when_a_later_step_can_succeed(tmp_path, error, details, status):
     import concurrent.futures
     import types
 
-    from lorapub import CapacityError
+    from lorapub import CapacityError, PublicationBlocked
     from lorapub.integrations.relax.trainer import LorapubWeightPath, PublishOutcome
 
     backend = types.SimpleNamespace(args=relax_args(tmp_path, enabled=True))
     path = LorapubWeightPath(backend, None, original=lambda *a: None, rank=lambda: 0, background=True)
     future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_exception(CapacityError("2 managed version slots are held", **details))
+    cls = CapacityError if error == "capacity" else PublicationBlocked
+    future.set_exception(cls("what the registry said", **details))
     outcome = PublishOutcome("step3", "d" * 64)
     path._settled(outcome, future, background=True)
     assert outcome.status == status

@@ -223,7 +223,7 @@ def test_what_an_engine_says_is_shown_as_it_is_never_as_markup(said):
     from lorapub.runtime.status import EngineStatus
 
     status = Status(epoch=1, at=0.0, source="deployment", default=None, default_revision=0, capacity=2, slots_used=0,
-                    max_lag=None, healthy=False, blockers=(("engine_unreachable", "e0", said),), versions=(),
+                    max_lag=None, healthy=False, blockers=(), versions=(),  # said only in the engines table
                     engines=(EngineStatus("e0", "i", None, False, (), (), 0, said),), attempts=(), waiting=None,
                     sessions_here=0, groups_here=0)
     console = Console(width=400, record=True)
@@ -296,3 +296,16 @@ async def test_an_engine_that_lists_nothing_is_shown_as_not_reported_not_as_hold
     console.print(render(status))
     assert "not reported" in console.export_text()
     await dep.close()
+
+
+def test_a_status_from_a_newer_server_reads_with_its_new_fields_left_out():
+    from lorapub.runtime.status import EngineStatus
+
+    status = Status(epoch=1, at=0.0, source="deployment", default=None, default_revision=0, capacity=2, slots_used=0,
+                    max_lag=None, healthy=True, blockers=(), versions=(),
+                    engines=(EngineStatus("e0", "i", "i", True, (), (), 0, None),), attempts=(), waiting=None,
+                    sessions_here=0, groups_here=0)
+    body = json.loads(json.dumps(status.to_json(), default=str))
+    body["engines"][0]["a_field_of_the_future"] = 1
+    body["a_top_level_one"] = 2
+    assert Status.from_json(body) == status

@@ -81,11 +81,11 @@ class _RegistryActor:
         try:
             answers = self._registry().apply_many(list(commands))
         except errors.LorapubError as e:
-            return [("error", (e.code, e.message))] * len(commands)
+            return [("error", _refusal(e))] * len(commands)
         except Exception as e:
             failure = ("error", ("LORAPUB_ERROR", f"registry actor failed on a batch: {type(e).__name__}: {e}"))
             return [failure] * len(commands)
-        return [("error", (a.code, a.message)) if isinstance(a, errors.LorapubError) else ("ok", a) for a in answers]
+        return [("error", _refusal(a)) if isinstance(a, errors.LorapubError) else ("ok", a) for a in answers]
 
     def handle(self, command: Command) -> tuple[str, Any]:
         if not isinstance(command, COMMANDS):
@@ -93,7 +93,7 @@ class _RegistryActor:
         try:
             return ("ok", self._registry().apply(command))
         except errors.LorapubError as e:
-            return ("error", (e.code, e.message))
+            return ("error", _refusal(e))
         except Exception as e:  # a definite answer all the same: nothing was applied
             return ("error", ("LORAPUB_ERROR", f"registry actor failed on {type(command).__name__}: "
                                                f"{type(e).__name__}: {e}"))
@@ -205,12 +205,18 @@ class RayRegistry:
             raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
 
 
+def _refusal(e: errors.LorapubError) -> tuple[str, str, dict[str, Any]]:
+    """A typed refusal as it crosses the actor boundary: its code, message and details (the caller
+    reads details, e.g. CapacityError's ``held_by_sessions``, as it would in one process)."""
+    return e.code, e.message, dict(e.details)
+
+
 def _answer(command: Command, answer: tuple[str, Any]) -> Result:
     status, value = answer
     if status == "error":
-        code, message = value
+        code, message, details = value if len(value) == 3 else (*value, {})  # an actor of an earlier release: no details
         cls = _ERRORS.get(code)
         if cls is None:
-            raise errors.LorapubError(f"{code}: {message}")
-        raise cls(message)
+            raise errors.LorapubError(f"{code}: {message}", **details)
+        raise cls(message, **details)
     return value

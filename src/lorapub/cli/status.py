@@ -84,13 +84,14 @@ def _load_copy(path: str, sqlite: bool) -> Any:
             try:
                 shutil.copyfile(path + suffix, copy + suffix)
             except FileNotFoundError:
-                pass  # no -wal after a clean close; no -mark on an older store
+                if not suffix:
+                    raise StatusError(f"no registry store at {path} (it went away while it was read)") from None
+                # no -wal after a clean close; no -mark on an older store
         store = SQLiteStore(copy) if sqlite else FileStore(copy)
         try:
             return store.load()
         except LorapubError as e:
-            e.message = e.message.replace(copy, path)
-            raise
+            raise type(e)(e.message.replace(copy, path), **e.details) from None
         finally:
             close = getattr(store, "close", None)
             if close is not None:

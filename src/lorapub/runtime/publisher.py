@@ -345,7 +345,7 @@ class Publisher:
             f"({', '.join(f'{e}: {t}' for e, t in status.targets)}); its slot stays "
             f"held until a cleanup is confirmed — lorapub retries it in the background "
             f"(`await deployment.reconcile()` retries it now): {why}",
-            version=key,
+            version=key, failed=True,  # this publication failed; it is not waiting behind another
         )
 
     async def _abort(self, token: AttemptToken, reason: str) -> None:
@@ -365,12 +365,26 @@ class Publisher:
         A call cancelled meanwhile withdraws its wait, so no waiter outlives its caller."""
         try:
             return await self._reserve_or_wait(command, wait, started)
+        except CapacityError as e:
+            raise await self._with_reachability(e) from None
         except asyncio.CancelledError:
             if wait:  # the registry may hold us as its waiter (even if the cancel hit our reserve)
                 await self._withdraw_wait(command.key)
             raise
         finally:
             self._waiting.discard(command.key)
+
+    async def _with_reachability(self, e: CapacityError) -> CapacityError:
+        """A refusal whose slots wait on engines' confirmations, told whether those engines answer now:
+        one that does confirms once its running requests end; one that does not is the operator's to fix."""
+        engines = e.details.get("waiting_on_engines") or []
+        if not engines:
+            return e
+        lives = await self.fleet.lives(engines, inventory=False, deadline=min(2.0, self.deadlines.begin))
+        silent = sorted(n for n, life in lives.items() if life.error is not None)
+        said = (f" Now {', '.join(silent)} does not answer: bring it back, or Deployment.remove_engine(name) "
+                "frees what it holds." if silent else "")
+        return CapacityError(e.message + said, **{**e.details, "unreachable_engines": silent})
 
     async def _reserve_or_wait(self, command: Reserve, wait: float, started: float):
         deadline = started + wait

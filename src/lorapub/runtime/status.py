@@ -98,10 +98,13 @@ class Status:
     def from_json(cls, data: Mapping[str, Any]) -> "Status":
         body = dict(data)
         body["blockers"] = tuple(tuple(b) for b in body.get("blockers", ()))
-        body["versions"] = tuple(VersionStatus(**{**v, "blocked_by": tuple(v["blocked_by"])}) for v in body["versions"])
-        body["engines"] = tuple(EngineStatus(**{**e, "holds": tuple(e["holds"]), "should_hold": tuple(e["should_hold"])})
+        # fields a newer server adds are left out at every level: an older reader still reads it
+        body["versions"] = tuple(_known(VersionStatus, {**v, "blocked_by": tuple(v["blocked_by"])})
+                                 for v in body["versions"])
+        body["engines"] = tuple(_known(EngineStatus, {**e, "holds": tuple(e["holds"]),
+                                                      "should_hold": tuple(e["should_hold"])})
                                 for e in body["engines"])
-        body["attempts"] = tuple(AttemptView(**a) for a in body["attempts"])
+        body["attempts"] = tuple(_known(AttemptView, a) for a in body["attempts"])
         body["notes"] = tuple(body.get("notes", ()))
         known = {f.name for f in attrs.fields(cls)}
         return cls(**{k: v for k, v in body.items() if k in known})
@@ -144,6 +147,11 @@ def _blocked_by(key: VersionKey, state: VersionState, retiring: bool, sessions: 
     if state is VersionState.ABORTED:
         why.append("cleanup of its failed attempt not confirmed")
     return tuple(why)
+
+
+def _known(cls: type, values: Mapping[str, Any]) -> Any:
+    names = {f.name for f in attrs.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
 
 
 def build_status(

@@ -24,7 +24,7 @@ from lorapub.errors import (
     VersionReclaiming,
 )
 
-from .state import AttemptStatus, Outcome, RegistryState, ReserveReply, Waiter, Waiting, check_epoch
+from .state import AttemptStatus, Outcome, RegistryState, ReserveReply, SlotHolder, Waiter, Waiting, check_epoch
 
 __all__ = ['cancel_wait', 'commit', 'drop_holdings', 'query_attempt', 'reclaim_eligible', 'record_bucket_done', 'record_cleaned',
     'record_failure', 'record_prepared', 'record_ready', 'record_unknown', 'register_engine', 'reserve',
@@ -89,13 +89,13 @@ def _capacity_advice(state: RegistryState) -> str:
     holders = state.slot_holders()
     held = f"{state.capacity} managed version slots are held: " + "; ".join(h.describe() for h in holders) + ". "
     engines = sorted({e for h in holders for e in h.waits_on_engines})
-    if engines and not any(h.session_refs for h in holders if h.state is not VersionState.PUBLISHED):
+    if engines and not any(_kept_by_sessions(h) for h in holders):
         # no session keeps a slot: only engines that have not confirmed an unload or a cleanup do
         return held + (
-            f"No session keeps them: they wait for {', '.join(engines)} to confirm. A reachable engine does "
-            "within seconds (publish(..., wait=seconds) waits for it); one that stays unreachable keeps the "
-            "slot until it answers again or Deployment.remove_engine(name) removes it (health names it "
-            "engine_unreachable)"
+            f"No session keeps them: they wait for {', '.join(engines)} to confirm. A reachable engine "
+            "confirms once the requests still running there end (publish(..., wait=seconds) waits for it); "
+            "one that stays unreachable keeps the slot until it answers again or Deployment.remove_engine(name) "
+            "removes it (health names it engine_unreachable)."
         )
     return held + (
         "publish(..., wait=seconds) waits for a slot (a newer publication supersedes a waiting one); "
@@ -103,11 +103,17 @@ def _capacity_advice(state: RegistryState) -> str:
     )
 
 
+def _kept_by_sessions(holder: SlotHolder) -> bool:
+    """Sessions keep this slot: a RETIRED version with refs, not retiring (a retiring one is reclaimed
+    whatever refs it still has: they keep nothing)."""
+    return holder.state is VersionState.RETIRED and holder.session_refs > 0 and not holder.retiring
+
+
 def _capacity_details(state: RegistryState) -> dict[str, object]:
     holders = state.slot_holders()
     return {"held": [h.describe() for h in holders],
             # what frees a slot: sessions closing, or engines confirming (Relax's trainer tells them apart)
-            "held_by_sessions": sum(1 for h in holders if h.session_refs and h.state is not VersionState.PUBLISHED),
+            "held_by_sessions": sum(1 for h in holders if _kept_by_sessions(h)),
             "waiting_on_engines": sorted({e for h in holders for e in h.waits_on_engines})}
 
 

@@ -144,9 +144,9 @@ class LorapubWeightPath:
       sent over lorapub's wire, with no pause and no flush. Relax's actor_fwd/reference sync still runs
       (Relax's own path with ``actor_fwd_only=True``, which pauses nothing).
     * A superseded publication (a newer step took its place while it waited for a slot) is logged; so is
-      one still waiting for a slot that sessions keep when the wait ends. Neither fails the step. A slot
-      that no session keeps, only engines that do not confirm an unload or cleanup (one unreachable, say),
-      fails it: a later step would find the same. That and any other failure raises
+      one still waiting for a slot when the wait ends. Neither fails the step, unless no session keeps
+      the slots and only engines that do not answer do: a later step would find the same, so that fails
+      it. That and any other failure raises
       :class:`WeightPublicationFailed` on every rank (``share_verdict``: a MAX over the ranks), at this
       update with ``background_publish`` off, at the next one with it on.
     """
@@ -252,15 +252,18 @@ class LorapubWeightPath:
             outcome.status, outcome.error = "superseded", e
             log.info("lorapub: %s was superseded by a newer step before it got a slot: %s", outcome.version_id, e)
         except CapacityError as e:
-            if e.details.get("waiting_on_engines") and not e.details.get("held_by_sessions"):
-                # no session keeps a slot: engines that do not confirm an unload do, and a later step
-                # would find the same (training would go on with a stale policy and nothing raised)
+            if e.details.get("unreachable_engines") and not e.details.get("held_by_sessions"):
+                # no session keeps a slot, only engines that do not answer: every later step would find
+                # the same, and training would go on with a stale policy while nothing is raised
                 self._failed(outcome, e, background)
                 return
             outcome.status, outcome.error = "deferred", e
-            log.warning("lorapub: %s found no slot within the wait (sessions hold the versions); a later step "
-                        "publishes: %s", outcome.version_id, e)
+            log.warning("lorapub: %s found no slot within the wait (sessions, or requests still running, hold "
+                        "the versions); a later step publishes: %s", outcome.version_id, e)
         except PublicationBlocked as e:
+            if e.details.get("failed"):  # this step's own publication failed (its cleanup not confirmed yet)
+                self._failed(outcome, e, background)
+                return
             outcome.status, outcome.error = "deferred", e
             log.warning("lorapub: %s waited for the publication before it, which did not end within the wait; "
                         "a later step publishes: %s", outcome.version_id, e)
