@@ -107,3 +107,25 @@ async def test_a_retiring_versions_refs_do_not_count_as_sessions_keeping_its_slo
     assert err.value.details["held_by_sessions"] == 0 and err.value.details["waiting_on_engines"] == ["e1"]
     engines["e1"].clear_faults()
     await dep.close()
+
+
+async def test_a_cleanup_owed_by_an_engine_that_does_not_answer_is_named_on_the_next_publish():
+    from lorapub import LorapubError, PublicationBlocked
+
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1")}
+    dep = await Deployment(engines, epoch=1, deadlines=FAST, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    engines["e1"].fail_next("begin", "error")
+    engines["e1"].fail_next("cleanup", "reply", count=1000)
+    with pytest.raises(LorapubError):
+        await dep.publish(lora_snapshot(2), "B")  # fails on e1; its cleanup there is not confirmed
+    with pytest.raises(PublicationBlocked) as err:
+        await dep.publish(lora_snapshot(3), "C")
+    assert err.value.details["waiting_on_engines"] == ["e1"] and err.value.details["unreachable_engines"] == []
+    engines["e1"].clear_faults()
+    engines["e1"].fail_next(None, "request", count=1000)  # now e1 answers nothing at all
+    with pytest.raises(PublicationBlocked) as err:
+        await dep.publish(lora_snapshot(3), "C")
+    assert err.value.details["unreachable_engines"] == ["e1"] and "Now e1 does not answer" in err.value.message
+    engines["e1"].clear_faults()
+    await dep.close()

@@ -808,6 +808,8 @@ async def test_an_in_process_registry_is_refused_for_relaxs_own_workers(tmp_path
     # only an engine that does not answer: every later step would find the same
     ("capacity", {"held_by_sessions": 0, "waiting_on_engines": ["e1"], "unreachable_engines": ["e1"]}, "failed"),
     ("blocked", {"attempt": "1-A#a1"}, "deferred"),  # waiting behind another publication
+    ("blocked", {"attempt": "1-B#a2", "waiting_on_engines": ["e1"], "unreachable_engines": []}, "deferred"),
+    ("blocked", {"attempt": "1-B#a2", "waiting_on_engines": ["e1"], "unreachable_engines": ["e1"]}, "failed"),
     ("blocked", {"version": "1-C", "failed": True}, "failed"),  # this step's own publication failed
 ])
 def test_a_step_is_deferred_only_when_a_later_step_can_succeed(tmp_path, error, details, status):

@@ -365,7 +365,7 @@ class Publisher:
         A call cancelled meanwhile withdraws its wait, so no waiter outlives its caller."""
         try:
             return await self._reserve_or_wait(command, wait, started)
-        except CapacityError as e:
+        except (CapacityError, PublicationBlocked) as e:
             raise await self._with_reachability(e) from None
         except asyncio.CancelledError:
             if wait:  # the registry may hold us as its waiter (even if the cancel hit our reserve)
@@ -374,7 +374,7 @@ class Publisher:
         finally:
             self._waiting.discard(command.key)
 
-    async def _with_reachability(self, e: CapacityError) -> CapacityError:
+    async def _with_reachability(self, e: CapacityError | PublicationBlocked) -> CapacityError | PublicationBlocked:
         """A refusal whose slots wait on engines' confirmations, told whether those engines answer now:
         one that does confirms once its running requests end; one that does not is the operator's to fix."""
         engines = e.details.get("waiting_on_engines") or []
@@ -384,7 +384,7 @@ class Publisher:
         silent = sorted(n for n, life in lives.items() if life.error is not None)
         said = (f" Now {', '.join(silent)} does not answer: bring it back, or Deployment.remove_engine(name) "
                 "frees what it holds." if silent else "")
-        return CapacityError(e.message + said, **{**e.details, "unreachable_engines": silent})
+        return type(e)(e.message + said, **{**e.details, "unreachable_engines": silent})
 
     async def _reserve_or_wait(self, command: Reserve, wait: float, started: float):
         deadline = started + wait

@@ -70,9 +70,16 @@ def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outc
 
 
 # -- publication ---------------------------------------------------------------
+def _cleanup_owed_by(attempt: Attempt) -> list[str]:
+    """A failed attempt's engines that have not confirmed its cleanup (none for a running attempt)."""
+    if attempt.phase is not Phase.ABORTED:
+        return []
+    return [t.engine for t in attempt.targets if t.state is not TargetState.CLEANED]
+
+
 def _blocked_advice(blocker: Attempt) -> str:
     if blocker.phase is Phase.ABORTED:
-        waiting = [t.engine for t in blocker.targets if t.state is not TargetState.CLEANED]
+        waiting = _cleanup_owed_by(blocker)
         return (
             f"attempt {blocker.token} failed and its cleanup is not confirmed on {', '.join(waiting)}; "
             "lorapub retries the cleanup in the background — publish again once it is confirmed "
@@ -181,7 +188,8 @@ def reserve(
         if wait:
             return _wait(state, key, digest, publisher, wait, now, blocker)
         if blocker is not None:
-            raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token)
+            raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token,
+                                     waiting_on_engines=_cleanup_owed_by(blocker))
         raise CapacityError(_capacity_advice(state), **_capacity_details(state))
     # A slot is free: this call takes it. A different publication still waiting is older: superseded.
     state = _supersede_waiter(state, key)

@@ -145,8 +145,8 @@ class LorapubWeightPath:
       (Relax's own path with ``actor_fwd_only=True``, which pauses nothing).
     * A superseded publication (a newer step took its place while it waited for a slot) is logged; so is
       one still waiting for a slot when the wait ends. Neither fails the step, unless no session keeps
-      the slots and only engines that do not answer do: a later step would find the same, so that fails
-      it. That and any other failure raises
+      the slots and only engines that do not answer do, or a failed publication's cleanup waits on
+      such an engine: a later step would find the same, so that fails it. That and any other failure raises
       :class:`WeightPublicationFailed` on every rank (``share_verdict``: a MAX over the ranks), at this
       update with ``background_publish`` off, at the next one with it on.
     """
@@ -261,7 +261,9 @@ class LorapubWeightPath:
             log.warning("lorapub: %s found no slot within the wait (sessions, or requests still running, hold "
                         "the versions); a later step publishes: %s", outcome.version_id, e)
         except PublicationBlocked as e:
-            if e.details.get("failed"):  # this step's own publication failed (its cleanup not confirmed yet)
+            # this step's own publication failed (its cleanup not confirmed yet), or an earlier one's
+            # cleanup waits on engines that do not answer: a later step would find the same
+            if e.details.get("failed") or e.details.get("unreachable_engines"):
                 self._failed(outcome, e, background)
                 return
             outcome.status, outcome.error = "deferred", e
