@@ -742,7 +742,8 @@ def test_the_hooks_use_only_lorapubs_public_face():
                 names |= {a.name for a in node.names}
         elif isinstance(node, ast.Import):
             modules |= {a.name for a in node.names if a.name.startswith("lorapub")}
-    assert modules <= {"lorapub", "lorapub.adapters.sglang_wire", "lorapub.adapters.ray_registry"}, modules
+    assert modules <= {"lorapub", "lorapub.adapters.sglang_wire", "lorapub.adapters.ray_registry",
+                       "lorapub.adapters.prometheus"}, modules
     assert names <= set(lorapub.__all__), names
 
 
@@ -843,3 +844,33 @@ def test_the_guides_config_block_names_every_setting_with_its_default():
         assert said[name].strip('"') == ("null" if default is None else str(default).lower()
                                          if isinstance(default, bool) else f"{default:g}"
                                          if isinstance(default, float) else str(default)), name
+
+
+async def test_the_trainer_serves_the_fleets_status_where_the_config_says(tmp_path):
+    import aiohttp
+
+    double = await SGLangDouble("e0", managed_prefix="lorapub@").start()
+    engine = SGLangWireEngine("e0", double.url)
+    args = relax_args(tmp_path, enabled=True, settings={"status": "127.0.0.1:0"})
+    pub = relax_lorapub.RelaxLorapub(args, role="trainer", engines={"e0": engine}, deadlines=FAST)
+    try:
+        await pub.start()
+        await pub.deployment.publish(lora_snapshot(1), "step1")
+        url = pub.deployment.status_server.url
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/status") as r:
+                assert r.status == 200 and (await r.json())["default"].endswith("-step1")
+            async with http.get(url + "/metrics") as r:
+                assert r.status == 200 and 'lorapub_publications_total{outcome="committed"} 1.0' in await r.text()
+    finally:
+        await pub.aclose()
+        await engine.close()
+        await double.stop()
+    shard = relax_lorapub.RelaxLorapub(args, engines={"e0": SGLangWireEngine("e0", double.url)}, deadlines=FAST)
+    assert shard.role == "shard"  # a shard serves none: one endpoint per fleet, the trainer's
+
+
+@pytest.mark.parametrize("status", ["9464", "host:", "host:http", "host:70000"])
+def test_a_status_address_that_is_not_host_port_is_refused_on_the_driver(status):
+    with pytest.raises(ValueError, match="host:port"):
+        LorapubConfig(status=status)

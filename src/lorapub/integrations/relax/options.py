@@ -163,6 +163,11 @@ class LorapubConfig:
     #: lorapub's routes); None: the servers take none.
     api_key: str | None = None
     admin_api_key: str | None = None
+    #: "host:port" where the trainer's lorapub serves its read-only status (``GET /status``, ``GET /metrics``;
+    #: ``lorapub status --url``): the registry's view, which every shard shares. None: not served.
+    status: str | None = None
+    #: The bearer token the status endpoint wants (needed beyond localhost).
+    status_token: str | None = None
 
     def __post_init__(self) -> None:
         check_name_prefix(self.name_prefix)
@@ -185,6 +190,17 @@ class LorapubConfig:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if not isinstance(self.publish_wait, (int, float)) or isinstance(self.publish_wait, bool) or self.publish_wait < 0:
             raise ValueError(f"publish_wait must be a number of seconds >= 0, got {self.publish_wait!r}")
+        if self.status is not None:
+            self.status_address()  # refused here, on the driver, not in the trainer's actor
+
+    def status_address(self) -> tuple[str, int] | None:
+        """``status`` as ``(host, port)``; None when unset."""
+        if self.status is None:
+            return None
+        host, _, port = str(self.status).rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"status must be 'host:port' (port 0: any free one), got {self.status!r}")
+        return host.strip("[]"), int(port)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> "LorapubConfig":

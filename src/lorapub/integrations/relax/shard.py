@@ -31,6 +31,19 @@ def _failed(task: asyncio.Task | None) -> bool:
     return task is not None and task.done() and (task.cancelled() or task.exception() is not None)
 
 
+def _metrics() -> list[Any]:
+    """The Metrics observer the status endpoint serves at /metrics, where prometheus-client is installed
+    (a registry of its own: a process may hold other lorapub deployments)."""
+    try:
+        from prometheus_client import CollectorRegistry
+
+        from lorapub.adapters.prometheus import Metrics
+    except ImportError:
+        log.info("lorapub: prometheus-client is not installed; the status endpoint serves no /metrics")
+        return []
+    return [Metrics(CollectorRegistry())]
+
+
 @dataclasses.dataclass
 class _Group:
     key: str  # the lorapub group: one per start_group, so a reused Relax group id starts afresh
@@ -118,6 +131,10 @@ class RelaxLorapub:
                                    "on_stale": config.on_stale, "idle_ttl": config.idle_ttl}
         if self._transport is not None:
             options["transport"] = self._transport
+        if self.role == "trainer" and config.status is not None:
+            # one endpoint, the trainer's: what it shows is the shared registry's view of the whole fleet
+            options.update(status=config.status_address(), status_token=config.status_token,
+                           observers=[*options.get("observers", ()), *_metrics()])
         options.update(self._deployment_options)
         # the engines' SGLang must protect the same prefix (engine_env(): SGLANG_LORAPUB_MANAGED_PREFIX);
         # Deployment.start() refuses an engine that protects another
