@@ -404,3 +404,25 @@ async def test_a_cleanup_not_confirmed_is_named_in_health_by_the_engine_that_owe
     assert pending and pending[0].detail == "cleanup not confirmed on e1", health.describe()
     engines["e1"].clear_faults()
     await dep.close()
+
+
+async def test_a_session_forgotten_after_its_expiry_is_told_expired_not_an_invalid_transition():
+    from lorapub import SessionExpired
+
+    now = [1000.0]
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1")}
+    registry = LocalRegistry(1, {n: await e.incarnation() for n, e in engines.items()}, clock=lambda: now[0])
+    dep = await Deployment(engines, epoch=1, registry=registry, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.generate({"input_ids": [1, 2]})
+    now[0] += 5000  # a worker stalled past lease_ttl and the tombstone window: expired, then forgotten
+    await dep.reconcile()
+    await dep.reconcile()  # a tombstone is forgotten a pass after the one that made it
+    assert s.key not in (await dep.state()).sessions
+    await dep.publish(lora_snapshot(2), "B")  # A, kept by nothing now, is reclaimed
+    await dep.settle(2)
+    with pytest.raises(SessionExpired, match="start a new session"):
+        await s.generate({"input_ids": [1, 2]})
+    assert (await dep.session("s").generate({"input_ids": [1, 2]}))["lorapub"]["version_id"] == "B"
+    await dep.close()

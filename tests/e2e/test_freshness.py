@@ -390,6 +390,16 @@ async def test_a_session_idle_past_idle_ttl_expires_in_a_live_worker():
     await dep.close()
 
 
+async def test_an_idle_sessions_version_is_reclaimed_at_its_expiry_without_a_reconcile_pass():
+    dep = await deployment(capacity=2, idle_ttl=0.3, lease_ttl=30)  # reconcile_interval=None: no pass runs
+    await dep.publish(lora_snapshot(1), "A")
+    await bound_session(dep, "forgotten")  # keeps A once B is the default, until it idles out
+    await dep.publish(lora_snapshot(2), "B")
+    await _until(lambda: version(dep, "A").state is VersionState.RECLAIMED, seconds=3.0)
+    assert (await dep.publish(lora_snapshot(3), "C")).state is VersionState.PUBLISHED  # A's slot is free
+    await dep.close()
+
+
 async def test_async_with_closes_the_session_even_when_the_rollout_raises():
     dep = await deployment(capacity=2)
     await dep.publish(lora_snapshot(1), "A")
@@ -473,3 +483,19 @@ async def test_engine_capacity_suggests_only_a_capacity_lorapub_would_accept(cap
     with pytest.raises(EngineCapacityError) as err:
         await deployment(capacity=capacity, slots=slots, max_lag=max_lag)
     assert err.value.message.endswith(told), err.value.message
+
+
+async def test_a_member_that_joins_a_rebound_group_is_told_its_group_spans_versions():
+    dep = await deployment(capacity=2, max_lag=0, on_stale="rebind")
+    a, b = dep.session("a", group="g"), dep.session("b", group="g")
+    await dep.publish(lora_snapshot(1), "v1")
+    first_b = (await b.generate(GEN))["lorapub"]
+    await dep.publish(lora_snapshot(2), "v2")  # the group is stale: it moves at its next turn
+    first_a = (await a.generate(GEN))["lorapub"]  # a never moved, but its group did
+    assert (first_b["version_id"], first_b["group_rebinds"]) == ("v1", 0)
+    assert (first_a["version_id"], first_a["rebinds"], first_a["group_rebinds"]) == ("v2", 0, 1)
+    next_b = (await b.generate(GEN))["lorapub"]
+    assert (next_b["version_id"], next_b["rebinds"], next_b["group_rebinds"]) == ("v2", 1, 1)
+    solo = (await dep.session("solo").generate(GEN))["lorapub"]
+    assert solo["group_rebinds"] == 0
+    await dep.close()

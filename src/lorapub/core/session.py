@@ -65,6 +65,9 @@ class Binding:
     revision: int = 0
     group: str | None = None
     rebinds: int = 0
+    #: its group's rebinds when it was bound: above 0, the group's members were not all served by one
+    #: version (on_stale="rebind" moved the group), even where this member itself never moved
+    group_rebinds: int = 0
 
 
 def _refuse_if_ending(record: SessionRecord, what: str) -> None:
@@ -127,8 +130,8 @@ def expired(record: SessionRecord) -> tuple[SessionRecord, VersionKey | None]:
 
 
 def require_dispatchable(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
-    if record is None:
-        raise InvalidTransition(f"session {key} is unknown; bind it before dispatching")
+    if record is None:  # never bound here, or expired so long ago that its tombstone was forgotten
+        raise InvalidTransition(f"session {key} is unknown; bind it before dispatching", session=key, unknown=True)
     _refuse_if_ending(record, "dispatch")
     if record.state is not SessionState.BOUND:
         raise InvalidTransition(f"session {key} is {record.state.value}; bind it before dispatching")

@@ -33,6 +33,7 @@ from lorapub.errors import (
     DeploymentClosed,
     EngineUnavailable,
     InvalidInput,
+    InvalidTransition,
     LorapubError,
     ProvenanceMismatch,
     SessionClosed,
@@ -292,6 +293,15 @@ class Session:
         except SessionExpired:
             self.state = LocalState.EXPIRED
             raise
+        except InvalidTransition as e:
+            if not e.details.get("unknown"):
+                raise
+            # it was bound: the registry expired it and, a tombstone window later, forgot it
+            self.state = LocalState.EXPIRED
+            raise SessionExpired(
+                f"session {self.key} expired long ago (its worker renewed no lease for longer than lease_ttl "
+                "plus the tombstone window) and the registry no longer knows it; dispatch refused — start a "
+                "new session", session=self.key) from None
         except BindingStale as stale:
             return await self._fresh(binding, stale)
         self.lease_seen = time.monotonic()
@@ -312,6 +322,8 @@ class Session:
             out["lorapub"] = {
                 "version": str(binding.version), "version_id": binding.version.version_id, "lag": lag,
                 "lora_name": binding.lora_name, "rebinds": rebinds,
+                # > 0: its group was moved to a newer version, so its members' samples span versions
+                "group_rebinds": binding.group_rebinds,
                 "stamp": stamp,  # what the engine attests served this turn (None: it does not stamp)
             }
         return out
@@ -478,14 +490,17 @@ class SessionService:
         idle = self.idle()
         if not idle:
             return 0
-        await self.registry.handle(ExpireSessions(tuple(s.key for s in idle)))
+        result = await self.registry.handle(ExpireSessions(tuple(s.key for s in idle)))
         for s in idle:
             if s.state in LIVE:
                 s.state = LocalState.EXPIRED
             self.forget(s)
         self.events(SessionsExpired(len(idle), "idle", tuple(s.key.session_id for s in idle[:8])))
         self.idle_expired += len(idle)
-        self.fleet.kick()  # a released version may be reclaimable now
+        # a released version may be reclaimable now: its reclaim starts here, as a close's does (not
+        # at the next reconcile pass, which a deployment with reconcile_interval=None never runs)
+        await self.control.run(result.effects)
+        self.fleet.kick()
         return len(idle)
 
     async def renew_leases(self) -> int:

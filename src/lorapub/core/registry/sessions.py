@@ -55,7 +55,9 @@ def _version_of(record: SessionRecord | GroupRecord) -> VersionKey:
 def _binding(state: RegistryState, record: SessionRecord) -> Binding:
     v = state.versions[_version_of(record)]
     revision = v.commit.default_revision if v.commit is not None else 0
-    return Binding(record.key, v.key, v.lora_name, v.digest, revision, record.group, record.rebinds)
+    group = state.groups.get(record.group) if record.group is not None else None
+    return Binding(record.key, v.key, v.lora_name, v.digest, revision, record.group, record.rebinds,
+                   group.rebinds if group is not None else 0)
 
 
 def _lease_until(state: RegistryState, now: float | None) -> float | None:
