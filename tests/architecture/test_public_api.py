@@ -28,7 +28,7 @@ PUBLIC = {
 }
 
 TESTING = {
-    "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
+    "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "ManualClock", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
     "peft_lora_state_dict",
 } | {"reference_probe"}

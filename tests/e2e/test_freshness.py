@@ -499,3 +499,23 @@ async def test_a_member_that_joins_a_rebound_group_is_told_its_group_spans_versi
     solo = (await dep.session("solo").generate(GEN))["lorapub"]
     assert solo["group_rebinds"] == 0
     await dep.close()
+
+
+async def test_a_manual_clock_drives_idle_ttl_and_reconcile_expires_what_it_made_idle():
+    from lorapub.testing import ManualClock
+
+    clock = ManualClock()
+    dep = await deployment(capacity=2, idle_ttl=600, clock=clock)  # the renewal loop's own period is long
+    await dep.publish(lora_snapshot(1), "A")
+    forgotten = await bound_session(dep, "forgotten")
+    await dep.publish(lora_snapshot(2), "B")  # A kept by the forgotten session
+    clock.advance(599)
+    await dep.reconcile()
+    assert version(dep, "A").state is VersionState.RETIRED  # not idle yet
+    clock.advance(2)
+    await dep.reconcile()  # no sleep: the pass expires it, and A's reclaim starts
+    await dep.settle(2)
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    with pytest.raises(SessionExpired):
+        await forgotten.generate(GEN)
+    await dep.close()

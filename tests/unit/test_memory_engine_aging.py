@@ -8,19 +8,8 @@ import pytest
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.errors import EngineError
-from lorapub.testing import MemoryEngine
+from lorapub.testing import ManualClock as Clock, MemoryEngine
 from lorapub.testing.fixtures import lora_snapshot
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 SNAPSHOTS = {}

@@ -37,6 +37,7 @@ from lorapub.errors import (
     LorapubError,
 )
 from lorapub.ports import (
+    Clock,
     EngineAdmin,
     OverwriteAdmin,
     Registry,
@@ -88,6 +89,9 @@ class Deployment:
     boundary); None keeps a session on its version for life. It needs ``capacity >= max_lag + 2``
     (the default and the ``max_lag`` versions behind it, plus one loading): less is ``INVALID_INPUT``.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
+    ``clock``: what session idle and lease ages are read from (default: the monotonic clock); a
+    test's ``lorapub.testing.ManualClock`` drives ``idle_ttl`` without sleeping (``reconcile()``
+    then expires the sessions idle by it).
     ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
     ``TorchDistributed()``), named once here and handed to every engine (None: the one they already
@@ -126,6 +130,7 @@ class Deployment:
         status_token: str | None = None,
         canary_interval: float | None = None,
         avoid_suspect: bool = False,
+        clock: Clock | None = None,
     ) -> None:
         self.engines = check_engines(engines)
         _check_epoch(epoch)
@@ -171,6 +176,7 @@ class Deployment:
         self.canary_interval = canary_interval  # the canary (docs/provenance.md, "Canary"); None: off
         self.avoid_suspect = avoid_suspect
         self.idle_ttl = idle_ttl
+        self.clock = clock
         self.own_engines = own_engines  # close() closes the engine adapters too
         self.name_prefix = name_prefix  # how versions are named on the engines (None: lorapub's default)
         # How generations reach engines: lorapub's sticky router by default, or e.g.
@@ -228,6 +234,7 @@ class Deployment:
         self.sessions = SessionService(
             registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
             router=self.router, idle_ttl=self.idle_ttl, fleet=self.fleet, tasks=self.tasks, events=self.observers,
+            clock=self.clock,
         )
         self.reconciler = Reconciler(
             registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
@@ -346,6 +353,7 @@ class Deployment:
         ``wait`` s for what it started, then returns the typed health report (what still blocks,
         and why); an unload that waits for long requests never holds it longer."""
         self._require_started()
+        await self.sessions.expire_idle()  # this process's sessions idle past idle_ttl first: what they kept is free
         health = await self.reconciler.run_once()
         if health.healthy or not wait:
             return health
@@ -380,13 +388,13 @@ class Deployment:
             inventories = {name: life.error if life.error is not None else
                            (life.inventory if life.inventory is not None else life.incarnation or "?")
                            for name, life in lives.items()}
-        now = time.monotonic()
+        idle_now = self.sessions.clock.monotonic()  # the clock session ages are read from
         local = {s.key.session_id: LocalSession(s.key.session_id, str(s.binding.version) if s.binding else None,
-                                                s.state.value, now - s.last_active, s.group)
+                                                s.state.value, idle_now - s.last_active, s.group)
                  for s in list(self.sessions.sessions.values()) if s.state in LIVE}
         return build_status(fleet, source="deployment", sessions_of=sessions_of, inventories=inventories,
                             health=self.reconciler.health, local=local, first_seen=self.reconciler.first_seen(),
-                            monotonic=now)
+                            monotonic=time.monotonic())
 
     async def recover(self) -> list[str]:
         """Abort an attempt whose publisher is known to be dead, and drive its cleanup."""
@@ -526,6 +534,7 @@ class DeploymentOptions(TypedDict, total=False):
     status_token: str | None
     canary_interval: float | None
     avoid_suspect: bool
+    clock: Clock | None
 
 
 @overload

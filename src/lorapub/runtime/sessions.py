@@ -12,7 +12,6 @@ import asyncio
 import enum
 import itertools
 import logging
-import time
 import uuid
 from typing import Any, Mapping
 
@@ -41,7 +40,8 @@ from lorapub.errors import (
     VersionMissing,
 )
 from lorapub.events import Observer, ProvenanceMismatched, RequestDispatched, SessionBound, SessionRebound, SessionsExpired, SessionStale
-from lorapub.ports import EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
+from lorapub.ports import Clock, EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
+from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.provenance import attest
 from lorapub.runtime.runner import EffectRunner, OnEligible
@@ -117,8 +117,8 @@ class Session:
         self.requests = 0
         #: (version, first request it served): one entry, plus one per explicit rebind
         self.provenance: list[tuple[VersionKey, int]] = []
-        self.lease_seen = time.monotonic()  # when the registry last confirmed this session's lease
-        self.last_active = time.monotonic()  # the last generation's start or end (the idle clock)
+        self.lease_seen = self.service.clock.monotonic()  # when the registry last confirmed this session's lease
+        self.last_active = self.service.clock.monotonic()  # the last generation's start or end (the idle clock)
         self._bind_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
@@ -143,7 +143,7 @@ class Session:
         self._refuse_if_ended("open")
         if self.binding is None:
             await self.service.registry.handle(OpenSession(self.key, group=self.group))
-            self.lease_seen = time.monotonic()
+            self.lease_seen = self.service.clock.monotonic()
         return self
 
     def _adopt(self, binding: Binding) -> Binding:
@@ -159,7 +159,7 @@ class Session:
         except BindingStale:
             self._became_stale()
             raise
-        self.lease_seen = time.monotonic()
+        self.lease_seen = self.service.clock.monotonic()
         binding = self._adopt(result.reply)
         if self.state is LocalState.OPEN:
             self.state = LocalState.BOUND
@@ -243,14 +243,14 @@ class Session:
                 f"{{...}}}}), not {type(payload).__name__}"
             )
         self._refuse_if_ended("dispatch")
-        self.last_active = time.monotonic()
+        self.last_active = self.service.clock.monotonic()
         # After the first bind a generation costs no registry round trip: the session's own ref
         # keeps its version from being reclaimed, and its lease is renewed in batches. Only a
         # session whose lease was not confirmed for half its TTL (a worker that stalled or lost
         # the registry) asks first, so a late request on an expired session is refused.
         binding = await self._fresh(await self.bind())
         ttl = self.service.lease_ttl
-        if self.service.fleet.gone(binding) or (ttl is not None and time.monotonic() - self.lease_seen > ttl / 2):
+        if self.service.fleet.gone(binding) or (ttl is not None and self.service.clock.monotonic() - self.lease_seen > ttl / 2):
             binding = await self._authorized(binding)
         try:
             return await self._send(binding, payload)
@@ -278,7 +278,7 @@ class Session:
                     raise self._unavailable(binding) from missing
                 raise missing from None
         finally:
-            self.last_active = time.monotonic()
+            self.last_active = self.service.clock.monotonic()
 
     def _unavailable(self, binding: Binding) -> EngineUnavailable:
         return EngineUnavailable(
@@ -304,7 +304,7 @@ class Session:
                 "new session", session=self.key) from None
         except BindingStale as stale:
             return await self._fresh(binding, stale)
-        self.lease_seen = time.monotonic()
+        self.lease_seen = self.service.clock.monotonic()
         return binding
 
     async def _send(self, binding: Binding, payload: Mapping[str, object]) -> dict[str, Any]:
@@ -425,8 +425,11 @@ class SessionService:
         on_eligible: OnEligible | None = None,
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
         events: Observer | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.events: Observer = events or (lambda event: None)
+        #: what idle and lease ages are read from (a test's manual clock drives idle_ttl without sleeping)
+        self.clock: Clock = clock or SystemClock()
         self.registry = registry
         self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.epoch = epoch
@@ -480,7 +483,7 @@ class SessionService:
         """Live sessions with no generation for ``idle_ttl`` and none running."""
         if self.idle_ttl is None:
             return []
-        now = time.monotonic() if now is None else now
+        now = self.clock.monotonic() if now is None else now
         return [s for s in self.sessions.values()
                 if s.state in LIVE and not s.busy and now - s.last_active > self.idle_ttl]
 
@@ -512,7 +515,7 @@ class SessionService:
         live = [s for s in self.sessions.values() if s.state in LIVE]
         if not live or self.lease_ttl is None:
             return 0
-        sent = time.monotonic()
+        sent = self.clock.monotonic()
         gone = set((await self.registry.handle(RenewLeases(tuple(s.key for s in live)))).reply)
         self.renewals += 1
         expired = []

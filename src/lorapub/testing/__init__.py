@@ -5,6 +5,7 @@ and fixture builders. Neither importing this package nor building a double needs
 See docs/testing.md.
 """
 
+from lorapub.testing.clock import ManualClock
 from lorapub.testing.conformance import ConformanceFailure, EngineUnderTest, check_engine_admin
 from lorapub.testing.fixtures import fake_manifest, fake_plan, lora_snapshot, peft_config, peft_lora_state_dict
 from lorapub.testing.faults import FaultyRegistry
@@ -13,7 +14,8 @@ from lorapub.testing.numeric import reference_probe
 from lorapub.testing.sglang_double import SGLangDouble, SGLangUnderTest
 
 __all__ = [
-    "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "MemoryEngine", "SGLangDouble", "SGLangUnderTest",
+    "ConformanceFailure", "EngineUnderTest", "FaultyRegistry", "ManualClock", "MemoryEngine", "SGLangDouble",
+    "SGLangUnderTest",
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
     "peft_lora_state_dict", "reference_probe",
 ]
