@@ -20,7 +20,8 @@ from lorapub.errors import InvalidTransition
 
 __all__ = [
     "Phase", "ACTIVE", "RESOLVED", "TargetState", "ReadyLocal", "Target", "Attempt", "Step", "Progress", "start",
-    "resend_begins", "progress", "on_prepared", "on_bucket_done", "on_ready", "all_ready_current", "mark_committed",
+    "resend_begins", "progress", "on_prepared", "on_bucket_done", "on_ready", "all_ready_current", "cleanup_owed_by",
+    "mark_committed",
     "abort", "on_cleaned", "on_cleanup_unknown", "retry_cleanup", "on_engine_restarted", "on_engine_removed",
 ]
 
@@ -213,6 +214,13 @@ def all_ready_current(attempt: Attempt, engines: Mapping[str, str]) -> bool:
         t.state is TargetState.READY and t.ready is not None and engines.get(t.engine) == t.incarnation == t.ready.incarnation
         for t in attempt.targets
     )
+
+
+def cleanup_owed_by(attempt: Attempt) -> tuple[str, ...]:
+    """An aborted attempt's engines that have not confirmed its cleanup (none for any other phase)."""
+    if attempt.phase is not Phase.ABORTED:
+        return ()
+    return tuple(sorted(t.engine for t in attempt.targets if t.state is not TargetState.CLEANED))
 
 
 def mark_committed(attempt: Attempt) -> Attempt:

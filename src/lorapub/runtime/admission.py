@@ -9,6 +9,7 @@ import logging
 from typing import Awaitable, Mapping, TypeVar
 
 from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
+from lorapub.core.registry import Fleet
 from lorapub.errors import EngineCapacityError, EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import (
     EngineAdmin,
@@ -123,7 +124,7 @@ async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: 
             f"engine {name} holds at most {holds} pinned managed versions (max_loaded_loras="
             f"{limits.max_loaded_loras}, max_loras_per_batch={limits.max_loras_per_batch}: SGLang keeps one "
             f"batch slot unpinned), fewer than capacity={capacity}; start it with --max-loras-per-batch "
-            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)" + _lower(capacity, holds, max_lag),
+            f"{capacity + 1} --max-loaded-loras {capacity + 1} (or more)" + _lower(holds, max_lag),
             engine=name, limits=limits, capacity=capacity,
         )
 
@@ -140,13 +141,20 @@ async def release_adapter(engine: object) -> None:
         log.warning("releasing engine %s: %s", getattr(engine, "name", "?"), e)
 
 
-def _lower(capacity: int, holds: int, max_lag: int | None) -> str:
+def _lower(holds: int, max_lag: int | None) -> str:
     """The other way out, where there is one: the capacity this engine holds, if lorapub allows it."""
     if holds < 2:
         return " (capacity 2 is the least lorapub runs with)"
     if max_lag is None or holds >= max_lag + 2:
         return f", or lower capacity to {holds}"
     return f", or lower capacity and max_lag together (capacity {holds} serves max_lag={holds - 2} at most)"
+
+
+async def check_admission(name: str, engine: EngineAdmin, fleet: Fleet, deadline: float) -> None:
+    """What an engine must pass to serve the deployment whose registry said ``fleet``: room for its
+    capacity (at its max_lag) and the same protected name prefix."""
+    await check_limits(name, engine, fleet.capacity, deadline, fleet.max_lag)
+    await check_protects(name, engine, fleet.name_prefix, deadline)
 
 
 async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: float) -> None:

@@ -49,8 +49,7 @@ from lorapub.runtime.decision_log import DecisionLog
 from lorapub.runtime.observers import ObservedRegistry, Observers
 from lorapub.runtime.admission import (
     check_engines,
-    check_limits,
-    check_protects,
+    check_admission,
     check_status_address,
     hand_transport,
     release_adapter,
@@ -268,8 +267,7 @@ class Deployment:
         fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
         for name, engine in sorted(self.engines.items()):
-            await check_limits(name, engine, fleet.capacity, self.deadlines.begin, fleet.max_lag)
-            await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
+            await check_admission(name, engine, fleet, self.deadlines.begin)
         return fleet
 
     async def _release_engines(self) -> None:

@@ -28,7 +28,7 @@ from lorapub.errors import (
 from lorapub.ports import EngineAdmin, Registry, ReportsInventory, TakesTransport, Transport
 from lorapub.runtime.engines import Engines
 from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, Observer
-from lorapub.runtime.admission import answer_within, check_limits, check_protects, release_adapter
+from lorapub.runtime.admission import answer_within, check_admission, release_adapter
 from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.reconciler import Reconciler
 from lorapub.runtime.runner import Deadlines, EffectRunner
@@ -114,8 +114,7 @@ class FleetMembership:
             if known is not None and known is not engine and name in fleet.engines and name not in fleet.draining:
                 raise InvalidInput(f"engine {name} is already a member (another adapter object); remove it first")
             try:
-                await check_limits(name, engine, fleet.capacity, self.deadlines.begin, fleet.max_lag)
-                await check_protects(name, engine, fleet.name_prefix, self.deadlines.begin)
+                await check_admission(name, engine, fleet, self.deadlines.begin)
                 incarnation = await incarnation_of(name, engine, self.deadlines.begin)
             except BaseException:
                 if self.own_engines and known is not engine:  # refused: it leaks no connection, may come again

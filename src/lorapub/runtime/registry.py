@@ -19,7 +19,7 @@ from lorapub.core.commands import Command, stamped
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session_table import SessionTable
-from lorapub.errors import EpochMismatch, LorapubError, StoreCorrupted, StoreError
+from lorapub.errors import EpochMismatch, InvalidInput, LorapubError, StoreCorrupted, StoreError
 from lorapub.ports import RegistryStore
 from lorapub.runtime.clock import RegistryClock
 
@@ -96,12 +96,14 @@ class LocalRegistry:
             self._state = attrs.evolve(loaded)
         else:
             self._state = loaded
-        if loaded is not None and self._state.max_lag is not None and self._state.capacity < self._state.max_lag + 2:
-            # stored before such settings were refused: it resumes (refusing would strand its sessions),
-            # but every publication will wait for sessions to end, so the operator is told how to fix it
-            log.warning("registry store %s: capacity %d cannot serve max_lag=%d (publications wait for sessions "
-                        "to end); start the next epoch with capacity=%d or more, or max_lag=%d or less", where,
-                        self._state.capacity, self._state.max_lag, self._state.max_lag + 2, self._state.capacity - 2)
+        if loaded is not None:
+            try:
+                R.check_room_for_lag(self._state.capacity, self._state.max_lag)
+            except InvalidInput as e:
+                # stored before such settings were refused: it resumes (refusing would strand its sessions),
+                # but every publication will wait for sessions to end, so the operator is told how to fix it
+                log.warning("registry store %s resumes settings now refused (publications wait for sessions to "
+                            "end; start the next epoch with others): %s", where, e.message)
         self.transitions = 0
 
     @property

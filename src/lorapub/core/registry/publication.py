@@ -24,7 +24,7 @@ from lorapub.errors import (
     VersionReclaiming,
 )
 
-from .state import AttemptStatus, Outcome, RegistryState, ReserveReply, SlotHolder, Waiter, Waiting, check_epoch
+from .state import AttemptStatus, Outcome, RegistryState, ReserveReply, Waiter, Waiting, check_epoch
 
 __all__ = ['cancel_wait', 'commit', 'drop_holdings', 'query_attempt', 'reclaim_eligible', 'record_bucket_done', 'record_cleaned',
     'record_failure', 'record_prepared', 'record_ready', 'record_unknown', 'register_engine', 'reserve',
@@ -70,16 +70,9 @@ def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outc
 
 
 # -- publication ---------------------------------------------------------------
-def _cleanup_owed_by(attempt: Attempt) -> list[str]:
-    """A failed attempt's engines that have not confirmed its cleanup (none for a running attempt)."""
-    if attempt.phase is not Phase.ABORTED:
-        return []
-    return [t.engine for t in attempt.targets if t.state is not TargetState.CLEANED]
-
-
 def _blocked_advice(blocker: Attempt) -> str:
     if blocker.phase is Phase.ABORTED:
-        waiting = _cleanup_owed_by(blocker)
+        waiting = att.cleanup_owed_by(blocker)
         return (
             f"attempt {blocker.token} failed and its cleanup is not confirmed on {', '.join(waiting)}; "
             "lorapub retries the cleanup in the background — publish again once it is confirmed "
@@ -92,36 +85,27 @@ def _blocked_advice(blocker: Attempt) -> str:
     )
 
 
-def _capacity_advice(state: RegistryState) -> str:
+def _capacity_refusal(state: RegistryState) -> CapacityError:
+    """Every slot is held: say by what, and what frees one. Its details tell sessions that keep slots
+    from engines that have not confirmed an unload or a cleanup (Relax's trainer reads them)."""
     holders = state.slot_holders()
     held = f"{state.capacity} managed version slots are held: " + "; ".join(h.describe() for h in holders) + ". "
     engines = sorted({e for h in holders for e in h.waits_on_engines})
-    if engines and not any(_kept_by_sessions(h) for h in holders):
-        # no session keeps a slot: only engines that have not confirmed an unload or a cleanup do
-        return held + (
+    by_sessions = sum(1 for h in holders if h.kept_by_sessions)
+    if engines and not by_sessions:
+        advice = (
             f"No session keeps them: they wait for {', '.join(engines)} to confirm. A reachable engine "
             "confirms once the requests still running there end (publish(..., wait=seconds) waits for it); "
             "one that stays unreachable keeps the slot until it answers again or Deployment.remove_engine(name) "
             "removes it (health names it engine_unreachable)."
         )
-    return held + (
-        "publish(..., wait=seconds) waits for a slot (a newer publication supersedes a waiting one); "
-        "Deployment(max_lag=k) bounds how long sessions keep old versions; Deployment(capacity=N) holds more"
-    )
-
-
-def _kept_by_sessions(holder: SlotHolder) -> bool:
-    """Sessions keep this slot: a RETIRED version with refs, not retiring (a retiring one is reclaimed
-    whatever refs it still has: they keep nothing)."""
-    return holder.state is VersionState.RETIRED and holder.session_refs > 0 and not holder.retiring
-
-
-def _capacity_details(state: RegistryState) -> dict[str, object]:
-    holders = state.slot_holders()
-    return {"held": [h.describe() for h in holders],
-            # what frees a slot: sessions closing, or engines confirming (Relax's trainer tells them apart)
-            "held_by_sessions": sum(1 for h in holders if _kept_by_sessions(h)),
-            "waiting_on_engines": sorted({e for h in holders for e in h.waits_on_engines})}
+    else:
+        advice = (
+            "publish(..., wait=seconds) waits for a slot (a newer publication supersedes a waiting one); "
+            "Deployment(max_lag=k) bounds how long sessions keep old versions; Deployment(capacity=N) holds more"
+        )
+    return CapacityError(held + advice, held=[h.describe() for h in holders], held_by_sessions=by_sessions,
+                         waiting_on_engines=engines)
 
 
 def reserve(
@@ -189,8 +173,8 @@ def reserve(
             return _wait(state, key, digest, publisher, wait, now, blocker)
         if blocker is not None:
             raise PublicationBlocked(_blocked_advice(blocker), attempt=blocker.token,
-                                     waiting_on_engines=_cleanup_owed_by(blocker))
-        raise CapacityError(_capacity_advice(state), **_capacity_details(state))
+                                     waiting_on_engines=list(att.cleanup_owed_by(blocker)))
+        raise _capacity_refusal(state)
     # A slot is free: this call takes it. A different publication still waiting is older: superseded.
     state = _supersede_waiter(state, key)
     token = AttemptToken(key, state.attempt_seq + 1)

@@ -10,7 +10,7 @@ from pyrsistent import PMap, pmap
 
 from lorapub.core import _fields
 from lorapub.core import attempt as att
-from lorapub.core.attempt import Attempt, Phase, TargetState
+from lorapub.core.attempt import Attempt, Phase
 from lorapub.core.effects import Effect
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken, SessionKey, VersionKey, check_name_prefix
 from lorapub.core.group import GroupRecord
@@ -153,16 +153,10 @@ class RegistryState:
     def slot_holders(self) -> tuple["SlotHolder", ...]:
         return tuple(
             SlotHolder(k, v.state, v.session_refs, v.lag(self.default_revision), v.retiring,
-                       tuple(sorted(v.reclaim_pending)), self._cleaning_on(v))
+                       tuple(sorted(v.reclaim_pending)),
+                       att.cleanup_owed_by(a) if (a := self.attempts.get(v.attempt)) is not None else ())
             for k, v in sorted(self.versions.items()) if v.holds_slot
         )
-
-    def _cleaning_on(self, version: Version) -> tuple[str, ...]:
-        """ABORTED: the engines whose cleanup of its attempt is not confirmed."""
-        if version.state is not VersionState.ABORTED:
-            return ()
-        attempt = self.attempts.get(version.attempt)
-        return tuple(sorted(t.engine for t in attempt.targets if t.state is not TargetState.CLEANED)) if attempt else ()
 
     def unresolved_attempt(self) -> Attempt | None:
         # Versions hold at most `capacity` live attempts, so this scan is tiny.
@@ -250,11 +244,17 @@ class SlotHolder:
         """The engines whose confirmation (unload, cleanup) frees this slot; () when sessions keep it."""
         return self.unloading_on or self.cleaning_on
 
+    @property
+    def kept_by_sessions(self) -> bool:
+        """Sessions keep this slot: RETIRED with refs and not retiring (a retiring version is reclaimed
+        whatever refs it still has: they keep nothing)."""
+        return self.state is VersionState.RETIRED and self.session_refs > 0 and not self.retiring
+
     def describe(self) -> str:
         what = f"{self.version} {self.state.value}"
         if self.lag is not None and self.state is not VersionState.PUBLISHED:
             what += f" (lag {self.lag})"
-        if self.state is VersionState.RETIRED and self.session_refs and not self.retiring:
+        if self.kept_by_sessions:
             what += f": kept by {self.session_refs} session ref(s) until they close or expire"
         elif self.state is VersionState.RETIRED:
             what += ": being reclaimed"
