@@ -60,12 +60,15 @@ from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
 from lorapub.runtime.snapshot import Snapshot  # noqa: E402
 from bench.decode_probe import DecodeProbe, probe_gap, probe_tokens  # noqa: E402
+from bench.attribution import SLOW, attribute, read_iterations, summarize  # noqa: E402
 
 ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
 FULL = dict(rounds=3, sessions=150, publications=3, cadence=0.25, load_delay=0.25, arrival=0.01)
 # sessions keep arriving after the publication lands, so a request runs on the new version
 QUICK = dict(rounds=1, sessions=16, publications=1, cadence=0.1, load_delay=0.05, arrival=0.04)
+#: Seconds after a publish call returned that its attribution still covers (the new version's first use).
+FIRST_USE_S = 1.0
 PLOT_BIN = 0.05  # seconds: the timeline counts completions per bin of this width
 #: How an engine's adapter load meets its decoding (--engine-model).
 ENGINE_MODELS = {
@@ -209,8 +212,8 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
         # the small built-in adapter in several buckets; a real-sized one in lorapub's default buckets
         buckets = {} if args.adapter else {"bucket_cap_bytes": 64 << 10}
         # the old path stages its folder where the servers read it: --stash-dir for real servers elsewhere
-        fresh = dict(capacity=args.capacity, max_lag=args.max_lag, on_stale=args.on_stale,
-                     transport=lorapub_transport(args, stash)) if enabled else {}
+        fresh = dict(capacity=args.capacity, max_lag=args.max_lag, transport=lorapub_transport(args, stash),
+                     **({"on_stale": args.on_stale} if args.on_stale else {})) if enabled else {}
         dep = await deploy(engines, epoch=epoch, enabled=enabled, deadlines=Deadlines(),
                            stash_dir=args.stash_dir or stash, **buckets, **fresh)
         bootstrap = await dep.publish(version_snapshot(args, 0), "v0")  # before any session exists
@@ -340,8 +343,14 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     # the same windows in seconds since the workload started, as the probe's ticks and the call log are
     relative = [(a - result.started, b - result.started) for a, b in windows]
     decode_stalls = [probe_gap(ticks, w) for w in relative]
+    # where each publication's slow decode steps went (bench/attribution.py): from the call (after any
+    # wait) to FIRST_USE_S after it returned, the new version's first batches included
+    logs = dict(zip(probe.ticks, args.engine_log or []))
+    records = {e: read_iterations(path, result.started, result.ended) for e, path in logs.items()}
+    attributed = attribute(probe.ticks, records, [(a, b + FIRST_USE_S) for a, b in windows]) if logs else []
     return {
         "publication_windows": relative,
+        "attribution": attributed,
         "gap": longest_stall(result),
         "stall_per_publication": statistics.fmean(stalls) if stalls else nan,
         "decode_gap": probe_gap(ticks),
@@ -533,6 +542,8 @@ def derived(run: dict[str, dict]) -> dict:
         # decode tokens the probe got while the publications ran, against the control's over the same stretches
         got, control_got = probe_tokens(figures["probe"]["ticks"], windows), probe_tokens(c["probe"]["ticks"], windows)
         out[f"{s}_probe_token_loss"] = 1 - got / control_got if control_got else float("nan")
+        # what a trainer feels: the same workload's rollouts took this much longer than with nothing published
+        out[f"{s}_duration_over_control"] = figures["duration"] / c["duration"] - 1 if c["duration"] else float("nan")
     return out
 
 
@@ -604,7 +615,8 @@ def method(args, spec: WorkloadSpec) -> str:
         + (f", groups of {spec.group_size} sessions binding as one" if spec.group_size > 1 else "") + "; "
         f"{args.publications} publish calls of {adapter_text(args)}, one every {args.cadence:g} s whatever the last is doing.",
         f"  lorapub: capacity {args.capacity}, max_lag {args.max_lag}"
-        + (f" (on_stale={args.on_stale})" if args.max_lag is not None else " (a session keeps its version for life)")
+        + ((f" (on_stale={args.on_stale})" if args.on_stale else " (on_stale: lorapub's default)")
+           if args.max_lag is not None else " (a session keeps its version for life)")
         + f", each call waits up to {args.wait:g} s for a slot (a newer call supersedes a waiting one).",
         "  every publish call is counted: done, superseded, deferred (its wait ran out) or failed; version lag is",
         "    token-weighted (each request's commits behind the default at dispatch, once per token it generated;",
@@ -626,12 +638,22 @@ def method(args, spec: WorkloadSpec) -> str:
         "    tokens lost while publishing: 1 - the probe's tokens inside the publications' windows / the control's",
         "    over the same stretches (a sum over every step, so one long prefill of the control's hides nothing).",
         "  excess = figure - the same round's control figure; removed = 1 - lorapub's excess gap / the baseline's.",
+        "  workload duration over control: the same seeded workload's duration / the control's - 1 (the rollout",
+        "    throughput a trainer feels; rebound sessions prefill their context again).",
         "  publish call to the first request on the new version: sent, and completed (its first token comes",
         "    between the two, one prefill after it was sent); the old path: the first request after the overwrite.",
         "  publish call to its first token: the moment a call lands, one request of one new token (a fixed",
         "    64-token prompt) under the new version's exact name (the old path: the fixed name) goes to every",
         "    engine; the earliest answer. Counted apart from the workload (first-token requests: sent, ok, failed).",
-    ])
+    ] + ([
+        "  where the time went (--engine-log; bench/attribution.py): per publication (from the call, after any",
+        f"    wait, to {FIRST_USE_S:g} s after it returned) and engine, the probe's slow steps (longer than "
+        f"{SLOW:g} x the engine's",
+        "    median step, and 5 ms over it), joined on the host's monotonic clock to the server's logged scheduler",
+        "    iterations overlapping them, and what those spent (ms): prefill and decode launches, the install,",
+        "    slot fills, gc, the scheduler thread waiting (wall - its CPU: the interpreter, the GPU, sockets),",
+        "    and the preparing thread's CPU beside it. Causes overlap; they are named, not added up.",
+    ] if args.engine_log else []))
 
 
 def adapter_text(args) -> str:
@@ -671,6 +693,9 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
               f"lorapub {d['lorapub_probe_token_loss'] * 100:.0f} %; "
               f"lorapub publish call to first token p50 "
               + (f"{statistics.median(firsts) * 1e3:.0f} ms (n {len(firsts)})" if firsts else "none"), flush=True)
+        for strategy in STRATEGIES[1:]:
+            for line in summarize(f"round {r + 1} {strategy}", run[strategy].get("attribution") or []):
+                print(line, flush=True)
         if on_round:  # what is measured is kept even if a time limit cuts the later rounds
             on_round(rounds)
 
@@ -689,6 +714,8 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
         print(f"{name:42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     cells = ["—", fmt(dv["baseline_probe_token_loss"], "%"), fmt(dv["lorapub_probe_token_loss"], "%")]
     print(f"{'probe decode tokens lost while publishing':42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
+    cells = ["—", fmt(dv["baseline_duration_over_control"], "%"), fmt(dv["lorapub_duration_over_control"], "%")]
+    print(f"{'workload duration over control (rollouts)':42}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     per_round = ", ".join(f"{run['derived']['removed'] * 100:.0f} %" for run in rounds)
     print(f"\nshare of the baseline's excess stall that lorapub removes: {fmt(dv['removed'], '%')} (per round: {per_round})")
     phases = [run["lorapub"]["phases"] for run in rounds if run["lorapub"]["phases"]]
@@ -725,6 +752,7 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
             + (f" (by {c['by']})" if c.get("by") else "") + (f" ({c['error']})" if c.get("error") else "")
             for c in run["lorapub"]["call_log"]))
     print(f"load average after part 1: {os.getloadavg()[0]:.2f}")
+    pooled_first = sorted(x for run in rounds for x in run["lorapub"].get("to_first_token_each", []) if x == x)
     bars = {
         "0 request failures with lorapub, every round": all(run["lorapub"]["failed"] == 0 for run in rounds),
         "0 requests aborted by a publication with lorapub, every round": all(run["lorapub"]["resent"] == 0 for run in rounds),
@@ -733,7 +761,17 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
         "every lorapub publish call landed or was superseded by one that landed, every round": all(
             run["lorapub"]["deferred"] == 0 and run["lorapub"]["failed_calls"] == 0 for run in rounds),
         "lorapub's excess stall below the baseline's (median of the rounds)": dv["removed"]["median"] > 0,
+        # the serving path's own targets (docs/benchmarks.md, "Bars"): not relative to the baseline
+        f"lorapub's excess decode stall per publication <= {args.bar_decode_stall_ms:g} ms (probe, median of the rounds)":
+            dv["lorapub_excess_decode_stall"]["median"] <= args.bar_decode_stall_ms / 1e3,
+        f"probe tokens lost while lorapub publishes <= {args.bar_token_loss:g} % (median of the rounds)":
+            dv["lorapub_probe_token_loss"]["median"] <= args.bar_token_loss / 100,
+        f"lorapub publish call to its first token p50 <= {args.bar_first_token_s:g} s (every landed publication)":
+            bool(pooled_first) and percentile(pooled_first, 50) <= args.bar_first_token_s,
     }
+    if args.on_stale != "error":  # cutting sessions is what on_stale="error" asks for; nothing else may cut one
+        bars["0 sessions cut by BINDING_STALE with lorapub, every round (on_stale is not 'error')"] = all(
+            run["lorapub"]["stale_cut"] == 0 for run in rounds)
     shown = representative_round(rounds)
     plot = binned({s: rounds[shown][s]["timeline"] for s in STRATEGIES})
     plot["round"] = shown + 1
@@ -828,6 +866,10 @@ async def main() -> int:
     parser.add_argument("--stash-dir", help="with real servers: a folder they can read (lorapub's folder transport "
                                             "writes bucket files there, which they read as their LORAPUB_SHM_DIR, and "
                                             "the baseline's old path its adapter; default a local temp folder)")
+    parser.add_argument("--engine-log", action="append",
+                        help="with --engine-url, in the same order: that server's log; a server started with "
+                             "LORAPUB_SGLANG_PREPARE_TRACE=1 logs its scheduler iterations around each load, and each "
+                             "publication's slow decode-probe steps are attributed to what those iterations spent")
     parser.add_argument("--transport", choices=("folder", "http"), default="folder",
                         help="how lorapub's bytes reach the engines' own staging: bucket files in a folder they read "
                              "(SharedDir), or HTTP bodies")
@@ -854,8 +896,15 @@ async def main() -> int:
     parser.add_argument("--group-size", type=int, default=1, help="sessions per group binding as one (GRPO)")
     parser.add_argument("--capacity", type=int, default=2, help="lorapub's managed version slots")
     parser.add_argument("--max-lag", type=int, default=None, help="lorapub's bounded staleness (default: none)")
-    parser.add_argument("--on-stale", choices=("error", "rebind"), default="error")
+    parser.add_argument("--on-stale", choices=("error", "rebind"),
+                        help="what a session past max_lag gets (default: lorapub's own default)")
     parser.add_argument("--wait", type=float, default=30.0, help="seconds a lorapub publish call waits for a slot")
+    parser.add_argument("--bar-decode-stall-ms", type=float, default=5.0,
+                        help="bar: lorapub's excess decode stall per publication (probe), at most this (ms)")
+    parser.add_argument("--bar-token-loss", type=float, default=2.0,
+                        help="bar: probe decode tokens lost while lorapub publishes, at most this (percent)")
+    parser.add_argument("--bar-first-token-s", type=float, default=0.5,
+                        help="bar: lorapub's publish call to its first token, p50 at most this (s)")
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--skip-control-plane", action="store_true", help="Part 1 only")
     parser.add_argument("--json", help="also write every figure to this file")
@@ -866,6 +915,8 @@ async def main() -> int:
     if args.engine_url and args.engine_model is not None:
         parser.error("--engine-model shapes the doubles; real servers (--engine-url) behave as they do")
     args.engine_model = args.engine_model or "stock"
+    if args.engine_log and len(args.engine_log) != len(args.engine_url or []):
+        parser.error("--engine-log goes with --engine-url, one log per server, in the same order")
     if args.plot and args.skip_online:
         parser.error("--plot draws Part 1: it cannot go with --skip-online")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

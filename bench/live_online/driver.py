@@ -52,6 +52,9 @@ WORKLOADS = {
              "--turns", "8", "12", "--group-size", "4", "--publications", "4", "--cadence", "1.0"],
 }
 TRANSPORTS = {"http": ["--transport", "http"], "shm": ["--transport", "folder", "--stash-dir", "/dev/shm"]}
+#: The servers log each scheduler iteration around a load (bench/attribution.py names where a slow decode
+#: step went); LORAPUB_SGLANG_PREPARE_TRACE=0 in the driver's environment turns that off.
+TRACE = "LORAPUB_SGLANG_PREPARE_TRACE"
 #: SGLang's --max-loras-per-batch / --max-loaded-loras on both servers (capacity N needs N + 1).
 MAX_LORAS = int(os.environ.get("LIVE_ONLINE_MAX_LORAS", "3"))
 # each server's static share of GPU memory: 0.40 suits two servers on a 141 GB card; on an 80 GB card the
@@ -82,7 +85,8 @@ async def main() -> int:
     # decode step at 128 running requests took ~60 ms)
     def boot(i: int):
         return srv.start(f"e{i}", os.path.join(MODEL, "base"), 30400 + 100 * i, OUT, patched=True, max_lora_rank=64,
-                         mem_fraction=MEM_FRACTION, target_modules=ALL_LINEAR, decode_graphs=True, max_loras=MAX_LORAS)
+                         mem_fraction=MEM_FRACTION, target_modules=ALL_LINEAR, decode_graphs=True, max_loras=MAX_LORAS,
+                         env={TRACE: os.environ.get(TRACE, "1")})
 
     if SEQUENTIAL_BOOT:  # each server sizes its KV pool from the memory free when it starts: one at a time
         engines = [boot(0)]
@@ -103,6 +107,7 @@ async def main() -> int:
             label = name.replace("@", "-")
             cmd = [sys.executable, os.path.join(ROOT, "bench", "run.py"),
                    *(a for s in engines for a in ("--engine-url", s.url)),
+                   *(a for s in engines for a in ("--engine-log", s.log_path)),
                    *TRANSPORTS[transport or "http"], "--adapter", os.path.join(MODEL, "B"), *WORKLOADS[workload],
                    "--json", os.path.join(OUT, f"online-{label}.json"),
                    *shlex.split(os.environ.get("LIVE_ONLINE_ARGS", "")),

@@ -76,7 +76,11 @@ def test_the_quick_benchmark_prints_every_figure_and_draws_its_timeline(tmp_path
         assert set(online["summary"]["derived"][key]) == {"median", "min", "max"}
     assert len(online["load_average"]) == 2
     assert {"2 engines", "64 engines", "10 sessions", "10000 sessions"} <= set(figures["control_plane"])
-    assert len(figures["bars"]) == 7
+    assert len(figures["bars"]) == 11  # on_stale is lorapub's default here: no session may be cut
+    for bar in ("lorapub's excess decode stall per publication <= 5 ms", "probe tokens lost while lorapub publishes <= 2 %",
+                "lorapub publish call to its first token p50 <= 0.5 s", "0 sessions cut by BINDING_STALE with lorapub"):
+        assert any(name.startswith(bar) for name in figures["bars"]), bar
+    assert "workload duration over control (rollouts)" in text
     calls = round_["lorapub"]["call_log"]  # every publish call counted, with how it ended
     assert [c["outcome"] for c in calls] == ["done"] and round_["lorapub"]["calls"] == 1
 
@@ -248,3 +252,36 @@ def test_the_quick_benchmark_measures_the_probe_in_every_run(tmp_path):
     assert not math.isnan(derived["control_decode_stall_lorapub_windows"])
     assert 0 <= derived["baseline_probe_token_loss"] <= 1  # stock loads stop decoding: tokens are lost
     assert derived["lorapub_probe_token_loss"] <= 1
+
+
+def test_the_attribution_names_what_the_scheduler_did_in_each_slow_probe_step(tmp_path):
+    """A slow probe step inside a publication's window is joined, on the shared monotonic clock, to the
+    logged iterations overlapping it; steps at the engine's usual pace and iterations outside are not."""
+    from bench.attribution import attribute, read_iterations, summarize
+
+    ticks = {"e0": [10.0 + 0.02 * i for i in range(50)], "e1": [10.0 + 0.02 * i for i in range(50)]}
+    ticks["e0"] = [t if t < 10.5 else t + 0.06 for t in ticks["e0"]]  # one 80 ms step on e0 at 10.48-10.56
+    log = tmp_path / "server-e0.log"
+    log.write_text("\n".join([
+        "[2026-12-07] INFO something else",
+        '[2026-12-07] lorapub iteration {"t":10.46,"wall":20.0,"cpu":19.0,"prep_cpu":1.0,"decode":5.0}',
+        '[2026-12-07] lorapub iteration {"t":10.48,"wall":80.0,"cpu":20.0,"prep_cpu":55.0,"decode":6.0,"fill":12.5}',
+        '[2026-12-07] lorapub iteration {"t":12.0,"wall":30.0,"cpu":30.0,"prep_cpu":0.0,"install":2.0}',
+        "[2026-12-07] lorapub iteration {not json",
+    ]))
+    records = {"e0": read_iterations(str(log), 9.0, 11.5), "e1": []}
+    assert [r["t"] for r in records["e0"]] == [10.46, 10.48]  # the one at 12.0 is outside the run
+    [window] = attribute(ticks, records, [(10.3, 10.7)])
+    e0 = window["e0"]
+    assert e0["slow_steps"] == 1 and e0["longest_ms"] == pytest.approx(80.0, abs=0.5)
+    assert e0["excess_ms"] == pytest.approx(60.0, abs=0.5)
+    # the 80 ms iteration, and the one before it that ended inside the step, are the two overlapping it
+    assert e0["iterations"] == 2
+    assert e0["fill"] == pytest.approx(12.5) and e0["prep_cpu"] == pytest.approx(56.0)
+    assert e0["wait"] == pytest.approx(61.0)  # 80 - 20 and 20 - 19: the scheduler waited
+    assert window["e1"]["slow_steps"] == 0
+    lines = summarize("round 1 lorapub", [window])
+    assert "e0: 1 slow probe step(s), +60.0 ms" in lines[0] and "slot fills 12.5" in lines[0]
+    assert "preparing thread's CPU 56.0" in lines[0] and "no slow probe step" in lines[1]
+    [outside] = attribute(ticks, records, [(11.0, 11.2)])  # no slow step in another window
+    assert outside["e0"]["slow_steps"] == 0

@@ -706,3 +706,72 @@ def test_a_device_preparation_logs_where_its_copy_time_went(classes, caplog, mon
     [line] = [r.getMessage() for r in caplog.records if "off the scheduler thread" in r.getMessage()]
     assert "of which queued GPU work 30 ms and prefill waits 20 ms" in line and "264 MB" in line
     assert "0 waits for prefills, 20 ms" in line  # the total, from the gate
+
+
+def test_the_trace_records_each_iteration_of_a_publication_window_with_what_it_spent(classes, monkeypatch):
+    """Every scheduler iteration from a load's submission until AFTER_INSTALL_S after its install is one
+    ``lorapub iteration`` record: its launches by kind, the install, and the two threads' CPU times."""
+    from lorapub.sglang_patch.prepared_load import iterations
+
+    monkeypatch.setenv(prepared_load.TRACE_ENV, "1")
+    scheduler, manager, preparer = preparing(classes)
+    lines = []
+    recorder = preparer.iterations
+    recorder.emit = lines.append
+    clock = [100.0]
+    recorder.now = lambda: clock[0]
+    scheduler.process_input_requests([])  # outside any window: nothing recorded
+    assert lines == []
+    manager.gate.clear()  # the read blocks: a preparation is pending
+    scheduler.process_input_requests([Req("a")])
+    clock[0] += 0.020
+    scheduler.run_batch(batch(True))
+    scheduler.run_batch(batch(False))
+    scheduler.process_input_requests([])
+    manager.gate.set()
+    run_until(scheduler, 1)
+    scheduler.process_input_requests([])  # ends the iteration that installed it
+    records = [iterations.parse_line("x " + line) for line in lines]
+    assert all(r is not None for r in records) and len(records) >= 3
+    assert records[0]["preparing"]  # the iteration that submitted the load, then the one that launched two batches
+    assert records[1]["preparing"] and records[1]["wall"] == pytest.approx(20.0)
+    assert "prefill" in records[1] and "decode" in records[1]
+    assert any("install" in r for r in records)
+    clock[0] += iterations.AFTER_INSTALL_S / 2  # the install's first batches are still recorded
+    n = len(lines)
+    scheduler.process_input_requests([])
+    scheduler.process_input_requests([])
+    assert len(lines) == n + 2
+    clock[0] += iterations.AFTER_INSTALL_S  # the window has closed
+    scheduler.process_input_requests([])
+    scheduler.process_input_requests([])
+    assert len(lines) == n + 3  # the iteration that began inside it, and no later one
+    assert iterations.parse_line("lorapub trace: something else") is None
+
+
+def test_the_trace_reads_the_preparing_threads_cpu_clock_from_the_scheduler_thread():
+    """The recorder reads another thread's CPU time (what it could take of the interpreter), not its own."""
+    from lorapub.sglang_patch.prepared_load import iterations
+
+    got, spun, done = [], threading.Event(), threading.Event()
+
+    def preparing():
+        got.append(iterations.thread_cpu_clock())
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:  # 50 ms of this thread's CPU
+            pass
+        spun.set()
+        done.wait(5)
+
+    worker = threading.Thread(target=preparing)
+    worker.start()
+    try:
+        assert spun.wait(5)
+        if got[0] is None:
+            pytest.skip("no per-thread CPU clock on this platform")
+        mine = time.thread_time()
+        assert got[0]() >= 0.05
+        assert time.thread_time() - mine < 0.05  # the reading costs this thread next to nothing
+    finally:
+        done.set()
+        worker.join()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 from typing import Any
 
 from .gate import PrefillGate
-from .preparer import CHUNK_BYTES, Preparer
+from .preparer import CHUNK_BYTES, Preparer, is_extend
 from .reading import read_peft_folder
 from .settings import ENV, GATE_BUDGET_ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled
 from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_slot_fills
@@ -122,10 +123,13 @@ def _wrap_run_batch(scheduler_cls: Any) -> None:
         if not preparer:
             return stock_run(self, batch, *args, **kwargs)
         preparer.batch_started(batch)
+        t0 = time.perf_counter()
         try:
             return stock_run(self, batch, *args, **kwargs)
         finally:
             preparer.batch_launched()
+            if preparer.iterations is not None:
+                preparer.iterations.add("prefill" if is_extend(batch) else "decode", time.perf_counter() - t0)
 
     run_batch.__wrapped__ = stock_run
     run_batch.__doc__ = stock_run.__doc__

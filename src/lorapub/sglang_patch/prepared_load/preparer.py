@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import iterations
 from .gate import PrefillGate
 from .reading import Stepped, read_peft_folder, weight_dicts
 from .settings import IMAGE_ENV, TRACE_ENV, gate_budget, gate_scope, switch_interval
@@ -37,14 +38,18 @@ class Preparer:
         self.device = manager.device
         self.on_cuda = getattr(self.device, "type", self.device) == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self.trace = os.environ.get(TRACE_ENV) == "1"
+        # what each scheduler iteration spent, around every load (trace only; docs/sglang-patch.md)
+        self.iterations = iterations.IterationRecorder() if self.trace else None
+        if self.iterations is not None:
+            iterations.active = self.iterations
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-prepare",
-                                                          initializer=_lower_priority)
+                                                          initializer=self._preparing_thread_started)
         # (request, its preparation, the stock load, when it was submitted)
         self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any], float]] = []
         self.chunks: list[Any] | None = None
         if self.on_cuda:  # before any batch runs (see _chunks)
             self._chunks()
-        self.trace = os.environ.get(TRACE_ENV) == "1"
         self.ticks: collections.deque = collections.deque(maxlen=8192)  # perf_counter at each iteration's end
         if self.trace:
             _trace_gc()
@@ -58,6 +63,13 @@ class Preparer:
     def tick(self) -> None:
         """One scheduler loop iteration ended (trace only)."""
         self.ticks.append(time.perf_counter())
+        if self.iterations is not None:
+            self.iterations.boundary()
+
+    def _preparing_thread_started(self) -> None:
+        _lower_priority()
+        if self.iterations is not None:  # its CPU clock, readable from the scheduler thread
+            self.iterations.prep_clock = iterations.thread_cpu_clock()
 
     # -- scheduler thread ------------------------------------------------------------------------
     def submit(self, recv_req: Any, stock: Callable[..., Any]) -> bool:
@@ -70,6 +82,8 @@ class Preparer:
             self.saved_switch = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_s)
         self.pending.append((recv_req, self.pool.submit(self._prepare, ref), stock, time.perf_counter()))
+        if self.iterations is not None:
+            self.iterations.submitted()
         return True
 
     def batch_started(self, batch: Any) -> None:
@@ -109,6 +123,9 @@ class Preparer:
             finally:
                 prepared.pop(recv_req.lora_id, None)
             t_sent = time.perf_counter()
+            if self.iterations is not None:
+                self.iterations.add("install", t_sent - t0)
+                self.iterations.installed()
             send_reply(self.scheduler, output, recv_req)
             if self.metrics is not None:
                 self.metrics.prepared("failed" if not _succeeded(output) else outcome, t_sent - submitted, t_sent - t0)
@@ -273,6 +290,7 @@ def _trace_gc() -> None:
             started[:] = [time.perf_counter()]
         elif started:
             took = time.perf_counter() - started[0]
+            iterations.note("gc", took)
             if took >= 0.005:
                 logger.info("lorapub trace: gc generation %s took %.1f ms at %.3f", info.get("generation"),
                             1e3 * took, time.time())

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from . import iterations
 from .settings import MARK
 
 __all__ = ["IMAGE_ATTR", "SLOT_BUFFERS", "SlotImage", "build_slot_image", "install_slot_fill", "slot_buffers",
@@ -172,6 +173,7 @@ def trace_slot_fills(pool_cls: Any) -> None:
         try:
             return stock(self, uid, buffer_id, *args, **kwargs)
         finally:
+            iterations.note("fill", time.perf_counter() - t0)
             logger.info("lorapub trace: slot %s filled with %s in %.1f ms at %.3f", buffer_id, uid,
                         1e3 * (time.perf_counter() - t0), time.time())
 
