@@ -775,3 +775,73 @@ def test_the_trace_reads_the_preparing_threads_cpu_clock_from_the_scheduler_thre
     finally:
         done.set()
         worker.join()
+
+
+EMPTY_SLOT = object()  # SGLang's mem_pool.EMPTY_SLOT, looked up in the module of the pool's class
+
+
+class Policy:
+    def __init__(self):
+        self.used = []
+
+    def mark_used(self, uid):
+        self.used.append(uid)
+
+
+def resident_pool(owners):
+    import torch
+
+    pool_cls = type("Pool", (Pool,), {})
+    pool = pool_cls()
+    pool.buffer_id_to_uid = list(owners)
+    pool.uid_to_buffer_id = {uid: i for i, uid in enumerate(owners) if uid is not EMPTY_SLOT}
+    pool.eviction_policy = Policy()
+    for b in prepared_load.slot_image.slot_buffers(pool):
+        b.fill_(7.0)
+    adapter = lora(r=2, seed=5)
+    notified = []
+    manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}], loras={"u5": adapter},
+                                    _notify_lora_slots_updated=notified.append)
+    adapter.__dict__[prepared_load.IMAGE_ATTR] = prepared_load.build_slot_image(manager, adapter)
+    twin = pool_cls()
+    type(twin).load_lora_weight_to_buffer(twin, "u5", 0, adapter, [{}, {}], None, None)  # SGLang's own fill
+    return manager, pool, notified, [b[0].clone() for b in prepared_load.slot_image.slot_buffers(twin)], torch
+
+
+def test_an_adapter_with_a_slot_image_is_resident_in_an_empty_slot_at_its_install():
+    """Its first batch then finds it in a slot (SGLang skips a uid it maps) and copies nothing."""
+    manager, pool, notified, want, torch = resident_pool([None, EMPTY_SLOT, EMPTY_SLOT])
+    before = [b[0].clone() for b in prepared_load.slot_image.slot_buffers(pool)]
+    assert prepared_load.slot_image.make_resident(manager, "u5") == 1  # the first empty slot, as SGLang picks
+    assert pool.uid_to_buffer_id["u5"] == 1 and pool.buffer_id_to_uid[1] == "u5"
+    assert pool.eviction_policy.used == ["u5"] and notified == [{1}]
+    r = 2
+    for got, w in zip((b[1] for b in prepared_load.slot_image.slot_buffers(pool)), want):
+        if got.shape[-1] == 6:
+            assert torch.equal(got[:r], w[:r])
+        else:
+            assert torch.equal(got[:, :r], w[:, :r])
+    assert all(torch.equal(a, b[0]) for a, b in zip(before, prepared_load.slot_image.slot_buffers(pool)))  # slot 0 untouched
+    assert prepared_load.slot_image.make_resident(manager, "u5") is None  # already resident: nothing again
+
+
+@pytest.mark.parametrize("owners", [[None, "u1", "u2"], []])
+def test_no_empty_slot_or_no_image_leaves_the_first_batch_to_sglang(owners):
+    manager, pool, notified, _, _ = resident_pool(owners or [EMPTY_SLOT, EMPTY_SLOT, EMPTY_SLOT])
+    if not owners:  # an empty slot, but no image: SGLang's own fill at the first batch
+        del manager.loras["u5"].__dict__[prepared_load.IMAGE_ATTR]
+    mapped = dict(pool.uid_to_buffer_id)
+    assert prepared_load.slot_image.make_resident(manager, "u5") is None
+    assert pool.uid_to_buffer_id == mapped and notified == [] and pool.eviction_policy.used == []
+
+
+def test_the_install_makes_a_successful_load_resident_and_never_a_failed_one(classes, monkeypatch):
+    from lorapub.sglang_patch.prepared_load import preparer as preparer_module
+
+    made = []
+    monkeypatch.setattr(preparer_module, "make_resident", lambda manager, uid: made.append(uid))
+    scheduler, manager, _ = preparing(classes)
+    manager.fail_read.add("/p/bad")
+    scheduler.process_input_requests([Req("a"), Req("bad")])
+    run_until(scheduler, 2)
+    assert made == ["a"]

@@ -17,7 +17,7 @@ from . import iterations
 from .gate import PrefillGate
 from .reading import Stepped, read_peft_folder, weight_dicts
 from .settings import IMAGE_ENV, TRACE_ENV, gate_budget, gate_scope, switch_interval
-from .slot_image import IMAGE_ATTR, build_slot_image
+from .slot_image import IMAGE_ATTR, build_slot_image, make_resident
 
 __all__ = ["CHUNK_BYTES", "Preparer", "is_extend", "send_reply"]
 
@@ -122,6 +122,8 @@ class Preparer:
                 output = stock(self.scheduler, recv_req)
             finally:
                 prepared.pop(recv_req.lora_id, None)
+            # with a slot image, resident before the reply: its first batch copies nothing
+            slot = make_resident(self.manager, recv_req.lora_id) if _succeeded(output) else None
             t_sent = time.perf_counter()
             if self.iterations is not None:
                 self.iterations.add("install", t_sent - t0)
@@ -132,8 +134,9 @@ class Preparer:
             if self.trace:  # where an install's time goes: taking the result, SGLang's own load, the reply
                 t1 = time.perf_counter()
                 logger.info("lorapub trace: installed %s on the scheduler thread in %.1f ms (result %.1f ms, "
-                            "SGLang's load %.1f ms, reply %.1f ms) at %.3f", recv_req.lora_name, 1e3 * (t1 - t0),
-                            1e3 * (t_load - t0), 1e3 * (t_sent - t_load), 1e3 * (t1 - t_sent), time.time())
+                            "SGLang's load %.1f ms, reply %.1f ms; resident in slot %s) at %.3f", recv_req.lora_name,
+                            1e3 * (t1 - t0), 1e3 * (t_load - t0), 1e3 * (t_sent - t_load), 1e3 * (t1 - t_sent),
+                            "none" if slot is None else slot, time.time())
 
     def _log_iterations(self, name: str, since: float) -> None:
         """The scheduler's loop iterations while ``name`` was prepared, beside as long a stretch before."""

@@ -11,8 +11,8 @@ from typing import Any, Callable
 from . import iterations
 from .settings import MARK
 
-__all__ = ["IMAGE_ATTR", "SLOT_BUFFERS", "SlotImage", "build_slot_image", "install_slot_fill", "slot_buffers",
-           "trace_slot_fills"]
+__all__ = ["IMAGE_ATTR", "SLOT_BUFFERS", "SlotImage", "build_slot_image", "install_slot_fill", "make_resident",
+           "slot_buffers", "trace_slot_fills"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -147,6 +147,41 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
                     getattr(adapter, "uid", "?"), e)
         return None
     return SlotImage(pool, buffers, list(flats.values()), [im[0] for im in images])
+
+
+def make_resident(manager: Any, uid: str) -> int | None:
+    """Put the adapter ``uid`` into a free memory-pool slot now, from its slot image, so that the first
+    batch that uses it finds it resident (SGLang's batch preparation skips a uid it already maps to a
+    slot): the fill is one device-to-device ``_foreach_copy_`` on the scheduler thread's stream, queued
+    before every batch it launches later. Only an empty slot is taken (never one a batch or another
+    adapter holds), so nothing is evicted; the slot is the one SGLang would have given the adapter's
+    first batch. Returns the slot, or None where the adapter keeps SGLang's own first-batch fill (no
+    image, no empty slot, a pool of another layout)."""
+    import sys
+
+    pool = getattr(manager, "memory_pool", None)
+    adapter = getattr(manager, "loras", {}).get(uid)
+    image = adapter.__dict__.get(IMAGE_ATTR) if adapter is not None else None
+    owners = getattr(pool, "buffer_id_to_uid", None)
+    mapped = getattr(pool, "uid_to_buffer_id", None)
+    empty = getattr(sys.modules.get(type(pool).__module__), "EMPTY_SLOT", None)
+    if image is None or owners is None or mapped is None or empty is None or uid in mapped:
+        return None
+    free = next((i for i, owner in enumerate(owners) if owner is empty), None)
+    if free is None or not image.fits(pool, free):
+        return None
+    t0 = time.perf_counter()
+    image.fill(free)
+    mapped[uid] = free
+    owners[free] = uid
+    policy = getattr(pool, "eviction_policy", None)
+    if policy is not None:
+        policy.mark_used(uid)
+    notify = getattr(manager, "_notify_lora_slots_updated", None)  # what SGLang calls after a batch's fills
+    if callable(notify):
+        notify({free})
+    iterations.note("fill", time.perf_counter() - t0)
+    return free
 
 
 def install_slot_fill(pool_cls: Any) -> None:
