@@ -12,7 +12,8 @@ budget 1 s -- what "patched" was in every run kept in 2026-12-03-load-gap; since
 while a prefill is launched, so keep its runs in a new folder -- "patched-budget150" the patched server
 whose preparations wait for prefills at most 150 ms in all, the default since 2026-12-06 (named apart so the
 runs before it read the same), and "patched-budget1000" at most 1 s, the default before).
-STALL_REPS / STALL_REPS32: loads of B (default 3) and of B32 (default 2) per server.
+STALL_REPS / STALL_REPS32: loads of B (default 3) and of B32 (default 2) per server. STALL_PRESET: the model's
+shape (build_model.py: "4b" by default, "8b" the larger one, whose adapter is 349 MB).
 With "unpatched" among them, a numerics check compares every other server's greedy outputs with it."""
 import asyncio, json, os, re, signal, subprocess, sys, time, urllib.request
 
