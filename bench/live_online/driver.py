@@ -119,7 +119,7 @@ async def main() -> int:
             if n or os.environ.get("LIVE_ONLINE_CONTROL_PLANE") == "0":
                 cmd += ["--skip-control-plane"]
             print(f"== workload {name} ==\n$", " ".join(cmd[1:]), flush=True)
-            rc = rc or subprocess.run(cmd).returncode
+            rc = subprocess.run(cmd).returncode or rc  # every workload runs, whatever the one before said
         return rc
     finally:
         srv.stop(engines)
