@@ -845,3 +845,20 @@ def test_the_install_makes_a_successful_load_resident_and_never_a_failed_one(cla
     scheduler.process_input_requests([Req("a"), Req("bad")])
     run_until(scheduler, 2)
     assert made == ["a"]
+
+
+@pytest.mark.parametrize("raw, every", [("1", False), ("all", True), ("ALL", True), ("0", None), ("", None)])
+def test_the_trace_records_around_loads_or_every_iteration_as_the_server_asks(classes, monkeypatch, raw, every):
+    from lorapub.sglang_patch.prepared_load import iterations
+
+    server_env(monkeypatch, prepared_load.TRACE_ENV, raw)
+    scheduler, _, preparer = preparing(classes)
+    if every is None:
+        assert preparer.iterations is None and not preparer.trace
+        return
+    lines = []
+    preparer.iterations.emit = lines.append
+    scheduler.process_input_requests([])  # no load anywhere near: recorded only with "all"
+    scheduler.process_input_requests([])
+    assert len(lines) == (1 if every else 0)
+    assert preparer.iterations is iterations.active

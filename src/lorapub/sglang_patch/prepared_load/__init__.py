@@ -18,7 +18,7 @@ from typing import Any
 from .gate import PrefillGate
 from .preparer import CHUNK_BYTES, Preparer, is_extend
 from .reading import read_peft_folder
-from .settings import ENV, GATE_BUDGET_ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled
+from .settings import ENV, GATE_BUDGET_ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled, trace_setting
 from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_slot_fills
 
 __all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ATTR", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "PrefillGate",
@@ -60,7 +60,7 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
     if not getattr(pool_cls, MARK, False):  # opt-in: otherwise SGLang's own method, untouched
         if os.environ.get(IMAGE_ENV) == "1":
             install_slot_fill(pool_cls)
-        if os.environ.get(TRACE_ENV) == "1":
+        if trace_setting() is not None:
             trace_slot_fills(pool_cls)
         setattr(pool_cls, MARK, True)
     if not getattr(manager_cls, MARK, False):

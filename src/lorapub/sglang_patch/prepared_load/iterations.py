@@ -1,7 +1,7 @@
 """Where a scheduler loop iteration's time went while an adapter was prepared, installed and first used.
 
 With ``LORAPUB_SGLANG_PREPARE_TRACE=1`` each scheduler iteration inside a publication's window (from a
-load's submission until :data:`AFTER_INSTALL_S` after its install) is logged as one line,
+load's submission until :data:`AFTER_INSTALL_S` after its install), with ``=all`` every iteration, is logged as one line,
 ``lorapub iteration {json}``, with ``time.monotonic()`` instants: on Linux the same clock every process of
 the host reads, so a client on the host (bench/run.py's decode probe) joins its slow decode steps to the
 iterations that made them, engine by engine (``bench/attribution.py``).
@@ -60,8 +60,9 @@ class IterationRecorder:
     """The scheduler thread's iterations inside publication windows, each logged as it ends."""
 
     def __init__(self, emit: Callable[[str], None] | None = None, now: Callable[[], float] = time.monotonic,
-                 cpu: Callable[[], float] = time.thread_time) -> None:
+                 cpu: Callable[[], float] = time.thread_time, every: bool = False) -> None:
         self.emit = emit or (lambda line: logger.info("%s", line))
+        self.every = every  # a record for every iteration, not only inside publication windows
         self.now, self.cpu = now, cpu
         self.prep_clock: Callable[[], float] | None = None  # set by the preparing thread when it starts
         self.open_windows = 0  # preparations submitted and not installed yet
@@ -102,7 +103,7 @@ class IterationRecorder:
         with self.lock:
             record = self.spent
             wall, cpu, prep = at - self.t0, self.cpu() - self.cpu0, self._prep() - self.prep0
-            inside = self.preparing or self.open_windows > 0 or self.t0 < self.until
+            inside = self.every or self.preparing or self.open_windows > 0 or self.t0 < self.until
             t0 = self.t0
             self._start(at)
         if inside:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from . import iterations
 from .gate import PrefillGate
 from .reading import Stepped, read_peft_folder, weight_dicts
-from .settings import IMAGE_ENV, TRACE_ENV, gate_budget, gate_scope, switch_interval
+from .settings import IMAGE_ENV, gate_budget, gate_scope, switch_interval, trace_setting
 from .slot_image import IMAGE_ATTR, build_slot_image, make_resident
 
 __all__ = ["CHUNK_BYTES", "Preparer", "is_extend", "send_reply"]
@@ -38,9 +38,10 @@ class Preparer:
         self.device = manager.device
         self.on_cuda = getattr(self.device, "type", self.device) == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
-        self.trace = os.environ.get(TRACE_ENV) == "1"
-        # what each scheduler iteration spent, around every load (trace only; docs/sglang-patch.md)
-        self.iterations = iterations.IterationRecorder() if self.trace else None
+        trace = trace_setting()
+        self.trace = trace is not None
+        # what each scheduler iteration spent, around every load or always (trace only; docs/sglang-patch.md)
+        self.iterations = iterations.IterationRecorder(every=trace == "all") if self.trace else None
         if self.iterations is not None:
             iterations.active = self.iterations
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-prepare",

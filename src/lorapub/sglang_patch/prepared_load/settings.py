@@ -8,14 +8,17 @@ import os
 from lorapub.sglang_patch.env import env_number
 
 __all__ = ["DEFAULT_GATE_BUDGET_S", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget", "gate_scope",
-           "switch_interval"]
+           "switch_interval", "trace_setting"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
 ENV = "LORAPUB_SGLANG_PREPARE"
 MARK = "__lorapub_prepared_load__"
 #: "1": log every garbage collection of 5 ms or more, the scheduler's loop iterations while a preparation
-#: runs (beside as long a stretch before it), and each memory-pool slot fill, with their times.
+#: runs (beside as long a stretch before it), and each memory-pool slot fill, with their times, and each
+#: scheduler iteration of a publication's window as a ``lorapub iteration`` record (iterations.py); "all":
+#: the same, with a record for every iteration (a run's control, which publishes nothing, is then
+#: attributed over the same stretches).
 TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"
 #: GIL switch interval (microseconds) while a preparation runs; unset: the interpreter's own (5 ms).
 #: Measured live as worse than the default; kept to reproduce that measurement.
@@ -64,3 +67,11 @@ def gate_budget(default_s: float = DEFAULT_GATE_BUDGET_S) -> float:
     ms = env_number(GATE_BUDGET_ENV, float, lambda n: n >= 0, "a number of milliseconds >= 0",
                     f"the default {1e3 * default_s:g} ms holds", logger)
     return default_s if ms is None else ms / 1e3
+
+
+def trace_setting() -> str | None:
+    """The server's trace: None (off), "1" (around loads) or "all" (every scheduler iteration)."""
+    import os
+
+    raw = os.environ.get(TRACE_ENV, "").strip().lower()
+    return raw if raw in ("1", "all") else None
