@@ -250,3 +250,61 @@ async def test_a_ray_registry_is_made_with_every_setting_a_local_one_takes(ray_c
             2, "rebind", "team_a_lora@", True)
     finally:
         ray.kill(registry.actor)
+
+
+# -- bad commands are refused alone, typed, and never hold up the rest of their batch ----------
+async def test_an_unserializable_command_is_refused_alone_and_its_batch_is_answered(ray_cluster):
+    import asyncio
+    import threading
+
+    from lorapub.core.registry import OpenSession
+
+    registry = RayRegistry.create("reg-unserializable", epoch=3, engines=_engines(), call_timeout=20)
+    try:
+        bad, good = SessionKey(3, "bad", "n"), SessionKey(3, "good", "n")
+        results = await asyncio.wait_for(asyncio.gather(
+            registry.handle(OpenSession(bad, group=threading.Lock())), registry.handle(OpenSession(good)),
+            return_exceptions=True), 30)
+        assert isinstance(results[0], InvalidInput), results[0]
+        assert "OpenSession" in results[0].message and "group" in results[0].message and "lock" in results[0].message
+        assert not isinstance(results[1], Exception), results[1]
+        state = (await registry.handle(ReadState())).reply
+        assert good in state.sessions and bad not in state.sessions
+    finally:
+        ray.kill(registry.actor)
+
+
+async def test_a_malformed_command_fails_alone_and_the_rest_of_its_batch_is_applied(ray_cluster):
+    import asyncio
+
+    from lorapub.core.registry import OpenSession
+
+    registry = RayRegistry.create("reg-malformed", epoch=3, engines=_engines(), call_timeout=20)
+    try:
+        k = SessionKey(3, "k", "n")
+        results = await asyncio.gather(registry.handle(OpenSession(k)), registry.handle(BindFirst(key="junk")),
+                                       registry.handle(ReadState()), return_exceptions=True)
+        assert not isinstance(results[0], Exception), results[0]
+        assert isinstance(results[1], InvalidInput) and "BindFirst" in results[1].message, results[1]
+        assert k in results[2].reply.sessions  # applied in order, before the state was read
+        assert registry.calls == 1  # still one actor call for the batch
+        with pytest.raises(InvalidInput, match="BindFirst"):  # sent alone: the same typed refusal
+            await registry.handle(BindFirst(key="junk"))
+    finally:
+        ray.kill(registry.actor)
+
+
+async def test_without_batching_bad_commands_are_refused_typed(ray_cluster):
+    import threading
+
+    from lorapub.core.registry import OpenSession
+
+    registry = RayRegistry.create("reg-unbatched", epoch=3, engines=_engines(), call_timeout=20, batch=False)
+    try:
+        with pytest.raises(InvalidInput, match="group"):
+            await registry.handle(OpenSession(SessionKey(3, "bad", "n"), group=threading.Lock()))
+        with pytest.raises(InvalidInput, match="BindFirst"):
+            await registry.handle(BindFirst(key="junk"))
+        assert (await registry.handle(ReadState())).reply.epoch == 3
+    finally:
+        ray.kill(registry.actor)

@@ -11,6 +11,7 @@ import functools
 import gc
 from typing import Any, Callable, Mapping
 
+import attrs
 import ray
 
 from lorapub import errors
@@ -82,9 +83,10 @@ class _RegistryActor:
             answers = self._registry().apply_many(list(commands))
         except errors.LorapubError as e:
             return [("error", _refusal(e))] * len(commands)
-        except Exception as e:
-            failure = ("error", ("LORAPUB_ERROR", f"registry actor failed on a batch: {type(e).__name__}: {e}"))
-            return [failure] * len(commands)
+        except Exception:
+            # a command the transitions could not read (a malformed field): apply_many changed
+            # nothing, so the batch is applied again one command at a time, each answered alone
+            return [self.handle(c) for c in commands]
         return [("error", _refusal(a)) if isinstance(a, errors.LorapubError) else ("ok", a) for a in answers]
 
     def handle(self, command: Command) -> tuple[str, Any]:
@@ -95,8 +97,15 @@ class _RegistryActor:
         except errors.LorapubError as e:
             return ("error", _refusal(e))
         except Exception as e:  # a definite answer all the same: nothing was applied
-            return ("error", ("LORAPUB_ERROR", f"registry actor failed on {type(command).__name__}: "
-                                               f"{type(e).__name__}: {e}"))
+            # the store's failures arrive typed (StoreError), so what is left is a transition that
+            # could not read the command: a field of the wrong type or form
+            return ("error", ("INVALID_INPUT", f"registry refused {command!r}: its transition failed on it "
+                                               f"({type(e).__name__}: {e}); nothing was applied; build "
+                                               f"{type(command).__name__} with fields of the documented types"))
+
+    def epoch(self) -> int:
+        """The epoch this actor was made for (what :meth:`RayRegistry.create` checks a found actor against)."""
+        return self._open_args[0]
 
 
 def _owns_its_process() -> bool:
@@ -168,8 +177,12 @@ class RayRegistry:
 
     async def handle(self, command: Command) -> Result:
         if not self.batch:
+            try:
+                ref = self.actor.handle.remote(command)
+            except Exception as e:  # noqa: BLE001 - Ray refused to serialize it: nothing was sent
+                raise _not_sendable(command, e) from None
             self.calls += 1
-            return _answer(command, await self._call(self.actor.handle, command, type(command).__name__))
+            return _answer(command, await self._reply(ref, type(command).__name__))
         future = asyncio.get_running_loop().create_future()
         self._pending.append((command, future))
         if not self._flush_scheduled:
@@ -184,25 +197,71 @@ class RayRegistry:
             asyncio.ensure_future(self._flush(batch))
 
     async def _flush(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
-        self.calls += 1
         try:
-            answers = await self._call(self.actor.handle_many, [c for c, _ in batch], f"batch of {len(batch)}")
-        except errors.LorapubError as e:
+            await self._send(batch)
+        except BaseException as e:  # every caller is answered, whatever happened to its batch
+            failure = e if isinstance(e, errors.LorapubError) else errors.LorapubError(
+                f"registry batch of {len(batch)}: not sent ({type(e).__name__}: {e}); nothing was applied")
             for _, future in batch:
                 if not future.done():
-                    future.set_exception(type(e)(e.message))
+                    future.set_exception(type(failure)(failure.message, **failure.details))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _send(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
+        try:
+            ref = self.actor.handle_many.remote([c for c, _ in batch])
+        except Exception as e:  # noqa: BLE001 - Ray refused to serialize the batch: nothing was sent
+            sendable = []
+            for command, future in batch:
+                refusal = _not_sendable(command, None)
+                if refusal is None:
+                    sendable.append((command, future))
+                elif not future.done():
+                    future.set_exception(refusal)  # refused alone; the rest of its batch goes on
+            if len(sendable) == len(batch):  # no one command is to blame
+                raise errors.LorapubError(
+                    f"registry batch of {len(batch)}: Ray could not send it ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0]}); nothing was applied") from None
+            if sendable:
+                await self._send(sendable)
             return
+        self.calls += 1
+        answers = await self._reply(ref, f"batch of {len(batch)}")
         for (_, future), answer in zip(batch, answers):
             if not future.done():
                 future.set_result(answer)
 
-    async def _call(self, method: Any, argument: Any, what: str) -> tuple[str, Any]:
+    async def _reply(self, ref: Any, what: str) -> Any:
         try:
-            return await asyncio.wait_for(method.remote(argument), self.call_timeout)
+            return await asyncio.wait_for(ref, self.call_timeout)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
         except ray.exceptions.RayTaskError as e:  # the actor answered by raising: definite, not lost
             raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
+
+
+def _not_sendable(command: Any, error: Exception | None) -> errors.InvalidInput | None:
+    """The typed refusal of a command Ray cannot serialize, naming the field that cannot be (None
+    when the command serializes alone; ``error`` is what Ray raised, if known)."""
+    try:
+        ray.cloudpickle.dumps(command)
+        if error is None:
+            return None
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the command's
+        error = e
+    what = type(command).__name__
+    if attrs.has(type(command)):
+        for field in attrs.fields(type(command)):
+            value = getattr(command, field.name)
+            try:
+                ray.cloudpickle.dumps(value)
+            except Exception as e:  # noqa: BLE001
+                what, error = f"{what}.{field.name} (a {type(value).__name__})", e
+                break
+    reason = str(error).splitlines()[0] if error is not None else "unknown"
+    return errors.InvalidInput(f"{what} cannot be sent to the registry actor ({reason}); nothing was sent: "
+                               "registry commands hold plain values (str, int, lorapub's keys)")
 
 
 def _refusal(e: errors.LorapubError) -> tuple[str, str, dict[str, Any]]:
