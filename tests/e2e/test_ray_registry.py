@@ -308,3 +308,133 @@ async def test_without_batching_bad_commands_are_refused_typed(ray_cluster):
         assert (await registry.handle(ReadState())).reply.epoch == 3
     finally:
         ray.kill(registry.actor)
+
+
+# -- the actor's life: another epoch, a restart, a pause, a successor --------------------------
+async def test_creating_an_actor_of_another_epoch_under_a_taken_name_is_refused(ray_cluster):
+    from lorapub.errors import EpochMismatch
+
+    registry = RayRegistry.create("reg-epochs", epoch=1, engines=_engines(), call_timeout=20)
+    try:
+        with pytest.raises(EpochMismatch) as refused:
+            RayRegistry.create("reg-epochs", epoch=2, engines=_engines(), call_timeout=20)
+        assert "reg-epochs" in refused.value.message and "epoch 1" in refused.value.message
+        assert "another name" in refused.value.message  # what to do
+        again = RayRegistry.create("reg-epochs", epoch=1, engines=_engines(), call_timeout=20)  # the same epoch: shared
+        assert (await again.handle(ReadState())).reply.epoch == 1
+    finally:
+        ray.kill(registry.actor)
+
+
+def _publish_commands(epoch: int, name: str):
+    """The commands that publish ``name`` on the two engines of :func:`_engines` (no engine involved)."""
+    from lorapub.core.attempt import ReadyLocal
+    from lorapub.core.effects import SOURCE
+    from lorapub.core.identity import VersionKey
+    from lorapub.testing.fixtures import fake_plan
+
+    digest, plan = fake_plan(name)
+    key = VersionKey(epoch, name)
+
+    async def publish(registry):
+        tok = (await registry.handle(Reserve(key, digest, plan))).reply.token
+        for e, inc in _engines().items():
+            await registry.handle(RecordPrepared(tok, e, inc))
+        for i in range(len(plan)):
+            for p, inc in ((SOURCE, None), *_engines().items()):
+                await registry.handle(RecordBucketDone(tok, p, i, inc))
+        for e, inc in _engines().items():
+            await registry.handle(RecordReady(ReadyLocal(e, tok, digest, inc)))
+        await registry.handle(Commit(key, tok, 0))
+        return key
+
+    return publish
+
+
+async def test_a_close_in_flight_when_a_durable_actor_dies_lands_once_it_restarts(ray_cluster, tmp_path):
+    """The close is not lost to the caller's next lease round: it is replayed (every command is safe
+    to replay) as soon as the restarted actor answers, within call_timeout."""
+    import asyncio
+    import time
+
+    from lorapub.core.registry import CloseAndRelease
+
+    registry = RayRegistry.create("reg-inflight", epoch=3, engines=_engines(), call_timeout=30,
+                                  store_path=str(tmp_path / "registry.db"))
+    try:
+        key = await _publish_commands(3, "A")(registry)
+        s = SessionKey(3, "s", "n")
+        await registry.handle(BindFirst(s))
+        busy = registry.actor.__ray_call__.remote(lambda actor: time.sleep(1.0))  # the close queues behind it
+        close = asyncio.ensure_future(registry.handle(CloseAndRelease(s)))
+        await asyncio.sleep(0.3)
+        ray.kill(registry.actor, no_restart=False)  # both die with the process; Ray restarts it
+        await close  # answered by the restarted actor, not OUTCOME_UNKNOWN
+        assert (await registry.handle(ReadState())).reply.versions[key].session_refs == 0
+        del busy
+    finally:
+        ray.kill(registry.actor, no_restart=True)
+
+
+async def test_a_paused_actor_does_not_expire_live_sessions_when_it_resumes(ray_cluster):
+    """Lease ages count only time the actor ran: a worker could not renew while it was stopped."""
+    import asyncio
+    import os
+    import signal
+
+    from lorapub.core.registry import ExpireLeases, OpenSession, RenewLeases
+
+    registry = RayRegistry.create("reg-paused", epoch=3, engines=_engines(), call_timeout=30, lease_ttl=3)
+    pid = await registry.actor.__ray_call__.remote(lambda actor: os.getpid())
+    try:
+        live, dead = SessionKey(3, "live", "n"), SessionKey(3, "dead", "n")
+        await asyncio.gather(registry.handle(OpenSession(live)), registry.handle(OpenSession(dead)))
+        await registry.handle(RenewLeases((live,)))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            expire = asyncio.ensure_future(registry.handle(ExpireLeases()))  # queued: first on resume
+            await asyncio.sleep(5)  # longer than the lease
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (await expire).reply == 0  # nothing expired: the live worker's renewal comes next
+        await registry.handle(RenewLeases((live,)))
+        # leases still run out while the actor runs: the session nobody renews expires
+        for _ in range(60):
+            if (await registry.handle(ExpireLeases())).reply:
+                break
+            await registry.handle(RenewLeases((live,)))
+            await asyncio.sleep(0.5)
+        state = (await registry.handle(ReadState())).reply
+        assert state.sessions[dead].state.value == "EXPIRED" and state.sessions[live].state.value == "OPEN"
+    finally:
+        ray.kill(registry.actor)
+
+
+async def test_a_handle_looked_up_before_the_actor_was_made_again_finds_the_new_one(ray_cluster):
+    import asyncio
+
+    from lorapub.errors import OutcomeUnknown
+
+    first = RayRegistry.create("reg-again", epoch=3, engines=_engines(), call_timeout=20)
+    old = RayRegistry.lookup("reg-again", call_timeout=20)
+    assert (await old.handle(ReadState())).reply.epoch == 3
+    ray.kill(first.actor, no_restart=True)
+    for _ in range(100):  # the name is free once the old actor is gone
+        try:
+            ray.get_actor("reg-again", namespace="lorapub")
+        except ValueError:
+            break
+        await asyncio.sleep(0.1)
+    second = RayRegistry.create("reg-again", epoch=3, engines=_engines(), capacity=3, call_timeout=20)
+    try:
+        for _ in range(20):  # a lost reply at most, then the replay reaches the new actor
+            try:
+                state = (await old.handle(ReadState())).reply
+                break
+            except OutcomeUnknown:
+                await asyncio.sleep(0.2)
+        else:
+            pytest.fail("the handle looked up earlier never found the new actor")
+        assert state.capacity == 3
+    finally:
+        ray.kill(second.actor)

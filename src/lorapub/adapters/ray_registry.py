@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import threading
+import time
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -31,6 +33,42 @@ _ERRORS = {
 }
 
 
+class RunningClock:
+    """The registry's time inside the actor: wall time read once, then advanced only while this
+    process runs. A stop of the process (SIGSTOP, a debugger, a frozen container) is left out, so
+    lease ages never count time in which no worker could have renewed: when the actor resumes,
+    commands queued during the pause (an expiry pass before the renewals) find every lease as it
+    was. A daemon thread notes the time every ``tick``; a gap longer than ``tick + slack`` between
+    two notes (seen by the thread, or by the first reading after the pause) is a stop.
+    A long step that holds the interpreter counts as a stop too: a lease may outlive its TTL by
+    that much, never the other way."""
+
+    def __init__(self, tick: float = 0.25, slack: float = 2.0) -> None:
+        self._offset = time.time() - time.monotonic()
+        self._tick, self._slack = tick, slack
+        self._last = time.monotonic()
+        self.stopped = 0.0  # seconds left out so far
+        self._lock = threading.Lock()
+        threading.Thread(target=self._beat, name="lorapub-registry-clock", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self._tick)
+            self._note()
+
+    def _note(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            gap = now - self._last
+            if gap > self._tick + self._slack:
+                self.stopped += gap - self._tick
+            self._last = now
+            return now - self.stopped
+
+    def __call__(self) -> float:
+        return self._offset + self._note()
+
+
 class _RegistryActor:
     """Opens its registry lazily: a store that cannot be opened answers every call with its
     typed error (and is tried again on the next call) instead of killing the actor, which
@@ -46,7 +84,7 @@ class _RegistryActor:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
         self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
-                             avoid_suspect=avoid_suspect)
+                             avoid_suspect=avoid_suspect, clock=RunningClock())
         self._store_factory = store_factory
         self.registry: LocalRegistry | None = None
         try:
@@ -136,11 +174,13 @@ class RayRegistry:
     for each of its commands, which are all safe to replay.
     """
 
-    def __init__(self, handle: Any, call_timeout: float = 30.0, *, batch: bool = True, max_batch: int = 512) -> None:
+    def __init__(self, handle: Any, call_timeout: float = 30.0, *, batch: bool = True, max_batch: int = 512,
+                 name: str | None = None, namespace: str = "lorapub") -> None:
         self.actor = handle
         self.call_timeout = call_timeout
         self.batch = batch
         self.max_batch = max_batch
+        self.name, self.namespace = name, namespace  # how a restarted or re-created actor is found again
         self._pending: list[tuple[Command, asyncio.Future]] = []
         self._flush_scheduled = False
         self.calls = 0  # actor calls made (for benchmarks)
@@ -158,22 +198,32 @@ class RayRegistry:
         ``store_path`` keeps it in a :class:`~lorapub.runtime.stores.SQLiteStore` at that
         path (on the actor's node); ``store_factory`` builds any other store inside the
         actor (it is pickled there), e.g. ``functools.partial(FileStore, path)``.
+
+        An actor that already lives under ``name`` is shared as it is (its settings are its own);
+        one made for another epoch is refused (:class:`~lorapub.errors.EpochMismatch`): a new
+        epoch needs a new actor.
         """
         # refused here, before a detached actor is made that could only fail its every call
         check_capacity(capacity)
         check_max_lag(max_lag, on_stale)
         check_room_for_lag(capacity, max_lag)
-        durable = bool(store_path) or store_factory is not None
-        handle = RegistryActor.options(
-            name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-            max_restarts=-1 if durable else 0, max_task_retries=0,
-        ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale, name_prefix,
-                 avoid_suspect)
-        return cls(handle, call_timeout=call_timeout, batch=batch)
+        try:
+            found = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # no actor under that name: make it (Ray settles a race between two makers)
+            durable = bool(store_path) or store_factory is not None
+            found = RegistryActor.options(
+                name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+                max_restarts=-1 if durable else 0, max_task_retries=0,
+            ).remote(epoch, dict(engines), capacity, store_path, store_factory, lease_ttl, max_lag, on_stale,
+                     name_prefix, avoid_suspect)
+        else:
+            _check_epoch_of(found, name, namespace, epoch, call_timeout)
+        return cls(found, call_timeout=call_timeout, batch=batch, name=name, namespace=namespace)
 
     @classmethod
     def lookup(cls, name: str, namespace: str = "lorapub", call_timeout: float = 30.0, batch: bool = True) -> "RayRegistry":
-        return cls(ray.get_actor(name, namespace=namespace), call_timeout=call_timeout, batch=batch)
+        return cls(ray.get_actor(name, namespace=namespace), call_timeout=call_timeout, batch=batch, name=name,
+                   namespace=namespace)
 
     async def handle(self, command: Command) -> Result:
         if not self.batch:
@@ -181,8 +231,7 @@ class RayRegistry:
                 ref = self.actor.handle.remote(command)
             except Exception as e:  # noqa: BLE001 - Ray refused to serialize it: nothing was sent
                 raise _not_sendable(command, e) from None
-            self.calls += 1
-            return _answer(command, await self._reply(ref, type(command).__name__))
+            return _answer(command, await self._reply(ref, "handle", command, type(command).__name__))
         future = asyncio.get_running_loop().create_future()
         self._pending.append((command, future))
         if not self._flush_scheduled:
@@ -209,8 +258,9 @@ class RayRegistry:
                 raise
 
     async def _send(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
+        commands = [c for c, _ in batch]
         try:
-            ref = self.actor.handle_many.remote([c for c, _ in batch])
+            ref = self.actor.handle_many.remote(commands)
         except Exception as e:  # noqa: BLE001 - Ray refused to serialize the batch: nothing was sent
             sendable = []
             for command, future in batch:
@@ -226,19 +276,69 @@ class RayRegistry:
             if sendable:
                 await self._send(sendable)
             return
-        self.calls += 1
-        answers = await self._reply(ref, f"batch of {len(batch)}")
+        answers = await self._reply(ref, "handle_many", commands, f"batch of {len(batch)}")
         for (_, future), answer in zip(batch, answers):
             if not future.done():
                 future.set_result(answer)
 
-    async def _reply(self, ref: Any, what: str) -> Any:
+    async def _reply(self, ref: Any, method: str, argument: Any, what: str) -> Any:
+        """The actor's answer to ``ref``. A reply lost because the actor died while Ray restarts it
+        (a durable actor) is asked again, within ``call_timeout`` of the first send: every command
+        is safe to replay, and a close in flight then lands once the actor is back instead of
+        holding its slot until the caller's next lease round."""
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + self.call_timeout, 0.05
+        while True:
+            self.calls += 1
+            actor = self.actor
+            try:
+                return await asyncio.wait_for(ref, max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise errors.OutcomeUnknown(
+                    f"registry {what}: no reply within call_timeout={self.call_timeout}s (TimeoutError)") from None
+            except ray.exceptions.RayActorError as e:  # ActorDiedError, ActorUnavailableError
+                if loop.time() + pause >= deadline or not self._restarting(actor):
+                    raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
+            except ray.exceptions.RayTaskError as e:  # the actor answered by raising: definite, not lost
+                raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
+            ref = getattr(actor, method).remote(argument)
+
+    def _restarting(self, actor: Any) -> bool:
+        """Whether ``actor``, which lost a reply, still stands under its name (Ray restarts it). An actor
+        gone for good is not: where another was made under the name, this handle turns to it for the next
+        call, while the lost reply stays unknown (the new actor never saw the command)."""
+        if self.name is None:
+            return False
         try:
-            return await asyncio.wait_for(ref, self.call_timeout)
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
-        except ray.exceptions.RayTaskError as e:  # the actor answered by raising: definite, not lost
-            raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
+            found = ray.get_actor(self.name, namespace=self.namespace)
+        except ValueError:  # gone, and no successor yet
+            return False
+        if found._actor_id == actor._actor_id:
+            return True
+        if self.actor is actor:
+            self.actor = found
+        return False
+
+
+def _epoch_of(actor: "_RegistryActor") -> int:
+    return actor._open_args[0]
+
+
+def _check_epoch_of(actor: Any, name: str, namespace: str, epoch: int, timeout: float) -> None:
+    """Refuse to share an actor made for another epoch (its store and sessions are that epoch's)."""
+    try:
+        serves = ray.get(actor.__ray_call__.remote(_epoch_of), timeout=timeout)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        raise errors.OutcomeUnknown(
+            f"registry actor {name!r} (namespace {namespace!r}) exists but did not say which epoch it serves "
+            f"within {timeout}s ({type(e).__name__}); try again") from None
+    if serves != epoch:
+        raise errors.EpochMismatch(
+            f"registry actor {name!r} (namespace {namespace!r}) serves deployment epoch {serves}, not epoch {epoch}: "
+            f"a new epoch needs its own actor: create it under another name (e.g. '{name}-e{epoch}'), or end the "
+            f"old one first (ray.kill(ray.get_actor({name!r}, namespace={namespace!r})))")
 
 
 def _not_sendable(command: Any, error: Exception | None) -> errors.InvalidInput | None:
