@@ -438,3 +438,30 @@ async def test_a_handle_looked_up_before_the_actor_was_made_again_finds_the_new_
         assert state.capacity == 3
     finally:
         ray.kill(second.actor)
+
+
+async def test_a_durable_actor_made_again_after_a_downtime_does_not_count_it_against_leases(ray_cluster, tmp_path):
+    """A restarted actor's time goes on from the last lease it granted, not from the wall clock: while
+    no actor ran, no worker could renew."""
+    import asyncio
+
+    from lorapub.core.registry import ExpireLeases, OpenSession
+
+    path = str(tmp_path / "registry.db")
+    first = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=4,
+                               store_path=path)
+    s = SessionKey(3, "s", "n")
+    await first.handle(OpenSession(s))
+    ray.kill(first.actor, no_restart=True)
+    await asyncio.sleep(6)  # longer than the lease, with no actor running
+    second = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=4,
+                                store_path=path)
+    try:
+        assert (await second.handle(ExpireLeases())).reply == 0
+        for _ in range(40):  # the lease still runs out once the actor runs again
+            if (await second.handle(ExpireLeases())).reply:
+                break
+            await asyncio.sleep(0.5)
+        assert (await second.handle(ReadState())).reply.sessions[s].state.value == "EXPIRED"
+    finally:
+        ray.kill(second.actor, no_restart=True)

@@ -34,8 +34,8 @@ _ERRORS = {
 
 
 class RunningClock:
-    """The registry's time inside the actor: wall time read once, then advanced only while this
-    process runs. A stop of the process (SIGSTOP, a debugger, a frozen container) is left out, so
+    """The registry's time inside the actor: wall time read once (or, for a resumed store, the
+    last time a lease was granted: see :meth:`go_on_from`), then advanced only while this process runs. A stop of the process (SIGSTOP, a debugger, a frozen container) is left out, so
     lease ages never count time in which no worker could have renewed: when the actor resumes,
     commands queued during the pause (an expiry pass before the renewals) find every lease as it
     was. A daemon thread notes the time every ``tick``; a gap longer than ``tick + slack`` between
@@ -68,6 +68,15 @@ class RunningClock:
     def __call__(self) -> float:
         return self._offset + self._note()
 
+    def go_on_from(self, at: float) -> None:
+        """Go on from ``at``, a time an earlier life of the registry stamped (never ahead of wall
+        time): the time between the two lives is left out as a stop is. Called before the first reading."""
+        with self._lock:
+            current = self._offset + time.monotonic() - self.stopped
+            target = min(at, time.time())
+            if target < current:
+                self.stopped += current - target
+
 
 class _RegistryActor:
     """Opens its registry lazily: a store that cannot be opened answers every call with its
@@ -80,11 +89,12 @@ class _RegistryActor:
         max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
         avoid_suspect: bool = False,
     ) -> None:
+        self.clock = RunningClock()
         if store_factory is None and store_path:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
         self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
-                             avoid_suspect=avoid_suspect, clock=RunningClock())
+                             avoid_suspect=avoid_suspect, clock=self.clock)
         self._store_factory = store_factory
         self.registry: LocalRegistry | None = None
         try:
@@ -108,6 +118,9 @@ class _RegistryActor:
                 if store is not None and hasattr(store, "close"):
                     store.close()  # release the file so the next try (or an operator) can open it
                 raise
+            last = _last_lease_granted(self.registry.state)
+            if last is not None:  # a resumed store: its leases' ages leave out the time no actor ran
+                self.clock.go_on_from(last)
         return self.registry
 
     def handle_many(self, commands: list[Command]) -> list[tuple[str, Any]]:
@@ -144,6 +157,15 @@ class _RegistryActor:
     def epoch(self) -> int:
         """The epoch this actor was made for (what :meth:`RayRegistry.create` checks a found actor against)."""
         return self._open_args[0]
+
+
+def _last_lease_granted(state: Any) -> float | None:
+    """The latest time a stored lease was granted or renewed (a lower bound of the registry's time
+    when its last life ended), None without leases."""
+    if state.lease_ttl is None:
+        return None
+    deadlines = [r.lease_until for r in state.sessions.values() if r.lease_until is not None]
+    return max(deadlines) - state.lease_ttl if deadlines else None
 
 
 def _owns_its_process() -> bool:
