@@ -326,8 +326,9 @@ async def test_creating_an_actor_of_another_epoch_under_a_taken_name_is_refused(
         ray.kill(registry.actor)
 
 
-def _publish_commands(epoch: int, name: str):
-    """The commands that publish ``name`` on the two engines of :func:`_engines` (no engine involved)."""
+def _publish_commands(epoch: int, name: str, revision: int = 0):
+    """The commands that publish ``name`` on the two engines of :func:`_engines` (no engine involved),
+    committed over default ``revision``."""
     from lorapub.core.attempt import ReadyLocal
     from lorapub.core.effects import SOURCE
     from lorapub.core.identity import VersionKey
@@ -345,7 +346,7 @@ def _publish_commands(epoch: int, name: str):
                 await registry.handle(RecordBucketDone(tok, p, i, inc))
         for e, inc in _engines().items():
             await registry.handle(RecordReady(ReadyLocal(e, tok, digest, inc)))
-        await registry.handle(Commit(key, tok, 0))
+        await registry.handle(Commit(key, tok, revision))
         return key
 
     return publish
