@@ -188,12 +188,17 @@ class RayRegistry:
     corrupted, belongs to another epoch or cannot save) crosses the process boundary as (code,
     message) and is raised again here as the same lorapub class with the same code. Only a call
     whose reply is lost (actor unreachable or dead, timeout) is
-    :class:`~lorapub.errors.OutcomeUnknown`; every registry command is safe to replay.
+    :class:`~lorapub.errors.OutcomeUnknown`; every registry command is safe to replay. A reply
+    lost while Ray restarts a durable actor is asked again here, within ``call_timeout``; an
+    actor made again under the handle's name (the old one gone for good) is found at the first
+    lost reply, which stays unknown.
 
     With ``batch=True`` (the default) the commands that callers of one process submit in
     the same event-loop turn travel in **one** actor call and are applied in submission
     order, each answered (or rejected) on its own; a lost batch reply is OutcomeUnknown
-    for each of its commands, which are all safe to replay.
+    for each of its commands, which are all safe to replay. A command Ray cannot serialize,
+    or one the registry cannot read (a field of the wrong type), is
+    :class:`~lorapub.errors.InvalidInput` alone; the rest of its batch is applied and answered.
     """
 
     def __init__(self, handle: Any, call_timeout: float = 30.0, *, batch: bool = True, max_batch: int = 512,
