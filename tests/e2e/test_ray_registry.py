@@ -385,7 +385,7 @@ async def test_a_paused_actor_does_not_expire_live_sessions_when_it_resumes(ray_
 
     from lorapub.core.registry import ExpireLeases, OpenSession, RenewLeases
 
-    registry = RayRegistry.create("reg-paused", epoch=3, engines=_engines(), call_timeout=30, lease_ttl=3)
+    registry = RayRegistry.create("reg-paused", epoch=3, engines=_engines(), call_timeout=30, lease_ttl=5)
     pid = await registry.actor.__ray_call__.remote(lambda actor: os.getpid())
     try:
         live, dead = SessionKey(3, "live", "n"), SessionKey(3, "dead", "n")
@@ -394,7 +394,7 @@ async def test_a_paused_actor_does_not_expire_live_sessions_when_it_resumes(ray_
         os.kill(pid, signal.SIGSTOP)
         try:
             expire = asyncio.ensure_future(registry.handle(ExpireLeases()))  # queued: first on resume
-            await asyncio.sleep(5)  # longer than the lease
+            await asyncio.sleep(7)  # longer than the lease
         finally:
             os.kill(pid, signal.SIGCONT)
         assert (await expire).reply == 0  # nothing expired: the live worker's renewal comes next

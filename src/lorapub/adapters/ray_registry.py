@@ -11,6 +11,7 @@ import functools
 import gc
 import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -34,14 +35,16 @@ _ERRORS = {
 
 
 class RunningClock:
-    """The registry's time inside the actor: wall time read once (or, for a resumed store, the
-    last time a lease was granted: see :meth:`go_on_from`), then advanced only while this process runs. A stop of the process (SIGSTOP, a debugger, a frozen container) is left out, so
-    lease ages never count time in which no worker could have renewed: when the actor resumes,
-    commands queued during the pause (an expiry pass before the renewals) find every lease as it
-    was. A daemon thread notes the time every ``tick``; a gap longer than ``tick + slack`` between
-    two notes (seen by the thread, or by the first reading after the pause) is a stop.
-    A long step that holds the interpreter counts as a stop too: a lease may outlive its TTL by
-    that much, never the other way."""
+    """The registry's time inside the actor: wall time read once (or, for a resumed store, the last
+    time a lease was granted: :meth:`go_on_from`), then advanced only while this process runs.
+
+    A stop of the process (SIGSTOP, a debugger, a frozen container) is left out, so lease ages
+    never count time in which no worker could have renewed: when the actor resumes, commands
+    queued during the stop (an expiry pass before the renewals) find every lease as it was. A
+    daemon thread notes the time every ``tick``; a gap longer than ``tick + slack`` between two
+    notes (seen by the thread, or by the first reading after the stop) is a stop. A step that
+    holds the interpreter that long counts as one too: a lease may outlive its TTL by that much,
+    never the other way."""
 
     def __init__(self, tick: float = 0.25, slack: float = 2.0) -> None:
         self._offset = time.time() - time.monotonic()
@@ -49,12 +52,8 @@ class RunningClock:
         self._last = time.monotonic()
         self.stopped = 0.0  # seconds left out so far
         self._lock = threading.Lock()
-        threading.Thread(target=self._beat, name="lorapub-registry-clock", daemon=True).start()
-
-    def _beat(self) -> None:
-        while True:
-            time.sleep(self._tick)
-            self._note()
+        threading.Thread(target=_beat, args=(weakref.ref(self), tick), name="lorapub-registry-clock",
+                         daemon=True).start()
 
     def _note(self) -> float:
         with self._lock:
@@ -76,6 +75,18 @@ class RunningClock:
             target = min(at, time.time())
             if target < current:
                 self.stopped += current - target
+
+
+def _beat(clock: "weakref.ref[RunningClock]", tick: float) -> None:
+    """The clock's thread: notes the time every ``tick`` while the clock is in use (it holds no
+    reference to it, so a clock nobody uses ends its thread)."""
+    while True:
+        time.sleep(tick)
+        alive = clock()
+        if alive is None:
+            return
+        alive._note()
+        del alive
 
 
 class _RegistryActor:
@@ -153,11 +164,6 @@ class _RegistryActor:
             return ("error", ("INVALID_INPUT", f"registry refused {command!r}: its transition failed on it "
                                                f"({type(e).__name__}: {e}); nothing was applied; build "
                                                f"{type(command).__name__} with fields of the documented types"))
-
-    def epoch(self) -> int:
-        """The epoch this actor was made for (what :meth:`RayRegistry.create` checks a found actor against)."""
-        return self._open_args[0]
-
 
 def _last_lease_granted(state: Any) -> float | None:
     """The latest time a stored lease was granted or renewed (a lower bound of the registry's time
@@ -256,8 +262,8 @@ class RayRegistry:
         if not self.batch:
             try:
                 ref = self.actor.handle.remote(command)
-            except Exception as e:  # noqa: BLE001 - Ray refused to serialize it: nothing was sent
-                raise _not_sendable(command, e) from None
+            except Exception as e:  # noqa: BLE001 - Ray could not send it: nothing was applied
+                raise _not_sendable(command) or _not_sent(type(command).__name__, e) from None
             return _answer(command, await self._reply(ref, "handle", command, type(command).__name__))
         future = asyncio.get_running_loop().create_future()
         self._pending.append((command, future))
@@ -276,8 +282,9 @@ class RayRegistry:
         try:
             await self._send(batch)
         except BaseException as e:  # every caller is answered, whatever happened to its batch
-            failure = e if isinstance(e, errors.LorapubError) else errors.LorapubError(
-                f"registry batch of {len(batch)}: not sent ({type(e).__name__}: {e}); nothing was applied")
+            # anything but a typed answer may come after the batch left: unknown, never "not applied"
+            failure = e if isinstance(e, errors.LorapubError) else errors.OutcomeUnknown(
+                f"registry batch of {len(batch)}: no reply ({type(e).__name__}: {e})")
             for _, future in batch:
                 if not future.done():
                     future.set_exception(type(failure)(failure.message, **failure.details))
@@ -291,15 +298,13 @@ class RayRegistry:
         except Exception as e:  # noqa: BLE001 - Ray refused to serialize the batch: nothing was sent
             sendable = []
             for command, future in batch:
-                refusal = _not_sendable(command, None)
+                refusal = _not_sendable(command)
                 if refusal is None:
                     sendable.append((command, future))
                 elif not future.done():
                     future.set_exception(refusal)  # refused alone; the rest of its batch goes on
             if len(sendable) == len(batch):  # no one command is to blame
-                raise errors.LorapubError(
-                    f"registry batch of {len(batch)}: Ray could not send it ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0]}); nothing was applied") from None
+                raise _not_sent(f"batch of {len(batch)}", e) from None
             if sendable:
                 await self._send(sendable)
             return
@@ -328,6 +333,8 @@ class RayRegistry:
                     raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
             except ray.exceptions.RayTaskError as e:  # the actor answered by raising: definite, not lost
                 raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
+            except ray.exceptions.RayError as e:  # the reply's object lost, a system error: it may have run
+                raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__}: {e})") from None
             await asyncio.sleep(pause)
             pause = min(2 * pause, 1.0)
             ref = getattr(actor, method).remote(argument)
@@ -368,13 +375,12 @@ def _check_epoch_of(actor: Any, name: str, namespace: str, epoch: int, timeout: 
             f"old one first (ray.kill(ray.get_actor({name!r}, namespace={namespace!r})))")
 
 
-def _not_sendable(command: Any, error: Exception | None) -> errors.InvalidInput | None:
-    """The typed refusal of a command Ray cannot serialize, naming the field that cannot be (None
-    when the command serializes alone; ``error`` is what Ray raised, if known)."""
+def _not_sendable(command: Any) -> errors.InvalidInput | None:
+    """The typed refusal of a command Ray cannot serialize, naming the field that cannot be; None
+    when the command serializes."""
     try:
         ray.cloudpickle.dumps(command)
-        if error is None:
-            return None
+        return None
     except Exception as e:  # noqa: BLE001 - any pickling failure is the command's
         error = e
     what = type(command).__name__
@@ -386,9 +392,18 @@ def _not_sendable(command: Any, error: Exception | None) -> errors.InvalidInput 
             except Exception as e:  # noqa: BLE001
                 what, error = f"{what}.{field.name} (a {type(value).__name__})", e
                 break
-    reason = str(error).splitlines()[0] if error is not None else "unknown"
-    return errors.InvalidInput(f"{what} cannot be sent to the registry actor ({reason}); nothing was sent: "
-                               "registry commands hold plain values (str, int, lorapub's keys)")
+    return errors.InvalidInput(f"{what} cannot be sent to the registry actor ({_first_line(error)}); nothing was "
+                               "sent: registry commands hold plain values (str, int, lorapub's keys)")
+
+
+def _not_sent(what: str, error: Exception) -> errors.LorapubError:
+    """Ray refused to send a call whose every command serializes: nothing reached the actor."""
+    return errors.LorapubError(f"registry {what}: Ray could not send it ({type(error).__name__}: "
+                               f"{_first_line(error)}); nothing was applied, send it again")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _refusal(e: errors.LorapubError) -> tuple[str, str, dict[str, Any]]:
