@@ -305,6 +305,8 @@ async def test_without_batching_bad_commands_are_refused_typed(ray_cluster):
             await registry.handle(OpenSession(SessionKey(3, "bad", "n"), group=threading.Lock()))
         with pytest.raises(InvalidInput, match="BindFirst"):
             await registry.handle(BindFirst(key="junk"))
+        with pytest.raises(InvalidInput, match="could not read OpenSession"):
+            await registry.handle(OpenSession(SessionKey(3, "bad", "n"), group=_UnreadableInTheActor()))
         assert (await registry.handle(ReadState())).reply.epoch == 3
     finally:
         ray.kill(registry.actor)
@@ -466,3 +468,30 @@ async def test_a_durable_actor_made_again_after_a_downtime_does_not_count_it_aga
         assert (await second.handle(ReadState())).reply.sessions[s].state.value == "EXPIRED"
     finally:
         ray.kill(second.actor, no_restart=True)
+
+
+class _UnreadableInTheActor:
+    """Serializes, but cannot be read back (as a class the actor's process cannot import)."""
+
+    def __reduce__(self):
+        import operator
+
+        return operator.truediv, (1, 0)
+
+
+async def test_a_command_the_actor_cannot_read_is_refused_alone(ray_cluster):
+    import asyncio
+
+    from lorapub.core.registry import OpenSession
+
+    registry = RayRegistry.create("reg-unreadable", epoch=3, engines=_engines(), call_timeout=20)
+    try:
+        good = SessionKey(3, "good", "n")
+        results = await asyncio.wait_for(asyncio.gather(
+            registry.handle(OpenSession(SessionKey(3, "bad", "n"), group=_UnreadableInTheActor())),
+            registry.handle(OpenSession(good)), return_exceptions=True), 30)
+        assert isinstance(results[0], InvalidInput) and "OpenSession" in results[0].message, results[0]
+        assert not isinstance(results[1], Exception), results[1]
+        assert good in (await registry.handle(ReadState())).reply.sessions
+    finally:
+        ray.kill(registry.actor)

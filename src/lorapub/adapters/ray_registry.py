@@ -264,7 +264,10 @@ class RayRegistry:
                 ref = self.actor.handle.remote(command)
             except Exception as e:  # noqa: BLE001 - Ray could not send it: nothing was applied
                 raise _not_sendable(command) or _not_sent(type(command).__name__, e) from None
-            return _answer(command, await self._reply(ref, "handle", command, type(command).__name__))
+            try:
+                return _answer(command, await self._reply(ref, "handle", command, type(command).__name__))
+            except _Unread as e:
+                raise _unreadable(command, e.cause) from None
         future = asyncio.get_running_loop().create_future()
         self._pending.append((command, future))
         if not self._flush_scheduled:
@@ -308,10 +311,32 @@ class RayRegistry:
             if sendable:
                 await self._send(sendable)
             return
-        answers = await self._reply(ref, "handle_many", commands, f"batch of {len(batch)}")
+        try:
+            answers = await self._reply(ref, "handle_many", commands, f"batch of {len(batch)}")
+        except _Unread as e:  # nothing was applied: each command goes alone, so only the unread one fails
+            if len(batch) == 1:
+                raise _unreadable(commands[0], e.cause) from None
+            await self._send_one_by_one(batch)
+            return
         for (_, future), answer in zip(batch, answers):
             if not future.done():
                 future.set_result(answer)
+
+    async def _send_one_by_one(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
+        sent = [(c, f, self.actor.handle.remote(c)) for c, f in batch]  # one caller's calls run in this order
+        for command, future, ref in sent:
+            try:
+                answer = await self._reply(ref, "handle", command, type(command).__name__)
+            except _Unread as e:
+                outcome: Any = _unreadable(command, e.cause)
+            except errors.LorapubError as e:
+                outcome = e
+            else:
+                if not future.done():
+                    future.set_result(answer)
+                continue
+            if not future.done():
+                future.set_exception(outcome)
 
     async def _reply(self, ref: Any, method: str, argument: Any, what: str) -> Any:
         """The actor's answer to ``ref``. A reply lost because the actor died while Ray restarts it
@@ -331,8 +356,10 @@ class RayRegistry:
             except ray.exceptions.RayActorError as e:  # ActorDiedError, ActorUnavailableError
                 if loop.time() + pause >= deadline or not self._restarting(actor):
                     raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__})") from None
-            except ray.exceptions.RayTaskError as e:  # the actor answered by raising: definite, not lost
-                raise errors.LorapubError(f"registry {what}: the actor raised {e.cause!r}") from None
+            except ray.exceptions.RayTaskError as e:
+                # definite, not lost: the actor's methods answer every failure of a command, so what
+                # raises is Ray reading the argument there, before anything was applied
+                raise _Unread(e.cause) from None
             except ray.exceptions.RayError as e:  # the reply's object lost, a system error: it may have run
                 raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__}: {e})") from None
             await asyncio.sleep(pause)
@@ -394,6 +421,20 @@ def _not_sendable(command: Any) -> errors.InvalidInput | None:
                 break
     return errors.InvalidInput(f"{what} cannot be sent to the registry actor ({_first_line(error)}); nothing was "
                                "sent: registry commands hold plain values (str, int, lorapub's keys)")
+
+
+class _Unread(Exception):
+    """The actor's process could not read the call's argument (nothing was applied)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _unreadable(command: Any, cause: BaseException) -> errors.InvalidInput:
+    return errors.InvalidInput(
+        f"the registry actor could not read {type(command).__name__} ({type(cause).__name__}: {_first_line(cause)}); "
+        "nothing was applied: registry commands hold plain values every process can import")
 
 
 def _not_sent(what: str, error: Exception) -> errors.LorapubError:
