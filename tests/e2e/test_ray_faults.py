@@ -82,7 +82,7 @@ async def test_a_killed_worker_a_restarted_actor_and_a_bad_command(ray_cluster, 
         assert (await registry.handle(BindFirst(mine))).reply.version == a
         renewing = asyncio.ensure_future(_renew_forever(registry, mine))
         worker = RolloutWorker.remote()
-        pid = await worker.start.remote(name, theirs)
+        pid = await asyncio.wait_for(worker.start.remote(name, theirs), 120)  # a process to start: generous
         b = await _publish_commands(EPOCH, "B", revision=1)(registry)  # the default moves on; both sessions keep A
         before = (await registry.handle(ReadState())).reply
         assert before.default == b and before.versions[a].session_refs == 2
