@@ -495,3 +495,24 @@ async def test_a_command_the_actor_cannot_read_is_refused_alone(ray_cluster):
         assert good in (await registry.handle(ReadState())).reply.sessions
     finally:
         ray.kill(registry.actor)
+
+
+def test_the_actor_clock_leaves_out_a_stop_and_the_time_between_two_lives():
+    from lorapub.adapters.ray_registry import _RunningClock
+
+    mono = [100.0]
+    clock = _RunningClock(tick=0.25, slack=2.0, monotonic=lambda: mono[0], wall=lambda: 5000.0, beat=False)
+    assert clock() == 5000.0
+    mono[0] += 1.0  # running: time passes as it does
+    assert clock() == 5001.0
+    mono[0] += 60.0  # nothing noted for a minute: the process was stopped
+    assert clock() == 5001.25 and clock.stopped == 59.75
+    mono[0] += 1.0
+    assert clock() == 5002.25  # and runs on from there
+
+    resumed = _RunningClock(monotonic=lambda: mono[0], wall=lambda: 5000.0, beat=False)
+    resumed.go_on_from(4000.0)  # the last lease an earlier life granted
+    assert resumed() == 4000.0
+    ahead = _RunningClock(monotonic=lambda: mono[0], wall=lambda: 5000.0, beat=False)
+    ahead.go_on_from(9000.0)  # never ahead of wall time
+    assert ahead() == 5000.0

@@ -34,7 +34,7 @@ _ERRORS = {
 }
 
 
-class RunningClock:
+class _RunningClock:
     """The registry's time inside the actor: wall time read once (or, for a resumed store, the last
     time a lease was granted: :meth:`go_on_from`), then advanced only while this process runs.
 
@@ -46,18 +46,21 @@ class RunningClock:
     holds the interpreter that long counts as one too: a lease may outlive its TTL by that much,
     never the other way."""
 
-    def __init__(self, tick: float = 0.25, slack: float = 2.0) -> None:
-        self._offset = time.time() - time.monotonic()
+    def __init__(self, tick: float = 0.25, slack: float = 2.0, *, monotonic: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, beat: bool = True) -> None:
+        self._monotonic, self._wall = monotonic, wall
+        self._offset = wall() - monotonic()
         self._tick, self._slack = tick, slack
-        self._last = time.monotonic()
+        self._last = monotonic()
         self.stopped = 0.0  # seconds left out so far
         self._lock = threading.Lock()
-        threading.Thread(target=_beat, args=(weakref.ref(self), tick), name="lorapub-registry-clock",
-                         daemon=True).start()
+        if beat:
+            threading.Thread(target=_beat, args=(weakref.ref(self), tick), name="lorapub-registry-clock",
+                             daemon=True).start()
 
     def _note(self) -> float:
         with self._lock:
-            now = time.monotonic()
+            now = self._monotonic()
             gap = now - self._last
             if gap > self._tick + self._slack:
                 self.stopped += gap - self._tick
@@ -71,13 +74,13 @@ class RunningClock:
         """Go on from ``at``, a time an earlier life of the registry stamped (never ahead of wall
         time): the time between the two lives is left out as a stop is. Called before the first reading."""
         with self._lock:
-            current = self._offset + time.monotonic() - self.stopped
-            target = min(at, time.time())
+            current = self._offset + self._monotonic() - self.stopped
+            target = min(at, self._wall())
             if target < current:
                 self.stopped += current - target
 
 
-def _beat(clock: "weakref.ref[RunningClock]", tick: float) -> None:
+def _beat(clock: "weakref.ref[_RunningClock]", tick: float) -> None:
     """The clock's thread: notes the time every ``tick`` while the clock is in use (it holds no
     reference to it, so a clock nobody uses ends its thread)."""
     while True:
@@ -100,7 +103,7 @@ class _RegistryActor:
         max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
         avoid_suspect: bool = False,
     ) -> None:
-        self.clock = RunningClock()
+        self.clock = _RunningClock()
         if store_factory is None and store_path:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
@@ -161,7 +164,7 @@ class _RegistryActor:
         except Exception as e:  # a definite answer all the same: nothing was applied
             # the store's failures arrive typed (StoreError), so what is left is a transition that
             # could not read the command: a field of the wrong type or form
-            return ("error", ("INVALID_INPUT", f"registry refused {command!r}: its transition failed on it "
+            return ("error", ("INVALID_INPUT", f"registry refused {_short(command)}: its transition failed on it "
                                                f"({type(e).__name__}: {e}); nothing was applied; build "
                                                f"{type(command).__name__} with fields of the documented types"))
 
@@ -441,6 +444,11 @@ def _not_sent(what: str, error: Exception) -> errors.LorapubError:
     """Ray refused to send a call whose every command serializes: nothing reached the actor."""
     return errors.LorapubError(f"registry {what}: Ray could not send it ({type(error).__name__}: "
                                f"{_first_line(error)}); nothing was applied, send it again")
+
+
+def _short(command: Any) -> str:
+    text = repr(command)
+    return text if len(text) <= 300 else text[:300] + "…"
 
 
 def _first_line(error: BaseException) -> str:
