@@ -516,3 +516,34 @@ def test_the_actor_clock_leaves_out_a_stop_and_the_time_between_two_lives():
     ahead = _RunningClock(monotonic=lambda: mono[0], wall=lambda: 5000.0, beat=False)
     ahead.go_on_from(9000.0)  # never ahead of wall time
     assert ahead() == 5000.0
+
+
+async def test_a_session_closed_while_the_durable_actor_restarts_frees_its_slot_at_once(ray_cluster, engines, tmp_path):
+    """The close in flight when the actor dies lands on the restarted actor: its version's slot is
+    free for the next publication, not held until the worker's next lease round."""
+    import asyncio
+    import time
+
+    from lorapub.adapters.sglang_wire import HTTPBytes
+
+    incarnations = {n: await e.incarnation() for n, e in engines.items()}
+    registry = RayRegistry.create("reg-close-restart", epoch=1, engines=incarnations, call_timeout=30,
+                                  store_path=str(tmp_path / "registry.db"))
+    dep = None
+    try:
+        dep = await Deployment(engines, epoch=1, registry=registry, deadlines=FAST, transport=HTTPBytes()).start()
+        await dep.publish(lora_snapshot(1), "A")
+        s = dep.session("s1", nonce="n1")
+        await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        await dep.publish(lora_snapshot(2), "B")  # both slots held: A by the session, B the default
+        busy = registry.actor.__ray_call__.remote(lambda actor: time.sleep(1.0))  # the close queues behind it
+        closing = asyncio.ensure_future(s.close())
+        await asyncio.sleep(0.3)
+        ray.kill(registry.actor, no_restart=False)
+        await closing  # answered by the restarted actor
+        await dep.publish(lora_snapshot(3), "C", wait=20)  # A's slot is freed by the close, not a lease round
+        del busy
+    finally:
+        if dep is not None:
+            await dep.close()
+        ray.kill(registry.actor, no_restart=True)
