@@ -451,13 +451,13 @@ async def test_a_durable_actor_made_again_after_a_downtime_does_not_count_it_aga
     from lorapub.core.registry import ExpireLeases, OpenSession
 
     path = str(tmp_path / "registry.db")
-    first = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=4,
+    first = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=6,
                                store_path=path)
     s = SessionKey(3, "s", "n")
     await first.handle(OpenSession(s))
     ray.kill(first.actor, no_restart=True)
-    await asyncio.sleep(6)  # longer than the lease, with no actor running
-    second = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=4,
+    await asyncio.sleep(8)  # longer than the lease, with no actor running
+    second = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=6,
                                 store_path=path)
     try:
         assert (await second.handle(ExpireLeases())).reply == 0
