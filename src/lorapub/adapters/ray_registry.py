@@ -216,7 +216,9 @@ class RayRegistry:
         self.call_timeout = call_timeout
         self.batch = batch
         self.max_batch = max_batch
-        self.name, self.namespace = name, namespace  # how a restarted or re-created actor is found again
+        # how a restarted or re-created actor is found again (create() and lookup() set it; a handle
+        # wrapped without a name never asks a lost reply again: it is OutcomeUnknown at once)
+        self.name, self.namespace = name, namespace
         self._pending: list[tuple[Command, asyncio.Future]] = []
         self._flush_scheduled = False
         self.calls = 0  # actor calls made (for benchmarks)
