@@ -116,6 +116,10 @@ async def test_the_publisher_counts_http_bytes_as_the_engine_does(tmp_path):
 
 
 def test_metrics_export_on_their_own_registry_without_process_or_created_series():
+    prometheus_client.enable_created_metrics()  # prometheus_client's own default, whatever ran before
+    kept = Metrics(created=True)  # leaves prometheus_client's setting as it is
+    kept.publications.labels("committed").inc()
+    assert "lorapub_publications_created" in kept.exposition()[0].decode()
     metrics = Metrics()  # no registry given: one of its own, never the global default
     assert metrics.registry is not prometheus_client.REGISTRY
     metrics.publications.labels("committed").inc()
