@@ -30,14 +30,6 @@ __all__ = ["BODY_LIMIT", "SGLangDouble"]
 BODY_LIMIT = 1 << 40
 
 
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 class SGLangDouble(DoubleEngine):
     """One in-process SGLang server (``await SGLangDouble("e0").start()``, then ``.url``).
 
@@ -93,8 +85,11 @@ class SGLangDouble(DoubleEngine):
     def restart(self) -> None:
         """A crash and restart: the connection of every request in flight drops unanswered (a client
         sees the server disconnect, never a status), then a new incarnation with nothing loaded."""
-        current = asyncio.current_task() if _loop_running() else None
-        in_flight = self.__dict__.setdefault("_in_flight", {})
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # called outside an event loop: no request of ours runs this
+            current = None
+        in_flight = self.__dict__.get("_in_flight", {})  # none before start()
         for task, request in list(in_flight.items()):
             if task is current:
                 continue
