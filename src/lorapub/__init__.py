@@ -6,6 +6,8 @@ switch between versioned publication and the old overwrite path), the keys (and 
 protocols to implement in :mod:`lorapub.ports`, test aids in :mod:`lorapub.testing`.
 """
 
+import logging as _logging
+
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
 from lorapub.core.version import VersionState
 from lorapub.errors import (
@@ -55,6 +57,11 @@ from lorapub.runtime.snapshot import Snapshot
 
 __version__ = "0.1.0"
 # Every typed error of lorapub.errors is here too: a caller catches them from one import.
+
+# A library adds no handler but this one: the application configures logging (docs/operating.md,
+# "Logs"); unconfigured, Python's last-resort handler would print bare lines with no time or level.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 __all__ = [
     "AlreadyStarted", "BindingStale", "CapacityError", "EngineCapacityError", "EngineClosed", "EngineError",
     "EngineUnavailable", "EpochMismatch", "GroupClosed", "InvalidInput", "InvalidTransition", "LorapubError",

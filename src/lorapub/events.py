@@ -18,7 +18,8 @@ __all__ = [
     "PublishBegun", "PublishWaiting", "EngineReady", "PublishCommitted", "PublishFailed", "PublishSuperseded",
     "PublishProgress", "SessionBound", "SessionRebound", "SessionStale", "SessionsExpired", "VersionRetired",
     "ReclaimClaimed", "VersionUnloaded", "VersionReclaimed", "OrphanFound", "OrphanFreed", "EngineRestarted",
-    "EngineReprovisioned", "EngineJoining", "EngineDraining", "EngineDrained", "EngineRemoved", "ReconcilePassed", "RegistryDecided", "RequestDispatched",
+    "EngineReprovisioned", "EngineJoining", "EngineDraining", "EngineDrained", "EngineRemoved", "HealthChanged",
+    "ReconcilePassed", "RegistryDecided", "RequestDispatched",
     "ProvenanceMismatched",
     "PublishNumericMismatch", "VersionSuspected",
 ]
@@ -308,6 +309,17 @@ class EngineRemoved(Event):
 
 
 @attrs.frozen
+class HealthChanged(Event):
+    """A reconcile pass found other blockers than the pass before: what blocks the deployment now
+    (each ``"<kind> <subject>: <detail>"``; none when healthy) and what is worth knowing."""
+
+    KIND = "health.changed"
+    healthy: bool
+    blockers: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class ReconcilePassed(Event):
     KIND = "reconcile.pass"
     LEVEL = logging.DEBUG
@@ -338,6 +350,6 @@ KINDS: tuple[type[Event], ...] = (
     PublishNumericMismatch, VersionSuspected,
     SessionBound, SessionRebound, SessionStale, SessionsExpired, RequestDispatched, VersionRetired, ReclaimClaimed,
     VersionUnloaded, VersionReclaimed, OrphanFound, OrphanFreed, EngineRestarted, EngineReprovisioned,
-    EngineJoining, EngineDraining, EngineDrained, EngineRemoved, ReconcilePassed, RegistryDecided,
+    EngineJoining, EngineDraining, EngineDrained, EngineRemoved, HealthChanged, ReconcilePassed, RegistryDecided,
     ProvenanceMismatched,
 )

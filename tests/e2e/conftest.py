@@ -26,7 +26,7 @@ def shared_dir(tmp_path):
 async def doubles(tmp_path, shared_dir):
     pair = []
     for name in ("e0", "e1"):
-        d = SGLangDouble(name)
+        d = SGLangDouble(name, max_loaded_loras=3)  # small enough that LRU eviction shows (test_rows)
         d.stash_root, d.shm_dir = str(tmp_path / f"{name}-disk"), str(shared_dir)  # its own disk; its shm folder
         pair.append(await d.start())
     yield {d.name: d for d in pair}

@@ -211,3 +211,109 @@ async def test_a_join_a_drain_and_a_removal_are_told():
     assert told == [("EngineJoining", "e2"), ("EngineDraining", "e2"), ("EngineDrained", "e2"),
                     ("EngineRemoved", "e2")]
     assert [(e.engine, str(e.version)) for e in seen if isinstance(e, EngineReprovisioned)] == [("e2", "1-A")]
+
+
+# -- logs an operator can read: who expired, health as an event, text as written, time and level ----
+def _json_lines(logger_name: str = "lorapub"):
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(self.format(record))
+
+    handler = Keep(logging.INFO)
+    handler.setFormatter(JsonFormatter())
+    return records, handler
+
+
+async def test_a_lease_expiry_found_by_the_reconciler_names_the_sessions():
+    from lorapub.events import SessionsExpired
+    from lorapub.runtime.registry import LocalRegistry
+
+    now = [1000.0]
+    engines = _engines()
+    registry = LocalRegistry(1, {n: await e.incarnation() for n, e in engines.items()}, lease_ttl=60.0,
+                             clock=lambda: now[0])
+    seen = []
+    dep = await Deployment(engines, epoch=1, registry=registry, reconcile_interval=None,
+                           observers=[seen.append]).start()
+    await dep.publish(lora_snapshot(1), "A")
+    for name in ("worker-a", "worker-b"):
+        await dep.session(name).generate(GEN)
+    now[0] += 120  # their worker stopped renewing: the registry's lease pass finds them
+    await dep.reconcile()
+    expired = [e for e in seen if isinstance(e, SessionsExpired) and e.reason == "lease"]
+    await dep.close()
+    assert expired and expired[0].count == 2, seen
+    assert sorted(expired[0].sessions) == ["worker-a", "worker-b"]
+
+
+async def test_a_health_change_is_a_structured_event_under_the_json_formatter():
+    from lorapub.events import HealthChanged
+
+    records, handler = _json_lines()
+    logger = logging.getLogger("lorapub")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    seen = []
+    engines = _engines()
+    try:
+        dep = await Deployment(engines, epoch=1, reconcile_interval=None, observers=[seen.append]).start()
+        await dep.reconcile()
+        engines["e1"].fail_next("incarnation", "error", count=1000)  # e1 stops answering its probe
+        await dep.reconcile()
+        engines["e1"].clear_faults()
+        await dep.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    changes = [e for e in seen if isinstance(e, HealthChanged)]
+    assert changes and not changes[-1].healthy, seen
+    objects = [json.loads(r) for r in records]
+    assert not [o for o in objects if "health" in o.get("message", "")], objects  # no prose lines
+    told = [o for o in objects if o.get("event") == "health.changed"]
+    assert told and told[-1]["healthy"] is False
+    assert any(b.startswith("engine_unreachable e1") for b in told[-1]["blockers"]), told
+
+
+def test_text_is_written_as_it_is_not_escaped():
+    record = logging.LogRecord("lorapub.decisions", logging.INFO, __file__, 1, "%s", ("version prête — ok",), None)
+    assert json.loads(JsonFormatter().format(record))["message"] == "version prête — ok"
+    assert "prête — ok" in JsonFormatter().format(record)
+    assert format_fields({"reason": "sans réponse"}) == 'reason="sans réponse"'
+
+
+def test_lorapub_leaves_logging_unconfigured_but_never_prints_bare_lines():
+    import subprocess
+    import sys
+
+    # an embedder that configured nothing: lorapub's warnings are not printed bare by Python's
+    # last-resort handler (a library adds only a NullHandler; the embedder configures logging)
+    code = ("import logging, lorapub; logging.getLogger('lorapub.decisions').warning('x ok'); "
+            "assert not logging.getLogger().handlers")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "x ok" not in out.stderr
+
+
+def test_lorapubs_commands_configure_logging_with_time_and_level():
+    import subprocess
+    import sys
+
+    code = ("import logging; from lorapub.cli import configure_logging; configure_logging('INFO'); "
+            "logging.getLogger('lorapub.decisions').info('publish.committed version=1-A')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    line = out.stderr.strip()
+    assert line.endswith(" INFO lorapub.decisions: publish.committed version=1-A"), line
+    assert line[:4].isdigit()  # its time comes first
+    code = ("import json, logging; from lorapub.cli import configure_logging; configure_logging('INFO', json_lines=True); "
+            "logging.getLogger('lorapub.x').warning('a')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stderr)["level"] == "WARNING"
+
+
+def test_the_lorapub_command_takes_its_logging_options():
+    from lorapub.demo.cli import _parser
+
+    args = _parser().parse_args(["--log-level", "info", "--log-json", "status", "--store", "x"])
+    assert (args.log_level, args.log_json) == ("INFO", True)

@@ -30,24 +30,37 @@ def _documented(section: str) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def _exported(registry) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """name -> (type, label names), from the registry's own description of every family."""
+    """name as queried -> (type, label names), from the registry's own description of every family."""
     out = {}
     for family in registry.collect():
         name = family.name + ("_total" if family.type == "counter" else "")
-        out[name] = family.type
+        labels = {k for sample in family.samples for k in sample.labels if k != "le"}
+        labels |= set(getattr(family, "_labelnames", ()))  # a family made without samples keeps its names here
+        out[name] = (family.type, tuple(sorted(labels)))
     return out
 
 
-def test_the_registry_series_documented_are_the_ones_exported():
+def _sorted(rows: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    return {name: (kind, tuple(sorted(labels))) for name, (kind, labels) in rows.items()}
+
+
+def _publisher_registry():
     registry = prometheus_client.CollectorRegistry()
-    Metrics(registry)
+    metrics = Metrics(registry)
+    for e in metrics.__dict__.values():  # every labelled series with one child, so its samples show its labels
+        names = getattr(e, "_labelnames", ())
+        if names:
+            e.labels(*["x"] * len(names))
+    return registry
+
+
+def test_the_registry_series_documented_are_the_ones_exported():
     documented = _documented("Registry series")
-    exported = _exported(registry)
-    assert set(documented) == set(exported), (set(documented) ^ set(exported))
-    assert {n: t for n, (t, _) in documented.items()} == exported
-    spec = {f"lorapub_{name}" + ("_total" if kind == "counter" else ""): labels
+    exported = _exported(_publisher_registry())
+    assert _sorted(documented) == exported, set(documented.items()) ^ set(exported.items())
+    spec = {f"lorapub_{name}" + ("_total" if kind == "counter" else ""): tuple(sorted(labels))
             for _, kind, name, labels, _, _ in SERIES}
-    assert {n: labels for n, (_, labels) in documented.items()} == spec
+    assert {n: labels for n, (_, labels) in exported.items()} == spec
     assert not any(label in ("session", "session_id", "request", "token") for labels in spec.values() for label in labels)
 
 
@@ -57,7 +70,74 @@ def test_the_engine_series_documented_are_the_ones_exported():
     metrics_module.EngineMetrics(registry)
     documented = _documented("Engine series")
     exported = _exported(registry)
-    assert documented and set(documented) == set(exported), (set(documented) ^ set(exported))
+    assert documented and _sorted(documented) == exported, set(documented.items()) ^ set(exported.items())
+
+
+def test_the_status_doc_names_only_series_that_are_exported():
+    metrics_module = pytest.importorskip("lorapub.sglang_patch.metrics")
+    engine = prometheus_client.CollectorRegistry()
+    metrics_module.EngineMetrics(engine)
+    exported = set(_exported(_publisher_registry())) | set(_exported(engine))
+    for doc in ("operating.md", "metrics.md", "testing.md", "sglang-patch.md"):
+        named = set(re.findall(r"`(lorapub_[a-z_]+)`", (DOC.parent / doc).read_text()))
+        bases = {re.sub(r"_(bucket|sum|count)$", "", n) if n not in exported else n for n in named}
+        assert bases <= exported, (doc, sorted(bases - exported))
+
+
+def test_both_sides_label_a_transport_with_one_vocabulary():
+    from lorapub.adapters.transports import HTTPBytes, SameHostIPC
+    from lorapub.runtime.admission import transport_name
+    from lorapub.sglang_patch.metrics import TRANSPORTS
+
+    assert transport_name(HTTPBytes()) == "http"
+    assert transport_name(SameHostIPC()) == "shm"
+    text = DOC.read_text()
+    for value in TRANSPORTS:  # the engine side's values, documented for both
+        assert text.count(f"`{value}`") >= 2, value
+
+
+async def test_the_publisher_counts_http_bytes_as_the_engine_does(tmp_path):
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+    from lorapub.adapters.transports import HTTPBytes
+    from lorapub.testing import SGLangDouble
+
+    double = SGLangDouble("e0")
+    double.stash_root = str(tmp_path)
+    await double.start()
+    registry = prometheus_client.CollectorRegistry()
+    try:
+        dep = await Deployment({"e0": SGLangWireEngine("e0", double.url)}, epoch=1, transport=HTTPBytes(),
+                               reconcile_interval=None, observers=[Metrics(registry)]).start()
+        await dep.publish(lora_snapshot(1), "A")
+        await dep.close()
+    finally:
+        await double.stop()
+    assert _value(registry, "lorapub_bytes_sent_total", transport="http") == lora_snapshot(1).manifest.total_bytes
+
+
+def test_metrics_export_on_their_own_registry_without_process_or_created_series():
+    prometheus_client.enable_created_metrics()  # prometheus_client's own default, whatever ran before
+    kept = Metrics(created=True)  # leaves prometheus_client's setting as it is
+    kept.publications.labels("committed").inc()
+    assert "lorapub_publications_created" in kept.exposition()[0].decode()
+    metrics = Metrics()  # no registry given: one of its own, never the global default
+    assert metrics.registry is not prometheus_client.REGISTRY
+    metrics.publications.labels("committed").inc()
+    text = metrics.exposition()[0].decode()
+    assert "lorapub_publications_total" in text
+    assert "_created" not in text  # prometheus_client's created series are off
+    assert "process_" not in text and "python_" not in text  # no default collectors dragged in
+    given = prometheus_client.CollectorRegistry()
+    assert Metrics(given).registry is given  # the embedder's registry, when it passes one
+
+
+def test_the_lag_histogram_has_a_unit():
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    registry = prometheus_client.CollectorRegistry()
+    Metrics(registry).dispatch_lag.observe(1)
+    text = generate_latest(registry).decode()
+    assert "# UNIT lorapub_dispatch_lag_versions versions" in text
 
 
 def _value(registry, name: str, **labels) -> float:
@@ -81,8 +161,8 @@ async def test_the_series_move_with_a_publish_bind_retire_reclaim_cycle():
     assert _value(registry, "lorapub_slots_used") == 2 and _value(registry, "lorapub_slots_free") == 0
     assert _value(registry, "lorapub_version_session_refs", version="1-A") == 1
     assert _value(registry, "lorapub_sessions_open") == 1
-    assert _value(registry, "lorapub_dispatch_version_lag_count") == 2
-    assert _value(registry, "lorapub_dispatch_version_lag_bucket", le="0.0") == 1  # the first turn: lag 0
+    assert _value(registry, "lorapub_dispatch_lag_versions_count") == 2
+    assert _value(registry, "lorapub_dispatch_lag_versions_bucket", le="0.0") == 1  # the first turn: lag 0
     total = lora_snapshot(1).manifest.total_bytes + lora_snapshot(2).manifest.total_bytes
     assert _value(registry, "lorapub_bytes_sent_total", transport="inline") == 2 * total  # both engines
     assert _value(registry, "lorapub_publication_phase_seconds_count", phase="transfer") == 2

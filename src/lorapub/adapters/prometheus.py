@@ -41,6 +41,7 @@ _STATES = ("LOADING", "PUBLISHED", "RETIRED", "RECLAIMING", "ABORTED")
 
 #: Every series: (attribute, type, name under the namespace, labels, meaning, histogram buckets).
 #: docs/metrics.md lists the same (a test holds them together); a counter is exported as ``<name>_total``.
+#: A name ending in a unit (``_seconds``, ``_bytes``, ``_versions``) declares it (OpenMetrics ``# UNIT``).
 SERIES: tuple[tuple[str, str, str, tuple[str, ...], str, tuple[float, ...] | None], ...] = (
     ("versions", "gauge", "versions", ("state",), "Versions holding a slot, by state", None),
     ("slots_used", "gauge", "slots_used", (), "Managed slots held", None),
@@ -49,14 +50,15 @@ SERIES: tuple[tuple[str, str, str, tuple[str, ...], str, tuple[float, ...] | Non
      "Session refs on each version holding a slot (at most capacity versions at a time)", None),
     ("sessions_open", "gauge", "sessions_open", (), "Open sessions of this process", None),
     ("groups_open", "gauge", "groups_open", (), "Session groups with an open member in this process", None),
-    ("dispatch_lag", "histogram", "dispatch_version_lag", (),
-     "Commits behind the default of each dispatched request", _LAG),
+    ("dispatch_lag", "histogram", "dispatch_lag_versions", (),
+     "Versions (commits) behind the default of each dispatched request", _LAG),
     ("publications", "counter", "publications", ("outcome",),
      "Publications ended, by outcome (committed, superseded, or the lowercased error code)", None),
     ("publication_seconds", "histogram", "publication_seconds", (), "Publish call to commit", _SECONDS),
     ("phase_seconds", "histogram", "publication_phase_seconds", ("phase",),
      "Publication phases: reserve, begin, transfer, end, commit", _SECONDS),
-    ("bytes_sent", "counter", "bytes_sent", ("transport",), "Bucket bytes confirmed by engines, by transport", None),
+    ("bytes_sent", "counter", "bytes_sent", ("transport",),
+     "Bucket bytes confirmed by engines, by transport: http, shm, torch (inline: in-process engines)", None),
     ("reclaim_seconds", "histogram", "reclaim_seconds", (), "Reclaim claimed to the last engine's unload", _SECONDS),
     ("reclaims_waiting", "gauge", "reclaims_waiting", (), "Versions retired and unused, or being unloaded", None),
     ("engines", "gauge", "engines", ("life",), "Engines by life: up, unreachable, reprovisioning", None),
@@ -73,22 +75,40 @@ SERIES: tuple[tuple[str, str, str, tuple[str, ...], str, tuple[float, ...] | Non
 )
 
 
+_UNITS = ("seconds", "bytes", "versions")
+
+
+def _unit(name: str) -> str:
+    return next((u for u in _UNITS if name.endswith("_" + u)), "")
+
+
 class Metrics:
     """Observer that keeps lorapub's registry-side series: ``Deployment(observers=[Metrics()])``.
 
-    ``registry``: the ``prometheus_client`` registry to register with (default: the global one, so
-    an existing ``/metrics`` shows them); a deployment's status endpoint serves it at ``/metrics``."""
+    ``registry``: the ``prometheus_client`` registry to register with. Default: one of its own, so
+    lorapub brings no series of the process (``process_*``, ``python_*``) and adds none to the global
+    one; to serve them on an existing ``/metrics``, pass that registry
+    (``Metrics(prometheus_client.REGISTRY)``). A deployment's status endpoint serves it at ``/metrics``.
 
-    def __init__(self, registry: Any = None, *, namespace: str = "lorapub") -> None:
+    ``created``: prometheus_client also exports a ``_created`` series beside every counter and
+    histogram, unless switched off for the process; False (default) switches it off the
+    prometheus_client way (``disable_created_metrics()``, as ``PROMETHEUS_DISABLE_CREATED_SERIES=True``
+    does), True leaves that setting as it is."""
+
+    def __init__(self, registry: Any = None, *, namespace: str = "lorapub", created: bool = False) -> None:
         if _prom is None:
             raise InvalidInput("lorapub.adapters.prometheus.Metrics needs prometheus-client: "
                                "pip install 'lorapub[metrics]'")
-        self.registry = registry if registry is not None else _prom.REGISTRY
+        if not created:
+            _prom.disable_created_metrics()
+        self.registry = registry if registry is not None else _prom.CollectorRegistry()
         self.namespace = namespace
         kinds = {"gauge": _prom.Gauge, "counter": _prom.Counter, "histogram": _prom.Histogram}
         made: list[Any] = []
         for attr, kind, name, labels, meaning, buckets in SERIES:
-            extra = {"buckets": buckets} if buckets else {}
+            extra: dict[str, Any] = {"buckets": buckets} if buckets else {}
+            if _unit(name):
+                extra["unit"] = _unit(name)
             try:
                 made.append(kinds[kind](name, meaning, list(labels), namespace=namespace, registry=self.registry,
                                         **extra))
@@ -97,8 +117,8 @@ class Metrics:
                     self.registry.unregister(collector)
                 raise InvalidInput(
                     f"lorapub's series are already registered in this prometheus registry ({e}): give every "
-                    "deployment of the process the same Metrics instance, or give this one a registry of its "
-                    "own: Metrics(prometheus_client.CollectorRegistry()), or another namespace=") from None
+                    "deployment of the process the same Metrics instance, or leave registry= out (a registry of "
+                    "its own), or give it another namespace=") from None
             setattr(self, attr, made[-1])
         self._sent: dict[tuple[str, str], int] = {}  # (version, engine) -> bytes counted so far
 

@@ -199,7 +199,7 @@ class RenewLeases:
 @attrs.frozen
 class ExpireSessions:
     """Expire these sessions now (their worker saw no generation for its idle TTL): EXPIRED
-    tombstones, each ref released once."""
+    tombstones, each ref released once. Answers the keys of those expired, sorted."""
 
     keys: tuple[SessionKey, ...] = attrs.field(converter=_session_keys)
     now: float | None = None
@@ -208,7 +208,8 @@ class ExpireSessions:
 @attrs.frozen
 class ExpireLeases:
     """Release the refs of sessions whose lease ran out (their worker stopped renewing), and
-    forget the tombstones of sessions born before the tombstone window."""
+    forget the tombstones of sessions born before the tombstone window. Answers the keys of the
+    sessions expired, sorted."""
 
     now: float | None = None
 

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 
+from lorapub.cli.logs import add_logging_options, configure_logging
 from lorapub.cli.progress import PublishProgressBar
 from lorapub.cli.status import add_status_parser, run_status
 
@@ -262,6 +263,7 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG)
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    add_logging_options(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the publish -> bind -> reclaim lifecycle on two engines")
     d.add_argument("--engine-url", action="append", help="a patched SGLang server (give two); default: embedded engines")
@@ -290,6 +292,7 @@ def main(argv=None) -> int:
     every way out."""
     parser = _parser()
     args = parser.parse_args(argv)
+    configure_logging(args.log_level, json_lines=args.log_json)
     if args.command == "status":
         return run_status(args)
     if args.command != "demo":

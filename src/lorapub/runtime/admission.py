@@ -97,7 +97,10 @@ def check_status_address(status: object) -> tuple[str, int] | None:
 
 
 def transport_name(transport: Transport | None) -> str:
-    return "inline" if transport is None else type(transport).__name__
+    """How bucket bytes travel, as events and metrics label it: the ``kind`` a transport's begin names
+    to the engine (``http``, ``shm``, ``torch``: the engine's own series say the same); ``inline``:
+    handed to in-process engines."""
+    return "inline" if transport is None else str(getattr(transport, "kind", None) or type(transport).__name__)
 
 
 async def answer_within(name: str, what: str, deadline: float, call: Awaitable[_T]) -> _T:

@@ -22,10 +22,11 @@ def _value(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, (dict, list)):
-        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
     text = str(value)
-    # a value with spaces, quotes or '=' is JSON-quoted, so a line splits back into the same keys
-    return json.dumps(text) if not text or any(c in text for c in ' "=\n\t') else text
+    # a value with spaces, quotes or '=' is JSON-quoted, so a line splits back into the same keys;
+    # text stays as written (JSON escapes only what it must: quotes, backslashes, control characters)
+    return json.dumps(text, ensure_ascii=False) if not text or any(c in text for c in ' "=\n\t') else text
 
 
 def format_fields(fields: dict[str, object]) -> str:
@@ -72,4 +73,4 @@ class JsonFormatter(logging.Formatter):
             out["message"] = record.getMessage()
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return json.dumps(out, default=str, ensure_ascii=False)

@@ -33,6 +33,7 @@ from lorapub.errors import LorapubError
 from lorapub.events import (
     EngineReprovisioned,
     EngineRestarted,
+    HealthChanged,
     Observer,
     OrphanFound,
     OrphanFreed,
@@ -228,7 +229,8 @@ class Reconciler:
                     self.health.fleet, self._passes, self._failed,
                 )
             if health.blockers != self.health.blockers:
-                log.info("lorapub health: %s", health.describe())
+                self.events(HealthChanged(health.healthy, tuple(f"{b.kind} {b.subject}: {b.detail}" for b in health.blockers),
+                                          health.notes))
             ok = not any(b.kind == "reconcile_failed" for b in health.blockers)
             here = self.sessions_here() if self.sessions_here is not None else (0, 0)
             self.events(ReconcilePassed(time.perf_counter() - started, ok, len(health.blockers), health, *here))
@@ -254,8 +256,8 @@ class Reconciler:
                 await self.control.run(result.effects)
         # 3. leases
         result = await self.registry.handle(ExpireLeases())
-        if result.reply:
-            self.events(SessionsExpired(result.reply, "lease", ()))
+        if result.reply:  # the sessions expired, sorted
+            self.events(SessionsExpired(len(result.reply), "lease", tuple(k.session_id for k in result.reply[:8])))
         fleet = (await self.registry.handle(ReadFleet())).reply
         # 4. stale attempts
         now = self.clock.monotonic()

@@ -48,6 +48,8 @@ class LocalRegistry:
     to ``epoch`` (:class:`~lorapub.errors.EpochMismatch` naming the store otherwise: a new
     epoch starts with a new store); on resume ``engines`` and ``capacity`` come from the
     store, where :class:`~lorapub.core.commands.RegisterEngine` keeps them current.
+    The settings given are checked before the store is opened, on resume too: a refused
+    registry leaves no store file behind.
     """
 
     def __init__(
@@ -65,6 +67,9 @@ class LocalRegistry:
         name_prefix: str = MANAGED_PREFIX,
         avoid_suspect: bool = False,
     ) -> None:
+        # the settings are checked before the store is opened: a refused registry creates no store file
+        fresh = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale,
+                               name_prefix, avoid_suspect=avoid_suspect)
         self._store = store if store is not None else MemoryStore()
         # wall time (leases mean the same to every process and after a restart), advanced monotonically
         # while this registry runs: a step of the host's clock never expires a lease
@@ -78,8 +83,7 @@ class LocalRegistry:
         except Exception as e:
             raise StoreError(f"registry store {where}: cannot load it: {type(e).__name__}: {e}") from None
         if loaded is None:
-            self._state = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale,
-                                         name_prefix, avoid_suspect=avoid_suspect)
+            self._state = fresh
             self._save(self._state, None)
         elif not isinstance(loaded, RegistryState):
             self.close()  # refused: the store is released for whoever repairs it

@@ -92,7 +92,8 @@ class _Live:
 
 
 class EngineMetrics:
-    """Every engine series, registered on ``registry`` (default: prometheus_client's global one) when made.
+    """Every engine series, registered on ``registry`` (default: one of its own, never prometheus_client's
+    global one) when made.
 
     :meth:`watch` points the gauges at a staging (and counts what it does); :meth:`prepared` counts one
     prepared load. ``prometheus_client`` must be importable."""
@@ -100,7 +101,7 @@ class EngineMetrics:
     def __init__(self, registry: Any = None) -> None:
         import prometheus_client as pc
 
-        self.registry = pc.REGISTRY if registry is None else registry
+        self.registry = pc.CollectorRegistry() if registry is None else registry
         self.live = _Live()
         self.registry.register(self.live)
 

@@ -1,11 +1,13 @@
 """A contract double (with lorapub's engine-side staging) in a process of its own, for tests and
 benchmarks that need the engine outside the publisher's process:
-``python -m lorapub.testing.serve_double NAME STASH_DIR [SHM_DIR]``, with a control server beside it.
+``python -m lorapub.testing.serve_double NAME STASH_DIR [SHM_DIR] [--max-loras-per-batch N]
+[--max-loaded-loras N]``, with a control server beside it.
 See docs/testing.md, "A double in a process of its own: `lorapub.testing.serve_double`".
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import mmap
@@ -37,12 +39,14 @@ def _gloo_sink(body: dict) -> int:
     return total
 
 
-async def main(name: str, stash: str, shm: str | None) -> None:
+async def main(name: str, stash: str, shm: str | None, *, max_loras_per_batch: int | None = None,
+               max_loaded_loras: int | None = None) -> None:
     try:  # an SGLang server has torch loaded before its first publication; so does this engine
         import torch  # noqa: F401
     except ImportError:
         pass
-    double = SGLangDouble(name, decode_delay=0.001)
+    double = SGLangDouble(name, decode_delay=0.001, max_loras_per_batch=max_loras_per_batch,
+                          max_loaded_loras=max_loaded_loras)
     double.stash_root, double.shm_dir = stash, shm
     await double.start()
 
@@ -90,5 +94,20 @@ async def main(name: str, stash: str, shm: str | None) -> None:
     await double.stop()
 
 
+def _arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lorapub.testing.serve_double",
+                                description="An SGLang contract double in a process of its own.")
+    p.add_argument("name", help="the engine's name")
+    p.add_argument("stash", metavar="STASH_DIR", help="the engine's own disk, where it stages adapters")
+    p.add_argument("shm", metavar="SHM_DIR", nargs="?", help="where it reads shared-memory buckets")
+    p.add_argument("--max-loras-per-batch", type=int, default=None,
+                   help="SGLang's --max-loras-per-batch (default 8, as SGLang's)")
+    p.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="SGLang's --max-loaded-loras (default unset: no limit, as SGLang's)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None))
+    args = _arguments()
+    asyncio.run(main(args.name, args.stash, args.shm, max_loras_per_batch=args.max_loras_per_batch,
+                     max_loaded_loras=args.max_loaded_loras))

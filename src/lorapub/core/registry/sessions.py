@@ -292,7 +292,7 @@ def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
     The session table indexes leases by deadline and tombstones by birth, so a pass reads
     only the sessions that are due: O(due · log n), not a scan of every session."""
     if now is None:
-        return Outcome(state, 0)
+        return Outcome(state, ())
     state = _forget_old(state, now)
     if not math.isfinite(now):  # the indexes are ordered by finite times: read every record
         return expire_by_scan(state, now)
@@ -331,9 +331,10 @@ def expire_by_scan(state: RegistryState, now: float) -> Outcome:
 
 
 def _expire(state: RegistryState, due: list[SessionKey], forget: list[SessionKey], now: float | None = None) -> Outcome:
-    """Expire the sessions ``due`` (each releases its ref once) and forget the tombstones ``forget``."""
+    """Expire the sessions ``due`` (each releases its ref once) and forget the tombstones ``forget``;
+    the reply names the sessions expired (sorted), so whoever ran the pass can say whom it expired."""
     if not due and not forget:
-        return Outcome(state, 0)
+        return Outcome(state, ())
     released: set[VersionKey] = set()
     expired = []
     for key in due:
@@ -347,7 +348,8 @@ def _expire(state: RegistryState, due: list[SessionKey], forget: list[SessionKey
         state, sessions=state.sessions.remove_many(forget).update(expired),
         expired_sessions=state.expired_sessions + len(expired), forgotten_sessions=state.forgotten_sessions + len(forget),
     )
-    return Outcome(state, len(expired), [fx for key in sorted(released) for fx in reclaim_eligible(state, key)])
+    return Outcome(state, tuple(sorted(key for key, _ in expired)),
+                   [fx for key in sorted(released) for fx in reclaim_eligible(state, key)])
 
 
 def authorize_dispatch(state: RegistryState, key: SessionKey) -> Binding:

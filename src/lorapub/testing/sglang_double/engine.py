@@ -26,7 +26,10 @@ from lorapub.wire.codec import json_bytes
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["content_signature", "token_logprob", "next_token", "Fault", "DoubleEngine"]
+__all__ = ["SGLANG_MAX_LORAS_PER_BATCH", "content_signature", "token_logprob", "next_token", "Fault", "DoubleEngine"]
+
+#: SGLang's default ``--max-loras-per-batch`` (its ``--max-loaded-loras`` is unset by default).
+SGLANG_MAX_LORAS_PER_BATCH = 8
 
 
 def content_signature(path: str) -> str:
@@ -81,7 +84,7 @@ class DoubleEngine:
         self,
         name: str,
         *,
-        max_loaded_loras: int = 3,
+        max_loaded_loras: int | None = None,
         max_loras_per_batch: int | None = None,
         context_len: int = 4096,
         managed_prefix: str = MANAGED_PREFIX,
@@ -98,10 +101,17 @@ class DoubleEngine:
         served_model_name: str = "lorapub-tiny-qwen3",
     ) -> None:
         self.name = name
+        # SGLang's server_args defaults: --max-loras-per-batch 8, --max-loaded-loras unset (no limit);
+        # given only max_loaded_loras below 8, the batch slots follow it (SGLang would refuse to start)
+        if max_loras_per_batch is None:
+            max_loras_per_batch = SGLANG_MAX_LORAS_PER_BATCH if max_loaded_loras is None else min(
+                SGLANG_MAX_LORAS_PER_BATCH, max_loaded_loras)
+        if max_loaded_loras is not None and max_loaded_loras < max_loras_per_batch:
+            raise ValueError(f"max_loaded_loras ({max_loaded_loras}) should be greater than or equal to "
+                             f"max_loras_per_batch ({max_loras_per_batch}), as SGLang requires")
         self.max_loaded_loras = max_loaded_loras
+        self.max_loras_per_batch = max_loras_per_batch
         self.managed_prefix = managed_prefix  # the names its patch protects (SGLANG_LORAPUB_MANAGED_PREFIX)
-        # SGLang refuses max_loaded_loras < max_loras_per_batch; the double defaults them equal
-        self.max_loras_per_batch = max_loaded_loras if max_loras_per_batch is None else max_loras_per_batch
         self.context_len = context_len
         self.stock = stock
         self.managed_patch = managed_patch and not stock
@@ -219,7 +229,7 @@ class DoubleEngine:
         finally:
             if gate is not None:
                 self._release_steps(gate)
-        while self.lora_registry.num_registered_loras > self.max_loaded_loras:
+        while self.max_loaded_loras is not None and self.lora_registry.num_registered_loras > self.max_loaded_loras:
             lru = await self.lora_registry.lru_lora_name(exclude_pinned=True)
             if lru is None:
                 raise ValueError("Didn't find any LoRA adapters when trying to evict LRU LoRA adapter.")
@@ -321,7 +331,7 @@ class _DoubleHooks:
         return {n: {"lora_id": r.lora_id, "pinned": bool(r.pinned), "lora_path": r.lora_path}
                 for n, r in self.double.lora_registry.get_all_adapters().items()}
 
-    def max_loaded_loras(self) -> int:
+    def max_loaded_loras(self) -> int | None:
         return self.double.max_loaded_loras
 
     def managed_prefix(self) -> str:

@@ -22,7 +22,12 @@ from lorapub.testing.sglang_double.auth import NORMAL, ROUTE_AUTH_LEVELS
 from lorapub.testing.sglang_double.engine import DoubleEngine, next_token, token_logprob
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
 
-__all__ = ["SGLangDouble"]
+__all__ = ["BODY_LIMIT", "SGLangDouble"]
+
+#: The largest request body the double reads (aiohttp's own default is 1 MiB). SGLang's server
+#: (uvicorn and Starlette) sets no limit, nor do the staging routes lorapub's patch adds: a begin
+#: request names every tensor of the adapter, so it grows with the adapter (about 1 MiB for 5,000).
+BODY_LIMIT = 1 << 40
 
 
 class SGLangDouble(DoubleEngine):
@@ -30,9 +35,14 @@ class SGLangDouble(DoubleEngine):
 
     Faults: ``inject(op, mode)`` with op ``load``/``unload``/``state``/``pause``/``continue``/``flush``
     and mode ``error`` (a definite failure), ``drop`` (done, never answered), ``hang`` or ``slow``; op
-    ``generate`` takes ``error`` or ``slow``; ``unload_slow`` delays the physical unload. ``restart()`` is a crash: a new incarnation
-    with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
+    ``generate`` takes ``error`` or ``slow``; ``unload_slow`` delays the physical unload.
+    ``restart()`` is a crash: every request in flight loses its connection unanswered, and a new
+    incarnation starts with nothing loaded. ``events``, ``physical_unloads``, ``refs(name)`` and
     ``registered()`` show what happened.
+
+    LoRA limits are SGLang's server arguments, with SGLang's defaults: ``max_loras_per_batch``
+    (``--max-loras-per-batch``, 8) and ``max_loaded_loras`` (``--max-loaded-loras``, unset: no limit;
+    given alone below 8, the batch slots follow it).
 
     ``/generate`` with ``"stream": true`` answers as SGLang's does: server-sent events, one
     ``data: {...}`` per token (the last one the whole answer), then ``data: [DONE]``.
@@ -65,10 +75,33 @@ class SGLangDouble(DoubleEngine):
         if not allowed:
             self.refused.append((request.method, request.path, status))
             return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
-        return await handler(request)
+        task = asyncio.current_task()
+        self._in_flight[task] = request
+        try:
+            return await handler(request)
+        finally:
+            self._in_flight.pop(task, None)
+
+    def restart(self) -> None:
+        """A crash and restart: the connection of every request in flight drops unanswered (a client
+        sees the server disconnect, never a status), then a new incarnation with nothing loaded."""
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # called outside an event loop: no request of ours runs this
+            current = None
+        in_flight = self.__dict__.get("_in_flight", {})  # none before start()
+        for task, request in list(in_flight.items()):
+            if task is current:
+                continue
+            if request.transport is not None:
+                request.transport.abort()
+            task.cancel()
+        in_flight.clear()
+        super().restart()
 
     async def start(self) -> "SGLangDouble":
-        app = web.Application(middlewares=[self._auth])
+        self._in_flight: dict[asyncio.Task, web.Request] = {}  # handler task -> its request
+        app = web.Application(middlewares=[self._auth], client_max_size=BODY_LIMIT)
         r = app.router
         r.add_post("/load_lora_adapter", self.h_load)
         r.add_post("/unload_lora_adapter", self.h_unload)
@@ -281,13 +314,14 @@ class SGLangDouble(DoubleEngine):
         max_new = int(sampling.get("max_new_tokens", 8))
         name = body.get("lora_path")
         lora_id = None
+        registry = self.lora_registry
         released = False
 
         async def release_once() -> None:
             nonlocal released
             if lora_id is not None and not released:
                 released = True
-                await self.lora_registry.release(lora_id)
+                await registry.release(lora_id)
 
         await self.paused.wait()  # like SGLang: new requests wait out a pause before resolving LoRA
         gen = self.abort_gen
@@ -298,6 +332,7 @@ class SGLangDouble(DoubleEngine):
             if name:
                 try:
                     lora_id = await self._resolve(name)
+                    registry = self.lora_registry  # the life that counted this request (a restart makes a new one)
                 except ValueError as e:
                     return web.json_response({"error": {"message": str(e)}}, status=400)
             if len(ids) + max_new > self.context_len:  # pre-dispatch validation
