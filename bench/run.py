@@ -60,7 +60,7 @@ from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
 from lorapub.runtime.snapshot import Snapshot  # noqa: E402
 from bench.decode_probe import DecodeProbe, probe_gap, probe_tokens  # noqa: E402
-from bench.attribution import SLOW, attribute, read_iterations, summarize  # noqa: E402
+from bench.attribution import CAUSES, SLOW, attribute, read_iterations, summarize  # noqa: E402
 
 ENGINE_SERVER = os.path.join(ROOT, "bench", "engine_server.py")
 STRATEGIES = ("control", "baseline", "lorapub")
@@ -346,11 +346,13 @@ async def one_run(strategy: str, args, spec: WorkloadSpec, epoch: int) -> dict:
     # where each publication's slow decode steps went (bench/attribution.py): from the call (after any
     # wait) to FIRST_USE_S after it returned, the new version's first batches included
     logs = dict(zip(probe.ticks, args.engine_log or []))
-    records = {e: read_iterations(path, result.started, result.ended) for e, path in logs.items()}
-    attributed = attribute(probe.ticks, records, [(a, b + FIRST_USE_S) for a, b in windows]) if logs else []
+    records = {e: [dict(r, t=r["t"] - result.started) for r in read_iterations(path, result.started, result.ended)]
+               for e, path in logs.items()}  # in seconds since the workload started, as the ticks
+    attributed = attribute(ticks, records, [(a, b + FIRST_USE_S) for a, b in relative]) if logs else []
     return {
         "publication_windows": relative,
         "attribution": attributed,
+        "_records": records,  # read by derived() for the control's same stretches; not written out
         "gap": longest_stall(result),
         "stall_per_publication": statistics.fmean(stalls) if stalls else nan,
         "decode_gap": probe_gap(ticks),
@@ -542,6 +544,10 @@ def derived(run: dict[str, dict]) -> dict:
         # decode tokens the probe got while the publications ran, against the control's over the same stretches
         got, control_got = probe_tokens(figures["probe"]["ticks"], windows), probe_tokens(c["probe"]["ticks"], windows)
         out[f"{s}_probe_token_loss"] = 1 - got / control_got if control_got else float("nan")
+        # what the control's scheduler did over the same stretches (a server traced with "all" records it)
+        if figures.get("attribution") and any(c.get("_records", {}).values()):
+            out[f"control_attribution_{s}_windows"] = attribute(
+                c["probe"]["ticks"], c["_records"], [(a, b + FIRST_USE_S) for a, b in windows])
         # what a trainer feels: the same workload's rollouts took this much longer than with nothing published
         out[f"{s}_duration_over_control"] = figures["duration"] / c["duration"] - 1 if c["duration"] else float("nan")
     return out
@@ -696,6 +702,13 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
         for strategy in STRATEGIES[1:]:
             for line in summarize(f"round {r + 1} {strategy}", run[strategy].get("attribution") or []):
                 print(line, flush=True)
+            same = run["derived"].pop(f"control_attribution_{strategy}_windows", None)
+            if same:
+                run[strategy]["control_attribution"] = same
+                for line in summarize(f"round {r + 1} control over {strategy}'s stretches", same):
+                    print(line, flush=True)
+        for strategy in STRATEGIES:
+            run[strategy].pop("_records", None)  # large, and in the servers' logs already
         if on_round:  # what is measured is kept even if a time limit cuts the later rounds
             on_round(rounds)
 
@@ -731,6 +744,13 @@ async def part1(args, on_round=None) -> tuple[dict, dict]:
     for engine, ph in sorted(per_engine.items()):
         print(f"  {engine}: " + ", ".join(f"{k} {statistics.median(v) * 1000:.1f} ms (median of {len(v)})"
                                           for k, v in sorted(ph.items())))
+    for strategy in STRATEGIES[1:]:  # where each publication's slow steps went, against the control's same stretches
+        for label, key in ((strategy, "attribution"), (f"control over {strategy}'s stretches", "control_attribution")):
+            cells = [a for run in rounds for pub in run[strategy].get(key) or [] for a in pub.values()]
+            if cells:
+                print(f"where the time went, {label} (median of {len(cells)} publication-engines): " + ", ".join(
+                    f"{text} {statistics.median(c[k] for c in cells):.1f} ms" for k, text in
+                    (("excess_ms", "slow steps over the median step"), *CAUSES)))
     for key, what in (("to_first_sent_each", "the first request sent on the new version"),
                       ("to_first_token_each", "the new version's first token")):
         pooled = sorted(x for run in rounds for x in run["lorapub"].get(key, []) if x == x)

@@ -7,7 +7,8 @@ measured), then runs ``bench/run.py`` against them: control, baseline (lorapub's
 flush, overwrite) and lorapub, interleaved rounds, lorapub's bytes over HTTP into each engine's own
 staging, each version a rescaled copy of adapter B, once per workload (WORKLOADS). Run by run.sh
 beside it, with the SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_ONLINE_WORKLOADS (which
-workloads, comma-separated; default all; "<workload>@shm" runs one with the bytes through shared memory), LIVE_ONLINE_ARGS (extra bench/run.py arguments, every workload),
+workloads, comma-separated; default all; "<workload>@shm" runs one with the bytes through shared memory;
+"<workload>[@shm]/<variant>" adds LIVE_ONLINE_ARGS_<VARIANT>), LIVE_ONLINE_ARGS (extra bench/run.py arguments, every workload),
 LIVE_ONLINE_ARGS_<WORKLOAD> (one workload's), LIVE_ONLINE_MAX_LORAS (the servers' LoRA slots, default 3), LIVE_ONLINE_CONTROL_PLANE=0 (no control-plane table).
 """
 import asyncio
@@ -103,15 +104,19 @@ async def main() -> int:
         for n, name in enumerate(os.environ.get("LIVE_ONLINE_WORKLOADS", ",".join(WORKLOADS)).split(",")):
             # "<workload>@shm": the same workload with lorapub's bytes as bucket files in shared memory
             # (SharedDir over /dev/shm, the engines' default LORAPUB_SHM_DIR) instead of HTTP bodies
-            workload, _, transport = name.partition("@")
-            label = name.replace("@", "-")
+            # "<workload>[@<transport>][/<variant>]": a variant adds LIVE_ONLINE_ARGS_<VARIANT>'s arguments
+            # (the same workload twice in one run, e.g. steady@shm/error and steady@shm/rebind)
+            spec, _, variant = name.partition("/")
+            workload, _, transport = spec.partition("@")
+            label = name.replace("@", "-").replace("/", "-")
             cmd = [sys.executable, os.path.join(ROOT, "bench", "run.py"),
                    *(a for s in engines for a in ("--engine-url", s.url)),
                    *(a for s in engines for a in ("--engine-log", s.log_path)),
                    *TRANSPORTS[transport or "http"], "--adapter", os.path.join(MODEL, "B"), *WORKLOADS[workload],
                    "--json", os.path.join(OUT, f"online-{label}.json"),
                    *shlex.split(os.environ.get("LIVE_ONLINE_ARGS", "")),
-                   *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{workload.upper()}", ""))]
+                   *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{workload.upper()}", "")),
+                   *shlex.split(os.environ.get(f"LIVE_ONLINE_ARGS_{variant.upper()}", "") if variant else "")]
             if importlib.util.find_spec("matplotlib") is not None:
                 cmd += ["--plot", os.path.join(OUT, f"timeline-{label}.png")]
             # the control plane (registry decisions alone, no engine) is the same for every workload, and

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,13 +148,29 @@ def test_the_quick_benchmark_against_real_servers_publishes_a_peft_folder_over_h
         out = tmp_path / "figures.json"
         # twice on the same servers, as a driver runs several workloads: the servers keep every
         # cleaned attempt's tombstone, so the second invocation must not reuse the first's epochs
-        for _ in range(2):
+        # the second time with the servers' logs: a server traced with "all" logs every scheduler iteration
+        # (here made up: one every 20 ms, the decode launch taking half of it), and the bench attributes
+        # each publication's slow probe steps, and the control's over the same stretches, to them
+        logs = [tmp_path / f"server-e{i}.log" for i in range(2)]
+        now = time.monotonic()
+        for log in logs:
+            log.write_text("".join(f'x lorapub iteration {{"t":{now + 0.02 * k:.3f},"wall":20.0,"cpu":12.0,'
+                                   f'"prep_cpu":1.0,"decode":10.0}}\n' for k in range(15000)))
+        for with_logs in (False, True):
             done = subprocess.run(
                 [sys.executable, SCRIPT, "--quick", "--rounds", "2", "--engine-url", urls[0], "--engine-url", urls[1],
-                 "--transport", "http", "--adapter", str(adapter), "--json", str(out)],
+                 "--transport", "http", "--adapter", str(adapter), "--json", str(out),
+                 *(a for log in logs for a in ("--engine-log", str(log)) if with_logs)],
                 capture_output=True, text=True, timeout=300,
             )
             assert done.returncode == 0, done.stdout + done.stderr
+            assert ("where the time went (--engine-log" in done.stdout) == with_logs
+            if with_logs:
+                assert "where the time went, lorapub (median of 4 publication-engines)" in done.stdout
+                assert "where the time went, control over lorapub's stretches (median of 4" in done.stdout
+                assert "round 1 lorapub publication 1 e0:" in done.stdout
+                kept = json.loads(out.read_text())["online"]["rounds"][0]
+                assert len(kept["lorapub"]["attribution"]) == 1 and "_records" not in kept["control"]
             assert "lorapub's bytes over HTTP into the engine's own staging" in done.stdout
             assert "(8 tensors, 0 MB)" in done.stdout
             rounds = json.loads(out.read_text())["online"]["rounds"]
