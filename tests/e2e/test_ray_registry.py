@@ -399,7 +399,7 @@ async def test_a_paused_actor_does_not_expire_live_sessions_when_it_resumes(ray_
             await asyncio.sleep(7)  # longer than the lease
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert (await expire).reply == 0  # nothing expired: the live worker's renewal comes next
+        assert (await expire).reply == ()  # nothing expired: the live worker's renewal comes next
         await registry.handle(RenewLeases((live,)))
         # leases still run out while the actor runs: the session nobody renews expires
         for _ in range(60):
@@ -460,7 +460,7 @@ async def test_a_durable_actor_made_again_after_a_downtime_does_not_count_it_aga
     second = RayRegistry.create("reg-downtime", epoch=3, engines=_engines(), call_timeout=20, lease_ttl=6,
                                 store_path=path)
     try:
-        assert (await second.handle(ExpireLeases())).reply == 0
+        assert (await second.handle(ExpireLeases())).reply == ()
         for _ in range(40):  # the lease still runs out once the actor runs again
             if (await second.handle(ExpireLeases())).reply:
                 break

@@ -1,23 +1,6 @@
-"""Where a scheduler loop iteration's time went while an adapter was prepared, installed and first used.
-
-With ``LORAPUB_SGLANG_PREPARE_TRACE=1`` each scheduler iteration inside a publication's window (from a
-load's submission until :data:`AFTER_INSTALL_S` after its install), with ``=all`` every iteration, is logged as one line,
-``lorapub iteration {json}``, with ``time.monotonic()`` instants: on Linux the same clock every process of
-the host reads, so a client on the host (bench/run.py's decode probe) joins its slow decode steps to the
-iterations that made them, engine by engine (``bench/attribution.py``).
-
-What one record holds (milliseconds unless named):
-
-* ``t``, ``wall``: the iteration's start (monotonic seconds) and its length;
-* ``cpu``: the scheduler thread's own CPU time in it (Python and launches); ``wall - cpu`` is time the
-  thread waited: for the interpreter held by another thread, for the GPU, or for its sockets;
-* ``prep_cpu``: the preparing thread's CPU time in the same stretch (reading, casting, SGLang's Python
-  over the adapter, copies): what it could take of the interpreter from the scheduler thread;
-* ``prefill`` / ``decode``: time in ``run_batch`` launching batches of that kind;
-* ``install``: SGLang's own load path swapping a prepared adapter in; ``fill``: memory-pool slot fills
-  (an adapter's first batch, or its install where the slot is filled then); ``gc``: collections;
-* ``preparing``: a preparation was running during the iteration.
-"""
+"""What each scheduler loop iteration spent around a load (trace): one ``lorapub iteration {json}`` line an
+iteration, on the host's monotonic clock, which bench/attribution.py joins to a client's slow decode steps.
+See docs/sglang-patch.md, "Prepared loads"."""
 
 from __future__ import annotations
 
@@ -57,7 +40,12 @@ def thread_cpu_clock() -> Callable[[], float] | None:
 
 
 class IterationRecorder:
-    """The scheduler thread's iterations inside publication windows, each logged as it ends."""
+    """The scheduler thread's iterations inside publication windows (or all of them), each logged as it ends.
+
+    A record (ms unless named): ``t`` the start (monotonic s), ``wall`` its length, ``cpu`` the scheduler
+    thread's own CPU time (``wall - cpu``: waiting for the interpreter, the GPU or sockets), ``prep_cpu``
+    the preparing thread's CPU time beside it, ``prefill``/``decode`` time launching batches of that kind,
+    ``install``, ``fill`` (pool slot fills), ``gc``, and ``preparing`` while a preparation ran."""
 
     def __init__(self, emit: Callable[[str], None] | None = None, now: Callable[[], float] = time.monotonic,
                  cpu: Callable[[], float] = time.thread_time, every: bool = False) -> None:
