@@ -39,8 +39,28 @@ class AReaLDouble(SGLangDouble):
     ``return_logprob``: ``[logprob, token_id, text]`` per token (the plain double answers bare floats,
     which AReaL's ``SGLangBackend.parse_generation_response`` cannot read)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: every /generate answered: (status, lora_path named, error message or None), in order
+        self.answers: list[tuple[int, str | None, str | None]] = []
+        #: every adapter name this server loaded at some point (to tell "unloaded" from "never loaded")
+        self.ever_loaded: set[str] = set()
+
+    async def _load(self, lora_name: str, *args: Any, **kwargs: Any) -> Any:
+        out = await super()._load(lora_name, *args, **kwargs)
+        self.ever_loaded.add(lora_name)
+        return out
+
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            name = (await request.json()).get("lora_path")
+        except ValueError:
+            name = None
         response = await super().h_generate(request)
+        error = None
+        if isinstance(response, web.Response) and response.status != 200 and response.body is not None:
+            error = str((json.loads(response.body).get("error") or {}).get("message"))
+        self.answers.append((response.status, name, error))
         if not isinstance(response, web.Response) or response.status != 200 or response.body is None:
             return response
         out = json.loads(response.body)
@@ -49,6 +69,51 @@ class AReaLDouble(SGLangDouble):
         if items and not isinstance(items[0], (list, tuple)):
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(items, out.get("output_ids") or [])]
         return web.json_response(out)
+
+
+class Fleet:
+    """SGLang doubles on an event loop of their own (AReaL's engine is driven from plain threads)."""
+
+    def __init__(self, count: int = 2, **options: Any) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="areal-doubles", daemon=True)
+        self._thread.start()
+        self.doubles: list[AReaLDouble] = self.call(start_doubles(count, **options))
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_loop(self, fn: Any) -> Any:
+        """Run ``fn()`` on the doubles' loop (their state is that loop's)."""
+        async def run() -> Any:
+            return fn()
+        return self.call(run())
+
+    @property
+    def addresses(self) -> list[str]:
+        return addresses(self.doubles)
+
+    def close(self) -> None:
+        import asyncio
+
+        for d in self.doubles:
+            self.call(d.stop())
+
+        async def drain() -> None:
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in left:
+                t.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+        self.call(drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
 
 
 async def start_doubles(count: int = 2, *, slots: int = 6, decode_delay: float = 0.002) -> list[AReaLDouble]:
