@@ -41,10 +41,15 @@ class AReaLDouble(SGLangDouble):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: every /generate answered: (status, lora_path named, error message or None), in order
-        self.answers: list[tuple[int, str | None, str | None]] = []
+        #: every /generate answered: (status, lora_path named, error message or None, whether this incarnation
+        #: had loaded that adapter before), in order
+        self.answers: list[tuple[int, str | None, str | None, bool]] = []
         #: every adapter name this server loaded at some point (to tell "unloaded" from "never loaded")
         self.ever_loaded: set[str] = set()
+
+    def restart(self) -> None:
+        super().restart()
+        self.ever_loaded = set()  # what this incarnation loaded
 
     async def _load(self, lora_name: str, *args: Any, **kwargs: Any) -> Any:
         out = await super()._load(lora_name, *args, **kwargs)
@@ -60,7 +65,7 @@ class AReaLDouble(SGLangDouble):
         error = None
         if isinstance(response, web.Response) and response.status != 200 and response.body is not None:
             error = str((json.loads(response.body).get("error") or {}).get("message"))
-        self.answers.append((response.status, name, error))
+        self.answers.append((response.status, name, error, name in self.ever_loaded))
         if not isinstance(response, web.Response) or response.status != 200 or response.body is None:
             return response
         out = json.loads(response.body)
@@ -151,7 +156,7 @@ def engine_config(*, offpolicyness: int = 2, experiment: str = "areal-test", tri
     return InferenceEngineConfig(
         backend="sglang:d2", experiment_name=experiment, trial_name=trial, fileroot=fileroot,
         max_concurrent_rollouts=64, consumer_batch_size=16, max_head_offpolicyness=offpolicyness,
-        use_lora=True, lora_name=LORA_NAME, request_timeout=30, request_retries=1, setup_timeout=10,
+        use_lora=True, lora_name=LORA_NAME, request_timeout=30, setup_timeout=10,  # retries: AReaL's default (3)
         pause_grace_period=0.0, **extra,
     )
 

@@ -178,7 +178,7 @@ def test_a_restarted_server_is_healed_and_no_request_fails(fleet, area):
         # other holder: no trajectory saw an error (every sample above came back)
         refused = _failed(fleet)
         assert all(status == 400 and "never been loaded" in error and "-v0-" in name
-                   for status, name, error in refused), refused
+                   for status, name, error, _ in refused), refused
         assert [a for a in fleet.on_loop(lambda: list(fleet.doubles[1].answers)) if a[0] != 200] == []
     finally:
         engine.destroy()
@@ -217,3 +217,28 @@ def test_selected_through_areals_config():
     with pytest.raises(ValueError, match="use_lora"):
         LorapubSGLangEngine(OmegaConf.to_object(OmegaConf.merge(schema, {"use_lora": False})), lorapub={"enabled": True})
     assert issubclass(LorapubSGLangEngine, RemoteSGLangEngine)
+
+
+def test_the_side_by_side_runs_small_and_lorapub_meets_its_bar(capsys):
+    """bench/areal_side_by_side.py --quick, in-process: every figure printed for both paths; lorapub's
+    path at 0 failed requests, 0 mixed-version samples, every sample back, p99 lag <= max_lag. AReaL's
+    own figures are what they are (not asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("areal_side_by_side", H.ROOT / "bench" / "areal_side_by_side.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--quick"])
+    printed = capsys.readouterr().out
+    for key in results["lorapub"]:
+        if key not in ("path", "update errors", "update seconds", "request errors (first 3)"):
+            assert key in printed
+    ours = results["lorapub"]
+    assert ours["requests failed (raised to the workflow)"] == 0
+    assert ours["mixed-version samples"] == 0 and ours["groups lost (a sample raised)"] == 0
+    assert ours["samples finished / submitted"] == "12 / 12"
+    assert ours["requests that fell back to the base model"] == 0
+    assert ours["answers refused: named a version that server had unloaded"] == 0
+    assert float(ours["version lag p50 / p99 / max (token-weighted)"].split(" / ")[1]) <= 1
+    assert ours["pause calls reaching the servers"] == 0
+    assert results["areal"]["agenerate calls"] > 0
