@@ -17,6 +17,11 @@ loaded that adapter before and unloaded it since).
 
     python3 bench/areal_side_by_side.py --quick            # the smoke test's size
     python3 bench/areal_side_by_side.py --json out.json    # the recorded size
+
+Live (bench/live_areal/run.sh): ``--urls`` names running servers instead of doubles and ``--adapters``
+two PEFT folders the trainer alternates; ``--paths`` runs one path (stock servers for AReaL's, patched
+ones for lorapub's). There the injected load failure and the restart are left out, and the servers'
+answers are not counted (only each ``agenerate``).
 """
 
 from __future__ import annotations
@@ -79,11 +84,31 @@ class Ends(RolloutWorkflow):
                 self.ended += 1
 
 
+class LiveServers:
+    """Running SGLang servers in a double fleet's place (nothing injected, nothing counted server-side)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.addresses = [u.removeprefix("http://").rstrip("/") for u in urls]
+        self.doubles: list[Any] = []
+
+    def close(self) -> None:
+        pass
+
+
+def copy_adapter(adapters: list[str]) -> Any:
+    import shutil
+
+    def save(path: str, version: int) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(adapters[version % len(adapters)], path)
+    return save
+
+
 class Trainer:
     """The updates, as AReaL's FSDP trainer makes them; remembers the newest version it completed."""
 
-    def __init__(self, engine: Any, meta: Any) -> None:
-        self.engine, self.meta = engine, meta
+    def __init__(self, engine: Any, meta: Any, save: Any = None) -> None:
+        self.engine, self.meta, self.save = engine, meta, save
         self.newest = 0
         self.done = self.failed = 0
         self.paused_s = 0.0  # time the servers were paused (AReaL's pause_generation .. continue_generation)
@@ -95,7 +120,7 @@ class Trainer:
         lorapub_on = self.engine.lorapub is not None
         tik = time.perf_counter()
         try:
-            H.train_step_update(self.engine, self.meta, version, seed=version)
+            H.train_step_update(self.engine, self.meta, version, seed=version, save=self.save)
         except Exception as e:  # noqa: BLE001 - recorded: AReaL's trainer would stop here, the bench goes on
             self.failed += 1
             self.errors.append(f"v{version}: {type(e).__name__}: {str(e)[:160]}")
@@ -111,7 +136,8 @@ class Trainer:
 
 
 def run_path(name: str, args: argparse.Namespace, area: str) -> dict[str, Any]:
-    fleet = H.Fleet(2, slots=args.offpolicyness + 4, decode_delay=args.decode_delay)
+    live = bool(args.urls)
+    fleet = LiveServers(args.urls) if live else H.Fleet(2, slots=args.offpolicyness + 4, decode_delay=args.decode_delay)
     H.name_resolve_in_memory(os.path.join(area, "name_resolve"))
     config = H.engine_config(offpolicyness=args.offpolicyness, fileroot=area, experiment=f"bench-{name}")
     on = name == "lorapub"
@@ -120,7 +146,7 @@ def run_path(name: str, args: argparse.Namespace, area: str) -> dict[str, Any]:
     engine.initialize(addr=fleet.addresses)
     meta = WeightUpdateMeta.from_disk(f"bench-{name}", "t0", area, use_lora=True, lora_name=H.LORA_NAME,
                                       lora_keep_versions=args.offpolicyness + 2)
-    trainer = Trainer(engine, meta)
+    trainer = Trainer(engine, meta, copy_adapter(args.adapters) if args.adapters else None)
     inner = engine._engine
     calls: list[dict[str, Any]] = []
     original = inner.agenerate
@@ -147,7 +173,7 @@ def run_path(name: str, args: argparse.Namespace, area: str) -> dict[str, Any]:
         trainer.update(0)
         version = 0
         for round_ in range(args.rounds):
-            if round_ > 0:  # a crash with nothing in flight: e0 comes back empty
+            if round_ > 0 and not live:  # a crash with nothing in flight: e0 comes back empty
                 fleet.on_loop(fleet.doubles[0].restart)
             failed_before = len(workflow.failed_tasks)
             for _ in range(args.episodes):
@@ -156,7 +182,7 @@ def run_path(name: str, args: argparse.Namespace, area: str) -> dict[str, Any]:
             for u in range(args.updates):
                 time.sleep(args.interval)
                 version += 1
-                if round_ == 0 and u == 1:
+                if round_ == 0 and u == 1 and not live:
                     fleet.on_loop(lambda: fleet.doubles[1].inject("load", "error"))
                 trainer.update(version)
             deadline = time.monotonic() + args.wait
@@ -175,8 +201,13 @@ def run_path(name: str, args: argparse.Namespace, area: str) -> dict[str, Any]:
         wall = time.perf_counter() - started
         engine.destroy()
         fleet.close()
-    return summarize(name, trainer, calls, trajectories, submitted * args.group, answers, ever, pauses, served, wall,
-                     len(workflow.failed_tasks))
+    out = summarize(name, trainer, calls, trajectories, submitted * args.group, answers, ever, pauses, served, wall,
+                    len(workflow.failed_tasks))
+    if live:  # the servers' own answers are not seen
+        for key in list(out):
+            if key.startswith(("server answers", "answers ", "requests that fell back", "pause calls")):
+                out[key] = "n/a"
+    return out
 
 
 def summarize(name: str, trainer: Trainer, calls: list[dict[str, Any]], trajectories: list[Any], samples: int,
@@ -254,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-delay", type=float, default=0.01, help="the doubles' seconds per token")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a round's trajectories")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--paths", nargs="+", default=["areal", "lorapub"], choices=["areal", "lorapub"])
+    p.add_argument("--urls", nargs="*", default=[], help="running SGLang servers (live) instead of doubles")
+    p.add_argument("--adapters", nargs="*", default=[], help="PEFT adapter folders the trainer alternates (live)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.episodes, args.group, args.turns, args.updates, args.interval = 2, 3, 2, 3, 2, 0.15
@@ -261,20 +295,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("RemoteInfEngine", "WorkflowExecutor", "RewardAPI"):
         logging.getLogger(name).setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: run_path(name, args, os.path.join(tmp, name)) for name in ("areal", "lorapub")}
-    print("method: AReaL 1.0.4's RemoteSGLangEngine, WorkflowExecutor, GroupedRolloutWorkflow and MultiTurnWorkflow on "
-          "two SGLang doubles;")
+        results = {name: run_path(name, args, os.path.join(tmp, name)) for name in args.paths}
+    where = f"the servers {args.urls}" if args.urls else "two SGLang doubles"
+    print(f"method: AReaL 1.0.4's RemoteSGLangEngine, WorkflowExecutor, GroupedRolloutWorkflow and MultiTurnWorkflow on "
+          f"{where};")
     print(f"  {args.rounds} rounds x {args.episodes} prompts x {args.group} samples x {args.turns} turns x "
           f"{args.tokens} tokens ({args.decode_delay * 1000:g} ms/token); {args.updates} updates/round "
           f"{args.interval:g} s apart in FSDPEngine's order; round 1's 2nd update fails to load on e1; e0 restarts "
-          f"between rounds; max_head_offpolicyness {args.offpolicyness} (lorapub: max_lag, capacity "
+          f"between rounds (doubles only); max_head_offpolicyness {args.offpolicyness} (lorapub: max_lag, capacity "
           f"{args.offpolicyness + 2}; AReaL: lora_keep_versions {args.offpolicyness + 2}); every call counted")
-    keys = [k for k in results["areal"] if k not in ("path", "update errors", "update seconds", "request errors (first 3)")]
+    first = next(iter(results.values()))
+    keys = [k for k in first if k not in ("path", "update errors", "update seconds", "request errors (first 3)")]
     width = max(len(k) for k in keys)
-    print(f"| {'figure':<{width}} | AReaL's own path | lorapub |")
-    print(f"| {'-' * width} | ---: | ---: |")
+    titles = {"areal": "AReaL's own path", "lorapub": "lorapub"}
+    print(f"| {'figure':<{width}} | " + " | ".join(titles[n] for n in results) + " |")
+    print(f"| {'-' * width} | " + " | ".join("---:" for _ in results) + " |")
     for k in keys:
-        print(f"| {k:<{width}} | {results['areal'][k]} | {results['lorapub'][k]} |")
+        print(f"| {k:<{width}} | " + " | ".join(str(r[k]) for r in results.values()) + " |")
     for name, r in results.items():
         for line in r["update errors"] + r["request errors (first 3)"]:
             print(f"  {name}: {line}")

@@ -185,7 +185,7 @@ def save_adapter(path: str, seed: int) -> None:
         json.dump(peft_config(), f)
 
 
-def train_step_update(engine: Any, meta: Any, version: int, seed: int) -> Any:
+def train_step_update(engine: Any, meta: Any, version: int, seed: int, save: Any = None) -> Any:
     """One update the way ``FSDPEngine._update_weights_from_disk`` runs it on rank 0: pause, hand the
     rollout engine the update, save the adapter, announce it through name_resolve, wait, continue.
     Returns the future's outcome (or raises its error) and leaves the engine's version at ``version``."""
@@ -196,7 +196,7 @@ def train_step_update(engine: Any, meta: Any, version: int, seed: int) -> Any:
     try:
         # saved and announced before the engine is handed the update (FSDP hands it first): AReaL's wait
         # polls name_resolve once a second, and the order changes nothing else
-        save_adapter(versioned.path, seed)
+        (save or save_adapter)(versioned.path, seed)
         name_resolve.add(names.update_weights_from_disk(engine.config.experiment_name, engine.config.trial_name,
                                                         engine.get_version()), str(time.time()), replace=True)
         result = engine.update_weights_from_disk(versioned).result(timeout=60)
