@@ -111,8 +111,9 @@ def test_a_failed_load_on_one_server_publishes_nothing_and_rollouts_go_on(fleet,
     engine, meta = _engine(fleet, area)
     try:
         H.train_step_update(engine, meta, 0, seed=0)
-        fleet.on_loop(lambda: fleet.doubles[1].inject("load", "error"))
-        with pytest.raises(LorapubError):
+        # every attempt fails on e1 (AReaL's request_retries: 3, the publication's attempts too)
+        fleet.on_loop(lambda: fleet.doubles[1].inject("load", "error", count=3))
+        with pytest.raises(LorapubError, match="PUBLICATION_FAILED"):
             H.train_step_update(engine, meta, 1, seed=1)
         # AReaL's global version moved on (its trainer sets it after the update); trajectories bind v0
         engine.set_version(1)
@@ -127,6 +128,21 @@ def test_a_failed_load_on_one_server_publishes_nothing_and_rollouts_go_on(fleet,
         engine.submit(PROMPT, workflow=_workflow(max_turns=1))
         assert _turn_versions(engine.wait(1, timeout=30)[0]) == [[2]]
         assert _failed(fleet) == []
+    finally:
+        engine.destroy()
+
+
+def test_a_load_that_fails_once_is_published_on_the_next_attempt(fleet, area):
+    """AReaL's own load retries each server's request (request_retries); the publication is tried again
+    as often, so a one-off refusal costs a retry, not the training step."""
+    engine, meta = _engine(fleet, area)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        fleet.on_loop(lambda: fleet.doubles[1].inject("load", "error", count=1))
+        report = H.train_step_update(engine, meta, 1, seed=1)
+        assert report.version.version_id == "v1"
+        for d in fleet.doubles:
+            assert any("-v1-" in n for n in fleet.on_loop(d.registered))
     finally:
         engine.destroy()
 

@@ -172,7 +172,7 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
         name_resolve.wait(names.update_weights_from_disk(self.config.experiment_name, self.config.trial_name,
                                                          model_version), timeout=120)
         tik = time.perf_counter()
-        report = self.lorapub.publish(read_adapter(str(meta.path)), meta.version)
+        report = self.lorapub.publish(read_adapter(str(meta.path)), meta.version, attempts=self.config.request_retries)
         self.logger.info("lorapub: published v%s on every server in %.2fs", meta.version, time.perf_counter() - tik)
         if meta.clear_checkpoint_after_load:
             shutil.rmtree(str(meta.path), ignore_errors=True)

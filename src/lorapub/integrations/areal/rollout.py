@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Awaitable, Mapping, Sequence, TypeVar
 
-from lorapub import Deployment, Snapshot
+from lorapub import Deployment, PublicationFailed, Snapshot
 
 from .config import LorapubAReaLConfig, version_id
 
@@ -143,10 +143,23 @@ class LorapubRollout:
             self._loop.close()
 
     # -- weight updates ----------------------------------------------------------------------------
-    def publish(self, snapshot: Snapshot, version: int) -> Any:
+    def publish(self, snapshot: Snapshot, version: int, *, attempts: int = 1, delay: float = 1.0) -> Any:
         """Publish AReaL's weight version ``version`` on every server; the :class:`lorapub.PublicationReport`
-        once every server holds it and it is the default, or the typed error (the previous version stays)."""
-        return self.run(self.deployment.publish(snapshot, version_id(version), wait=self.config.publish_wait))
+        once every server holds it and it is the default, or the typed error (the previous version stays).
+
+        A ``PUBLICATION_FAILED`` (a definite failure, cleaned up on every server) is tried again, up to
+        ``attempts`` in all, ``delay`` seconds apart: AReaL's own load retries each server's request as
+        often (``request_retries``). Nothing else is retried (an unknown outcome, a capacity refusal)."""
+        for attempt in range(1, max(1, attempts) + 1):
+            try:
+                return self.run(self.deployment.publish(snapshot, version_id(version), wait=self.config.publish_wait))
+            except PublicationFailed as e:
+                if attempt >= attempts:
+                    raise
+                log.warning("lorapub: publishing v%s failed (attempt %d of %d), trying again in %gs: %s",
+                            version, attempt, attempts, delay, e)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
 
     # -- generation --------------------------------------------------------------------------------
     async def generate(self, episode: Episode | None, member: int, payload: Mapping[str, Any]) -> dict[str, Any]:
