@@ -243,7 +243,9 @@ def summarize(name: str, trainer: Trainer, calls: list[dict[str, Any]], trajecto
             ran = min(c["versions"])
             lags += [max(0, rank[c["newest"]] - rank.get(ran, rank[c["newest"]]))] * max(1, c["tokens"])
     ends = sorted(c["end"] for c in calls if "end" in c and "error" not in c)
-    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    spans = [(c["start"], c["end"]) for c in calls if "end" in c]
+    # a gap counts while some request was waiting through it (not the idle time between rounds)
+    gaps = [b - a for a, b in zip(ends, ends[1:]) if any(s <= a and e >= b for s, e in spans)]
     return {
         "path": name,
         "agenerate calls": len(calls),
@@ -263,11 +265,13 @@ def summarize(name: str, trainer: Trainer, calls: list[dict[str, Any]], trajecto
         "updates done / failed": f"{trainer.done} / {trainer.failed}",
         "pause calls reaching the servers": pauses,
         "stall: servers paused (s)": round(trainer.paused_s, 3),
-        "stall: longest gap between finished requests (ms)": round(1000 * max(gaps), 1) if gaps else 0.0,
+        "stall: longest gap between finished requests, some waiting (ms)": round(1000 * max(gaps), 1) if gaps else 0.0,
         "wall (s)": round(wall, 2),
         "update errors": trainer.errors,
         "update seconds": trainer.seconds,
         "request errors (first 3)": [c["error"] for c in failed_calls[:3]],
+        "refused answers (first 8)": [f"{engine}: {status} {lora}: {error}" for engine, (status, lora, error, _) in answers
+                                      if status != 200][:8],
     }
 
 
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"between rounds (doubles only); max_head_offpolicyness {args.offpolicyness} (lorapub: max_lag, capacity "
           f"{args.offpolicyness + 2}; AReaL: lora_keep_versions {args.offpolicyness + 2}); every call counted")
     first = next(iter(results.values()))
-    keys = [k for k in first if k not in ("path", "update errors", "update seconds", "request errors (first 3)")]
+    keys = [k for k in first if k not in ("path", "update errors", "update seconds", "request errors (first 3)", "refused answers (first 8)")]
     width = max(len(k) for k in keys)
     titles = {"areal": "AReaL's own path", "lorapub": "lorapub"}
     print(f"| {'figure':<{width}} | " + " | ".join(titles[n] for n in results) + " |")
