@@ -12,10 +12,11 @@ from typing import Any
 
 from .config import DEFAULT_NAME_PREFIX, LorapubAReaLConfig, areal_version, config_of, version_id
 
-__all__ = [
-    "AREAL_FILES", "AREAL_VERSION", "DEFAULT_NAME_PREFIX", "LorapubAReaLConfig", "LorapubInferenceEngineConfig",
-    "LorapubRemoteInfEngine", "LorapubSGLangEngine", "areal_version", "config_of", "version_id",
-]
+# The engine classes (LorapubSGLangEngine, LorapubInferenceEngineConfig, LorapubRemoteInfEngine) are
+# importable from here too, but not listed: naming them imports AReaL, which the suite's own
+# environment does not have (it lives in .cache/areal/1.0.4, for the AReaL tests alone).
+__all__ = ["AREAL_FILES", "AREAL_VERSION", "DEFAULT_NAME_PREFIX", "LorapubAReaLConfig", "areal_version", "config_of",
+           "version_id"]
 
 #: The AReaL release these hooks were written and tested against.
 AREAL_VERSION = "1.0.4"
@@ -37,7 +38,7 @@ _LAZY = {"LorapubSGLangEngine", "LorapubInferenceEngineConfig", "LorapubRemoteIn
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:  # imports AReaL
-        from . import engine
+        from . import _engine
 
-        return getattr(engine, name)
+        return getattr(_engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

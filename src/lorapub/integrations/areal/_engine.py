@@ -1,17 +1,7 @@
-"""AReaL's remote SGLang engine with lorapub: :class:`LorapubSGLangEngine` (imports AReaL).
+"""AReaL's remote SGLang engine with lorapub: :class:`LorapubSGLangEngine` (imports AReaL 1.0.4).
 
-Written against ``areal==1.0.4`` (:data:`lorapub.integrations.areal.AREAL_FILES`). With the switch off
-it is ``RemoteSGLangEngine`` itself: nothing is replaced. With it on, four methods of AReaL's
-``RemoteInfEngine`` change and nothing else:
-
-* ``initialize`` also starts lorapub's deployment on the servers AReaL found;
-* ``_resolve_workflow`` wraps the episode: one ``submit`` (a prompt and its ``group_size`` samples) is
-  one lorapub group, each sample's task one session, released when the episode ends;
-* ``agenerate`` sends each request through the sample's session (its bound version, every turn) and
-  answers ``output_versions`` with the version that served it;
-* ``update_weights_from_disk`` publishes the saved adapter as ``v<version>`` (staged on every server,
-  committed when all are ready, reclaimed when unused); ``pause_generation``/``continue_generation``
-  around it are not sent to the servers, which keep generating.
+Off, it is ``RemoteSGLangEngine`` itself. On, five methods of AReaL's ``RemoteInfEngine`` change
+(:class:`LorapubRemoteInfEngine`) and nothing else. See docs/areal.md, "What changes for an AReaL user".
 """
 
 from __future__ import annotations
@@ -69,7 +59,17 @@ class _BoundEpisode(RolloutWorkflow):
 
 
 class LorapubRemoteInfEngine(RemoteInfEngine):
-    """AReaL's ``RemoteInfEngine`` (SGLang backend) with lorapub on."""
+    """AReaL's ``RemoteInfEngine`` (SGLang backend) with lorapub on:
+
+    * ``initialize`` also starts lorapub's deployment on the servers AReaL found;
+    * ``_resolve_workflow`` wraps the episode: one ``submit`` (a prompt and its ``group_size`` samples) is
+      one lorapub group, each sample's task one session, released when the episode ends;
+    * ``agenerate`` sends each request through the sample's session (its bound version, every turn) and
+      answers ``output_versions`` with the version that served it;
+    * ``update_weights_from_disk`` publishes the saved adapter as ``v<version>`` (staged on every server,
+      committed when all are ready, reclaimed when unused);
+    * ``pause_generation``/``continue_generation`` are not sent: the servers keep generating.
+    """
 
     def __init__(self, config: InferenceEngineConfig, backend: SGLangBackend, lorapub: LorapubAReaLConfig,
                  **deployment_options: Any) -> None:
