@@ -7,7 +7,9 @@ SGLang engine imports into .cache/areal/1.0.4, which :func:`areal_on_path` appen
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -32,6 +34,26 @@ def areal_on_path() -> None:
     if str(AREAL_DIR) not in sys.path:
         sys.path.append(str(AREAL_DIR))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def logging_kept():
+    """AReaL's ``areal.utils.logging.getLogger`` (called on import and at run time) replaces ``logging``'s
+    root logger and manager and re-runs ``dictConfig``: a logger made afterwards (``getLogger(__name__)`` in a
+    module imported later) hangs under AReaL's root, out of pytest's ``caplog``. What it swapped is put back."""
+    root, manager = logging.Logger.root, logging.Logger.manager
+    handlers, level = list(logging.root.handlers), logging.root.level
+    disabled = {n: lg.disabled for n, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    try:
+        yield
+    finally:
+        logging.Logger.root, logging.Logger.manager = root, manager
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+        for name, was in disabled.items():
+            logger = manager.loggerDict.get(name)
+            if isinstance(logger, logging.Logger):
+                logger.disabled = was
 
 
 class AReaLDouble(SGLangDouble):

@@ -12,20 +12,27 @@ from . import areal_harness as H
 
 H.areal_on_path()
 
-from areal.api.io_struct import WeightUpdateMeta  # noqa: E402
-from areal.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
-from areal.infra.remote_inf_engine import RemoteInfEngine  # noqa: E402
-from areal.workflow.multi_turn import MultiTurnWorkflow  # noqa: E402
+with H.logging_kept():  # AReaL's logging swaps the root logger on import: put back for the rest of the suite
+    from areal.api.io_struct import WeightUpdateMeta
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+    from areal.infra.remote_inf_engine import RemoteInfEngine
+    from areal.workflow.multi_turn import MultiTurnWorkflow
 
-from lorapub import LorapubError  # noqa: E402
-from lorapub.integrations.areal import (  # noqa: E402
-    LorapubAReaLConfig,
-    LorapubInferenceEngineConfig,
-    LorapubRemoteInfEngine,
-    LorapubSGLangEngine,
-)
+    from lorapub import LorapubError
+    from lorapub.integrations.areal import (
+        LorapubAReaLConfig,
+        LorapubInferenceEngineConfig,
+        LorapubRemoteInfEngine,
+        LorapubSGLangEngine,
+    )
 
 PROMPT = {"messages": [{"role": "user", "content": "t1 t2 t3"}]}
+
+
+@pytest.fixture(autouse=True)
+def _logging_kept():
+    with H.logging_kept():  # AReaL's getLogger runs again in each engine
+        yield
 
 
 @pytest.fixture
