@@ -1,7 +1,7 @@
 """AReaL's remote SGLang engine with lorapub: :class:`LorapubSGLangEngine` (imports AReaL 1.0.4).
 
-Off, it is ``RemoteSGLangEngine`` itself. On, five methods of AReaL's ``RemoteInfEngine`` change
-(:class:`LorapubRemoteInfEngine`) and nothing else. See docs/areal.md, "What changes for an AReaL user".
+Off, it is ``RemoteSGLangEngine`` itself. On, six methods of AReaL's ``RemoteInfEngine`` change
+(:class:`LorapubRemoteInfEngine`; ``destroy`` also closes lorapub) and nothing else. See docs/areal.md, "What changes for an AReaL user".
 """
 
 from __future__ import annotations
@@ -125,10 +125,10 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
             # no lora_path from AReaL: the session names its bound version
             payload = self.backend.build_generation_request(req, with_lora=False, version=self.get_version()).payload
             result = await self.lorapub.run_async(self.lorapub.generate(episode, member, payload))
-            served = dict(result.pop("lorapub"))
-            self.served.append(served)
             if not isinstance(result, dict):
                 raise ValueError(f"Expected JSON dict response, got {type(result).__name__}")
+            served = dict(result.pop("lorapub"))  # what served it: version_id, lag, rebinds
+            self.served.append(served)
             out = self.backend.parse_generation_response(result)
             stop_reason = out.stop_reason
             if req.metadata.get("return_routed_experts", False) and out.routed_experts is None and stop_reason != "abort":
