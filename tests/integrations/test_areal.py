@@ -114,6 +114,29 @@ def test_multi_turn_trajectories_outlive_lora_keep_versions_publications(fleet, 
         engine.destroy()
 
 
+def test_past_max_head_offpolicyness_a_sample_moves_at_a_turn_boundary_and_its_tokens_say_so(fleet, area):
+    """max_head_offpolicyness 0 is max_lag 0: a sample whose version is no longer the newest moves to the
+    newest at its next turn (on_stale: rebind), recorded by lorapub; no turn spans two versions, and the
+    versions tensor AReaL's trainer reads gives each turn's tokens the version that made them."""
+    engine, meta = _engine(fleet, area, offpolicyness=0)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        served_before = len(engine._engine.served)
+        for _ in range(2):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=8), group_size=2)
+        time.sleep(0.15)  # the samples are mid-trajectory on v0
+        H.train_step_update(engine, meta, 1, seed=1)
+        trajectories = engine.wait(2, timeout=30)
+        served = list(engine._engine.served)[served_before:]
+        rows = [turns for t in trajectories for turns in _turn_versions(t)]
+        assert all(turns == sorted(turns) and set(turns) <= {0, 1} for turns in rows), rows
+        assert any(turns[0] == 0 and turns[-1] == 1 for turns in rows), rows  # moved mid-trajectory
+        assert any(s["rebinds"] for s in served) and all(s["lag"] == 0 for s in served)
+        assert _failed(fleet) == []
+    finally:
+        engine.destroy()
+
+
 def test_a_failed_load_on_one_server_publishes_nothing_and_rollouts_go_on(fleet, area):
     engine, meta = _engine(fleet, area)
     try:
