@@ -230,6 +230,32 @@ def test_a_restarted_server_is_healed_and_no_request_fails(fleet, area):
         engine.destroy()
 
 
+def test_agenerate_outside_an_episode_is_a_session_of_its_own(fleet, area):
+    """A request made straight through ``agenerate`` (no submit) binds the newest version for itself alone;
+    before the first update it is NO_PUBLISHED_VERSION, never the base model."""
+    import asyncio
+
+    from areal.api import ModelRequest
+
+    from lorapub import NoPublishedVersion
+
+    engine, meta = _engine(fleet, area)
+    try:
+        def request():
+            return ModelRequest(rid="direct", input_ids=[1, 2, 3], gconfig=H.gconfig(max_new_tokens=3))
+
+        with pytest.raises(NoPublishedVersion):
+            asyncio.run(engine.agenerate(request()))
+        H.train_step_update(engine, meta, 0, seed=0)
+        H.train_step_update(engine, meta, 1, seed=1)
+        response = asyncio.run(engine.agenerate(request()))
+        assert response.output_versions == [1, 1, 1] and len(response.output_logprobs) == 3
+        engine.lorapub.run(engine.lorapub.deployment.settle())
+        assert all(not any("-v0-" in n for n in fleet.on_loop(d.registered)) for d in fleet.doubles)
+    finally:
+        engine.destroy()
+
+
 def test_switched_off_it_is_areals_own_engine(fleet, area):
     engine, meta = _engine(fleet, area, on=False)
     try:
