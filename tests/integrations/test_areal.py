@@ -1,0 +1,315 @@
+"""AReaL 1.0.4's released code against lorapub: its ``RemoteSGLangEngine`` (through the drop-in), its
+``WorkflowExecutor``, ``GroupedRolloutWorkflow`` and ``MultiTurnWorkflow``, and the update sequence of
+its FSDP trainer, on two SGLang doubles. Nothing of AReaL is copied here (see docs/areal.md)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from . import areal_harness as H
+
+H.areal_on_path()
+
+with H.logging_kept():  # AReaL's logging swaps the root logger on import: put back for the rest of the suite
+    from areal.api.io_struct import WeightUpdateMeta
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+    from areal.infra.remote_inf_engine import RemoteInfEngine
+    from areal.workflow.multi_turn import MultiTurnWorkflow
+
+    from lorapub import LorapubError
+    from lorapub.integrations.areal import (
+        LorapubAReaLConfig,
+        LorapubInferenceEngineConfig,
+        LorapubRemoteInfEngine,
+        LorapubSGLangEngine,
+    )
+
+PROMPT = {"messages": [{"role": "user", "content": "t1 t2 t3"}]}
+
+
+@pytest.fixture(autouse=True)
+def _logging_kept():
+    with H.logging_kept():  # AReaL's getLogger runs again in each engine
+        yield
+
+
+@pytest.fixture
+def fleet():
+    fleet = H.Fleet(2, slots=6, decode_delay=0.01)
+    yield fleet
+    fleet.close()
+
+
+@pytest.fixture
+def area(tmp_path):
+    H.name_resolve_in_memory(str(tmp_path / "name_resolve"))
+    return tmp_path
+
+
+def _engine(fleet, area, *, offpolicyness=2, on=True, **lorapub):
+    config = H.engine_config(offpolicyness=offpolicyness, fileroot=str(area))
+    block = LorapubAReaLConfig(enabled=True, epoch=11, **lorapub) if on else None
+    engine = (LorapubSGLangEngine(config, lorapub=block, reconcile_interval=0.2) if on
+              else LorapubSGLangEngine(config))
+    engine.initialize(addr=fleet.addresses)
+    meta = WeightUpdateMeta.from_disk("areal-test", "t0", str(area), use_lora=True, lora_name=H.LORA_NAME,
+                                      lora_keep_versions=offpolicyness + 2)  # what AReaL's RLTrainer sets
+    return engine, meta
+
+
+def _workflow(max_turns=3):
+    return MultiTurnWorkflow(reward_fn=H.no_reward, gconfig=H.gconfig(max_new_tokens=4), tokenizer=H.tiny_tokenizer(),
+                             max_turns=max_turns, turn_discount=0.9)
+
+
+def _turn_versions(traj):
+    """Per row (sample): the version of each turn, from the ``versions`` tensor AReaL's trainer reads."""
+    rows = []
+    for row in traj["versions"].tolist():
+        turns, last = [], -1
+        for v in row:
+            if v != -1 and last == -1:
+                turns.append(v)
+            elif v != -1:
+                assert v == turns[-1], f"one turn spans two versions: {row}"
+            last = v
+        rows.append(turns)
+    return rows
+
+
+def _failed(fleet):
+    return [a for d in fleet.doubles for a in fleet.on_loop(lambda d=d: list(d.answers)) if a[0] != 200]
+
+
+def test_multi_turn_trajectories_outlive_lora_keep_versions_publications(fleet, area):
+    """Each trajectory keeps its version across its turns while more versions than AReaL's
+    lora_keep_versions are published; a move happens only as a recorded rebind past max_lag; nothing fails."""
+    engine, meta = _engine(fleet, area, offpolicyness=1)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        served_before = len(engine._engine.served)
+        for _ in range(3):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=6), group_size=2)
+        for version in range(1, 5):  # 4 publications > lora_keep_versions = 3
+            time.sleep(0.12)
+            H.train_step_update(engine, meta, version, seed=version)
+        trajectories = engine.wait(3, timeout=30)
+        served = list(engine._engine.served)[served_before:]
+        assert all(s["lag"] <= 1 for s in served), [s["lag"] for s in served]  # max_lag = max_head_offpolicyness
+        moved = 0
+        for traj in trajectories:
+            for turns in _turn_versions(traj):
+                assert len(turns) == 6 and turns == sorted(turns)
+                moved += sum(1 for a, b in zip(turns, turns[1:]) if a != b)
+        assert moved == 0 or any(s["rebinds"] for s in served)  # a move is a rebind lorapub recorded
+        assert _failed(fleet) == []
+        assert engine.lorapub.skipped_pauses == 5  # the trainer's pause_generation never reached a server
+        assert all(fleet.on_loop(lambda d=d: d.events.count(("pause", ""))) == 0 for d in fleet.doubles)
+        engine.lorapub.run(engine.lorapub.deployment.settle())
+        names = [fleet.on_loop(lambda d=d: sorted(d.registered())) for d in fleet.doubles]
+        assert names[0] == names[1] and len(names[0]) <= 3 and any("-v4-" in n for n in names[0])
+    finally:
+        engine.destroy()
+
+
+def test_past_max_head_offpolicyness_a_sample_moves_at_a_turn_boundary_and_its_tokens_say_so(fleet, area):
+    """max_head_offpolicyness 0 is max_lag 0: a sample whose version is no longer the newest moves to the
+    newest at its next turn (on_stale: rebind), recorded by lorapub; no turn spans two versions, and the
+    versions tensor AReaL's trainer reads gives each turn's tokens the version that made them."""
+    engine, meta = _engine(fleet, area, offpolicyness=0)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        served_before = len(engine._engine.served)
+        for _ in range(2):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=8), group_size=2)
+        time.sleep(0.15)  # the samples are mid-trajectory on v0
+        H.train_step_update(engine, meta, 1, seed=1)
+        trajectories = engine.wait(2, timeout=30)
+        served = list(engine._engine.served)[served_before:]
+        rows = [turns for t in trajectories for turns in _turn_versions(t)]
+        assert all(turns == sorted(turns) and set(turns) <= {0, 1} for turns in rows), rows
+        assert any(turns[0] == 0 and turns[-1] == 1 for turns in rows), rows  # moved mid-trajectory
+        assert any(s["rebinds"] for s in served) and all(s["lag"] == 0 for s in served)
+        assert _failed(fleet) == []
+    finally:
+        engine.destroy()
+
+
+def test_a_failed_load_on_one_server_publishes_nothing_and_rollouts_go_on(fleet, area):
+    engine, meta = _engine(fleet, area)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        # every attempt fails on e1 (AReaL's request_retries: 3, the publication's attempts too)
+        fleet.on_loop(lambda: fleet.doubles[1].inject("load", "error", count=3))
+        with pytest.raises(LorapubError, match="PUBLICATION_FAILED"):
+            H.train_step_update(engine, meta, 1, seed=1)
+        # AReaL's global version moved on (its trainer sets it after the update); trajectories bind v0
+        engine.set_version(1)
+        for _ in range(2):
+            engine.submit(PROMPT, workflow=_workflow(), group_size=2)
+        trajectories = engine.wait(2, timeout=30)
+        assert {v for t in trajectories for turns in _turn_versions(t) for v in turns} == {0}
+        engine.lorapub.run(engine.lorapub.deployment.settle())
+        for d in fleet.doubles:  # v1 is on no server: staged, refused on one, cleaned up on both
+            assert not any("-v1-" in n for n in fleet.on_loop(d.registered))
+        H.train_step_update(engine, meta, 2, seed=2)  # the next update goes through
+        engine.submit(PROMPT, workflow=_workflow(max_turns=1))
+        assert _turn_versions(engine.wait(1, timeout=30)[0]) == [[2]]
+        assert _failed(fleet) == []
+    finally:
+        engine.destroy()
+
+
+def test_a_load_that_fails_once_is_published_on_the_next_attempt(fleet, area):
+    """AReaL's own load retries each server's request (request_retries); the publication is tried again
+    as often, so a one-off refusal costs a retry, not the training step."""
+    engine, meta = _engine(fleet, area)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        fleet.on_loop(lambda: fleet.doubles[1].inject("load", "error", count=1))
+        report = H.train_step_update(engine, meta, 1, seed=1)
+        assert report.version.version_id == "v1"
+        for d in fleet.doubles:
+            assert any("-v1-" in n for n in fleet.on_loop(d.registered))
+    finally:
+        engine.destroy()
+
+
+def test_grpo_groups_bind_one_version_per_prompt(fleet, area):
+    """n_samples of one prompt (AReaL's group_size) are one lorapub group: one version for all of them,
+    even when a publication lands between their first requests."""
+    engine, meta = _engine(fleet, area, offpolicyness=3)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        for i in range(6):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=2), group_size=4)
+            if i in (1, 3):
+                H.train_step_update(engine, meta, i, seed=i)
+        trajectories = engine.wait(6, timeout=30)
+        for traj in trajectories:
+            rows = _turn_versions(traj)
+            assert len(rows) == 4
+            assert len({v for turns in rows for v in turns}) == 1, rows
+        assert _failed(fleet) == []
+    finally:
+        engine.destroy()
+
+
+def test_a_restarted_server_is_healed_and_no_request_fails(fleet, area):
+    """A server that crashed between waves (a crash mid-request loses that request on either path) comes
+    back empty: lorapub sends what it refuses to the other holder, re-provisions it, and the next
+    publication reaches it."""
+    engine, meta = _engine(fleet, area)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        for _ in range(2):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=2), group_size=2)
+        engine.wait(2, timeout=30)
+        fleet.on_loop(fleet.doubles[0].restart)  # nothing loaded, a new incarnation
+        for _ in range(2):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=3), group_size=2)
+        trajectories = engine.wait(2, timeout=30)
+        assert {v for t in trajectories for turns in _turn_versions(t) for v in turns} == {0}
+        H.train_step_update(engine, meta, 1, seed=1)
+        deadline = time.monotonic() + 20
+        while not all(any("-v1-" in n for n in fleet.on_loop(d.registered)) for d in fleet.doubles):
+            assert time.monotonic() < deadline, "the restarted server never got v1"
+            time.sleep(0.1)
+        for _ in range(2):
+            engine.submit(PROMPT, workflow=_workflow(max_turns=2), group_size=2)
+        assert {v for t in engine.wait(2, timeout=30) for turns in _turn_versions(t) for v in turns} == {1}
+        # what the restarted server refused before anything ran ("never been loaded") went once to the
+        # other holder: no trajectory saw an error (every sample above came back)
+        refused = _failed(fleet)
+        assert all(status == 400 and "never been loaded" in error and "-v0-" in name
+                   for status, name, error, _ in refused), refused
+        assert [a for a in fleet.on_loop(lambda: list(fleet.doubles[1].answers)) if a[0] != 200] == []
+    finally:
+        engine.destroy()
+
+
+def test_agenerate_outside_an_episode_is_a_session_of_its_own(fleet, area):
+    """A request made straight through ``agenerate`` (no submit) binds the newest version for itself alone;
+    before the first update it is NO_PUBLISHED_VERSION, never the base model."""
+    import asyncio
+
+    from areal.api import ModelRequest
+
+    from lorapub import NoPublishedVersion
+
+    engine, meta = _engine(fleet, area)
+    try:
+        def request():
+            return ModelRequest(rid="direct", input_ids=[1, 2, 3], gconfig=H.gconfig(max_new_tokens=3))
+
+        with pytest.raises(NoPublishedVersion):
+            asyncio.run(engine.agenerate(request()))
+        H.train_step_update(engine, meta, 0, seed=0)
+        H.train_step_update(engine, meta, 1, seed=1)
+        response = asyncio.run(engine.agenerate(request()))
+        assert response.output_versions == [1, 1, 1] and len(response.output_logprobs) == 3
+        engine.lorapub.run(engine.lorapub.deployment.settle())
+        assert all(not any("-v0-" in n for n in fleet.on_loop(d.registered)) for d in fleet.doubles)
+    finally:
+        engine.destroy()
+
+
+def test_switched_off_it_is_areals_own_engine(fleet, area):
+    engine, meta = _engine(fleet, area, on=False)
+    try:
+        assert type(engine._engine) is RemoteInfEngine and engine.lorapub is None
+        H.train_step_update(engine, meta, 0, seed=0)
+        engine.submit(PROMPT, workflow=_workflow(max_turns=1))
+        assert _turn_versions(engine.wait(1, timeout=30)[0]) == [[0]]
+        named = {a[1] for d in fleet.doubles for a in fleet.on_loop(lambda d=d: list(d.answers))}
+        assert named == {f"{H.LORA_NAME}-v0"}  # AReaL's own naming, AReaL's own load
+        assert all(fleet.on_loop(lambda d=d: d.events.count(("pause", ""))) == 1 for d in fleet.doubles)
+    finally:
+        engine.destroy()
+
+
+def test_selected_through_areals_config():
+    """The block rides in AReaL's structured config (OmegaConf, as its YAML loader builds it)."""
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(LorapubInferenceEngineConfig(backend="sglang:d2", use_lora=True, lora_name="policy"))
+    merged = OmegaConf.merge(schema, OmegaConf.create({"max_head_offpolicyness": 3, "lorapub": {"enabled": True,
+                                                                                              "epoch": 5}}))
+    config = OmegaConf.to_object(merged)
+    engine = LorapubSGLangEngine(config)
+    assert isinstance(engine._engine, LorapubRemoteInfEngine) and engine.lorapub.max_lag == 3
+    assert engine.lorapub_config.capacity_for(3) == 5
+    engine.lorapub.close()
+    off = LorapubSGLangEngine(OmegaConf.to_object(schema))
+    assert type(off._engine) is RemoteInfEngine
+    with pytest.raises(ValueError, match="max_head_offpolicyness \\+ 2"):
+        LorapubSGLangEngine(config, lorapub={"enabled": True, "capacity": 3})
+    with pytest.raises(ValueError, match="use_lora"):
+        LorapubSGLangEngine(OmegaConf.to_object(OmegaConf.merge(schema, {"use_lora": False})), lorapub={"enabled": True})
+    assert issubclass(LorapubSGLangEngine, RemoteSGLangEngine)
+
+
+def test_the_side_by_side_runs_small_and_lorapub_meets_its_bar(capsys):
+    """bench/areal_side_by_side.py --quick, in-process: every figure printed for both paths; lorapub's
+    path at 0 failed requests, 0 mixed-version samples, every sample back, p99 lag <= max_lag. AReaL's
+    own figures are what they are (not asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("areal_side_by_side", H.ROOT / "bench" / "areal_side_by_side.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--quick"])
+    printed = capsys.readouterr().out
+    for key in results["lorapub"]:
+        if key not in ("path", "update errors", "update seconds", "request errors (first 3)", "refused answers (first 8)"):
+            assert key in printed
+    ours = results["lorapub"]
+    assert ours["requests failed (raised to the workflow)"] == 0
+    assert ours["mixed-version samples"] == 0 and ours["groups lost (a sample raised)"] == 0
+    assert ours["samples finished / submitted"] == "12 / 12"
+    assert ours["requests that fell back to the base model"] == 0
+    assert float(ours["version lag p50 / p99 / max (token-weighted)"].split(" / ")[1]) <= 1
+    assert ours["pause calls reaching the servers"] == 0
+    assert results["areal"]["agenerate calls"] > 0
