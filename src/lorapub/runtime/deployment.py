@@ -459,10 +459,18 @@ class Deployment:
         await self.fleet.refresh()  # sessions see the new default now
         return report
 
-    async def _settle_briefly(self, seconds: float = 5.0) -> None:
-        # A reclaim that is finishing frees the slot this publication needs; a long one (it
-        # waits for running requests) is not waited for: reserve then says CAPACITY_ERROR.
-        await self.reclaimer.wait(seconds)
+    #: How long a publish call without ``wait`` that finds no free slot gives an unload already under
+    #: way to free one (docs/freshness.md): a finishing unload takes milliseconds; one held by a running
+    #: request is not waited for, and the call is refused (CAPACITY_ERROR) as it would be at once.
+    SETTLE_UNLOAD = 1.0
+
+    async def _settle_briefly(self) -> None:
+        if not self.reclaimer.tasks.of_kind("reclaim"):
+            return
+        fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
+        if len(fleet.slots) < fleet.capacity and not fleet.active and not fleet.cleaning:
+            return  # a slot is free now: nothing to wait for
+        await self.reclaimer.wait(self.SETTLE_UNLOAD)
 
     async def reclaim(self, version: VersionKey | str) -> VersionState:
         """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background):

@@ -41,6 +41,7 @@ from lorapub.errors import (
     PublicationBlocked,
     PublicationFailed,
     PublicationSuperseded,
+    UnknownVersion,
 )
 from lorapub.events import (
     Observer,
@@ -106,6 +107,7 @@ class _Call:
     callers: int = 0
     progress: list[Observer] = attrs.field(factory=list)  # each caller's progress callback
     closed_while: str | None = None  # "waiting" or "running": close() cancelled it then
+    withdrawn: bool = False  # its last caller cancelled it: it only cleans up now, nobody joins it
 
 
 class Publisher:
@@ -147,6 +149,7 @@ class Publisher:
         self.frozen = FrozenCopies()
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
         self._waiting: set[VersionKey] = set()  # those of them waiting for a slot now
+        self._reserve_in_flight: dict[VersionKey, asyncio.Future] = {}  # a Reserve sent, its reply not read
         self._closed = False
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
@@ -159,11 +162,18 @@ class Publisher:
         """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
         last: Exception | None = None
         async for _ in self.retry_policy.attempts(self.clock):
+            # its own task, so a cancelled caller can still learn what the registry answered (_abort_own)
+            sent = asyncio.ensure_future(self.registry.handle(command))
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a reply nobody reads is not logged
+            self._reserve_in_flight[command.key] = sent
             try:
-                return await self.registry.handle(command)
+                return await asyncio.shield(sent)
             except OutcomeUnknown as e:
                 last = e
                 log.warning("reserve %s: reply lost (%s); replaying it", command.key, e)
+            finally:
+                if sent.done() and self._reserve_in_flight.get(command.key) is sent:
+                    del self._reserve_in_flight[command.key]
         raise OutcomeUnknown(
             f"reserve of {command.key} unanswered after {self.commit_retries} tries: {last}; "
             "publishing the same id and snapshot again resumes it", version=command.key,
@@ -190,6 +200,13 @@ class Publisher:
             raise DeploymentClosed(f"the deployment was closed before publish of {key} began; nothing was sent — "
                                    "a closed deployment starts nothing: publish it on a new Deployment", version=key)
         call = self._running.get(key)
+        if call is not None and call.withdrawn:
+            # A cancelled call of this id still withdrawing its wait or aborting its attempt: a retry
+            # starts afresh once that is done (shielded: cancelling the retry leaves the cleanup alone).
+            await asyncio.wait([asyncio.shield(call.task)], timeout=self.join_timeout)
+            if self._running.get(key) is call:
+                del self._running[key]
+            call = None
         if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
             # owned by the deployment's tasks (its outcome goes to its callers, so a failure is not logged
             # there): a cancelled one still cleaning its attempt is joined at close
@@ -221,6 +238,7 @@ class Publisher:
             # (shielded from this cancellation, bounded by the cleanup deadline), never leaves it ENDING.
             call.callers -= 1
             if call.callers == 0 and not call.task.done():
+                call.withdrawn = True
                 call.task.cancel()
             raise
         call.callers -= 1
@@ -277,7 +295,15 @@ class Publisher:
                             started: float) -> PublicationReport:
         plan = snapshot.plan(self.bucket_cap_bytes)
         # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin (or, waiting, SUPERSEDED).
-        reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), wait, started)
+        try:
+            reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id),
+                                                                    wait, started)
+        except asyncio.CancelledError:
+            # The registry may have applied our Reserve while its reply travelled (an actor's reply takes a
+            # round trip): whatever attempt of ours it started is aborted and cleaned, never left BEGINNING.
+            abort = self.tasks.spawn(self._abort_own(key), name=f"abort-own-{key}", key=("abort", key))
+            await asyncio.gather(asyncio.shield(abort), return_exceptions=True)
+            raise
         reply = reserved.reply
         if not reply.created:
             status = (await self.registry.handle(QueryAttempt(reply.token))).reply
@@ -290,6 +316,9 @@ class Publisher:
                 reply = reserved.reply
         reserved_at = self.clock.monotonic()
         if not reply.created:
+            # another process's publication (a restarted trainer's, say): this process holds the same
+            # snapshot, so it keeps the frozen copy a restarted engine is re-provisioned from
+            self.frozen.keep(key, snapshot)
             report = await self._existing(key, reply, started)
             return attrs.evolve(report, waited=waited, waited_for=waited_for)
         self.frozen.keep(key, snapshot)
@@ -359,6 +388,26 @@ class Publisher:
         except (LorapubError, TimeoutError) as e:
             log.warning("abort of %s (%s) not finished: %s; the reconciler cleans it", token, reason, e)
         self.fleet.changed()
+
+    async def _abort_own(self, key: VersionKey) -> None:
+        """A call cancelled while it reserved: wait (bounded) for the registry's answer to a Reserve still
+        in flight, then abort the attempt of ``key`` that this publisher started and nobody drives now."""
+        sent = self._reserve_in_flight.pop(key, None)
+        if sent is not None:
+            await asyncio.wait([sent], timeout=self.deadlines.commit)
+        try:
+            async with asyncio.timeout(self.deadlines.commit):
+                found = (await self.registry.handle(ReadVersion(key))).reply
+                status = (await self.registry.handle(QueryAttempt(found.attempt))).reply
+        except UnknownVersion:
+            return  # the registry never reserved it: nothing to abort
+        except (LorapubError, TimeoutError) as e:
+            log.warning("publication of %s cancelled while it reserved; its attempt is not known (%s): the "
+                        "reconciler aborts one left behind once it stops making progress", key, e)
+            return
+        if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING,
+                                                                      Phase.ENDING):
+            await self._abort(found.attempt, "its publish call was cancelled while it reserved")
 
     async def _reserve_slot(self, command: Reserve, wait: float, started: float):
         """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``.

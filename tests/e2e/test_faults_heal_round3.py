@@ -1,0 +1,132 @@
+"""Every fault heals, round 3: a registry whose replies take a round trip, lost membership replies,
+cancelled and retried waiting publications, sessions cut and never closed, a restarted trainer.
+One test per defect, each failing on the code before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from lorapub import Deployment, VersionKey
+from lorapub.core.commands import Reserve
+from lorapub.core.version import VersionState
+from lorapub.runtime.registry import LocalRegistry
+from lorapub.runtime.runner import Deadlines
+from lorapub.testing import MemoryEngine, lora_snapshot
+
+GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+QUICK = Deadlines(begin=1, bucket=1, end=3, cleanup=1, commit=1, reclaim=30)
+
+
+class RoundTripRegistry:
+    """A registry whose replies come back ``delay`` seconds after the command was applied, as a
+    Ray actor's do: a caller cancelled meanwhile never sees what the registry did."""
+
+    def __init__(self, inner, delay: float = 0.5, slow: tuple[type, ...] = (Reserve,)) -> None:
+        self.inner, self.delay, self.slow = inner, delay, slow
+        self.applied: list[object] = []
+
+    async def handle(self, command):
+        result = await self.inner.handle(command)
+        self.applied.append(command)
+        if isinstance(command, self.slow):
+            await asyncio.sleep(self.delay)
+        return result
+
+    @property
+    def state(self):
+        return self.inner.state
+
+
+def memory_engines(**kw) -> dict[str, MemoryEngine]:
+    return {n: MemoryEngine(n, **kw) for n in ("e0", "e1")}
+
+
+async def registry_for(engines, **kw) -> LocalRegistry:
+    return LocalRegistry(1, {n: await e.incarnation() for n, e in engines.items()}, **kw)
+
+
+def version(dep: Deployment, version_id: str):
+    return dep.registry.state.versions.get(VersionKey(1, version_id))
+
+
+# -- item 1: a publish cancelled while its Reserve reply is in flight ---------------------------
+async def test_a_publish_cancelled_while_its_reserve_reply_travels_aborts_its_attempt():
+    engines = memory_engines()
+    registry = RoundTripRegistry(await registry_for(engines))
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    task = asyncio.create_task(dep.publish(lora_snapshot(2), "B"))
+    while not any(isinstance(c, Reserve) and c.key.version_id == "B" for c in registry.applied):
+        await asyncio.sleep(0.01)
+    task.cancel()  # the registry applied B's Reserve; its reply is still on the way
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    started = time.monotonic()
+    report = await dep.publish(lora_snapshot(3), "C", wait=5)  # not PUBLICATION_BLOCKED until stale_attempt_after
+    assert report.state is VersionState.PUBLISHED and time.monotonic() - started < 4
+    assert version(dep, "B").state is VersionState.FAILED_CLEAN
+    assert (await dep.reconcile()).healthy
+    await dep.close()
+
+
+# -- item 7: publish() without wait is refused at once, never held by a reclaim -----------------
+async def test_publish_without_wait_does_not_wait_for_a_reclaim_held_by_a_running_request():
+    engines = {n: MemoryEngine(n, max_loaded=5, max_per_batch=5, generate_seconds=3.0) for n in ("e0", "e1")}
+    dep = await Deployment(engines, epoch=1, capacity=4, max_lag=0, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "v1")
+    running = asyncio.ensure_future(dep.session("s").generate(GEN))  # 3 s on v1
+    await asyncio.sleep(0.1)
+    await dep.publish(lora_snapshot(2), "v2")  # v1 retires (max_lag 0); its reclaim waits on the request
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    await dep.publish(lora_snapshot(3), "v3")  # a slot is free: no reason to wait for v1's unload
+    assert time.monotonic() - started < 1.0
+    assert (await running)["lorapub"]["version_id"] == "v1"  # the running request was never cut
+    await dep.close()
+
+
+# -- item 8: a cancelled waiting publish retried at once under the same id ------------------------
+async def test_a_cancelled_waiting_publish_retried_at_once_under_the_same_id_waits_afresh():
+    engines = memory_engines()
+    dep = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    s = dep.session("s")
+    await s.generate(GEN)
+    await dep.publish(lora_snapshot(2), "B")  # A kept by s, B the default: both slots held
+    first = asyncio.create_task(dep.publish(lora_snapshot(3), "C", wait=30))
+    await asyncio.sleep(0.2)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    retry = asyncio.create_task(dep.publish(lora_snapshot(3), "C", wait=10))  # at once: the same id, a new wait
+    await asyncio.sleep(0.2)
+    assert not retry.done()
+    await s.close()  # A's slot frees: the retried call lands
+    report = await asyncio.wait_for(retry, 5)
+    assert report.state is VersionState.PUBLISHED and not report.reused
+    await dep.close()
+
+
+# -- item 14: a restarted trainer's reused publish keeps the frozen copy --------------------------
+async def test_a_reused_publish_after_a_trainer_restart_keeps_the_snapshot_for_reprovisioning():
+    engines = memory_engines()
+    registry = await registry_for(engines)
+    first = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None,
+                             own_engines=False).start()
+    await first.publish(lora_snapshot(1), "p1")
+    # trainer A dies (its deployment is never closed); trainer B publishes the same snapshot again
+    second = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None,
+                              own_engines=False).start()
+    report = await second.publish(lora_snapshot(1), "p1")
+    assert report.reused
+    engines["e1"].restart()
+    await second.reconcile()
+    await second.settle(3)
+    health = await second.reconcile()
+    assert health.healthy, health.describe()
+    assert version(second, "p1").lora_name in engines["e1"].loaded
+    await second.close()
+    await first.close()
