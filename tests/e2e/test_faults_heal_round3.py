@@ -130,3 +130,83 @@ async def test_a_reused_publish_after_a_trainer_restart_keeps_the_snapshot_for_r
     assert version(second, "p1").lora_name in engines["e1"].loaded
     await second.close()
     await first.close()
+
+
+# -- item 2: a lost AddEngine reply ---------------------------------------------------------------
+async def test_a_lost_add_engine_reply_strands_nothing_and_a_retried_add_is_idempotent():
+    from lorapub import OutcomeUnknown
+    from lorapub.core.commands import AddEngine
+    from lorapub.testing import FaultyRegistry
+
+    engines = memory_engines()
+    registry = FaultyRegistry(await registry_for(engines))
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    a = await dep.publish(lora_snapshot(1), "A")
+    e2 = MemoryEngine("e2")
+    registry.fail_next(AddEngine, "reply", count=5)  # applied: e2 is a joining member; every reply is lost
+    with pytest.raises(OutcomeUnknown, match="add_engine with the same engine again"):
+        await dep.add_engine(e2, timeout=0.5)
+    health = await dep.reconcile()  # the pass that follows loads A there, with the adapter kept
+    await dep.settle(2)
+    b = await dep.publish(lora_snapshot(2), "B")  # never UNKNOWN_ENGINE, never a KeyError
+    assert b.state is VersionState.PUBLISHED
+    await dep.add_engine(e2, timeout=5)  # the retry: the same member, now serving
+    assert e2.serves(b.lora_name) and "e2" not in (await dep.fleet.refresh()).joining
+    assert (await dep.reconcile()).healthy, health.describe()
+    await dep.close()
+
+
+async def test_a_lost_add_engine_reply_then_a_publish_without_the_retry_is_typed():
+    from lorapub import OutcomeUnknown
+    from lorapub.core.commands import AddEngine
+    from lorapub.testing import FaultyRegistry
+
+    engines = memory_engines()
+    registry = FaultyRegistry(await registry_for(engines))
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    registry.fail_next(AddEngine, "reply", count=5)
+    with pytest.raises(OutcomeUnknown):
+        await dep.add_engine(MemoryEngine("e2"), timeout=0.5)
+    report = await dep.publish(lora_snapshot(2), "B")  # no bare KeyError from the fleet view
+    assert report.state is VersionState.PUBLISHED
+    await dep.close()
+
+
+async def test_one_lost_add_engine_reply_is_replayed():
+    from lorapub.core.commands import AddEngine
+    from lorapub.testing import FaultyRegistry
+
+    engines = memory_engines()
+    registry = FaultyRegistry(await registry_for(engines))
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    a = await dep.publish(lora_snapshot(1), "A")
+    registry.fail_next(AddEngine, "reply")
+    e2 = MemoryEngine("e2")
+    await dep.add_engine(e2, timeout=5)
+    assert e2.serves(a.lora_name)
+    await dep.close()
+
+
+# -- item 5: a forced removal of a silent engine ------------------------------------------------------
+async def test_removing_a_silent_engine_honours_its_timeout_and_ends_the_publish_it_aborted():
+    from lorapub import LorapubError
+
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1", "e2")}
+    dep = await Deployment(engines, epoch=1, deadlines=Deadlines(begin=20, end=60), reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    engines["e2"].fail_next("begin", "stall")  # e2 goes silent in the middle of B's begin
+    publishing = asyncio.create_task(dep.publish(lora_snapshot(2), "B"))
+    while ("begin", "stall") not in engines["e2"].injected:
+        await asyncio.sleep(0.01)
+    engines["e2"].fail_next("incarnation", "stall", count=1000)  # and answers nothing more
+    started = time.monotonic()
+    await asyncio.wait_for(dep.remove_engine("e2", timeout=5), 8)
+    assert time.monotonic() - started < 6
+    started = time.monotonic()
+    with pytest.raises(LorapubError):  # the publication needed e2: it aborted, and its caller hears now
+        await asyncio.wait_for(publishing, 5)
+    assert time.monotonic() - started < 3
+    c = await dep.publish(lora_snapshot(3), "C", wait=5)
+    assert c.state is VersionState.PUBLISHED and "e2" not in (await dep.fleet.refresh()).engines
+    await dep.close()

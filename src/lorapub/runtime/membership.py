@@ -22,6 +22,8 @@ from lorapub.errors import (
     DrainTimeout,
     EngineUnavailable,
     InvalidInput,
+    LorapubError,
+    OutcomeUnknown,
     PublicationBlocked,
     UnknownEngine,
 )
@@ -30,7 +32,9 @@ from lorapub.runtime.engines import Engines
 from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, Observer
 from lorapub.runtime.admission import answer_within, check_admission, release_adapter
 from lorapub.runtime.fleet import FleetView, incarnation_of
+from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.reconciler import Reconciler
+from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.sessions import LIVE, SessionService
 
@@ -80,8 +84,11 @@ class FleetMembership:
         self.deadlines = deadlines
         self.transport = transport
         self.own_engines = own_engines
-        self.control = EffectRunner(registry, engines, None, deadlines, on_eligible=on_eligible)
+        self.control = EffectRunner(registry, engines, None, deadlines, on_eligible=on_eligible, left=fleet.left)
         self._lock = asyncio.Lock()  # one change of the engine set at a time in this process
+        # a lost AddEngine reply is replayed: waits of 50 ms, doubling, at most 1 s
+        self.retry_policy = RetryPolicy(tries=5, first=0.05, factor=2.0, cap=1.0)
+        self.clock = SystemClock()
 
     async def _fleet(self) -> Fleet:
         return await self.fleet.refresh()
@@ -124,14 +131,31 @@ class FleetMembership:
                 engine.use_transport(self.transport)  # one given another transport earlier refuses, naming itself
             self.engines[name] = engine  # before the registry may target it
             try:
-                result = await self.registry.handle(AddEngine(name, incarnation))
-            except BaseException:
-                if known is None:
+                result = await self._add(name, incarnation)
+            except LorapubError as e:
+                if known is None and not isinstance(e, OutcomeUnknown):  # refused: the registry never took it
                     self.engines.pop(name, None)
+                # unknown (or cancelled): the registry may have made it a member, so its adapter stays,
+                # and the reconciler loads what it lacks as for any joining member
                 raise
             self.events(EngineJoining(name, incarnation, result.reply.value))
             await self.control.run(result.effects)
         return await self._wait_joined(name, timeout)
+
+    async def _add(self, name: str, incarnation: str):
+        """AddEngine, a lost reply replayed (the same engine and life again changes nothing)."""
+        last: Exception | None = None
+        async for _ in self.retry_policy.attempts(self.clock):
+            try:
+                return await self.registry.handle(AddEngine(name, incarnation))
+            except OutcomeUnknown as e:
+                last = e
+                log.warning("add_engine %s: reply lost (%s); replaying it", name, e)
+        raise OutcomeUnknown(
+            f"add_engine {name}: the registry did not answer after {self.retry_policy.tries} tries ({last}); it may "
+            "be a joining member already, loaded in the background — call add_engine with the same engine again "
+            "(adding a member again is idempotent)", engine=name,
+        )
 
     async def _wait_joined(self, name: str, timeout: float | None) -> Membership:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -226,7 +250,11 @@ class FleetMembership:
                 if name not in fleet.engines:
                     raise UnknownEngine(f"engine {name} is not a member of this fleet "
                                         f"(members: {', '.join(sorted(fleet.engines))})", engine=name)
-                reachable = name in self.engines and (await self.fleet.life(name, inventory=False)).answered
+                # a silent engine is told within the removal's own timeout, not the begin deadline
+                remaining = None if timeout is None else max(0.05, started + timeout - time.monotonic())
+                ask = self.deadlines.begin if remaining is None else min(self.deadlines.begin, remaining / 2)
+                reachable = name in self.engines and (await self.fleet.life(name, inventory=False,
+                                                                            deadline=ask)).answered
                 try:
                     result = await self.registry.handle(RemoveEngine(name, force=not reachable))
                 except PublicationBlocked:
@@ -235,6 +263,7 @@ class FleetMembership:
                     result = None
                 if result is not None:
                     engine = self.engines.pop(name, None)
+                    self.fleet.removed(name)  # a call still waiting on it (an aborted publication's) stops now
                     self.events(EngineRemoved(name, reachable))
                     await self.control.run(result.effects)
                     break

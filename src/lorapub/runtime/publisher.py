@@ -156,7 +156,8 @@ class Publisher:
     @property
     def control(self) -> EffectRunner:
         """Runs control-only effects (cleanup), which need no bucket source."""
-        return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible)
+        return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible,
+                            left=self.fleet.left)
 
     async def _reserve(self, command: Reserve):
         """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
@@ -327,6 +328,7 @@ class Publisher:
         runner = EffectRunner(
             self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
             on_ready=ready.append, on_eligible=self.on_eligible, probe=snapshot.probe, lora_name=reply.lora_name,
+            left=self.fleet.left,
         )
         try:
             runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=self._progress(key, plan, progress)))

@@ -133,7 +133,8 @@ class Reconciler:
         self.probe_deadline = probe_deadline or min(5.0, deadlines.begin)
         self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.probe_deadline)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-reconciler")
-        self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible)
+        self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible,
+                                    left=self.fleet.left)
         self._seen: dict[AttemptToken, tuple[tuple, float]] = {}  # progress value, first seen
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -458,6 +459,7 @@ class Reconciler:
             # the numeric READY gate holds for a re-provisioned load too
             probe=getattr(snapshot, "probe", None),
             lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),
+            left=self.fleet.left,
         )
         runlog = await runner.run(result.effects)
         problems = "; ".join(runlog.failures + runlog.unknown)
