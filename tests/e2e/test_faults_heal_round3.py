@@ -210,3 +210,20 @@ async def test_removing_a_silent_engine_honours_its_timeout_and_ends_the_publish
     c = await dep.publish(lora_snapshot(3), "C", wait=5)
     assert c.state is VersionState.PUBLISHED and "e2" not in (await dep.fleet.refresh()).engines
     await dep.close()
+
+
+async def test_lost_drain_and_remove_replies_are_replayed_and_the_removal_completes():
+    from lorapub.core.commands import DrainEngine, RemoveEngine
+    from lorapub.testing import FaultyRegistry
+
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1", "e2")}
+    registry = FaultyRegistry(await registry_for(engines))
+    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None).start()
+    await dep.publish(lora_snapshot(1), "A")
+    registry.fail_next(DrainEngine, "reply")
+    await dep.drain_engine("e2", timeout=2)  # the replay finds it draining: the same answer
+    registry.fail_next(RemoveEngine, "reply")  # applied, its reply lost: the replay finds no such member
+    await dep.remove_engine("e2", timeout=2)  # done, not UNKNOWN_ENGINE
+    assert "e2" not in dep.engines and "e2" not in registry.state.engines
+    assert (await dep.publish(lora_snapshot(2), "B")).state is VersionState.PUBLISHED
+    await dep.close()

@@ -142,20 +142,24 @@ class FleetMembership:
             await self.control.run(result.effects)
         return await self._wait_joined(name, timeout)
 
-    async def _add(self, name: str, incarnation: str):
-        """AddEngine, a lost reply replayed (the same engine and life again changes nothing)."""
+    async def _replayed(self, command, what: str, advice: str):
+        """A membership command, a lost reply replayed: each is idempotent (adding the same engine and life
+        again, draining a draining member, removing a member already gone change nothing)."""
         last: Exception | None = None
         async for _ in self.retry_policy.attempts(self.clock):
             try:
-                return await self.registry.handle(AddEngine(name, incarnation))
+                return await self.registry.handle(command)
             except OutcomeUnknown as e:
                 last = e
-                log.warning("add_engine %s: reply lost (%s); replaying it", name, e)
-        raise OutcomeUnknown(
-            f"add_engine {name}: the registry did not answer after {self.retry_policy.tries} tries ({last}); it may "
-            "be a joining member already, loaded in the background — call add_engine with the same engine again "
-            "(adding a member again is idempotent)", engine=name,
-        )
+                log.warning("%s: reply lost (%s); replaying it", what, e)
+        raise OutcomeUnknown(f"{what}: the registry did not answer after {self.retry_policy.tries} tries ({last}); "
+                             + advice, engine=command.engine)
+
+    async def _add(self, name: str, incarnation: str):
+        return await self._replayed(
+            AddEngine(name, incarnation), f"add_engine {name}",
+            "it may be a joining member already, loaded in the background — call add_engine with the same engine "
+            "again (adding a member again is idempotent)")
 
     async def _wait_joined(self, name: str, timeout: float | None) -> Membership:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -216,7 +220,8 @@ class FleetMembership:
         (it stays draining)."""
         started = time.monotonic()
         async with self._lock:
-            await self.registry.handle(DrainEngine(name))
+            await self._replayed(DrainEngine(name), f"drain_engine {name}",
+                                 "it may be draining already — call drain_engine again (draining is idempotent)")
         self.events(EngineDraining(name))
         fleet = await self._fleet()
         before = {s.key for s in self.sessions.sessions.values() if s.engine is not None and s.engine.name == name}
@@ -247,6 +252,14 @@ class FleetMembership:
         while True:
             async with self._lock:
                 fleet = await self._fleet()
+                if name not in fleet.engines and name in self.engines:
+                    # not a member, yet this process holds its adapter: a removal whose reply was lost (the
+                    # registry applied it), or an add it never applied. Removing is idempotent: finish it here.
+                    reachable = False
+                    engine = self.engines.pop(name)
+                    self.fleet.removed(name)
+                    self.events(EngineRemoved(name, reachable))
+                    break
                 if name not in fleet.engines:
                     raise UnknownEngine(f"engine {name} is not a member of this fleet "
                                         f"(members: {', '.join(sorted(fleet.engines))})", engine=name)
@@ -256,11 +269,19 @@ class FleetMembership:
                 reachable = name in self.engines and (await self.fleet.life(name, inventory=False,
                                                                             deadline=ask)).answered
                 try:
-                    result = await self.registry.handle(RemoveEngine(name, force=not reachable))
+                    result = await self._replayed(
+                        RemoveEngine(name, force=not reachable), f"remove_engine {name}",
+                        "it may have left the fleet already — call remove_engine again (removing is idempotent)")
                 except PublicationBlocked:
                     if timeout is not None and time.monotonic() - started > timeout:
                         raise
                     result = None
+                except UnknownEngine:
+                    # a replay after a lost reply: our removal landed, and what it started the reconciler finds
+                    engine = self.engines.pop(name, None)
+                    self.fleet.removed(name)
+                    self.events(EngineRemoved(name, reachable))
+                    break
                 if result is not None:
                     engine = self.engines.pop(name, None)
                     self.fleet.removed(name)  # a call still waiting on it (an aborted publication's) stops now
