@@ -227,3 +227,24 @@ async def test_lost_drain_and_remove_replies_are_replayed_and_the_removal_comple
     assert "e2" not in dep.engines and "e2" not in registry.state.engines
     assert (await dep.publish(lora_snapshot(2), "B")).state is VersionState.PUBLISHED
     await dep.close()
+
+
+async def test_a_member_this_process_has_no_adapter_for_fails_a_publish_typed_and_leaves_no_attempt_running():
+    from lorapub import LorapubError
+    from lorapub.core.attempt import Phase
+
+    engines = memory_engines()
+    registry = await registry_for(engines)
+    other = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None,
+                             own_engines=False).start()
+    here = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, reconcile_interval=None,
+                            own_engines=False).start()
+    await other.publish(lora_snapshot(1), "A")
+    await other.add_engine(MemoryEngine("e2"), timeout=5)  # another process's member: no adapter here
+    with pytest.raises(LorapubError) as err:
+        await here.publish(lora_snapshot(2), "B")
+    assert "e2" in err.value.message
+    attempt = registry.state.attempts[version(here, "B").attempt]
+    assert attempt.phase not in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING), attempt.phase
+    await here.close()
+    await other.close()

@@ -240,9 +240,29 @@ class EffectRunner:
         try:
             return self.engines[name]
         except KeyError:
-            raise UnknownEngine(f"the registry targets {name!r}, which this process has no adapter for") from None
+            raise UnknownEngine(f"the registry targets {name!r}, which this process has no adapter for: "
+                                "Deployment.add_engine(<its adapter>) gives it one", engine=name) from None
 
     async def _execute(self, fx, runlog: RunLog):
+        """Run one effect. A target this process has no adapter for (a member another process added)
+        was sent nothing: a begin, bucket or end to it fails the attempt (which aborts and is cleaned,
+        never left running), a cleanup or an unload to it stays unconfirmed."""
+        try:
+            return await self._execute_on(fx, runlog)
+        except UnknownEngine as e:
+            engine = e.details.get("engine")
+            if isinstance(fx, (SendBegin, SendEnd, TransferBucket)) and isinstance(engine, str):
+                runlog.failures.append(f"{engine}: {e.message}")
+                return (await self.registry.handle(RecordFailure(fx.token, engine, e.message))).effects
+            if isinstance(fx, SendCleanup):
+                runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e.message}")
+                return (await self.registry.handle(RecordUnknown(fx.token, fx.engine, "cleanup"))).effects
+            if isinstance(fx, SendReclaim):
+                runlog.unknown.append(f"{fx.engine} reclaim {fx.version}: {e.message}")
+                return ()  # stays RECLAIMING with its slot; RetryReclaim later
+            raise
+
+    async def _execute_on(self, fx, runlog: RunLog):
         reg, d = self.registry, self.deadlines
         if isinstance(fx, SendBegin):
             engine = self._engine(fx.engine)
@@ -352,7 +372,11 @@ class EffectRunner:
             )
 
         async def engine_half(name: str):
-            engine = self._engine(name)
+            try:
+                engine = self._engine(name)
+            except UnknownEngine as e:  # sent nothing there: this half fails, the others' answers still count
+                runlog.failures.append(f"{name}: {e.message}")
+                return (await self.registry.handle(RecordFailure(fx.token, name, e.message))).effects
             payload = b"" if collective else self.source.payload(fx.token, fx.index)
             runlog.mark("transfer", name)
             try:
