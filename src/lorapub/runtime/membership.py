@@ -86,7 +86,7 @@ class FleetMembership:
         self.own_engines = own_engines
         self.control = EffectRunner(registry, engines, None, deadlines, on_eligible=on_eligible, left=fleet.left)
         self._lock = asyncio.Lock()  # one change of the engine set at a time in this process
-        # a lost AddEngine reply is replayed: waits of 50 ms, doubling, at most 1 s
+        # a lost membership reply is replayed: waits of 50 ms, doubling, at most 1 s
         self.retry_policy = RetryPolicy(tries=5, first=0.05, factor=2.0, cap=1.0)
         self.clock = SystemClock()
 
@@ -256,9 +256,7 @@ class FleetMembership:
                     # not a member, yet this process holds its adapter: a removal whose reply was lost (the
                     # registry applied it), or an add it never applied. Removing is idempotent: finish it here.
                     reachable = False
-                    engine = self.engines.pop(name)
-                    self.fleet.removed(name)
-                    self.events(EngineRemoved(name, reachable))
+                    engine = self._forget(name, reachable)
                     break
                 if name not in fleet.engines:
                     raise UnknownEngine(f"engine {name} is not a member of this fleet "
@@ -278,14 +276,10 @@ class FleetMembership:
                     result = None
                 except UnknownEngine:
                     # a replay after a lost reply: our removal landed, and what it started the reconciler finds
-                    engine = self.engines.pop(name, None)
-                    self.fleet.removed(name)
-                    self.events(EngineRemoved(name, reachable))
+                    engine = self._forget(name, reachable)
                     break
                 if result is not None:
-                    engine = self.engines.pop(name, None)
-                    self.fleet.removed(name)  # a call still waiting on it (an aborted publication's) stops now
-                    self.events(EngineRemoved(name, reachable))
+                    engine = self._forget(name, reachable)
                     await self.control.run(result.effects)
                     break
             await asyncio.sleep(POLL)
@@ -300,6 +294,14 @@ class FleetMembership:
                     await close()
                 except Exception as e:  # noqa: BLE001 - closing is best effort
                     log.warning("closing removed engine %s: %s", name, e)
+
+    def _forget(self, name: str, reachable: bool) -> EngineAdmin | None:
+        """The registry no longer counts ``name``: its adapter leaves this process's engine set, and every
+        call still waiting on it (an aborted publication's) stops now."""
+        engine = self.engines.pop(name, None)
+        self.fleet.removed(name)
+        self.events(EngineRemoved(name, reachable))
+        return engine
 
     async def _unload_ours(self, name: str, engine: EngineAdmin, fleet: Fleet) -> None:
         """Best effort: unload this deployment's versions from a removed engine that answers, so it

@@ -203,8 +203,8 @@ class Publisher:
         call = self._running.get(key)
         if call is not None and call.withdrawn:
             # A cancelled call of this id still withdrawing its wait or aborting its attempt: a retry
-            # starts afresh once that is done (shielded: cancelling the retry leaves the cleanup alone).
-            await asyncio.wait([asyncio.shield(call.task)], timeout=self.join_timeout)
+            # starts afresh once that is done (asyncio.wait: cancelling the retry leaves the cleanup alone).
+            await asyncio.wait([call.task], timeout=self.join_timeout)
             if self._running.get(key) is call:
                 del self._running[key]
             call = None
@@ -295,10 +295,8 @@ class Publisher:
     async def _publish_once(self, snapshot: Snapshot, key: VersionKey, wait: float, progress: list[Observer],
                             started: float) -> PublicationReport:
         plan = snapshot.plan(self.bucket_cap_bytes)
-        # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin (or, waiting, SUPERSEDED).
         try:
-            reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id),
-                                                                    wait, started)
+            reserved, waited, waited_for = await self._reserve_attempt(key, snapshot, plan, wait, started)
         except asyncio.CancelledError:
             # The registry may have applied our Reserve while its reply travelled (an actor's reply takes a
             # round trip): whatever attempt of ours it started is aborted and cleaned, never left BEGINNING.
@@ -306,15 +304,6 @@ class Publisher:
             await asyncio.gather(asyncio.shield(abort), return_exceptions=True)
             raise
         reply = reserved.reply
-        if not reply.created:
-            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
-            if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING):
-                # Our own attempt, which an earlier call of ours left behind (it raised OUTCOME_UNKNOWN):
-                # nobody drives it. Abort and clean it, then publish afresh (every step is idempotent).
-                log.warning("publication of %s: taking over our own unfinished attempt %s", key, reply.token)
-                await self._abort(reply.token, "replayed by its own publisher after an unknown outcome")
-                reserved, _, _ = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), 0.0, started)
-                reply = reserved.reply
         reserved_at = self.clock.monotonic()
         if not reply.created:
             # another process's publication (a restarted trainer's, say): this process holds the same
@@ -390,6 +379,23 @@ class Publisher:
         except (LorapubError, TimeoutError) as e:
             log.warning("abort of %s (%s) not finished: %s; the reconciler cleans it", token, reason, e)
         self.fleet.changed()
+
+    async def _reserve_attempt(self, key: VersionKey, snapshot: Snapshot, plan: BucketPlan, wait: float,
+                               started: float):
+        """The reserve: ``(result, waited, WaitReport)``. CAPACITY_ERROR and PUBLICATION_BLOCKED come before
+        any begin (or, waiting, SUPERSEDED)."""
+        reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id),
+                                                                wait, started)
+        reply = reserved.reply
+        if not reply.created:
+            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+            if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING):
+                # Our own attempt, which an earlier call of ours left behind (it raised OUTCOME_UNKNOWN):
+                # nobody drives it. Abort and clean it, then publish afresh (every step is idempotent).
+                log.warning("publication of %s: taking over our own unfinished attempt %s", key, reply.token)
+                await self._abort(reply.token, "replayed by its own publisher after an unknown outcome")
+                reserved, _, _ = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), 0.0, started)
+        return reserved, waited, waited_for
 
     async def _abort_own(self, key: VersionKey) -> None:
         """A call cancelled while it reserved: wait (bounded) for the registry's answer to a Reserve still
