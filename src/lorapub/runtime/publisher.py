@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import attrs
 
@@ -49,13 +49,14 @@ from lorapub.events import (
     PublishCommitted,
     PublishFailed,
     PublishNumericMismatch,
-    PublishProgress,
     PublishSuperseded,
     PublishWaiting,
 )
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
+from lorapub.runtime.frozen import FrozenCopies
+from lorapub.runtime.progress import progress_listener
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
@@ -66,36 +67,6 @@ from lorapub.runtime.publication_report import PublicationReport, WaitReport
 __all__ = ["FrozenCopies", "Publisher"]
 
 log = logging.getLogger(__name__)
-
-
-class FrozenCopies:
-    """The frozen snapshots of versions sessions may still need, kept by the publishing
-    process so a restarted engine is re-provisioned from them (never from live trainer
-    parameters). The reconciler drops every copy the registry no longer needs."""
-
-    def __init__(self) -> None:
-        self._copies: dict[VersionKey, Snapshot] = {}
-
-    def keep(self, key: VersionKey, snapshot: Snapshot) -> None:
-        self._copies[key] = snapshot
-
-    def get(self, key: VersionKey) -> Snapshot | None:
-        return self._copies.get(key)
-
-    def retain(self, keys: Iterable[VersionKey]) -> None:
-        keep = set(keys)
-        for key in [k for k in self._copies if k not in keep]:
-            del self._copies[key]
-
-    def __contains__(self, key: VersionKey) -> bool:
-        return key in self._copies
-
-    def __len__(self) -> int:
-        return len(self._copies)
-
-    def keys(self) -> frozenset[VersionKey]:
-        """The versions whose frozen snapshot is kept."""
-        return frozenset(self._copies)
 
 
 @attrs.define
@@ -271,27 +242,6 @@ class Publisher:
                                       "and cleaned", self.clock.monotonic() - started))
             raise
 
-    def _progress(self, key: VersionKey, plan: BucketPlan, progress: list[Observer]):
-        """The run log's listener: each phase boundary and each confirmed bucket, as PublishProgress."""
-        sent: dict[str, int] = {}
-        total = plan.total_bytes
-
-        def listener(phase: str, engine: str | None, index: int | None) -> None:
-            if engine is None or engine not in self.engines:
-                return  # the source's half, or the whole phase: told per engine
-            if index is not None:
-                sent[engine] = sent.get(engine, 0) + plan.buckets[index].nbytes
-            event = PublishProgress(key, engine, phase, sent.get(engine, 0), total, self.transport_name)
-            for callback in tuple(progress):
-                try:
-                    callback(event)
-                except Exception:  # noqa: BLE001 - a caller's progress bar never breaks the publication
-                    log.exception("progress callback %r failed", callback)
-                    progress.remove(callback)
-            self.events(event)
-
-        return listener
-
     async def _publish_once(self, snapshot: Snapshot, key: VersionKey, wait: float, progress: list[Observer],
                             started: float) -> PublicationReport:
         plan = snapshot.plan(self.bucket_cap_bytes)
@@ -320,7 +270,8 @@ class Publisher:
             left=self.fleet.left,
         )
         try:
-            runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=self._progress(key, plan, progress)))
+            runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=progress_listener(
+                key, plan, self.engines, progress, self.events, self.transport_name)))
             status = (await self.registry.handle(QueryAttempt(reply.token))).reply
             if status.phase is Phase.READY and ready:
                 await self._confirm_lives(reply.token, status.targets, runlog)
