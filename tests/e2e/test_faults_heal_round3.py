@@ -248,3 +248,19 @@ async def test_a_member_this_process_has_no_adapter_for_fails_a_publish_typed_an
     assert attempt.phase not in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING), attempt.phase
     await here.close()
     await other.close()
+
+
+async def test_an_orphan_on_an_engine_that_left_the_fleet_no_longer_blocks_health():
+    engines = {n: MemoryEngine(n) for n in ("e0", "e1", "e2")}
+    old = await Deployment(engines, epoch=1, deadlines=QUICK, reconcile_interval=None, own_engines=False).start()
+    await old.publish(lora_snapshot(1), "A")  # the trainer dies with its registry: A is an orphan for epoch 2
+    engines["e2"].fail_next("reclaim", "stall", count=1000)  # e2 never lets it go
+    short = Deadlines(begin=1, bucket=1, end=3, cleanup=1, commit=1, reclaim=2)  # the stalled unload ends soon
+    dep = await Deployment(engines, epoch=2, deadlines=short, reconcile_interval=None, own_engines=False).start()
+    await dep.publish(lora_snapshot(2), "B")
+    assert any(b.kind == "orphan_pending" for b in (await dep.reconcile(wait=0)).blockers)
+    await dep.drain_engine("e2", timeout=2)
+    await dep.remove_engine("e2", timeout=2)
+    health = await dep.reconcile(wait=0)
+    assert not any(b.subject.startswith("e2:") for b in health.blockers), health.describe()
+    await dep.close()

@@ -384,6 +384,8 @@ class Reconciler:
                 self.orphans[(engine, what)] = "a staged attempt no registry drives: cleaning"
                 self._spawn(("orphan", engine, what),
                             lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
+        for key in [k for k in self.orphans if k[0] not in self.engines]:
+            del self.orphans[key]  # its engine left the fleet: what it holds is no longer this deployment's to sweep
         for key in [k for k in self.orphans if k[0] in inventories and k not in found]:
             if self.tasks.running(("repair", ("orphan", *key))) is not None:  # unregistered, its unload waits for running requests
                 self.orphans[key] = "unloading: unregistered, waiting for its running requests to end"
