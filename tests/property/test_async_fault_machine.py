@@ -210,5 +210,5 @@ class AsyncFaultMachine(FaultMachine):
 
 
 AsyncFaultMachine.TestCase.settings = settings(AsyncFaultMachine.TestCase.settings,
-                                               max_examples=min(AsyncFaultMachine.TestCase.settings.max_examples, 150))
+                                               max_examples=min(AsyncFaultMachine.TestCase.settings.max_examples, 100))
 TestAsyncFaultMachine = AsyncFaultMachine.TestCase
