@@ -472,9 +472,13 @@ class Deployment:
     async def _settle_briefly(self) -> None:
         if not self.reclaimer.tasks.of_kind("reclaim"):
             return
-        fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
-        if len(fleet.slots) < fleet.capacity and not fleet.active and not fleet.cleaning:
-            return  # a slot is free now: nothing to wait for
+        try:
+            fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
+        except LorapubError:  # not known: the short wait below, then the reserve says what holds the slots
+            pass
+        else:
+            if len(fleet.slots) < fleet.capacity and not fleet.active and not fleet.cleaning:
+                return  # a slot is free now: nothing to wait for
         await self.reclaimer.wait(self.SETTLE_UNLOAD)
 
     async def reclaim(self, version: VersionKey | str) -> VersionState:
