@@ -271,7 +271,7 @@ async def test_two_concurrent_publishes_of_one_version_share_one_attempt():
 
 # -- bounded staleness ----------------------------------------------------------------------------
 async def test_a_session_beyond_max_lag_is_told_binding_stale_and_its_version_is_reclaimed():
-    dep = await deployment(capacity=3, max_lag=1)
+    dep = await deployment(capacity=3, max_lag=1, on_stale="error")
     await dep.publish(lora_snapshot(1), "A")
     s = await bound_session(dep, "s")
     await dep.publish(lora_snapshot(2), "B")
@@ -295,7 +295,7 @@ async def test_a_session_beyond_max_lag_is_told_binding_stale_and_its_version_is
 
 
 async def test_a_request_running_when_its_version_retires_completes_and_holds_the_unload():
-    dep = await deployment(capacity=3, max_lag=0, engine={"generate_seconds": 0.5})
+    dep = await deployment(capacity=3, max_lag=0, on_stale="error", engine={"generate_seconds": 0.5})
     await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     running = asyncio.ensure_future(s.generate(GEN))
@@ -328,6 +328,39 @@ async def test_on_stale_rebind_moves_the_session_to_the_default_at_a_turn_bounda
     await dep.close()
 
 
+async def test_with_max_lag_set_a_stale_session_rebinds_by_default_and_every_result_names_each_turns_version():
+    dep = await deployment(capacity=3, max_lag=0)  # on_stale left out
+    assert dep.on_stale == "rebind" and dep.registry.state.on_stale == "rebind"
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await dep.publish(lora_snapshot(2), "B")
+    out = await s.generate(GEN)  # not BINDING_STALE: no rollout is thrown away by default
+    assert out["lorapub"]["version_id"] == "B" and out["lorapub"]["rebinds"] == 1
+    assert out["lorapub"]["turn_versions"] == ["1-A", "1-B"]
+    await s.close()
+    await dep.close()
+    strict = await deployment(capacity=3, max_lag=0, on_stale="error")  # still there for trainers that need it
+    await strict.publish(lora_snapshot(1), "A")
+    s = await bound_session(strict, "s")
+    await strict.publish(lora_snapshot(2), "B")
+    with pytest.raises(BindingStale):
+        await s.generate(GEN)
+    await strict.close()
+    unbounded = await deployment(capacity=2)  # no max_lag: nothing goes stale, the setting stays "error"
+    assert unbounded.on_stale == "error"
+    await unbounded.close()
+
+
+def test_one_rule_sets_the_on_stale_default_wherever_a_registry_is_made():
+    from lorapub.core.registry import check_max_lag, new_registry
+    from lorapub.runtime.registry import LocalRegistry
+
+    assert check_max_lag(2) == "rebind" and check_max_lag(None) == "error" and check_max_lag(2, "error") == "error"
+    assert new_registry(1, {"e0": "i"}, capacity=4, max_lag=2).on_stale == "rebind"
+    assert LocalRegistry(1, {"e0": "i"}, 4, max_lag=2).state.on_stale == "rebind"
+    assert LocalRegistry(1, {"e0": "i"}, 4).state.on_stale == "error"
+
+
 # -- groups ------------------------------------------------------------------------------------
 async def test_a_group_binds_one_version_and_keeps_it_while_any_member_is_open():
     dep = await deployment(capacity=3)
@@ -355,7 +388,7 @@ async def test_a_group_binds_one_version_and_keeps_it_while_any_member_is_open()
 
 
 async def test_a_stale_group_retires_together():
-    dep = await deployment(capacity=3, max_lag=0)
+    dep = await deployment(capacity=3, max_lag=0, on_stale="error")
     await dep.publish(lora_snapshot(1), "A")
     a, b = dep.session("a", group="G"), dep.session("b", group="G")
     await a.generate(GEN)
@@ -518,4 +551,65 @@ async def test_a_manual_clock_drives_idle_ttl_and_reconcile_expires_what_it_made
     assert version(dep, "A").state is VersionState.RECLAIMED
     with pytest.raises(SessionExpired):
         await forgotten.generate(GEN)
+    await dep.close()
+
+
+# -- a stale session never closed, a second refusal, a closed session's bind, a closed group (issue 45) -----
+async def test_a_session_cut_as_stale_and_never_closed_is_expired_by_idle_ttl():
+    from lorapub.core.session import SessionState
+    from lorapub.testing import ManualClock
+
+    clock = ManualClock()
+    dep = await deployment(capacity=3, max_lag=1, on_stale="error", idle_ttl=600, clock=clock)
+    await dep.publish(lora_snapshot(1), "A")
+    member = await bound_session(dep, "m", group="G")
+    await dep.publish(lora_snapshot(2), "B")
+    await dep.publish(lora_snapshot(3), "C")  # A is 2 behind: retiring
+    with pytest.raises(BindingStale):
+        await member.generate(GEN)  # cut, and its rollout never closes it
+    clock.advance(601)
+    await dep.reconcile()
+    assert member.key not in dep.sessions.sessions  # the local record is dropped
+    assert dep.registry.state.sessions[member.key].state is SessionState.EXPIRED  # and the registry's expired
+    await dep.close()
+
+
+async def test_a_group_member_refused_twice_is_told_its_lag_and_version_both_times():
+    dep = await deployment(capacity=3, max_lag=0, on_stale="error")
+    await dep.publish(lora_snapshot(1), "A")
+    await bound_session(dep, "a", group="G")
+    await dep.publish(lora_snapshot(2), "B")
+    late = dep.session("late", group="G")
+    refusals = []
+    for _ in range(2):
+        with pytest.raises(BindingStale) as err:
+            await late.generate(GEN)
+        refusals.append((err.value.details.get("lag"), str(err.value.details.get("version"))))
+    assert refusals[0] == refusals[1] == (1, "1-A"), refusals
+    await dep.close()
+
+
+async def test_bind_on_a_closed_session_is_a_typed_refusal_not_its_old_binding():
+    dep = await deployment()
+    await dep.publish(lora_snapshot(1), "A")
+    s = await bound_session(dep, "s")
+    await s.close()
+    with pytest.raises(SessionClosed):
+        await s.bind()
+    await dep.close()
+
+
+async def test_a_member_refused_by_a_closed_group_is_not_left_open():
+    dep = await deployment()
+    await dep.publish(lora_snapshot(1), "A")
+    first = await bound_session(dep, "a", group="G")
+    await first.close()  # the group closes with its last open member
+    late = dep.session("late", group="G")
+    with pytest.raises(GroupClosed):
+        await late.generate(GEN)
+    from lorapub.runtime.sessions import LocalState
+
+    assert late.state is LocalState.CLOSED and late.key not in dep.sessions.sessions
+    record = dep.registry.state.sessions.get(late.key)
+    assert record is None or record.state is not SessionState.OPEN
     await dep.close()

@@ -99,7 +99,7 @@ async def test_a_turn_beside_a_running_one_is_sent_at_once_while_its_version_is_
 
 
 async def test_with_on_stale_error_the_new_turn_is_refused_and_the_running_one_completes():
-    dep, log, release = await deployment(max_lag=0)
+    dep, log, release = await deployment(max_lag=0, on_stale="error")
     await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     await s.generate(GEN)

@@ -430,7 +430,7 @@ async def test_shutdown_closes_lorapub_then_relaxs_backend(relax_on):
 
 
 async def test_chat_answers_lorapub_refusals_as_typed_relax_errors(tmp_path):
-    relax = await make_relax(tmp_path, enabled=True, registry_options={"max_lag": 0})
+    relax = await make_relax(tmp_path, enabled=True, registry_options={"max_lag": 0, "on_stale": "error"})  # as Relax makes it
     try:
         shard = relax.shard
         # NO_PUBLISHED_VERSION: nothing is published yet

@@ -162,7 +162,7 @@ async def test_capacity_refusal_and_supersession_are_told():
 
 async def test_a_stale_session_is_told_once():
     seen = []
-    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, capacity=2, max_lag=0,
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, capacity=2, max_lag=0, on_stale="error",
                            observers=[seen.append]).start()
     await dep.publish(lora_snapshot(1), "A")
     session = dep.session("s1")

@@ -100,7 +100,7 @@ class _RegistryActor:
     def __init__(
         self, epoch: int, engines: Mapping[str, str], capacity: int, store_path: str | None = None,
         store_factory: Callable[[], RegistryStore] | None = None, lease_ttl: float | None = DEFAULT_LEASE_TTL,
-        max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
+        max_lag: int | None = None, on_stale: str | None = None, name_prefix: str = MANAGED_PREFIX,
         avoid_suspect: bool = False,
     ) -> None:
         self.clock = _RunningClock()
@@ -228,7 +228,7 @@ class RayRegistry:
         cls, name: str, epoch: int, engines: Mapping[str, str], capacity: int = 2, namespace: str = "lorapub",
         store_path: str | None = None, store_factory: Callable[[], RegistryStore] | None = None,
         call_timeout: float = 30.0, lease_ttl: float | None = DEFAULT_LEASE_TTL, batch: bool = True,
-        max_lag: int | None = None, on_stale: str = "error", name_prefix: str = MANAGED_PREFIX,
+        max_lag: int | None = None, on_stale: str | None = None, name_prefix: str = MANAGED_PREFIX,
         avoid_suspect: bool = False,
     ) -> "RayRegistry":
         """A durable store lets Ray restart the actor without losing its state.
@@ -243,7 +243,7 @@ class RayRegistry:
         """
         # refused here, before a detached actor is made that could only fail its every call
         check_capacity(capacity)
-        check_max_lag(max_lag, on_stale)
+        on_stale = check_max_lag(max_lag, on_stale)
         check_room_for_lag(capacity, max_lag)
         try:
             found = ray.get_actor(name, namespace=namespace)

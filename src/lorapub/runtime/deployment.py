@@ -84,8 +84,10 @@ class Deployment:
     ``capacity``: managed versions held at once (the RFC's 2 by default, and at least 2: the default
     holds one slot, a new version needs another), checked at start against what each engine can
     hold. ``max_lag``: a version more than that many commits behind the default is retiring, and
-    its sessions get ``BINDING_STALE`` (``on_stale="rebind"``: they move to the default at a turn
-    boundary); None keeps a session on its version for life. It needs ``capacity >= max_lag + 2``
+    its sessions move to the default at their next turn boundary (``on_stale="rebind"``, the default
+    with ``max_lag`` set: every result names each turn's version), or get ``BINDING_STALE``
+    (``on_stale="error"``, for a trainer that cannot take a trajectory spanning versions); None keeps
+    a session on its version for life. It needs ``capacity >= max_lag + 2``
     (the default and the ``max_lag`` versions behind it, plus one loading): less is ``INVALID_INPUT``.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
     ``clock``: what session idle and lease ages are read from (default: the monotonic clock); a
@@ -119,7 +121,7 @@ class Deployment:
         router: Routing | None = None,
         capacity: int | None = None,
         max_lag: int | None = None,
-        on_stale: str = "error",
+        on_stale: str | None = None,
         idle_ttl: float | None = DEFAULT_IDLE_TTL,
         own_engines: bool = True,
         name_prefix: str | None = None,
@@ -135,7 +137,8 @@ class Deployment:
         _check_epoch(epoch)
         if capacity is not None:
             check_capacity(capacity)
-        check_max_lag(max_lag, on_stale)
+        self._on_stale_asked = on_stale  # None: the registry's rule for its max_lag
+        on_stale = check_max_lag(max_lag, on_stale)
         if registry is None or capacity is not None:  # a shared registry given alone was checked where it was made
             check_room_for_lag(capacity or DEFAULT_CAPACITY, max_lag)
         if name_prefix is not None:
@@ -293,8 +296,10 @@ class Deployment:
     def _check_shared_settings(self, fleet: Fleet) -> None:
         """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
         asked: dict[str, object] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
-        if self.max_lag is not None or self.on_stale != "error":
-            asked.update(max_lag=self.max_lag, on_stale=self.on_stale)
+        if self.max_lag is not None:
+            asked.update(max_lag=self.max_lag)
+        if self._on_stale_asked is not None:  # left out: the shared registry's own (made by the same rule)
+            asked.update(on_stale=self._on_stale_asked)
         if self.avoid_suspect:
             asked.update(avoid_suspect=True)
         for name, value in asked.items():
@@ -459,10 +464,22 @@ class Deployment:
         await self.fleet.refresh()  # sessions see the new default now
         return report
 
-    async def _settle_briefly(self, seconds: float = 5.0) -> None:
-        # A reclaim that is finishing frees the slot this publication needs; a long one (it
-        # waits for running requests) is not waited for: reserve then says CAPACITY_ERROR.
-        await self.reclaimer.wait(seconds)
+    #: How long a publish call without ``wait`` that finds no free slot gives an unload already under
+    #: way to free one (docs/freshness.md): a finishing unload takes milliseconds; one held by a running
+    #: request is not waited for, and the call is refused (CAPACITY_ERROR) as it would be at once.
+    SETTLE_UNLOAD = 1.0
+
+    async def _settle_briefly(self) -> None:
+        if not self.reclaimer.tasks.of_kind("reclaim"):
+            return
+        try:
+            fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
+        except LorapubError:  # not known: the short wait below, then the reserve says what holds the slots
+            pass
+        else:
+            if len(fleet.slots) < fleet.capacity and not fleet.active and not fleet.cleaning:
+                return  # a slot is free now: nothing to wait for
+        await self.reclaimer.wait(self.SETTLE_UNLOAD)
 
     async def reclaim(self, version: VersionKey | str) -> VersionState:
         """Reclaim one RETIRED, unused version now (what ``auto_reclaim`` does in the background):
@@ -521,7 +538,7 @@ class DeploymentOptions(TypedDict, total=False):
     router: Routing | None
     capacity: int | None
     max_lag: int | None
-    on_stale: str
+    on_stale: str | None
     idle_ttl: float | None
     own_engines: bool
     name_prefix: str | None

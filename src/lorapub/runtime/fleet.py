@@ -15,7 +15,7 @@ from lorapub.core.effects import Effect
 from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Fleet
 from lorapub.core.session import Binding
-from lorapub.errors import LorapubError, OutcomeUnknown
+from lorapub.errors import LorapubError, OutcomeUnknown, UnknownEngine
 from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.admission import answer_within
 from lorapub.runtime.clock import Elapsed
@@ -68,14 +68,19 @@ class FleetView:
         self.registry_time = Elapsed()
         #: engine -> (whether it declares provenance stamps, the incarnation it said), from its last answer
         self.attests: dict[str, tuple[bool, str]] = {}
+        self._left: dict[str, asyncio.Event] = {}  # engine -> set once it is removed from the fleet
         self._repair = asyncio.Event()  # the reconciler's wakeup
         self._changed = asyncio.Event()  # waiting publications' wakeup; replaced at each change
 
     # -- lives -------------------------------------------------------------------------------
     async def life(self, name: str, *, inventory: bool = True, deadline: float | None = None) -> Life:
         """Ask engine ``name`` its life (with its inventory where it keeps one, if asked); never raises."""
-        engine = self.engines[name]
         limit = self.deadline if deadline is None else deadline
+        engine = self.engines.get(name)
+        if engine is None:  # the registry names a member this process has no adapter for
+            return Life(name, None, error=UnknownEngine(
+                f"the registry names engine {name!r}, which this process has no adapter for: "
+                f"deployment.add_engine(<its adapter>) gives it one", engine=name))
         try:
             async with asyncio.timeout(limit):
                 if inventory and isinstance(engine, ReportsInventory):
@@ -101,7 +106,11 @@ class FleetView:
 
     async def incarnation(self, name: str) -> str:
         """Engine ``name``'s incarnation; no answer within the deadline is OUTCOME_UNKNOWN."""
-        return await incarnation_of(name, self.engines[name], self.deadline)
+        engine = self.engines.get(name)
+        if engine is None:
+            raise UnknownEngine(f"the registry names engine {name!r}, which this process has no adapter for: "
+                                f"deployment.add_engine(<its adapter>) gives it one", engine=name)
+        return await incarnation_of(name, engine, self.deadline)
 
     async def probe(self, run: RunEffects, engine: str | None = None, version: VersionKey | None = None,
                     lora_name: str | None = None) -> None:
@@ -196,6 +205,15 @@ class FleetView:
     def lag(self, binding: Binding) -> int:
         """Commits behind the default, as this process last saw the default."""
         return max(0, self.default_revision - binding.revision)
+
+    # -- membership --------------------------------------------------------------------------
+    def left(self, name: str) -> asyncio.Event:
+        """Set once engine ``name`` is removed from the fleet: a call still waiting on it stops at once."""
+        return self._left.setdefault(name, asyncio.Event())
+
+    def removed(self, name: str) -> None:
+        self.left(name).set()
+        del self._left[name]  # a later member of that name (added again) starts with a fresh event
 
     # -- wakeups -----------------------------------------------------------------------------
     def kick(self) -> None:

@@ -22,6 +22,8 @@ from lorapub.errors import (
     DrainTimeout,
     EngineUnavailable,
     InvalidInput,
+    LorapubError,
+    OutcomeUnknown,
     PublicationBlocked,
     UnknownEngine,
 )
@@ -30,7 +32,9 @@ from lorapub.runtime.engines import Engines
 from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, Observer
 from lorapub.runtime.admission import answer_within, check_admission, release_adapter
 from lorapub.runtime.fleet import FleetView, incarnation_of
+from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.reconciler import Reconciler
+from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.sessions import LIVE, SessionService
 
@@ -80,8 +84,11 @@ class FleetMembership:
         self.deadlines = deadlines
         self.transport = transport
         self.own_engines = own_engines
-        self.control = EffectRunner(registry, engines, None, deadlines, on_eligible=on_eligible)
+        self.control = EffectRunner(registry, engines, None, deadlines, on_eligible=on_eligible, left=fleet.left)
         self._lock = asyncio.Lock()  # one change of the engine set at a time in this process
+        # a lost membership reply is replayed: waits of 50 ms, doubling, at most 1 s
+        self.retry_policy = RetryPolicy(tries=5, first=0.05, factor=2.0, cap=1.0)
+        self.clock = SystemClock()
 
     async def _fleet(self) -> Fleet:
         return await self.fleet.refresh()
@@ -124,14 +131,35 @@ class FleetMembership:
                 engine.use_transport(self.transport)  # one given another transport earlier refuses, naming itself
             self.engines[name] = engine  # before the registry may target it
             try:
-                result = await self.registry.handle(AddEngine(name, incarnation))
-            except BaseException:
-                if known is None:
+                result = await self._add(name, incarnation)
+            except LorapubError as e:
+                if known is None and not isinstance(e, OutcomeUnknown):  # refused: the registry never took it
                     self.engines.pop(name, None)
+                # unknown (or cancelled): the registry may have made it a member, so its adapter stays,
+                # and the reconciler loads what it lacks as for any joining member
                 raise
             self.events(EngineJoining(name, incarnation, result.reply.value))
             await self.control.run(result.effects)
         return await self._wait_joined(name, timeout)
+
+    async def _replayed(self, command, what: str, advice: str):
+        """A membership command, a lost reply replayed: each is idempotent (adding the same engine and life
+        again, draining a draining member, removing a member already gone change nothing)."""
+        last: Exception | None = None
+        async for _ in self.retry_policy.attempts(self.clock):
+            try:
+                return await self.registry.handle(command)
+            except OutcomeUnknown as e:
+                last = e
+                log.warning("%s: reply lost (%s); replaying it", what, e)
+        raise OutcomeUnknown(f"{what}: the registry did not answer after {self.retry_policy.tries} tries ({last}); "
+                             + advice, engine=command.engine)
+
+    async def _add(self, name: str, incarnation: str):
+        return await self._replayed(
+            AddEngine(name, incarnation), f"add_engine {name}",
+            "it may be a joining member already, loaded in the background — call add_engine with the same engine "
+            "again (adding a member again is idempotent)")
 
     async def _wait_joined(self, name: str, timeout: float | None) -> Membership:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -192,7 +220,8 @@ class FleetMembership:
         (it stays draining)."""
         started = time.monotonic()
         async with self._lock:
-            await self.registry.handle(DrainEngine(name))
+            await self._replayed(DrainEngine(name), f"drain_engine {name}",
+                                 "it may be draining already — call drain_engine again (draining is idempotent)")
         self.events(EngineDraining(name))
         fleet = await self._fleet()
         before = {s.key for s in self.sessions.sessions.values() if s.engine is not None and s.engine.name == name}
@@ -223,19 +252,34 @@ class FleetMembership:
         while True:
             async with self._lock:
                 fleet = await self._fleet()
+                if name not in fleet.engines and name in self.engines:
+                    # not a member, yet this process holds its adapter: a removal whose reply was lost (the
+                    # registry applied it), or an add it never applied. Removing is idempotent: finish it here.
+                    reachable = False
+                    engine = self._forget(name, reachable)
+                    break
                 if name not in fleet.engines:
                     raise UnknownEngine(f"engine {name} is not a member of this fleet "
                                         f"(members: {', '.join(sorted(fleet.engines))})", engine=name)
-                reachable = name in self.engines and (await self.fleet.life(name, inventory=False)).answered
+                # a silent engine is told within the removal's own timeout, not the begin deadline
+                remaining = None if timeout is None else max(0.05, started + timeout - time.monotonic())
+                ask = self.deadlines.begin if remaining is None else min(self.deadlines.begin, remaining / 2)
+                reachable = name in self.engines and (await self.fleet.life(name, inventory=False,
+                                                                            deadline=ask)).answered
                 try:
-                    result = await self.registry.handle(RemoveEngine(name, force=not reachable))
+                    result = await self._replayed(
+                        RemoveEngine(name, force=not reachable), f"remove_engine {name}",
+                        "it may have left the fleet already — call remove_engine again (removing is idempotent)")
                 except PublicationBlocked:
                     if timeout is not None and time.monotonic() - started > timeout:
                         raise
                     result = None
+                except UnknownEngine:
+                    # a replay after a lost reply: our removal landed, and what it started the reconciler finds
+                    engine = self._forget(name, reachable)
+                    break
                 if result is not None:
-                    engine = self.engines.pop(name, None)
-                    self.events(EngineRemoved(name, reachable))
+                    engine = self._forget(name, reachable)
                     await self.control.run(result.effects)
                     break
             await asyncio.sleep(POLL)
@@ -250,6 +294,14 @@ class FleetMembership:
                     await close()
                 except Exception as e:  # noqa: BLE001 - closing is best effort
                     log.warning("closing removed engine %s: %s", name, e)
+
+    def _forget(self, name: str, reachable: bool) -> EngineAdmin | None:
+        """The registry no longer counts ``name``: its adapter leaves this process's engine set, and every
+        call still waiting on it (an aborted publication's) stops now."""
+        engine = self.engines.pop(name, None)
+        self.fleet.removed(name)
+        self.events(EngineRemoved(name, reachable))
+        return engine
 
     async def _unload_ours(self, name: str, engine: EngineAdmin, fleet: Fleet) -> None:
         """Best effort: unload this deployment's versions from a removed engine that answers, so it

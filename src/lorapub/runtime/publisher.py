@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import attrs
 
@@ -41,6 +41,7 @@ from lorapub.errors import (
     PublicationBlocked,
     PublicationFailed,
     PublicationSuperseded,
+    UnknownVersion,
 )
 from lorapub.events import (
     Observer,
@@ -48,13 +49,14 @@ from lorapub.events import (
     PublishCommitted,
     PublishFailed,
     PublishNumericMismatch,
-    PublishProgress,
     PublishSuperseded,
     PublishWaiting,
 )
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
+from lorapub.runtime.frozen import FrozenCopies
+from lorapub.runtime.progress import progress_listener
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
 from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
@@ -67,36 +69,6 @@ __all__ = ["FrozenCopies", "Publisher"]
 log = logging.getLogger(__name__)
 
 
-class FrozenCopies:
-    """The frozen snapshots of versions sessions may still need, kept by the publishing
-    process so a restarted engine is re-provisioned from them (never from live trainer
-    parameters). The reconciler drops every copy the registry no longer needs."""
-
-    def __init__(self) -> None:
-        self._copies: dict[VersionKey, Snapshot] = {}
-
-    def keep(self, key: VersionKey, snapshot: Snapshot) -> None:
-        self._copies[key] = snapshot
-
-    def get(self, key: VersionKey) -> Snapshot | None:
-        return self._copies.get(key)
-
-    def retain(self, keys: Iterable[VersionKey]) -> None:
-        keep = set(keys)
-        for key in [k for k in self._copies if k not in keep]:
-            del self._copies[key]
-
-    def __contains__(self, key: VersionKey) -> bool:
-        return key in self._copies
-
-    def __len__(self) -> int:
-        return len(self._copies)
-
-    def keys(self) -> frozenset[VersionKey]:
-        """The versions whose frozen snapshot is kept."""
-        return frozenset(self._copies)
-
-
 @attrs.define
 class _Call:
     """One publication running in this process, and how many callers await it."""
@@ -106,6 +78,7 @@ class _Call:
     callers: int = 0
     progress: list[Observer] = attrs.field(factory=list)  # each caller's progress callback
     closed_while: str | None = None  # "waiting" or "running": close() cancelled it then
+    withdrawn: bool = False  # its last caller cancelled it: it only cleans up now, nobody joins it
 
 
 class Publisher:
@@ -147,23 +120,32 @@ class Publisher:
         self.frozen = FrozenCopies()
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
         self._waiting: set[VersionKey] = set()  # those of them waiting for a slot now
+        self._reserve_in_flight: dict[VersionKey, asyncio.Future] = {}  # a Reserve sent, its reply not read
         self._closed = False
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
     @property
     def control(self) -> EffectRunner:
         """Runs control-only effects (cleanup), which need no bucket source."""
-        return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible)
+        return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible,
+                            left=self.fleet.left)
 
     async def _reserve(self, command: Reserve):
         """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
         last: Exception | None = None
         async for _ in self.retry_policy.attempts(self.clock):
+            # its own task, so a cancelled caller can still learn what the registry answered (_abort_own)
+            sent = asyncio.ensure_future(self.registry.handle(command))
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a reply nobody reads is not logged
+            self._reserve_in_flight[command.key] = sent
             try:
-                return await self.registry.handle(command)
+                return await asyncio.shield(sent)
             except OutcomeUnknown as e:
                 last = e
                 log.warning("reserve %s: reply lost (%s); replaying it", command.key, e)
+            finally:
+                if sent.done() and self._reserve_in_flight.get(command.key) is sent:
+                    del self._reserve_in_flight[command.key]
         raise OutcomeUnknown(
             f"reserve of {command.key} unanswered after {self.commit_retries} tries: {last}; "
             "publishing the same id and snapshot again resumes it", version=command.key,
@@ -190,6 +172,13 @@ class Publisher:
             raise DeploymentClosed(f"the deployment was closed before publish of {key} began; nothing was sent — "
                                    "a closed deployment starts nothing: publish it on a new Deployment", version=key)
         call = self._running.get(key)
+        if call is not None and call.withdrawn:
+            # A cancelled call of this id still withdrawing its wait or aborting its attempt: a retry
+            # starts afresh once that is done (asyncio.wait: cancelling the retry leaves the cleanup alone).
+            await asyncio.wait([call.task], timeout=self.join_timeout)
+            if self._running.get(key) is call:
+                del self._running[key]
+            call = None
         if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
             # owned by the deployment's tasks (its outcome goes to its callers, so a failure is not logged
             # there): a cancelled one still cleaning its attempt is joined at close
@@ -221,6 +210,7 @@ class Publisher:
             # (shielded from this cancellation, bounded by the cleanup deadline), never leaves it ENDING.
             call.callers -= 1
             if call.callers == 0 and not call.task.done():
+                call.withdrawn = True
                 call.task.cancel()
             raise
         call.callers -= 1
@@ -252,44 +242,23 @@ class Publisher:
                                       "and cleaned", self.clock.monotonic() - started))
             raise
 
-    def _progress(self, key: VersionKey, plan: BucketPlan, progress: list[Observer]):
-        """The run log's listener: each phase boundary and each confirmed bucket, as PublishProgress."""
-        sent: dict[str, int] = {}
-        total = plan.total_bytes
-
-        def listener(phase: str, engine: str | None, index: int | None) -> None:
-            if engine is None or engine not in self.engines:
-                return  # the source's half, or the whole phase: told per engine
-            if index is not None:
-                sent[engine] = sent.get(engine, 0) + plan.buckets[index].nbytes
-            event = PublishProgress(key, engine, phase, sent.get(engine, 0), total, self.transport_name)
-            for callback in tuple(progress):
-                try:
-                    callback(event)
-                except Exception:  # noqa: BLE001 - a caller's progress bar never breaks the publication
-                    log.exception("progress callback %r failed", callback)
-                    progress.remove(callback)
-            self.events(event)
-
-        return listener
-
     async def _publish_once(self, snapshot: Snapshot, key: VersionKey, wait: float, progress: list[Observer],
                             started: float) -> PublicationReport:
         plan = snapshot.plan(self.bucket_cap_bytes)
-        # CAPACITY_ERROR and PUBLICATION_BLOCKED come before any begin (or, waiting, SUPERSEDED).
-        reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), wait, started)
+        try:
+            reserved, waited, waited_for = await self._reserve_attempt(key, snapshot, plan, wait, started)
+        except asyncio.CancelledError:
+            # The registry may have applied our Reserve while its reply travelled (an actor's reply takes a
+            # round trip): whatever attempt of ours it started is aborted and cleaned, never left BEGINNING.
+            abort = self.tasks.spawn(self._abort_own(key), name=f"abort-own-{key}", key=("abort", key))
+            await asyncio.gather(asyncio.shield(abort), return_exceptions=True)
+            raise
         reply = reserved.reply
-        if not reply.created:
-            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
-            if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING):
-                # Our own attempt, which an earlier call of ours left behind (it raised OUTCOME_UNKNOWN):
-                # nobody drives it. Abort and clean it, then publish afresh (every step is idempotent).
-                log.warning("publication of %s: taking over our own unfinished attempt %s", key, reply.token)
-                await self._abort(reply.token, "replayed by its own publisher after an unknown outcome")
-                reserved, _, _ = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), 0.0, started)
-                reply = reserved.reply
         reserved_at = self.clock.monotonic()
         if not reply.created:
+            # another process's publication (a restarted trainer's, say): this process holds the same
+            # snapshot, so it keeps the frozen copy a restarted engine is re-provisioned from
+            self.frozen.keep(key, snapshot)
             report = await self._existing(key, reply, started)
             return attrs.evolve(report, waited=waited, waited_for=waited_for)
         self.frozen.keep(key, snapshot)
@@ -298,9 +267,11 @@ class Publisher:
         runner = EffectRunner(
             self.registry, self.engines, self.source_factory(snapshot, plan), self.deadlines,
             on_ready=ready.append, on_eligible=self.on_eligible, probe=snapshot.probe, lora_name=reply.lora_name,
+            left=self.fleet.left,
         )
         try:
-            runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=self._progress(key, plan, progress)))
+            runlog = await runner.run(reserved.effects, RunLog(self.clock, listener=progress_listener(
+                key, plan, self.engines, progress, self.events, self.transport_name)))
             status = (await self.registry.handle(QueryAttempt(reply.token))).reply
             if status.phase is Phase.READY and ready:
                 await self._confirm_lives(reply.token, status.targets, runlog)
@@ -359,6 +330,43 @@ class Publisher:
         except (LorapubError, TimeoutError) as e:
             log.warning("abort of %s (%s) not finished: %s; the reconciler cleans it", token, reason, e)
         self.fleet.changed()
+
+    async def _reserve_attempt(self, key: VersionKey, snapshot: Snapshot, plan: BucketPlan, wait: float,
+                               started: float):
+        """The reserve: ``(result, waited, WaitReport)``. CAPACITY_ERROR and PUBLICATION_BLOCKED come before
+        any begin (or, waiting, SUPERSEDED)."""
+        reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id),
+                                                                wait, started)
+        reply = reserved.reply
+        if not reply.created:
+            status = (await self.registry.handle(QueryAttempt(reply.token))).reply
+            if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING):
+                # Our own attempt, which an earlier call of ours left behind (it raised OUTCOME_UNKNOWN):
+                # nobody drives it. Abort and clean it, then publish afresh (every step is idempotent).
+                log.warning("publication of %s: taking over our own unfinished attempt %s", key, reply.token)
+                await self._abort(reply.token, "replayed by its own publisher after an unknown outcome")
+                reserved, _, _ = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id), 0.0, started)
+        return reserved, waited, waited_for
+
+    async def _abort_own(self, key: VersionKey) -> None:
+        """A call cancelled while it reserved: wait (bounded) for the registry's answer to a Reserve still
+        in flight, then abort the attempt of ``key`` that this publisher started and nobody drives now."""
+        sent = self._reserve_in_flight.pop(key, None)
+        if sent is not None:
+            await asyncio.wait([sent], timeout=self.deadlines.commit)
+        try:
+            async with asyncio.timeout(self.deadlines.commit):
+                found = (await self.registry.handle(ReadVersion(key))).reply
+                status = (await self.registry.handle(QueryAttempt(found.attempt))).reply
+        except UnknownVersion:
+            return  # the registry never reserved it: nothing to abort
+        except (LorapubError, TimeoutError) as e:
+            log.warning("publication of %s cancelled while it reserved; its attempt is not known (%s): the "
+                        "reconciler aborts one left behind once it stops making progress", key, e)
+            return
+        if status.publisher == self.publisher_id and status.phase in (Phase.BEGINNING, Phase.TRANSFERRING,
+                                                                      Phase.ENDING):
+            await self._abort(found.attempt, "its publish call was cancelled while it reserved")
 
     async def _reserve_slot(self, command: Reserve, wait: float, started: float):
         """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``.

@@ -60,7 +60,7 @@ class Reclaimer:
 
     @property
     def control(self) -> EffectRunner:
-        return EffectRunner(self.registry, self.engines, None, self.deadlines)
+        return EffectRunner(self.registry, self.engines, None, self.deadlines, left=self.fleet.left)
 
     def in_flight(self, key: VersionKey) -> bool:
         """An unload of ``key`` is running in this process (it may wait for long requests)."""

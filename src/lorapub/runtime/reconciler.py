@@ -134,7 +134,8 @@ class Reconciler:
         self.probe_deadline = probe_deadline or min(5.0, deadlines.begin)
         self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.probe_deadline)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-reconciler")
-        self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible)
+        self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible,
+                                    left=self.fleet.left)
         self._seen: dict[AttemptToken, tuple[tuple, float]] = {}  # progress value, first seen
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -385,6 +386,8 @@ class Reconciler:
                 self.orphans[(engine, what)] = "a staged attempt no registry drives: cleaning"
                 self._spawn(("orphan", engine, what),
                             lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
+        for key in [k for k in self.orphans if k[0] not in self.engines]:
+            del self.orphans[key]  # its engine left the fleet: what it holds is no longer this deployment's to sweep
         for key in [k for k in self.orphans if k[0] in inventories and k not in found]:
             if self.tasks.running(("repair", ("orphan", *key))) is not None:  # unregistered, its unload waits for running requests
                 self.orphans[key] = "unloading: unregistered, waiting for its running requests to end"
@@ -460,6 +463,7 @@ class Reconciler:
             # the numeric READY gate holds for a re-provisioned load too
             probe=getattr(snapshot, "probe", None),
             lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),
+            left=self.fleet.left,
         )
         runlog = await runner.run(result.effects)
         problems = "; ".join(runlog.failures + runlog.unknown)

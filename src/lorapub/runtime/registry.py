@@ -63,7 +63,7 @@ class LocalRegistry:
         tombstone_window: float | None = R.DEFAULT_TOMBSTONE_WINDOW,
         clock: Callable[[], float] | None = None,
         max_lag: int | None = None,
-        on_stale: str = "error",
+        on_stale: str | None = None,
         name_prefix: str = MANAGED_PREFIX,
         avoid_suspect: bool = False,
     ) -> None:

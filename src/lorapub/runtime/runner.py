@@ -145,6 +145,7 @@ class EffectRunner:
         on_eligible: OnEligible | None = None,
         probe: Probe | None = None,
         lora_name: str | None = None,
+        left: Callable[[str], asyncio.Event] | None = None,
     ) -> None:
         if source is not None and not isinstance(getattr(source, "collective", None), bool):
             raise InvalidInput(f"bucket source {type(source).__name__} does not say whether it is collective "
@@ -159,6 +160,7 @@ class EffectRunner:
             raise InvalidInput("a probe runs under the exact version name: pass lora_name with it")
         self.probe = probe  # the numeric READY gate: no READY until the engine reproduces it
         self.lora_name = lora_name
+        self.left = left  # engine -> the event set when it leaves the fleet (FleetView.left)
 
     async def run(self, effects: Iterable, runlog: RunLog | None = None) -> RunLog:
         runlog = runlog or RunLog()
@@ -201,12 +203,27 @@ class EffectRunner:
                 await maybe
         return runlog
 
-    async def _call(self, seconds: float, awaitable):
+    async def _call(self, seconds: float, awaitable, engine: str | None = None):
+        """``awaitable`` within ``seconds`` (OUTCOME_UNKNOWN past them); a call to an engine that is
+        removed from the fleet meanwhile stops at once (ENGINE_ERROR): nothing waits on a member gone."""
+        if engine is None or self.left is None:
+            try:
+                async with asyncio.timeout(seconds):
+                    return await awaitable
+            except TimeoutError:
+                raise OutcomeUnknown(f"no answer within {seconds:g}s") from None
+        call = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self.left(engine).wait())
         try:
-            async with asyncio.timeout(seconds):
-                return await awaitable
-        except TimeoutError:
-            raise OutcomeUnknown(f"no answer within {seconds:g}s") from None
+            done, _ = await asyncio.wait({call, gone}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            call.cancel()
+            gone.cancel()
+        if call in done:
+            return call.result()
+        if gone in done:
+            raise EngineError(f"{engine} was removed from the fleet while this call waited on it", engine=engine)
+        raise OutcomeUnknown(f"no answer within {seconds:g}s")
 
     _PHASES = {SendBegin: "begin", TransferBucket: "transfer", SendEnd: "end", SendCleanup: "cleanup", SendReclaim: "reclaim"}
 
@@ -223,15 +240,35 @@ class EffectRunner:
         try:
             return self.engines[name]
         except KeyError:
-            raise UnknownEngine(f"the registry targets {name!r}, which this process has no adapter for") from None
+            raise UnknownEngine(f"the registry targets {name!r}, which this process has no adapter for: "
+                                "Deployment.add_engine(<its adapter>) gives it one", engine=name) from None
 
     async def _execute(self, fx, runlog: RunLog):
+        """Run one effect. A target this process has no adapter for (a member another process added)
+        was sent nothing: a begin, bucket or end to it fails the attempt (which aborts and is cleaned,
+        never left running), a cleanup or an unload to it stays unconfirmed."""
+        try:
+            return await self._execute_on(fx, runlog)
+        except UnknownEngine as e:
+            engine = e.details.get("engine")
+            if isinstance(fx, (SendBegin, SendEnd, TransferBucket)) and isinstance(engine, str):
+                runlog.failures.append(f"{engine}: {e.message}")
+                return (await self.registry.handle(RecordFailure(fx.token, engine, e.message))).effects
+            if isinstance(fx, SendCleanup):
+                runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e.message}")
+                return (await self.registry.handle(RecordUnknown(fx.token, fx.engine, "cleanup"))).effects
+            if isinstance(fx, SendReclaim):
+                runlog.unknown.append(f"{fx.engine} reclaim {fx.version}: {e.message}")
+                return ()  # stays RECLAIMING with its slot; RetryReclaim later
+            raise
+
+    async def _execute_on(self, fx, runlog: RunLog):
         reg, d = self.registry, self.deadlines
         if isinstance(fx, SendBegin):
             engine = self._engine(fx.engine)
             return await self._guarded(
                 fx.token, fx.engine, "begin", runlog,
-                lambda: self._call(d.begin, engine.begin(fx)),
+                lambda: self._call(d.begin, engine.begin(fx), fx.engine),
                 lambda inc: reg.handle(RecordPrepared(fx.token, fx.engine, inc)),
             )
         if isinstance(fx, TransferBucket):
@@ -246,13 +283,13 @@ class EffectRunner:
 
             return await self._guarded(
                 fx.token, fx.engine, "end", runlog,
-                lambda: self._call(d.end, engine.end(fx.token)),
+                lambda: self._call(d.end, engine.end(fx.token), fx.engine),
                 ready,
             )
         if isinstance(fx, SendCleanup):
             engine = self._engine(fx.engine)
             try:
-                inc = await self._call(d.cleanup, engine.cleanup(fx.token, fx.lora_name))
+                inc = await self._call(d.cleanup, engine.cleanup(fx.token, fx.lora_name), fx.engine)
             except Exception as e:
                 # A cleanup that was refused, unanswered or crashed is not a confirmed cleanup.
                 runlog.unknown.append(f"{fx.engine} cleanup {fx.token}: {e}")
@@ -264,7 +301,7 @@ class EffectRunner:
         if isinstance(fx, SendReclaim):
             engine = self._engine(fx.engine)
             try:
-                await self._call(d.reclaim, engine.reclaim(fx.lora_name, fx.reclaim_id))
+                await self._call(d.reclaim, engine.reclaim(fx.lora_name, fx.reclaim_id), fx.engine)
             except Exception as e:
                 runlog.unknown.append(f"{fx.engine} reclaim {fx.version}: {e}")
                 return ()  # stays RECLAIMING with its slot; RetryReclaim later
@@ -335,7 +372,11 @@ class EffectRunner:
             )
 
         async def engine_half(name: str):
-            engine = self._engine(name)
+            try:
+                engine = self._engine(name)
+            except UnknownEngine as e:  # sent nothing there: this half fails, the others' answers still count
+                runlog.failures.append(f"{name}: {e.message}")
+                return (await self.registry.handle(RecordFailure(fx.token, name, e.message))).effects
             payload = b"" if collective else self.source.payload(fx.token, fx.index)
             runlog.mark("transfer", name)
             try:
@@ -345,7 +386,7 @@ class EffectRunner:
 
                 return await self._guarded(
                     fx.token, name, f"receive bucket {fx.index}", runlog,
-                    lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload)),
+                    lambda: self._call(d.bucket, engine.receive_bucket(fx.token, fx.index, payload), name),
                     received,
                 )
             finally:

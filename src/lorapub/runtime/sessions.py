@@ -31,6 +31,7 @@ from lorapub.errors import (
     BindingStale,
     DeploymentClosed,
     EngineUnavailable,
+    GroupClosed,
     InvalidInput,
     InvalidTransition,
     LorapubError,
@@ -74,6 +75,7 @@ class LocalState(enum.Enum):
 
 
 LIVE = frozenset({LocalState.OPEN, LocalState.BOUND})
+IDLE_EXPIRES = LIVE | {LocalState.STALE}  # what idle_ttl expires: a stale session never closed too
 
 
 class StickyRouter:
@@ -117,11 +119,14 @@ class Session:
         self.requests = 0
         #: (version, first request it served): one entry, plus one per explicit rebind
         self.provenance: list[tuple[VersionKey, int]] = []
+        #: the version that served each of its turns, in the order they returned
+        self.turn_versions: list[str] = []
         self.lease_seen = self.service.clock.monotonic()  # when the registry last confirmed this session's lease
         self.last_active = self.service.clock.monotonic()  # the last generation's start or end (the idle clock)
         self._bind_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
+        self._stale_details: dict[str, Any] = {}  # what the refusal that made it STALE said
 
     def __repr__(self) -> str:
         bound = f" bound={self.binding.version}" if self.binding is not None else ""
@@ -156,8 +161,13 @@ class Session:
     async def _bind_once(self) -> Binding:
         try:
             result = await self.service.registry.handle(BindFirst(self.key, group=self.group))
-        except BindingStale:
-            self._became_stale()
+        except BindingStale as stale:
+            self._became_stale(stale)
+            raise
+        except GroupClosed:
+            # a closed group never takes a member: this session ends here, holding nothing
+            self.state = LocalState.CLOSED
+            self.service.forget(self)
             raise
         self.lease_seen = self.service.clock.monotonic()
         binding = self._adopt(result.reply)
@@ -178,26 +188,32 @@ class Session:
             )
         if self.state is LocalState.STALE:
             fleet = self.service.fleet
+            # a member refused at its first bind has no binding: its refusal said which version and how far behind
+            told = self._stale_details
             raise BindingStale(
                 f"session {self.key} is stale: its version fell more than max_lag commits behind the default and "
                 f"its ref was released; {what} refused — start a new session", session=self.key,
-                version=self.binding.version if self.binding else None,
-                lag=fleet.lag(self.binding) if self.binding else None, max_lag=fleet.max_lag, default=fleet.default,
+                version=self.binding.version if self.binding else told.get("version"),
+                lag=fleet.lag(self.binding) if self.binding else told.get("lag"), max_lag=fleet.max_lag,
+                default=fleet.default,
             )
         if self.state in (LocalState.FINALIZING, LocalState.CLOSED):
             raise SessionClosed(f"session {self.key} is {self.state.value}; {what} refused — open a new session "
                                 "(dep.session(id) again starts a new lifecycle of the id)", session=self.key)
 
-    def _became_stale(self) -> None:
+    def _became_stale(self, stale: BindingStale | None = None) -> None:
+        if stale is not None:
+            self._stale_details = dict(stale.details)
         if self.state in LIVE:
             self.state = LocalState.STALE
             self.service.events(SessionStale(self.key.session_id, self.binding.version if self.binding else None))
 
     async def bind(self) -> Binding:
-        """The session's one binding. A lost reply is retried with the same key: same answer."""
+        """The session's one binding. A lost reply is retried with the same key: same answer. A session
+        that ended (closed, expired, stale) refuses: its old binding may name a version reclaimed since."""
+        self._refuse_if_ended("bind")
         if self.binding is not None:
             return self.binding
-        self._refuse_if_ended("bind")
         if self._bind_task is None or _failed(self._bind_task):  # a failed bind may be retried: same answer
             self._bind_task = asyncio.get_running_loop().create_task(self._bind_once())
         return await asyncio.shield(self._bind_task)
@@ -208,7 +224,7 @@ class Session:
         if stale is None and not self.service.fleet.is_stale(binding):
             return binding
         if self.service.fleet.on_stale != "rebind":
-            self._became_stale()
+            self._became_stale(stale)
             if stale is not None:
                 raise stale
             self._refuse_if_ended("dispatch")
@@ -221,8 +237,8 @@ class Session:
                 return await self._fresh(self.binding)
         try:
             result = await self.service.registry.handle(Rebind(self.key))
-        except BindingStale:
-            self._became_stale()
+        except BindingStale as e:
+            self._became_stale(e)
             raise
         new = self._adopt(result.reply)
         if new.version != binding.version:
@@ -318,6 +334,7 @@ class Session:
             except _Overtaken:
                 continue  # a newer default was learnt since the check: decide this turn again
         stamp = await self._attest(binding, out)
+        self.turn_versions.append(str(binding.version))
         if isinstance(out, dict):
             out["lorapub"] = {
                 "version": str(binding.version), "version_id": binding.version.version_id, "lag": lag,
@@ -325,6 +342,9 @@ class Session:
                 # > 0: its group was moved to a newer version, so its members' samples span versions
                 "group_rebinds": binding.group_rebinds,
                 "stamp": stamp,  # what the engine attests served this turn (None: it does not stamp)
+                # the version of each turn of the session so far, this one last: a trajectory that spans
+                # versions (a rebind) says so in every result, without the caller keeping count
+                "turn_versions": list(self.turn_versions),
             }
         return out
 
@@ -480,12 +500,14 @@ class SessionService:
                 log.warning("lease renewal failed (%s); retrying in %.1fs", e, every)
 
     def idle(self, now: float | None = None) -> list[Session]:
-        """Live sessions with no generation for ``idle_ttl`` and none running."""
+        """Live sessions with no generation for ``idle_ttl`` and none running; and stale ones (cut by
+        BINDING_STALE) that their rollout never closed: the registry still has their record, this process
+        the local one, until they expire too."""
         if self.idle_ttl is None:
             return []
         now = self.clock.monotonic() if now is None else now
         return [s for s in self.sessions.values()
-                if s.state in LIVE and not s.busy and now - s.last_active > self.idle_ttl]
+                if s.state in IDLE_EXPIRES and not s.busy and now - s.last_active > self.idle_ttl]
 
     async def expire_idle(self) -> int:
         """Expire the idle sessions (their refs are released at once): a session the rollout code
@@ -495,7 +517,7 @@ class SessionService:
             return 0
         result = await self.registry.handle(ExpireSessions(tuple(s.key for s in idle)))
         for s in idle:
-            if s.state in LIVE:
+            if s.state in IDLE_EXPIRES:
                 s.state = LocalState.EXPIRED
             self.forget(s)
         self.events(SessionsExpired(len(idle), "idle", tuple(s.key.session_id for s in idle[:8])))

@@ -362,7 +362,7 @@ def new_registry(
     lease_ttl: float | None = DEFAULT_LEASE_TTL,
     tombstone_window: float | None = DEFAULT_TOMBSTONE_WINDOW,
     max_lag: int | None = None,
-    on_stale: str = "error",
+    on_stale: str | None = None,
     name_prefix: str = MANAGED_PREFIX,
     *,
     avoid_suspect: bool = False,
@@ -376,7 +376,7 @@ def new_registry(
         raise InvalidInput(f"tombstone_window must be a positive number of seconds or None, got {tombstone_window!r}")
     if lease_ttl is not None and tombstone_window is not None and tombstone_window < 2 * lease_ttl:
         raise InvalidInput(f"tombstone_window ({tombstone_window:g}s) must be at least twice lease_ttl ({lease_ttl:g}s)")
-    check_max_lag(max_lag, on_stale)
+    on_stale = check_max_lag(max_lag, on_stale)
     check_room_for_lag(capacity, max_lag)
     check_name_prefix(name_prefix)
     return RegistryState(
@@ -396,11 +396,19 @@ def check_capacity(capacity: object) -> None:
                            capacity=capacity)
 
 
-def check_max_lag(max_lag: object, on_stale: object) -> None:
+def check_max_lag(max_lag: object, on_stale: object = None) -> str:
+    """Check ``max_lag`` and ``on_stale``; returns the ``on_stale`` that applies. The one rule for its
+    default (None): with ``max_lag`` set, a stale session moves to the default at its next turn boundary
+    (``"rebind"``: no rollout is thrown away); ``"error"`` stays available, for trainers that cannot take
+    a trajectory spanning versions. Without ``max_lag`` nothing goes stale, and it stays ``"error"``."""
     if max_lag is not None and (not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0):
         raise InvalidInput(f"max_lag must be an int >= 0 (commits behind the default) or None, got {max_lag!r}")
+    if on_stale is None:
+        return "rebind" if max_lag is not None else "error"
     if on_stale not in ON_STALE:
-        raise InvalidInput(f"on_stale must be one of {', '.join(map(repr, ON_STALE))}, got {on_stale!r}")
+        raise InvalidInput(f"on_stale must be one of {', '.join(map(repr, ON_STALE))} (or None: \"rebind\" when "
+                           f"max_lag is set), got {on_stale!r}")
+    return str(on_stale)
 
 
 def check_room_for_lag(capacity: int, max_lag: int | None) -> None:
