@@ -174,6 +174,36 @@ class SGLangBackendAdapter:
             await self._http.close()
 
 
+class RuntimeDomain:
+    """The driver side of a group's end (``RuntimeDomain.collect_group`` and ``drop_group``): every
+    member's result arrives; a ``None`` result (a controlled drop: an agent that exited on failure) ends the
+    group through ``drop_group``; otherwise the shard's ``release_group`` ends it. An exception drops it too."""
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+
+    async def collect_group(self, group_id, session_ids):
+        try:
+            group = self.shard._groups[group_id]
+            while not group.terminal:  # the shard's state-change stream, reduced to polling
+                await asyncio.sleep(0.001)
+            outcomes = await self.shard.take_session_results(group_id, tuple(session_ids))
+            if any(outcome is None for outcome in outcomes):
+                await self.drop_group(group_id)  # "Dropped 1 group"
+                return None
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            await self.shard.release_group(group_id)
+            return outcomes
+        except BaseException:
+            await finish_before_cancellation(self.drop_group(group_id), f"wait-group-cleanup:{group_id}")
+            raise
+
+    async def drop_group(self, group_id):
+        await self.shard.drop_group(group_id)
+
+
 # --------------------------------------------------------------------------------------------
 # relax/agentic/session/service.py (and state.py)
 # --------------------------------------------------------------------------------------------
@@ -503,9 +533,14 @@ class AgenticSessionShard:
         return tuple(group.result_cells[sid].take() for sid in session_ids)
 
     async def release_group(self, group_id):
-        group = self._groups.get(group_id)
-        if group is not None and group.terminal:
-            await self.drop_group(group_id)
+        # Relax pops a completed group itself: its release does not go through _drop_group
+        group = self._groups[group_id]
+        self._raise_group_error(group)
+        if not group.terminal:
+            raise RuntimeGroupError(f"cannot release unfinished group: {group_id}")
+        self._groups.pop(group_id)
+        await self._lorapub.release_group(group_id)  # lorapub hook: forget the completed group
+        self._notify_state_change()
 
     async def drop_group(self, group_id):
         group = self._groups.get(group_id)

@@ -27,6 +27,14 @@ log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whol
 WorkerUrls = Union[Sequence[str], Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]]
 
 
+async def _each(coros: list[Awaitable[Any]]) -> None:
+    """Await them together; one is awaited in place (no task: a shard ends groups by the hundred thousand)."""
+    if len(coros) == 1:
+        await coros[0]
+    elif coros:
+        await asyncio.gather(*coros)
+
+
 def _failed(task: asyncio.Task | None) -> bool:
     return task is not None and task.done() and (task.cancelled() or task.exception() is not None)
 
@@ -201,17 +209,24 @@ class RelaxLorapub:
     # -- hooks of AgenticSessionShard ----------------------------------------------------------
     async def open_group(self, group_id: str, session_ids: Sequence[str]) -> None:
         """``start_group``: one lorapub group for the Relax group, every member opened now, so the
-        group keeps the version it binds at its first request while any member is open."""
+        group keeps the version it binds at its first request while any member is open.
+
+        Relax refuses a resident group id before this hook runs, so an id still known here belongs to a
+        group that ended (Relax's train ids restart at ``train:prepare_group_0`` whenever a PrepareDomain
+        is rebuilt): what it left open is released, and the id starts a new lorapub group."""
         if not self.enabled:
             return
         await self.start()
-        if group_id in self._groups:
-            raise ValueError(f"Relax group {group_id!r} is already open in lorapub")
-        key = f"{safe_id(group_id, 'group', 100)}.{uuid.uuid4().hex[:8]}"
+        ended = self._groups.pop(group_id, None)
+        if ended is not None:
+            log.info("lorapub: Relax group id %s comes back as a new group; releasing what its previous group "
+                     "left open (%d member(s))", group_id, sum(self._members.get(s) is m for s, m in ended.members.items()))
+            await self._release_members(ended)
+        key = f"{safe_id(group_id, 'group', 100)}.{uuid.uuid4().hex[:8]}"  # a closed lorapub group never reopens
         members = {sid: self.deployment.session(safe_id(sid, "session"), group=key) for sid in session_ids}
         self._groups[group_id] = _Group(key, members)
         self._members.update(members)
-        await asyncio.gather(*(member.open() for member in members.values()))
+        await _each([member.open() for member in members.values()])
 
     def member(self, session_id: str) -> Any:
         """The lorapub session of a Relax session record (None when none is open)."""
@@ -236,14 +251,22 @@ class RelaxLorapub:
             await self._close(session_id)
 
     async def release_group(self, group_id: str) -> None:
-        """``_drop_group``: release every member of the group not released yet, forget the group."""
+        """Relax's ``release_group`` (a completed group, after ``collect_group`` has every result) and
+        ``_drop_group`` (a failed or dropped one): release every member not released yet and forget the
+        group, so a long-lived shard keeps nothing of the groups that ended."""
         if not self.enabled:
             return
         group = self._groups.pop(group_id, None)
         if group is not None:
-            await asyncio.gather(*(self._close(sid) for sid in group.members))
+            await self._release_members(group)
 
-    async def _close(self, session_id: str) -> None:
+    async def _release_members(self, group: _Group) -> None:
+        # only this group's own records: a member id of an ended group may be live again in a new one
+        await _each([self._close(sid, member) for sid, member in group.members.items()])
+
+    async def _close(self, session_id: str, member: Any = None) -> None:
+        if member is not None and self._members.get(session_id) is not member:
+            return  # released already (its own finish), or the id now belongs to a newer group
         member = self._members.pop(session_id, None)
         if member is None:
             return
