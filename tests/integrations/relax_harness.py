@@ -185,12 +185,15 @@ class RuntimeDomain:
     async def collect_group(self, group_id, session_ids):
         try:
             group = self.shard._groups[group_id]
-            while not group.terminal:  # the shard's state-change stream, reduced to polling
+            while True:  # each result as it completes (the shard's state-change stream, reduced to polling)
+                done = [sid for sid in session_ids if group.result_cells[sid].terminal]
+                if any(outcome is None for outcome in await self.shard.take_session_results(group_id, tuple(done))):
+                    await self.drop_group(group_id)  # "Dropped 1 group": a controlled drop ends it early
+                    return None
+                if len(done) == len(session_ids):
+                    break
                 await asyncio.sleep(0.001)
             outcomes = await self.shard.take_session_results(group_id, tuple(session_ids))
-            if any(outcome is None for outcome in outcomes):
-                await self.drop_group(group_id)  # "Dropped 1 group"
-                return None
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -549,6 +552,12 @@ class AgenticSessionShard:
         if group.drop_task is None:
             group.drop_task = asyncio.create_task(self._drop_group(group), name=f"drop-group:{group.group_id}")
         await finish_before_cancellation(group.drop_task, f"drop-group:{group.group_id}")
+
+    async def agentic_kv_metrics(self, reset=False):
+        lorapub_metrics = self._lorapub.metrics(reset=reset)  # lorapub hook: cut trajectories, whatever the flags
+        if not getattr(self.args, "agentic_session_lifecycle", False):
+            return lorapub_metrics
+        return {"session/lifecycle_enabled": 1.0, **lorapub_metrics}
 
     # -- chat ---------------------------------------------------------------------------------------
     async def chat(self, *, session_id, messages, tools, chat_template_kwargs, max_completion_tokens, stop, seed,

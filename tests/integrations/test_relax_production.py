@@ -126,3 +126,158 @@ async def test_100k_groups_through_release_group_with_reused_ids_keep_shard_memo
     assert objects_at[99_999] - objects_at[10_000] < 200, objects_at  # nothing grows with the groups run
     assert time.monotonic() - started_at < 30
     await shard.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# Start and errors as Relax expects
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_a_session_that_starts_before_the_first_version_waits_for_it(tmp_path):
+    relax = await make_relax(tmp_path, enabled=True, settings={"first_version_wait": 30})
+    try:
+        turns = await start_group(relax, "g", "s1", "s2")  # Relax's rollouts start before its first sync ends
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in turns.values())  # waiting, not refused
+        await relax.step(1)
+        answers = await asyncio.gather(*turns.values())
+        assert all("error" not in a for a in answers), answers
+        assert served(relax, "s1")["version_id"] == served(relax, "s2")["version_id"] == "step1"
+        assert relax.lorapub.metrics()["lorapub/waited_first_version"] == 2
+    finally:
+        await teardown(relax)
+
+
+async def test_a_pause_answers_a_request_waiting_for_the_first_version_and_resume_sends_it_again(tmp_path):
+    relax = await make_relax(tmp_path, enabled=True, settings={"first_version_wait": 30})
+    try:
+        turns = await start_group(relax, "g", "s1")
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        await relax.shard.pause_generation()  # Relax's own first sync pauses: the waiting request is aborted
+        assert time.monotonic() - started < 2  # the pause does not wait out first_version_wait
+        ir = next(iter(relax.shard._session_records["s1"].live_irs))
+        assert ir.abort_count == 1 and ir in relax.shard._session_records["s1"].queued_irs
+        await relax.step(1)
+        await relax.shard.resume_generation(1)
+        answer = await turns["s1"]
+        assert "error" not in answer and served(relax, "s1")["version_id"] == "step1"
+    finally:
+        await teardown(relax)
+
+
+def test_codes_agents_must_not_resend_are_4xx_and_the_resendable_ones_5xx():
+    import lorapub.errors as errors
+
+    codes = {cls.code for cls in vars(errors).values()
+             if isinstance(cls, type) and issubclass(cls, errors.LorapubError) and cls is not errors.LorapubError}
+    resent_by_clients = {408, 409, 429}  # OpenAI-style clients resend these and every 5xx
+    for code in codes:
+        status = relax_lorapub.error_result(_error_with(code))["_http_status"]
+        if code in relax_lorapub.RESENDABLE:
+            assert status >= 500, code
+        else:
+            assert 400 <= status < 500 and status not in resent_by_clients, (code, status)
+    for code in ("OUTCOME_UNKNOWN", "PROVENANCE_MISMATCH", "BINDING_STALE", "SESSION_CLOSED", "DEPLOYMENT_CLOSED"):
+        assert code in relax_lorapub.NOT_RESENDABLE
+
+
+def _error_with(code: str):
+    import lorapub.errors as errors
+
+    cls = next(c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.LorapubError) and c.code == code)
+    return cls(f"a {code}")
+
+
+async def test_one_members_exit_keeps_its_siblings_and_only_relaxs_drop_ends_them(tmp_path):
+    relax = await make_relax(tmp_path, enabled=True)
+    try:
+        await relax.step(1)
+        await asyncio.gather(*(await start_group(relax, "g", "a", "b", "c")).values())
+        await relax.shard.finish_agent("a")  # one agent exits normally
+        await relax.step(2)
+        await relax.lorapub.deployment.reconcile()
+        assert "error" not in await ask(relax.shard, "b", [5])
+        assert served(relax, "b")["version_id"] == "step1"  # the siblings keep the group's version
+        assert relax.lorapub.member("b") is not None and relax.lorapub.member("c") is not None
+        # an agent that exits on failure: Relax's controlled drop (a None result), which collect_group turns
+        # into drop_group — Relax asks for the siblings' end, and only then do they end
+        await relax.shard._finish_session(relax.shard._session_records["b"], None)
+        assert relax.lorapub.member("c") is not None
+        assert await RuntimeDomain(relax.shard).collect_group("g", ("a", "b", "c")) is None
+        assert relax.lorapub.member("c") is None and "g" not in relax.shard._groups
+    finally:
+        await teardown(relax)
+
+
+async def test_cut_trajectories_are_counted_in_relaxs_own_metrics(tmp_path):
+    relax = await make_relax(tmp_path, enabled=True, registry_options={"max_lag": 0, "on_stale": "rebind"})
+    try:
+        await relax.step(1)
+        await asyncio.gather(*(await start_group(relax, "g", "s1", "s2")).values())
+        await relax.step(2)  # step1 retires: the group moves at its next turn boundary
+        await relax.lorapub.deployment.reconcile()
+        assert "error" not in await ask(relax.shard, "s1", [5])
+        assert served(relax, "s1")["version_id"] == "step2" and served(relax, "s1")["rebinds"] == 1
+        metrics = await relax.shard.agentic_kv_metrics(reset=True)  # Relax: agentic_kv/lorapub/...
+        assert metrics["lorapub/cut_trajectories"] == 1 and metrics["lorapub/rebound_turns"] == 1
+        assert (await relax.shard.agentic_kv_metrics())["lorapub/cut_trajectories"] == 0  # reset
+    finally:
+        await teardown(relax)
+
+
+# ------------------------------------------------------------------------------------------------
+# Relax's defaults, and the transport by evidence
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_defaults_follow_relaxs_max_staleness_and_rebind():
+    config = relax_lorapub.config_from_args(SimpleNamespace(enable_lorapub=True, max_staleness=2))
+    assert (config.max_lag, config.capacity, config.on_stale) == (2, 4, "rebind")
+    config = relax_lorapub.config_from_args(SimpleNamespace(enable_lorapub=True))  # Relax's default: 1
+    assert (config.max_lag, config.capacity) == (1, 3)
+    assert relax_lorapub.sglang_overrides(config) == {"max_loras_per_batch": 5, "max_loaded_loras": 5}
+    assert LorapubConfig(max_lag=None).resolved().capacity == 2  # sessions keep theirs: 2 slots serve it
+    with pytest.raises(ValueError, match="set capacity: 4 or more"):
+        LorapubConfig(capacity=3).resolved(SimpleNamespace(max_staleness=2))
+
+
+def test_auto_picks_http_even_beside_gpus_and_nccl_only_by_name(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from lorapub.adapters.sglang_wire import HTTPBytes, TorchDistributed
+    from lorapub.integrations.relax.options import make_transport
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a trainer with GPUs of its own
+    args = SimpleNamespace(colocate=False)
+    assert type(make_transport(LorapubConfig(transport="auto"), args)) is HTTPBytes  # TorchDistributed is one too
+    nccl = make_transport(LorapubConfig(transport="nccl", transport_host="127.0.0.1"), args)
+    assert isinstance(nccl, TorchDistributed)
+
+
+def test_share_verdict_over_gloo_raises_on_every_rank_when_rank_0s_publication_fails(tmp_path):
+    pytest.importorskip("torch")
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    world = 2
+    init = f"file://{tmp_path / 'rendezvous'}"
+    root = pathlib.Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.integrations.gloo_ranks", str(r), str(world), init,
+                               str(tmp_path / f"rank{r}.json")], cwd=root, env=env)
+             for r in range(world)]
+    try:
+        codes = [p.wait(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * world
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [r["shared"] for r in results] == [[1, 0]] * world  # a MAX over the ranks: the flag of any one
+    assert [r["raised"] for r in results] == ["WeightPublicationFailed"] * world  # every rank raises together
+    assert results[0]["published"] == ["step3"] and results[1]["published"] == []  # rank 0 alone publishes

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
 
-from lorapub import Deployment, EngineError, LorapubError, SessionClosed
+from lorapub import BindingStale, Deployment, EngineError, LorapubError, NoPublishedVersion, SessionClosed
 
 from .errors import CONTEXT_MARKERS, chat_error
 from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
@@ -23,6 +23,9 @@ log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whol
 # ---------------------------------------------------------------------------------------------
 # The shard side
 # ---------------------------------------------------------------------------------------------
+
+#: How often a request that waits for the first version asks again.
+FIRST_VERSION_POLL = 0.1
 
 WorkerUrls = Union[Sequence[str], Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]]
 
@@ -79,7 +82,7 @@ class RelaxLorapub:
         **deployment_options: Any,
     ) -> None:
         self.args = args
-        self.config = config if config is not None else config_from_args(args)
+        self.config = config.resolved(args) if config is not None else config_from_args(args)
         self.enabled = self.config is not None
         if self.enabled and self.config.epoch is None:
             # Each actor picking its own epoch would split one run into several deployments.
@@ -99,7 +102,10 @@ class RelaxLorapub:
         self._start: asyncio.Task | None = None
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, Any] = {}
+        self._rebinds_seen: dict[str, int] = {}  # per open member: the group rebinds its last turn carried
         self._closed = False
+        #: cut trajectories since the last :meth:`metrics` reset (Relax's ``agentic_kv_metrics``)
+        self._counts = {"rebound": 0, "stale": 0, "waited_first_version": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> "RelaxLorapub":
@@ -242,7 +248,32 @@ class RelaxLorapub:
                 f"Relax session {session_id!r} holds no lorapub session (its group was not opened, or the session "
                 "was released); nothing was sent"
             )
-        return await member.generate(payload)
+        try:
+            reply = await member.generate(payload)
+        except BindingStale:
+            self._counts["stale"] += 1  # on_stale: error — the trajectory ends here
+            raise
+        rebinds = int((reply.get("lorapub") or {}).get("rebinds") or 0)
+        if rebinds > self._rebinds_seen.get(session_id, 0):
+            self._counts["rebound"] += 1  # on_stale: rebind — the trajectory goes on on a newer version
+        self._rebinds_seen[session_id] = rebinds
+        return reply
+
+    def metrics(self, reset: bool = False) -> dict[str, float]:
+        """Cut trajectories for Relax's own metrics (``agentic_kv_metrics``; Relax's runtime reports them
+        as ``agentic_kv/lorapub/...``): turns that moved to a newer version (``on_stale: rebind``), requests
+        refused BINDING_STALE (``on_stale: error``), and requests that waited for the first version."""
+        if not self.enabled:
+            return {}
+        counts = dict(self._counts)
+        if reset:
+            self._counts = dict.fromkeys(self._counts, 0)
+        return {
+            "lorapub/cut_trajectories": float(counts["rebound"] + counts["stale"]),
+            "lorapub/rebound_turns": float(counts["rebound"]),
+            "lorapub/stale_refusals": float(counts["stale"]),
+            "lorapub/waited_first_version": float(counts["waited_first_version"]),
+        }
 
     async def release(self, session_id: str) -> None:
         """``_finish_session_once``, once the session's requests are aborted and joined: release its
@@ -268,6 +299,7 @@ class RelaxLorapub:
         if member is not None and self._members.get(session_id) is not member:
             return  # released already (its own finish), or the id now belongs to a newer group
         member = self._members.pop(session_id, None)
+        self._rebinds_seen.pop(session_id, None)
         if member is None:
             return
         try:
@@ -333,6 +365,7 @@ class LorapubGenerationBackend:
         self._context_length_error_type = context_length_error_type
         self._result_type = result_type or GenerateResult
         self._sanitize_tokens = sanitize_tokens
+        self._waiting: dict[str, asyncio.Event] = {}  # request id -> set by abort_request while it waits
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -368,7 +401,7 @@ class LorapubGenerationBackend:
             payload["session_id"] = session_id
         started = time.monotonic()
         try:
-            output = await self.lorapub.generate(session_id, payload)
+            output = await self._send(session_id, request_id, payload)
         except EngineError as e:
             if e.details.get("status") == 400 and any(m in str(e) for m in CONTEXT_MARKERS):
                 if self._context_length_error_type is not None:
@@ -378,9 +411,46 @@ class LorapubGenerationBackend:
             raise chat_error(e, self._chat_error_type) from e
         return self._result(output, time.monotonic() - started)
 
+    async def _send(self, session_id: str, request_id: str, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Send on the session's binding. Before the trainer's first version the request waits for it (up to
+        ``first_version_wait`` s: nothing was sent, so asking again is safe); Relax's ``abort_request`` of a
+        waiting request (a pause) answers it as an aborted one, which Relax requeues and resumes."""
+        limit = self.lorapub.config.first_version_wait
+        deadline: float | None = None
+        try:
+            while True:
+                try:
+                    return await self.lorapub.generate(session_id, payload)
+                except NoPublishedVersion as e:
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + limit
+                        self.lorapub._counts["waited_first_version"] += 1
+                    if now >= deadline:
+                        raise NoPublishedVersion(
+                            f"{e}: the request waited {limit:g}s (first_version_wait) for the trainer's first "
+                            "version; nothing was sent — check that the trainer's first weight update ran"
+                        ) from e
+                    aborted = self._waiting.setdefault(request_id, asyncio.Event())
+                    try:
+                        await asyncio.wait_for(aborted.wait(), min(FIRST_VERSION_POLL, deadline - now))
+                    except TimeoutError:
+                        continue
+                    return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}}
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def abort_request(self, request_id: str) -> Any:
+        """Relax's ``abort_request``; a request still waiting for the first version is answered aborted."""
+        waiting = self._waiting.get(request_id)
+        if waiting is not None:
+            waiting.set()
+        return await self.inner.abort_request(request_id)
+
     def _result(self, output: Mapping[str, Any], elapsed: float) -> Any:
         meta_info = dict(output.get("meta_info") or {})
-        meta_info["lorapub"] = dict(output["lorapub"])
+        if "lorapub" in output:  # a request answered aborted while it waited for the first version has none
+            meta_info["lorapub"] = dict(output["lorapub"])
         items = list(meta_info.get("output_token_logprobs") or ())
         if items and all(isinstance(item, (list, tuple)) for item in items):  # SGLang: [logprob, token_id, text]
             tokens = [int(item[1]) for item in items]
