@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from lorapub.integrations import relax as relax_lorapub
-from lorapub.integrations.relax import LorapubConfig, RelaxLorapub
+from lorapub.integrations.relax import LorapubConfig, LorapubPublisher, RelaxLorapub
 
 from tests.integrations import relax_harness as harness
 from tests.integrations.relax_harness import RuntimeDomain
-from tests.integrations.test_relax import ask, make_relax, served, specs, start_group, teardown
+from tests.integrations.test_relax import FAST, ask, make_relax, served, specs, start_group, teardown
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,3 +281,53 @@ def test_share_verdict_over_gloo_raises_on_every_rank_when_rank_0s_publication_f
     assert [r["shared"] for r in results] == [[1, 0]] * world  # a MAX over the ranks: the flag of any one
     assert [r["raised"] for r in results] == ["WeightPublicationFailed"] * world  # every rank raises together
     assert results[0]["published"] == ["step3"] and results[1]["published"] == []  # rank 0 alone publishes
+
+
+# ------------------------------------------------------------------------------------------------
+# A trainer restart resumes
+# ------------------------------------------------------------------------------------------------
+
+
+async def restart_trainer(relax) -> None:
+    """Rank 0's process dies and Relax starts the trainer again: a new DeviceDirectBackend (its weight
+    path installed afresh), the same args, the same shared registry, the same engines."""
+    await asyncio.to_thread(relax.path.close)  # the old process is gone (its publication thread with it)
+    urls = [d.url for d in relax.doubles]
+    options = {"registry": relax.registry, "deadlines": FAST, "bucket_cap_bytes": 8 << 10}
+    harness.INJECT["trainer"] = {"publisher": lambda: LorapubPublisher(relax.args, worker_urls=urls, **options),
+                                 "background": False}
+    try:
+        relax.device = harness.DeviceDirectBackend(relax.args, "nccl", None, [relax.model], model_name="tiny-qwen3",
+                                                   quantization_config=None)
+    finally:
+        harness.INJECT["trainer"] = {}
+    relax.device.init_process_group_for_rollout(
+        {i: {"ip": "127.0.0.1", "port": int(u.rsplit(":", 1)[1])} for i, u in enumerate(urls)})
+
+
+async def test_a_restarted_trainer_resumes_without_pause_or_flush_and_publishes_as_usual(tmp_path):
+    relax = await make_relax(tmp_path, enabled=True)
+    try:
+        await relax.step(1)  # the run's first sync: Relax's own, then step1
+        await relax.step(2)
+        turns = await start_group(relax, "g", "s1", "s2")  # sessions open across the restart
+        await asyncio.gather(*turns.values())
+        assert served(relax, "s1")["version_id"] == "step2"
+
+        await restart_trainer(relax)
+        marks = [len(d.events) for d in relax.doubles]
+        relax.model.step = 3
+        await relax.update_weights()  # Relax's caller gives no rollout id: the id comes from the step count
+        assert relax.path.resumed
+        assert relax.lifecycle_events(marks) == []  # no pause, flush or continue reached the engines
+        assert relax.device.base_syncs == 0  # no base broadcast either
+        assert [o.status for o in relax.path.outcomes] == ["published"]
+        assert relax.path.outcomes[0].version_id == "step3"  # counted on: no id of the run before comes back
+
+        assert "error" not in await ask(relax.shard, "s1", [7])  # the open sessions keep their version
+        assert served(relax, "s1")["version_id"] == "step2"
+        await relax.lorapub.deployment.reconcile()
+        await asyncio.gather(*(await start_group(relax, "g2", "t1")).values())
+        assert served(relax, "t1")["version_id"] == "step3"  # a new group binds the restarted trainer's version
+    finally:
+        await teardown(relax)
