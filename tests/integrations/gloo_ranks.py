@@ -38,6 +38,7 @@ class _Sync:
 class _FailingPublisher(relax_lorapub.LorapubPublisher):
     def __init__(self) -> None:  # no loop and no thread: it refuses every publication at once
         self.submitted: list[str] = []
+        self.lorapub = SimpleNamespace(deployment=None)  # never started: no engines to follow
 
     def submit(self, snapshot, version_id):
         self.submitted.append(version_id)

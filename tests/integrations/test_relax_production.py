@@ -331,3 +331,83 @@ async def test_a_restarted_trainer_resumes_without_pause_or_flush_and_publishes_
         assert served(relax, "t1")["version_id"] == "step3"  # a new group binds the restarted trainer's version
     finally:
         await teardown(relax)
+
+
+# ------------------------------------------------------------------------------------------------
+# Engines follow Relax's topology
+# ------------------------------------------------------------------------------------------------
+
+
+def set_workers(relax, doubles) -> None:
+    """Relax's fleet changes: the router's /workers (the shard's source) and the coordinator's topology,
+    which Relax sets on the trainer's backend before every update (the trainer's source)."""
+    relax.args.worker_urls = [d.url for d in doubles]
+    relax.device.init_process_group_for_rollout(
+        {i: {"ip": "127.0.0.1", "port": int(d.url.rsplit(":", 1)[1])} for i, d in enumerate(doubles)})
+
+
+async def test_engines_join_and_leave_under_load_with_no_request_failed_and_no_version_missing(tmp_path):
+    from lorapub.testing import SGLangDouble
+
+    from tests.integrations.test_relax import RELAX_SLOTS
+
+    relax = await make_relax(tmp_path, enabled=True)
+    e2 = await SGLangDouble("e2", max_loaded_loras=RELAX_SLOTS, managed_prefix="lorapub@").start()
+    stop = asyncio.Event()
+    answers: list[dict] = []
+    served_by: set[str] = set()  # the engines the sessions' turns went to
+
+    async def rollouts(worker: int) -> None:  # groups of two, a few turns each, one after another
+        n = 0
+        while not stop.is_set():
+            group_id, members = f"w{worker}.g{n}", (f"w{worker}.g{n}.a", f"w{worker}.g{n}.b")
+            answers.extend(await asyncio.gather(*(await start_group(relax, group_id, *members)).values()))
+            for _ in range(3):
+                answers.extend(await asyncio.gather(*(ask(relax.shard, sid, [n % 7 + 1]) for sid in members)))
+                served_by.update(m.engine.name for m in map(relax.lorapub.member, members) if m and m.engine)
+            for sid in members:
+                await relax.shard.finish_agent(sid)
+            assert await RuntimeDomain(relax.shard).collect_group(group_id, members) is not None
+            n += 1
+
+    try:
+        await relax.step(1)
+        load = [asyncio.create_task(rollouts(w)) for w in range(4)]
+        await asyncio.sleep(0.3)
+
+        e0, e1 = relax.doubles
+        set_workers(relax, [e0, e1, e2])  # a third server joins
+        await relax.step(2)  # the trainer sees it in its topology and loads the live versions there
+        await asyncio.to_thread(relax.path._following.result, 30)
+        joined = await relax.lorapub.follow_workers()  # the shard sees it in the router's list
+        assert joined["added"] == ["127.0.0.1_" + e2.url.rsplit(":", 1)[1]]
+        await asyncio.sleep(0.5)
+        assert relax_lorapub.engine_name(e2.url) in served_by, "the new engine takes traffic"
+        assert relax_lorapub.engine_name(e2.url) in relax.path.publisher.deployment.engines
+
+        set_workers(relax, [e1, e2])  # one server leaves
+        await relax.step(3)
+        leaving = await relax.lorapub.follow_workers()
+        assert leaving["leaving"] == [relax_lorapub.engine_name(e0.url)]
+        await asyncio.gather(*relax.lorapub._leaving.values())
+        await asyncio.to_thread(relax.path._following.result, 30)
+        trainer = relax.path.publisher.deployment
+        for _ in range(200):  # the trainer's own drain and removal run in the background
+            if relax_lorapub.engine_name(e0.url) not in trainer.engines:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*load)
+
+        assert relax_lorapub.engine_name(e0.url) not in relax.lorapub.deployment.engines
+        assert relax_lorapub.engine_name(e0.url) not in trainer.engines
+        failed = [a for a in answers if "error" in a]
+        assert not failed, failed[:3]  # no request failed, none refused VERSION_MISSING
+        assert len(answers) > 40
+        await relax.settle()
+        assert [o.status for o in relax.path.outcomes] == ["published"] * 3
+    finally:
+        stop.set()
+        await teardown(relax)
+        await e2.stop()

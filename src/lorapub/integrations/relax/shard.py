@@ -11,7 +11,15 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
 
-from lorapub import BindingStale, Deployment, EngineError, LorapubError, NoPublishedVersion, SessionClosed
+from lorapub import (
+    BindingStale,
+    Deployment,
+    EngineError,
+    LorapubError,
+    NoPublishedVersion,
+    SessionClosed,
+    UnknownEngine,
+)
 
 from .errors import CONTEXT_MARKERS, chat_error
 from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
@@ -104,6 +112,9 @@ class RelaxLorapub:
         self._members: dict[str, Any] = {}
         self._rebinds_seen: dict[str, int] = {}  # per open member: the group rebinds its last turn carried
         self._closed = False
+        self._following: asyncio.Task | None = None  # the running look at the workers (one at a time)
+        self._followed_at: float | None = None
+        self._leaving: dict[str, asyncio.Task] = {}  # engine -> its drain and removal
         #: cut trajectories since the last :meth:`metrics` reset (Relax's ``agentic_kv_metrics``)
         self._counts = {"rebound": 0, "stale": 0, "waited_first_version": 0}
 
@@ -169,22 +180,93 @@ class RelaxLorapub:
         self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
 
     async def _build_engines(self) -> dict[str, Any]:
+        urls = await self._current_urls()
+        from lorapub.adapters.sglang_wire import HTTPBytes  # aiohttp: lazily
+
+        self._transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
+        engines = {engine_name(url): self._engine(url) for url in sorted(set(urls or ()))}
+        self._built_engines = list(engines.values())
+        self._followed_at = time.monotonic()
+        return engines
+
+    def _engine(self, url: str) -> Any:
+        from lorapub.adapters.sglang_wire import SGLangWireEngine  # aiohttp: lazily
+
+        return SGLangWireEngine(engine_name(url), url, api_key=self.config.api_key,
+                                admin_api_key=self.config.admin_api_key)
+
+    async def _current_urls(self) -> list[str]:
         urls = self._worker_urls
         if callable(urls):
             urls = urls()
             if inspect.isawaitable(urls):
                 urls = await urls
-        from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine  # aiohttp: lazily
+        return list(urls or ())
 
-        self._transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
-        engines = {
-            engine_name(url): SGLangWireEngine(
-                engine_name(url), url, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
-            )
-            for url in sorted(set(urls or ()))
-        }
-        self._built_engines = list(engines.values())
-        return engines
+    # -- engines that come and go ---------------------------------------------------------------
+    async def follow_workers(self, urls: Sequence[str] | None = None, *, join_timeout: float | None = 60.0) -> dict[str, list[str]]:
+        """Bring this deployment's engines to ``urls`` (default: the workers now, from ``worker_urls``: the
+        router's list on a shard): a worker that appeared is added (``add_engine``: it takes traffic once it
+        holds every version a live session may use), one that left is drained, then removed, in the
+        background (``drain_engine`` for up to ``drain_wait`` s, then ``remove_engine``). An empty list is
+        ignored (a router between two lists). Returns the names ``added`` and ``leaving``."""
+        if not self.enabled or self.deployment is None or self._closed:
+            return {"added": [], "leaving": []}
+        wanted = {engine_name(u): u for u in (urls if urls is not None else await self._current_urls())}
+        if not wanted:
+            log.warning("lorapub: the worker list is empty; the engines stay as they are")
+            return {"added": [], "leaving": []}
+        have = set(self.deployment.engines)
+        added = sorted(set(wanted) - have)
+        leaving = sorted(name for name in have - set(wanted) if name not in self._leaving)
+        for name in added:
+            engine = self._engine(wanted[name])
+            self._built_engines.append(engine)
+            try:
+                await self.deployment.add_engine(engine, timeout=join_timeout)
+                log.info("lorapub: engine %s joined (it holds every version a live session may use)", name)
+            except LorapubError as e:  # it keeps joining in the background; a later look waits again
+                log.warning("lorapub: engine %s is joining but takes no traffic yet: %s", name, e)
+        for name in leaving:
+            self._leaving[name] = asyncio.get_running_loop().create_task(self._leave(name))
+        self._followed_at = time.monotonic()
+        return {"added": added, "leaving": leaving}
+
+    async def _leave(self, name: str) -> None:
+        try:
+            await self.deployment.drain_engine(name, timeout=self.config.drain_wait)
+            await self.deployment.remove_engine(name)
+            log.info("lorapub: engine %s left the workers: drained and removed", name)
+        except UnknownEngine:
+            # another process of the run (the trainer, another shard) removed it from the shared registry
+            # first: nothing routes there any more; this process lets go of its adapter
+            engine = self.deployment.engines.pop(name, None)
+            if engine is not None and engine in self._built_engines:
+                self._built_engines.remove(engine)
+                await engine.close()
+            log.info("lorapub: engine %s left the workers (removed by another process of the run)", name)
+        except LorapubError as e:  # it stays draining (no new binding goes there); a later look tries again
+            log.warning("lorapub: engine %s left the workers but is not removed yet: %s", name, e)
+        finally:
+            self._leaving.pop(name, None)
+
+    def _maybe_follow(self) -> None:
+        """A shard looks at the router's workers at most every ``worker_refresh`` s, beside its groups."""
+        every = self.config.worker_refresh
+        if every is None or self._given_engines is not None or self._worker_urls is None:
+            return
+        if self._following is not None and not self._following.done():
+            return
+        if self._followed_at is not None and time.monotonic() - self._followed_at < every:
+            return
+        self._followed_at = time.monotonic()
+        self._following = asyncio.get_running_loop().create_task(self._follow_logged())
+
+    async def _follow_logged(self) -> None:
+        try:
+            await self.follow_workers()
+        except Exception as e:  # noqa: BLE001 - a failed look is retried at the next one
+            log.warning("lorapub: looking at the router's workers failed: %s", e)
 
     async def _shared_registry(self, engines: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
         if not self.config.registry:
@@ -203,6 +285,10 @@ class RelaxLorapub:
     async def aclose(self) -> None:
         """``_shutdown``: release every member still open, stop the deployment, close the engines."""
         self._closed = True
+        for task in [self._following, *self._leaving.values()]:
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._members:
             await asyncio.gather(*(self._close(sid) for sid in list(self._members)), return_exceptions=True)
         self._groups.clear()
@@ -223,6 +309,7 @@ class RelaxLorapub:
         if not self.enabled:
             return
         await self.start()
+        self._maybe_follow()
         ended = self._groups.pop(group_id, None)
         if ended is not None:
             log.info("lorapub: Relax group id %s comes back as a new group; releasing what its previous group "

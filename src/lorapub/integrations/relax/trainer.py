@@ -71,6 +71,11 @@ class LorapubPublisher:
     def publish(self, snapshot: Snapshot, version_id: str, timeout: float | None = None) -> Any:
         return self.submit(snapshot, version_id).result(timeout)
 
+    def follow(self, urls: list[str]) -> concurrent.futures.Future:
+        """Bring the engines to ``urls`` in the background (``RelaxLorapub.follow_workers``): this process
+        published the versions, so it is the one that loads them on an engine that joins."""
+        return self._submit(self.lorapub.follow_workers(urls))
+
     async def _resume_point(self) -> int | None:
         await self.lorapub.start()
         state = await self.lorapub.deployment.state()
@@ -188,6 +193,7 @@ class LorapubWeightPath:
         self.outcomes: list[PublishOutcome] = []
         self._published_once = False
         self._resume_checked = False
+        self._following: concurrent.futures.Future | None = None  # the last look at the rollout engines
         #: True when this trainer found a run under way at its first update (a restart): no base sync then
         self.resumed = False
         self._unreported: list[PublishOutcome] = []
@@ -252,6 +258,7 @@ class LorapubWeightPath:
             local_adapter = sync.export_local_adapter(all_params)  # collective
             merged = sync.gather_full_adapter(local_adapter, all_gather=False)  # collective; None off rank 0
             if self._rank() == 0:
+                self._follow_rollout_engines()
                 snapshot = Snapshot(merged, sync.config_dict())  # a frozen CPU copy: training may step on
                 step = rollout_id if rollout_id is not None else backend.weight_version
                 failed = self._submit(snapshot, version_id_for(step))
@@ -269,6 +276,19 @@ class LorapubWeightPath:
                 "lorapub: publishing the LoRA adapter failed; the previous version stays the default and sessions "
                 f"keep theirs ({cause or 'failed on rank 0'})"
             ) from cause
+
+    def _follow_rollout_engines(self) -> None:
+        """Relax refreshes ``rollout_topology`` from its coordinator before every update (and a newer Relax
+        names the engines it updated with ``updated_rollout_urls()``): engines that joined or left since the
+        last update join or leave lorapub's deployment too (rank 0, in the background)."""
+        publisher = self.publisher
+        if publisher.deployment is None:
+            return  # its first publication starts it from rollout_topology
+        updated = getattr(self.backend, "updated_rollout_urls", None)
+        urls = list(updated() or ()) if callable(updated) else []
+        urls = urls or topology_urls(self.backend)
+        if urls:
+            self._following = publisher.follow(sorted(urls))
 
     def _submit(self, snapshot: Snapshot, version_id: str) -> int:
         outcome = PublishOutcome(version_id, snapshot.digest)
