@@ -288,12 +288,14 @@ def test_share_verdict_over_gloo_raises_on_every_rank_when_rank_0s_publication_f
 # ------------------------------------------------------------------------------------------------
 
 
-async def restart_trainer(relax) -> None:
+async def restart_trainer(relax, copies=None) -> None:
     """Rank 0's process dies and Relax starts the trainer again: a new DeviceDirectBackend (its weight
-    path installed afresh), the same args, the same shared registry, the same engines."""
+    path installed afresh), the same args, the same shared registry, the same engines (and the store its
+    frozen copies outlive it in, where given)."""
     await asyncio.to_thread(relax.path.close)  # the old process is gone (its publication thread with it)
     urls = [d.url for d in relax.doubles]
-    options = {"registry": relax.registry, "deadlines": FAST, "bucket_cap_bytes": 8 << 10}
+    options = {"registry": relax.registry, "deadlines": FAST, "bucket_cap_bytes": 8 << 10,
+               **({"copies": copies} if copies is not None else {})}
     harness.INJECT["trainer"] = {"publisher": lambda: LorapubPublisher(relax.args, worker_urls=urls, **options),
                                  "background": False}
     try:
@@ -409,5 +411,38 @@ async def test_engines_join_and_leave_under_load_with_no_request_failed_and_no_v
         assert [o.status for o in relax.path.outcomes] == ["published"] * 3
     finally:
         stop.set()
+        await teardown(relax)
+        await e2.stop()
+
+
+async def test_a_joining_engine_gets_a_version_the_trainer_published_before_its_restart(tmp_path):
+    from lorapub.testing import SGLangDouble
+
+    from lorapub.integrations.relax.copies import LocalCopies
+    from tests.integrations.test_relax import RELAX_SLOTS
+
+    copies = LocalCopies()  # stands in for the detached Ray actor: it outlives the trainer process
+    relax = await make_relax(tmp_path, enabled=True, registry_options={"capacity": 3})
+    e2 = await SGLangDouble("e2", max_loaded_loras=RELAX_SLOTS, managed_prefix="lorapub@").start()
+    try:
+        await restart_trainer(relax, copies=copies)  # the run's trainer keeps its copies in the store
+        await relax.step(1)
+        await asyncio.gather(*(await start_group(relax, "g", "s1")).values())  # s1 holds step1 throughout
+        await relax.step(2)
+        step1 = served(relax, "s1")["lora_name"]
+
+        await restart_trainer(relax, copies=copies)  # a new trainer process: step1's copy is not its own
+        set_workers(relax, [*relax.doubles, e2])
+        await relax.step(3)
+        await asyncio.to_thread(relax.path._following.result, 30)
+        joined = await relax.lorapub.follow_workers(join_timeout=10)
+        assert joined["added"] == [relax_lorapub.engine_name(e2.url)]
+        assert step1 in e2.registered()  # loaded from the copy the trainer before the restart kept
+        trainer = relax.path.publisher.deployment
+        fleet = await trainer.state()
+        assert relax_lorapub.engine_name(e2.url) not in fleet.members  # SERVING (not joining)
+        assert "error" not in await ask(relax.shard, "s1", [3])
+        assert {k.version_id for k, _ in copies.items()} <= {"step1", "step2", "step3"}
+    finally:
         await teardown(relax)
         await e2.stop()

@@ -87,6 +87,7 @@ class RelaxLorapub:
         engines: Mapping[str, Any] | None = None,
         registry: Any = None,
         role: str = "shard",
+        copies: Any = None,
         **deployment_options: Any,
     ) -> None:
         self.args = args
@@ -106,6 +107,7 @@ class RelaxLorapub:
         self._built_engines: list[Any] = []
         self._transport: Any = None  # the built engines' transport, named on their deployment
         self._registry = registry
+        self._copies = copies  # the trainer's: where its frozen copies outlive it (copies.py)
         self._deployment_options = deployment_options
         self._start: asyncio.Task | None = None
         self._groups: dict[str, _Group] = {}
@@ -178,6 +180,32 @@ class RelaxLorapub:
                 options.pop(shared, None)  # a shared registry's settings are made where it is created
             # (name_prefix stays: the deployment refuses a shared registry that names versions otherwise)
         self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
+        if self.role == "trainer":
+            await self._share_frozen_copies()
+
+    async def _share_frozen_copies(self) -> None:
+        """The trainer keeps its frozen copies beyond itself, and takes back those a trainer before it kept
+        (a restart): it loads every live version on an engine that joins or restarts, whichever trainer
+        process published it."""
+        copies = self._copies
+        if copies is None and self.config.registry and self._registry is None:
+            from .copies import RayCopies
+
+            copies = RayCopies(f"{self.config.registry}-{self.config.epoch}-copies")
+        if copies is None:
+            return
+        from .copies import SharedFrozenCopies
+
+        publisher = self.deployment.publisher
+        frozen = publisher.frozen
+        taken = await asyncio.to_thread(copies.items)
+        for key, snapshot in taken:
+            if key not in frozen:
+                frozen.keep(key, snapshot)
+        publisher.frozen = SharedFrozenCopies(frozen, copies)
+        if taken:
+            log.info("lorapub: took back the frozen copies of %s (published before this trainer started)",
+                     ", ".join(sorted(str(k) for k, _ in taken)))
 
     async def _build_engines(self) -> dict[str, Any]:
         urls = await self._current_urls()
