@@ -17,6 +17,12 @@ router (requests go to ``args.worker_urls``, chosen by a hash of the session id;
 lists them) and NCCL (Relax's adapter push over ``/update_lora_from_distributed`` is modelled by an
 unload and a load of the fixed name, which the SGLang double serves).
 
+How a group ends follows the pinned ``service.py`` and ``runtime.py``: ``RuntimeDomain.collect_group``
+(the driver) calls the shard's ``release_group`` once every member's result is in, and that pops the
+group itself (it does not go through ``_drop_group``); a ``None`` result (a controlled agent failure) or
+an exception ends the group through ``drop_group`` instead. ``RuntimeDomain`` and ``agentic_kv_metrics``
+have no row in ``relax_surface.py`` (their lines were not recorded).
+
 Lines marked ``# lorapub hook`` are the sites of ``docs/relax.md``; ``INJECT`` carries what a test
 gives the hooks (a shared registry, short deadlines), where Relax passes nothing.
 """

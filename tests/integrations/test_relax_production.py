@@ -446,3 +446,23 @@ async def test_a_joining_engine_gets_a_version_the_trainer_published_before_its_
     finally:
         await teardown(relax)
         await e2.stop()
+
+
+async def test_a_worker_with_too_few_slots_is_refused_each_look_and_leaks_no_adapter(tmp_path, caplog):
+    from lorapub.testing import SGLangDouble
+
+    relax = await make_relax(tmp_path, enabled=True)
+    small = await SGLangDouble("small", max_loaded_loras=2, managed_prefix="lorapub@").start()
+    try:
+        await relax.step(1)
+        await relax.lorapub.start()
+        set_workers(relax, [*relax.doubles, small])
+        for _ in range(3):
+            await relax.lorapub.follow_workers(join_timeout=5)
+        name = relax_lorapub.engine_name(small.url)
+        assert name not in relax.lorapub.deployment.engines
+        assert all(e.name != name for e in relax.lorapub._built_engines)  # none kept open, look after look
+        assert "was refused" in caplog.text and "max-loaded-loras" in caplog.text  # the message names the fix
+    finally:
+        await teardown(relax)
+        await small.stop()

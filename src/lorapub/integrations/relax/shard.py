@@ -15,6 +15,7 @@ from lorapub import (
     BindingStale,
     Deployment,
     EngineError,
+    EngineUnavailable,
     LorapubError,
     NoPublishedVersion,
     SessionClosed,
@@ -253,8 +254,12 @@ class RelaxLorapub:
             try:
                 await self.deployment.add_engine(engine, timeout=join_timeout)
                 log.info("lorapub: engine %s joined (it holds every version a live session may use)", name)
-            except LorapubError as e:  # it keeps joining in the background; a later look waits again
+            except EngineUnavailable as e:  # a member now: it keeps joining in the background
                 log.warning("lorapub: engine %s is joining but takes no traffic yet: %s", name, e)
+            except LorapubError as e:  # refused (its LoRA slots, its protected prefix): a later look asks again
+                self._built_engines.remove(engine)
+                await engine.close()
+                log.error("lorapub: engine %s was refused and serves nothing: %s", name, e)
         for name in leaving:
             self._leaving[name] = asyncio.get_running_loop().create_task(self._leave(name))
         self._followed_at = time.monotonic()
