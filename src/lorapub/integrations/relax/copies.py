@@ -1,12 +1,7 @@
-"""The frozen copies of the versions live sessions may still use, shared beyond the trainer process
-that published them, so that a trainer started again can still load them on an engine that joins or
-restarts.
-
-lorapub loads a version on such an engine from the frozen snapshot the publishing process kept; the
-process that published it is Relax's trainer (rank 0). A trainer that restarts would come back without
-them. Here rank 0 keeps each copy in a store that outlives it too (a detached Ray actor in a Relax run),
-and a trainer that starts takes back the copies the store still has; the store keeps only what the
-registry still needs, as the process's own copies do.
+"""Frozen copies of live versions that outlive the trainer process that published them: rank 0 keeps
+each in a store beside the registry (a detached Ray actor in a Relax run), and a trainer started again
+takes them back, so it can still load them on an engine that joins or restarts.
+See docs/relax.md, "Engines that come and go".
 """
 
 from __future__ import annotations
