@@ -63,10 +63,10 @@ class RayCopies:
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
 
     def keep(self, key: VersionKey, snapshot: Snapshot) -> None:
-        self.actor.keep.remote((key.epoch, key.version_id), snapshot)
+        self.actor.keep.remote((key.deployment_epoch, key.version_id), snapshot)
 
     def retain(self, keys: Iterable[VersionKey]) -> None:
-        self.actor.retain.remote([(k.epoch, k.version_id) for k in keys])
+        self.actor.retain.remote([(k.deployment_epoch, k.version_id) for k in keys])
 
     def items(self) -> list[tuple[VersionKey, Snapshot]]:
         found = self._ray.get(self.actor.items.remote(), timeout=self.timeout)
