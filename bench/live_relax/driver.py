@@ -9,7 +9,7 @@
 The rollouts go through lorapub's Relax integration (``lorapub.integrations.relax``) as Relax's own
 code calls it, by way of the stand-ins of ``tests/integrations/relax_harness.py``: an
 ``AgenticSessionShard`` (``open_group`` at ``start_group``, the wrapped backend's ``generate`` per
-turn with Relax's keywords, ``release`` at each session's finish, ``release_group`` when the group
+turn with Relax's keywords, ``release`` at each session's finish, ``release_group`` when the completed group
 is dropped) and a ``DeviceDirectBackend`` whose ``update_weights_for_rollout`` is lorapub's weight
 path (``install_weight_path``: each adapter an immutable version, no pause, no flush) or, with
 lorapub off, Relax's own (pause, flush, overwrite of ``relax_policy_lora``, continue). Each round
@@ -427,7 +427,7 @@ async def one_run(strategy: str, args, epoch: int) -> dict:
             await shard.lease_group(group_id, current["step"])
             await asyncio.gather(*agents)
             await shard.take_session_results(group_id, tuple(session_ids))
-            await shard.release_group(group_id)  # every member finished: the group is dropped
+            await shard.release_group(group_id)  # every member finished: Relax's release_group ends the group
 
         async def trainer() -> None:
             t0 = time.monotonic()

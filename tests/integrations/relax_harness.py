@@ -17,6 +17,12 @@ router (requests go to ``args.worker_urls``, chosen by a hash of the session id;
 lists them) and NCCL (Relax's adapter push over ``/update_lora_from_distributed`` is modelled by an
 unload and a load of the fixed name, which the SGLang double serves).
 
+How a group ends follows the pinned ``service.py`` and ``runtime.py``: ``RuntimeDomain.collect_group``
+(the driver) calls the shard's ``release_group`` once every member's result is in, and that pops the
+group itself (it does not go through ``_drop_group``); a ``None`` result (a controlled agent failure) or
+an exception ends the group through ``drop_group`` instead. ``RuntimeDomain`` and ``agentic_kv_metrics``
+have no row in ``relax_surface.py`` (their lines were not recorded).
+
 Lines marked ``# lorapub hook`` are the sites of ``docs/relax.md``; ``INJECT`` carries what a test
 gives the hooks (a shared registry, short deadlines), where Relax passes nothing.
 """
@@ -172,6 +178,39 @@ class SGLangBackendAdapter:
         self.shut_down = True
         if self._http is not None:
             await self._http.close()
+
+
+class RuntimeDomain:
+    """The driver side of a group's end (``RuntimeDomain.collect_group`` and ``drop_group``): every
+    member's result arrives; a ``None`` result (a controlled drop: an agent that exited on failure) ends the
+    group through ``drop_group``; otherwise the shard's ``release_group`` ends it. An exception drops it too."""
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+
+    async def collect_group(self, group_id, session_ids):
+        try:
+            group = self.shard._groups[group_id]
+            while True:  # each result as it completes (the shard's state-change stream, reduced to polling)
+                done = [sid for sid in session_ids if group.result_cells[sid].terminal]
+                if any(outcome is None for outcome in await self.shard.take_session_results(group_id, tuple(done))):
+                    await self.drop_group(group_id)  # "Dropped 1 group": a controlled drop ends it early
+                    return None
+                if len(done) == len(session_ids):
+                    break
+                await asyncio.sleep(0.001)
+            outcomes = await self.shard.take_session_results(group_id, tuple(session_ids))
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            await self.shard.release_group(group_id)
+            return outcomes
+        except BaseException:
+            await finish_before_cancellation(self.drop_group(group_id), f"wait-group-cleanup:{group_id}")
+            raise
+
+    async def drop_group(self, group_id):
+        await self.shard.drop_group(group_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,9 +542,14 @@ class AgenticSessionShard:
         return tuple(group.result_cells[sid].take() for sid in session_ids)
 
     async def release_group(self, group_id):
-        group = self._groups.get(group_id)
-        if group is not None and group.terminal:
-            await self.drop_group(group_id)
+        # Relax pops a completed group itself: its release does not go through _drop_group
+        group = self._groups[group_id]
+        self._raise_group_error(group)
+        if not group.terminal:
+            raise RuntimeGroupError(f"cannot release unfinished group: {group_id}")
+        self._groups.pop(group_id)
+        await self._lorapub.release_group(group_id)  # lorapub hook: forget the completed group
+        self._notify_state_change()
 
     async def drop_group(self, group_id):
         group = self._groups.get(group_id)
@@ -514,6 +558,12 @@ class AgenticSessionShard:
         if group.drop_task is None:
             group.drop_task = asyncio.create_task(self._drop_group(group), name=f"drop-group:{group.group_id}")
         await finish_before_cancellation(group.drop_task, f"drop-group:{group.group_id}")
+
+    async def agentic_kv_metrics(self, reset=False):
+        lorapub_metrics = self._lorapub.metrics(reset=reset)  # lorapub hook: cut trajectories, whatever the flags
+        if not getattr(self.args, "agentic_session_lifecycle", False):
+            return lorapub_metrics
+        return {"session/lifecycle_enabled": 1.0, **lorapub_metrics}
 
     # -- chat ---------------------------------------------------------------------------------------
     async def chat(self, *, session_id, messages, tools, chat_template_kwargs, max_completion_tokens, stop, seed,

@@ -60,6 +60,8 @@ from tests.integrations.relax_surface import RELAX_SURFACE, row
 
 FAST = Deadlines(begin=5, bucket=5, end=20, cleanup=5, commit=2, reclaim=10)  # end: the first load imports torch
 EPOCH = 7
+#: The LoRA slots of a Relax run's SGLang at the default capacity (3): sglang_overrides()
+RELAX_SLOTS = 5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,7 +219,7 @@ class Relax:
 async def make_relax(tmp_path, *, enabled: bool, settings: dict | None = None, registry_options: dict | None = None,
                      background: bool = False, request_capacity: int | None = None) -> Relax:
     prefix = (settings or {}).get("name_prefix", DEFAULT_NAME_PREFIX)  # the engines protect the integration's names
-    doubles = [await SGLangDouble("e0", managed_prefix=prefix).start(), await SGLangDouble("e1", managed_prefix=prefix).start()]
+    doubles = [await SGLangDouble("e0", max_loaded_loras=RELAX_SLOTS, managed_prefix=prefix).start(), await SGLangDouble("e1", max_loaded_loras=RELAX_SLOTS, managed_prefix=prefix).start()]
     urls = [d.url for d in doubles]
     args = relax_args(tmp_path, enabled=enabled, urls=urls, settings=settings)
     shared = None
@@ -430,10 +432,11 @@ async def test_shutdown_closes_lorapub_then_relaxs_backend(relax_on):
 
 
 async def test_chat_answers_lorapub_refusals_as_typed_relax_errors(tmp_path):
-    relax = await make_relax(tmp_path, enabled=True, registry_options={"max_lag": 0, "on_stale": "error"})  # as Relax makes it
+    relax = await make_relax(tmp_path, enabled=True, registry_options={"max_lag": 0, "on_stale": "error"},
+                             settings={"first_version_wait": 0.3})
     try:
         shard = relax.shard
-        # NO_PUBLISHED_VERSION: nothing is published yet
+        # NO_PUBLISHED_VERSION: nothing is published within first_version_wait
         early = await asyncio.gather(*(await start_group(relax, "g", "s1", "s2")).values())
         assert [r["_http_status"] for r in early] == [503, 503]
         assert {r["error"]["code"] for r in early} == {"NO_PUBLISHED_VERSION"}
@@ -489,7 +492,7 @@ async def test_without_a_lorapub_session_a_request_is_refused_typed_not_sent(rel
     assert backend.inner.generate_calls == 0
     assert relax_lorapub.error_result(NoPublishedVersion("none yet"))["error"]["code"] == "NO_PUBLISHED_VERSION"
     closed = relax_lorapub.error_result(lorapub.DeploymentClosed("closed at shutdown"))
-    assert (closed["_http_status"], closed["error"]["code"]) == (503, "DEPLOYMENT_CLOSED")  # never Relax's 500
+    assert (closed["_http_status"], closed["error"]["code"]) == (410, "DEPLOYMENT_CLOSED")  # never Relax's 500
 
 
 # ------------------------------------------------------------------------------------------------
@@ -644,11 +647,12 @@ def test_the_default_prefix_is_outside_relaxs_names_and_goes_to_the_engines():
     assert check_name_prefix(DEFAULT_NAME_PREFIX) == "lorapub@"
     config = LorapubConfig()
     assert relax_lorapub.engine_env(config) == {"SGLANG_LORAPUB_MANAGED_PREFIX": "lorapub@"}
-    assert relax_lorapub.sglang_overrides(LorapubConfig(capacity=3)) == {"max_loras_per_batch": 4, "max_loaded_loras": 4}
+    assert relax_lorapub.sglang_overrides(LorapubConfig(capacity=3)) == {"max_loras_per_batch": 5, "max_loaded_loras": 5}
+    assert relax_lorapub.sglang_overrides(LorapubConfig()) == {"max_loras_per_batch": RELAX_SLOTS, "max_loaded_loras": RELAX_SLOTS}
 
 
 async def test_versions_carry_the_integrations_prefix_which_the_engines_must_protect(tmp_path):
-    double = await SGLangDouble("e0", managed_prefix="lorapub_test@").start()
+    double = await SGLangDouble("e0", max_loaded_loras=RELAX_SLOTS, managed_prefix="lorapub_test@").start()
     try:
         args = relax_args(tmp_path, enabled=True, settings={"name_prefix": "lorapub_test@"})
         engine = SGLangWireEngine("e0", double.url)
@@ -759,7 +763,7 @@ def test_nothing_names_relaxs_gone_hooks_or_its_old_home():
 
 
 async def test_a_failed_start_closes_the_adapters_it_built_and_a_retry_builds_new_ones(tmp_path):
-    double = await SGLangDouble("e0", managed_prefix="lorapub@").start()  # as engine_env() launches it
+    double = await SGLangDouble("e0", max_loaded_loras=RELAX_SLOTS, managed_prefix="lorapub@").start()  # as engine_env() launches it
     args = relax_args(tmp_path, enabled=True, settings={"registry": "lorapub_test_registry"})
     pub = relax_lorapub.RelaxLorapub(args, worker_urls=[double.url], deadlines=FAST)
     built: list = []
@@ -849,7 +853,7 @@ def test_the_guides_config_block_names_every_setting_with_its_default():
 async def test_the_trainer_serves_the_fleets_status_where_the_config_says(tmp_path):
     import aiohttp
 
-    double = await SGLangDouble("e0", managed_prefix="lorapub@").start()
+    double = await SGLangDouble("e0", max_loaded_loras=RELAX_SLOTS, managed_prefix="lorapub@").start()
     engine = SGLangWireEngine("e0", double.url)
     args = relax_args(tmp_path, enabled=True, settings={"status": "127.0.0.1:0"})
     pub = relax_lorapub.RelaxLorapub(args, role="trainer", engines={"e0": engine}, deadlines=FAST)

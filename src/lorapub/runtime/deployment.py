@@ -428,7 +428,7 @@ class Deployment:
         An engine that does not answer is left as the registry knows it (a begin to it fails)."""
         self._require_started()
         found = {}
-        for name in self.engines:
+        for name in list(self.engines):  # add_engine may change the set while an engine answers
             try:
                 found[name] = await self.fleet.incarnation(name)
             except LorapubError as e:

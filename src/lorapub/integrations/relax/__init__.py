@@ -8,11 +8,12 @@ See docs/relax.md, "What changes in Relax's code".
 
 from __future__ import annotations
 
-from .errors import RelaxChatError, chat_error, error_result, export_metadata
+from .errors import NOT_RESENDABLE, RESENDABLE, RelaxChatError, chat_error, error_result, export_metadata
 from .options import (
     CONFIG_FLAG,
     DEFAULT_NAME_PREFIX,
     ENABLE_FLAG,
+    MAX_STALENESS,
     RELAX_ADAPTER_NAME,
     RELAX_NAME_FAMILIES,
     RELAX_OPTIONS,
@@ -42,7 +43,7 @@ from .trainer import (
 )
 
 __all__ = [
-    "CONFIG_FLAG", "ENABLE_FLAG", "DEFAULT_NAME_PREFIX", "RELAX_ADAPTER_NAME", "RELAX_COMMITS", "RELAX_NAME_FAMILIES",
+    "CONFIG_FLAG", "ENABLE_FLAG", "MAX_STALENESS", "NOT_RESENDABLE", "RESENDABLE", "DEFAULT_NAME_PREFIX", "RELAX_ADAPTER_NAME", "RELAX_COMMITS", "RELAX_NAME_FAMILIES",
     "RELAX_OPTIONS", "TRANSPORTS", "GenerateResult", "LorapubConfig", "LorapubGenerationBackend", "LorapubPublisher",
     "LorapubWeightPath", "OptionClash", "PublishOutcome", "RelaxChatError", "RelaxLorapub", "WeightPublicationFailed",
     "add_arguments", "chat_error", "check_name_prefix", "check_parser", "config_from_args", "engine_env",

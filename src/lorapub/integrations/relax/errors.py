@@ -7,18 +7,30 @@ from typing import Any, Mapping
 
 from lorapub import LorapubError
 
-__all__ = ['CONTEXT_MARKERS', 'RelaxChatError', 'chat_error', 'error_result', 'export_metadata']
+__all__ = ['CONTEXT_MARKERS', 'NOT_RESENDABLE', 'RESENDABLE', 'RelaxChatError', 'chat_error', 'error_result', 'export_metadata']
 
 # ---------------------------------------------------------------------------------------------
 # Errors in Relax's shape
 # ---------------------------------------------------------------------------------------------
 
-_CHAT_STATUS = {
-    "NO_PUBLISHED_VERSION": 503, "VERSION_MISSING": 503, "VERSION_RECLAIMING": 503, "ENGINE_UNAVAILABLE": 503,
-    "ENGINE_CLOSED": 503, "DEPLOYMENT_CLOSED": 503, "BINDING_STALE": 410, "SESSION_EXPIRED": 410, "GROUP_CLOSED": 410, "SESSION_CLOSED": 404,
-    "OUTCOME_UNKNOWN": 504, "ENGINE_ERROR": 502, "INVALID_INPUT": 400,
-    "PROVENANCE_MISMATCH": 502,
+#: Codes an agent's client may send again as they are: nothing ran (no version yet, the bound version is
+#: being loaded again, the engine is away) or the engine's failure was definite. They answer 5xx, which
+#: OpenAI-style clients resend.
+RESENDABLE: dict[str, int] = {
+    "NO_PUBLISHED_VERSION": 503, "VERSION_MISSING": 503, "VERSION_RECLAIMING": 503, "VERSION_SUSPECT": 503,
+    "ENGINE_UNAVAILABLE": 503, "ENGINE_CLOSED": 503, "ENGINE_ERROR": 502,
 }
+#: Codes an agent's client must not send again: the request may have run (OUTCOME_UNKNOWN), its answer is not
+#: the session's version's (PROVENANCE_MISMATCH, NUMERIC_MISMATCH), or the session or its group can generate
+#: no more. They answer 4xx other than 408, 409 and 429, which clients do not resend.
+NOT_RESENDABLE: dict[str, int] = {
+    "BINDING_STALE": 410, "SESSION_EXPIRED": 410, "GROUP_CLOSED": 410, "DEPLOYMENT_CLOSED": 410,
+    "SESSION_CLOSED": 404, "OUTCOME_UNKNOWN": 424, "PROVENANCE_MISMATCH": 421, "NUMERIC_MISMATCH": 421,
+    "INVALID_INPUT": 400,
+}
+_CHAT_STATUS = {**RESENDABLE, **NOT_RESENDABLE}
+#: Any other lorapub code (a publication's or an operator's, never a generation's): not resent either.
+_OTHER_STATUS = 422
 CONTEXT_MARKERS = ("maximum context length", "Requested token count exceeds")
 
 
@@ -49,7 +61,7 @@ def chat_error(exc: LorapubError, error_type: type | None = None) -> Exception:
     a 500, never a group drop). The lorapub error is its ``__cause__`` and ``lorapub_error``."""
     cls = error_type or RelaxChatError
     error = cls(
-        str(exc), code=exc.code, param=None, status_code=_CHAT_STATUS.get(exc.code, 500), error_type="lorapub_error"
+        str(exc), code=exc.code, param=None, status_code=_CHAT_STATUS.get(exc.code, _OTHER_STATUS), error_type="lorapub_error"
     )
     error.__cause__ = exc
     try:

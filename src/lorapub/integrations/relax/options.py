@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Mapping
 
 
-__all__ = ['CONFIG_FLAG', 'DEFAULT_NAME_PREFIX', 'ENABLE_FLAG', 'LorapubConfig', 'OptionClash', 'RELAX_ADAPTER_NAME', 'RELAX_NAME_FAMILIES', 'RELAX_OPTIONS', 'TRANSPORTS', 'add_arguments', 'check_name_prefix', 'check_parser', 'config_from_args', 'engine_env', 'engine_name', 'is_enabled', 'sglang_overrides', 'topology_urls', 'validate_args', 'version_id_for']
+__all__ = ['CONFIG_FLAG', 'DEFAULT_NAME_PREFIX', 'ENABLE_FLAG', 'LorapubConfig', 'MAX_STALENESS', 'OptionClash', 'RELAX_ADAPTER_NAME', 'RELAX_NAME_FAMILIES', 'RELAX_OPTIONS', 'TRANSPORTS', 'add_arguments', 'check_name_prefix', 'check_parser', 'config_from_args', 'engine_env', 'engine_name', 'is_enabled', 'sglang_overrides', 'topology_urls', 'validate_args', 'version_id_for']
 
 # ---------------------------------------------------------------------------------------------
 # Names: lorapub's options and engine-side names never collide with Relax's
@@ -46,6 +46,10 @@ DEFAULT_NAME_PREFIX = "lorapub@"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}@")
 ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # lorapub's rule for session, group and version ids
 TRANSPORTS = ("auto", "http", "ipc", "gloo", "nccl")
+#: ``max_lag``'s default: Relax's own ``--max-staleness`` (``args.max_staleness``).
+MAX_STALENESS = "max_staleness"
+#: Relax's default ``--max-staleness`` (training takes data of the current or the previous version).
+RELAX_DEFAULT_MAX_STALENESS = 1
 
 
 class OptionClash(ValueError):
@@ -137,20 +141,30 @@ class LorapubConfig:
     name_prefix: str = DEFAULT_NAME_PREFIX
     #: Deployment epoch; unset: fixed once by :func:`validate_args` from the clock.
     epoch: int | None = None
-    #: Managed versions held at once; SGLang needs ``capacity + 1`` of max_loras_per_batch and max_loaded_loras.
-    capacity: int = 2
+    #: Managed versions held at once (None: ``max_lag + 2``, the fewest that serve it, and at least 2). A
+    #: Relax run's SGLang needs ``capacity + 2`` of max_loras_per_batch and max_loaded_loras (:func:`sglang_overrides`).
+    capacity: int | None = None
     #: A version more than this many commits behind the default is retiring (None: sessions keep theirs).
-    max_lag: int | None = None
-    on_stale: str = "error"
+    #: ``"max_staleness"``: Relax's own ``--max-staleness`` (one publication per step: commits are steps).
+    max_lag: int | str | None = MAX_STALENESS
+    #: What a session whose version retired does at its next turn: ``rebind`` moves its whole group to the
+    #: default at that turn boundary (counted as a cut trajectory); ``error`` ends it with BINDING_STALE.
+    on_stale: str = "rebind"
     #: Seconds without a generation after which a session expires in a live shard (None: never; Relax
     #: ends every record through ``_finish_session_once``, and a group may wait long behind the train gate).
     idle_ttl: float | None = None
+    #: Seconds a session's request waits for the trainer's first version before NO_PUBLISHED_VERSION.
+    first_version_wait: float = 600.0
+    #: Seconds between two looks at the router's workers from a shard (None: never; its first list stays).
+    worker_refresh: float | None = 10.0
+    #: Seconds a worker that left the router's list is drained before it is removed.
+    drain_wait: float = 300.0
     #: Seconds a publication waits for a free slot; a newer one supersedes it meanwhile.
     publish_wait: float = 600.0
     #: The training step does not wait for its publication (it runs on rank 0's publication thread).
     background_publish: bool = True
-    #: How adapter bytes reach the engines: auto (nccl when the trainer ranks have GPUs of their own, else
-    #: http), http, ipc (same host), gloo, nccl.
+    #: How adapter bytes reach the engines: auto (http: the transport every live run used), http, ipc (same
+    #: host: shared memory), gloo, nccl (by name only: not run live on GPUs yet).
     transport: str = "auto"
     #: Address the engines reach rank 0 at for gloo/nccl (default: this host's address).
     transport_host: str | None = None
@@ -173,17 +187,25 @@ class LorapubConfig:
         check_name_prefix(self.name_prefix)
         if self.epoch is not None and (not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0):
             raise ValueError(f"epoch must be a non-negative int, got {self.epoch!r}")
-        if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 2:
+        if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
+                                          or self.capacity < 2):
             # the default holds one slot and a new version needs another: 1 could never publish a second
-            raise ValueError(f"capacity must be an int >= 2 (2 is the RFC's minimum), got {self.capacity!r}")
-        if self.max_lag is not None:
+            raise ValueError(f"capacity must be an int >= 2 (2 is the RFC's minimum) or null, got {self.capacity!r}")
+        if self.max_lag is not None and self.max_lag != MAX_STALENESS:
             if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
-                raise ValueError(f"max_lag must be an int >= 0 (commits behind the default) or null, got {self.max_lag!r}")
-            if self.capacity < self.max_lag + 2:  # the core's check_room_for_lag, said before any actor starts
+                raise ValueError(f"max_lag must be an int >= 0 (commits behind the default), {MAX_STALENESS!r} "
+                                 f"(Relax's --max-staleness) or null, got {self.max_lag!r}")
+            if self.capacity is not None and self.capacity < self.max_lag + 2:  # the core's check_room_for_lag
                 raise ValueError(f"capacity {self.capacity} cannot serve max_lag={self.max_lag}: the default and the "
                                  f"{self.max_lag} version(s) behind it stay usable and the next version needs a slot "
                                  f"of its own — set capacity: {self.max_lag + 2} or more, or max_lag: "
                                  f"{self.capacity - 2} or less")
+        for name in ("first_version_wait", "drain_wait", "worker_refresh"):
+            value = getattr(self, name)
+            if value is None and name == "worker_refresh":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         if self.on_stale not in ("error", "rebind"):
             raise ValueError(f"on_stale must be 'error' or 'rebind', got {self.on_stale!r}")
         if self.transport not in TRANSPORTS:
@@ -192,6 +214,18 @@ class LorapubConfig:
             raise ValueError(f"publish_wait must be a number of seconds >= 0, got {self.publish_wait!r}")
         if self.status is not None:
             self.status_address()  # refused here, on the driver, not in the trainer's actor
+
+    def resolved(self, args: Any = None) -> "LorapubConfig":
+        """The settings a run uses: ``max_lag: max_staleness`` becomes Relax's ``--max-staleness`` (1, Relax's
+        default, where ``args`` has none), and an unset capacity the fewest slots that serve ``max_lag``."""
+        max_lag = self.max_lag
+        if max_lag == MAX_STALENESS:
+            staleness = getattr(args, "max_staleness", None)
+            max_lag = RELAX_DEFAULT_MAX_STALENESS if staleness is None else int(staleness)
+        capacity = self.capacity if self.capacity is not None else max(2, (max_lag or 0) + 2)
+        if (max_lag, capacity) == (self.max_lag, self.capacity):
+            return self
+        return dataclasses.replace(self, max_lag=max_lag, capacity=capacity)  # checked again
 
     def status_address(self) -> tuple[str, int] | None:
         """``status`` as ``(host, port)``; None when unset."""
@@ -241,7 +275,7 @@ def config_from_args(args: Any) -> LorapubConfig | None:
     if resolved is not None:
         return LorapubConfig.from_mapping(resolved)
     path = getattr(args, _CONFIG_DEST, None)
-    return LorapubConfig.from_file(path) if path else LorapubConfig()
+    return (LorapubConfig.from_file(path) if path else LorapubConfig()).resolved(args)
 
 
 def validate_args(args: Any) -> LorapubConfig | None:
@@ -261,6 +295,7 @@ def validate_args(args: Any) -> LorapubConfig | None:
                 f"{ENABLE_FLAG} and {flag} ({RELAX_OPTIONS[flag]}) both publish LoRA versions to the same engines; "
                 "turn one of them off"
             )
+    config = config.resolved(args)
     if config.epoch is None:
         config = dataclasses.replace(config, epoch=int(time.time()))
     setattr(args, RESOLVED_ATTR, config.to_dict())
@@ -268,8 +303,11 @@ def validate_args(args: Any) -> LorapubConfig | None:
 
 
 def sglang_overrides(config: LorapubConfig) -> dict[str, int]:
-    """SGLang server settings lorapub needs (Relax launches with 1 and 2: put these in ``--sglang-config``)."""
-    return {"max_loras_per_batch": config.capacity + 1, "max_loaded_loras": config.capacity + 1}
+    """SGLang server settings a Relax run needs (Relax launches with 1 and 2: put these in ``--sglang-config``):
+    ``capacity + 1`` for lorapub (SGLang keeps one batch slot unpinned), and one for Relax's fixed adapter,
+    which Relax's first sync loads and which stays loaded."""
+    slots = config.resolved().capacity + 2
+    return {"max_loras_per_batch": slots, "max_loaded_loras": slots}
 
 
 def engine_env(config: LorapubConfig) -> dict[str, str]:
@@ -322,15 +360,8 @@ def make_transport(config: LorapubConfig, args: Any) -> Any:
 
     kind = config.transport
     if kind == "auto":
+        # only a transport that has run live: HTTP (ipc, same-host shared memory, and gloo/nccl by name)
         kind = "http"
-        if not getattr(args, "colocate", False):  # the trainer ranks have GPUs of their own
-            try:
-                import torch
-
-                if torch.cuda.is_available():
-                    kind = "nccl"
-            except ImportError:
-                pass
     if kind == "http":
         return HTTPBytes()
     if kind == "ipc":

@@ -11,7 +11,16 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
 
-from lorapub import Deployment, EngineError, LorapubError, SessionClosed
+from lorapub import (
+    BindingStale,
+    Deployment,
+    EngineError,
+    EngineUnavailable,
+    LorapubError,
+    NoPublishedVersion,
+    SessionClosed,
+    UnknownEngine,
+)
 
 from .errors import CONTEXT_MARKERS, chat_error
 from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
@@ -24,7 +33,18 @@ log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whol
 # The shard side
 # ---------------------------------------------------------------------------------------------
 
+#: How often a request that waits for the first version asks again.
+FIRST_VERSION_POLL = 0.1
+
 WorkerUrls = Union[Sequence[str], Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]]
+
+
+async def _each(coros: list[Awaitable[Any]]) -> None:
+    """Await them together; one is awaited in place (no task: a shard ends groups by the hundred thousand)."""
+    if len(coros) == 1:
+        await coros[0]
+    elif coros:
+        await asyncio.gather(*coros)
 
 
 def _failed(task: asyncio.Task | None) -> bool:
@@ -68,10 +88,11 @@ class RelaxLorapub:
         engines: Mapping[str, Any] | None = None,
         registry: Any = None,
         role: str = "shard",
+        copies: Any = None,
         **deployment_options: Any,
     ) -> None:
         self.args = args
-        self.config = config if config is not None else config_from_args(args)
+        self.config = config.resolved(args) if config is not None else config_from_args(args)
         self.enabled = self.config is not None
         if self.enabled and self.config.epoch is None:
             # Each actor picking its own epoch would split one run into several deployments.
@@ -87,11 +108,18 @@ class RelaxLorapub:
         self._built_engines: list[Any] = []
         self._transport: Any = None  # the built engines' transport, named on their deployment
         self._registry = registry
+        self._copies = copies  # the trainer's: where its frozen copies outlive it (copies.py)
         self._deployment_options = deployment_options
         self._start: asyncio.Task | None = None
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, Any] = {}
+        self._rebinds_seen: dict[str, int] = {}  # per open member: the group rebinds its last turn carried
         self._closed = False
+        self._following: asyncio.Task | None = None  # the running look at the workers (one at a time)
+        self._followed_at: float | None = None
+        self._leaving: dict[str, asyncio.Task] = {}  # engine -> its drain and removal
+        #: cut trajectories since the last :meth:`metrics` reset (Relax's ``agentic_kv_metrics``)
+        self._counts = {"rebound": 0, "stale": 0, "waited_first_version": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> "RelaxLorapub":
@@ -153,24 +181,125 @@ class RelaxLorapub:
                 options.pop(shared, None)  # a shared registry's settings are made where it is created
             # (name_prefix stays: the deployment refuses a shared registry that names versions otherwise)
         self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
+        if self.role == "trainer":
+            await self._share_frozen_copies()
+
+    async def _share_frozen_copies(self) -> None:
+        """The trainer keeps its frozen copies beyond itself, and takes back those a trainer before it kept
+        (a restart): it loads every live version on an engine that joins or restarts, whichever trainer
+        process published it."""
+        copies = self._copies
+        if copies is None and self.config.registry and self._registry is None:
+            from .copies import RayCopies
+
+            copies = RayCopies(f"{self.config.registry}-{self.config.epoch}-copies")
+        if copies is None:
+            return
+        from .copies import SharedFrozenCopies
+
+        publisher = self.deployment.publisher
+        frozen = publisher.frozen
+        taken = await asyncio.to_thread(copies.items)
+        for key, snapshot in taken:
+            if key not in frozen:
+                frozen.keep(key, snapshot)
+        publisher.frozen = SharedFrozenCopies(frozen, copies)
+        if taken:
+            log.info("lorapub: took back the frozen copies of %s (published before this trainer started)",
+                     ", ".join(sorted(str(k) for k, _ in taken)))
 
     async def _build_engines(self) -> dict[str, Any]:
+        urls = await self._current_urls()
+        from lorapub.adapters.sglang_wire import HTTPBytes  # aiohttp: lazily
+
+        self._transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
+        engines = {engine_name(url): self._engine(url) for url in sorted(set(urls or ()))}
+        self._built_engines = list(engines.values())
+        self._followed_at = time.monotonic()
+        return engines
+
+    def _engine(self, url: str) -> Any:
+        from lorapub.adapters.sglang_wire import SGLangWireEngine  # aiohttp: lazily
+
+        return SGLangWireEngine(engine_name(url), url, api_key=self.config.api_key,
+                                admin_api_key=self.config.admin_api_key)
+
+    async def _current_urls(self) -> list[str]:
         urls = self._worker_urls
         if callable(urls):
             urls = urls()
             if inspect.isawaitable(urls):
                 urls = await urls
-        from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine  # aiohttp: lazily
+        return list(urls or ())
 
-        self._transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
-        engines = {
-            engine_name(url): SGLangWireEngine(
-                engine_name(url), url, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
-            )
-            for url in sorted(set(urls or ()))
-        }
-        self._built_engines = list(engines.values())
-        return engines
+    # -- engines that come and go ---------------------------------------------------------------
+    async def follow_workers(self, urls: Sequence[str] | None = None, *, join_timeout: float | None = 60.0) -> dict[str, list[str]]:
+        """Bring this deployment's engines to ``urls`` (default: the workers now, from ``worker_urls``: the
+        router's list on a shard): a worker that appeared is added (``add_engine``: it takes traffic once it
+        holds every version a live session may use), one that left is drained, then removed, in the
+        background (``drain_engine`` for up to ``drain_wait`` s, then ``remove_engine``). An empty list is
+        ignored (a router between two lists). Returns the names ``added`` and ``leaving``."""
+        if not self.enabled or self.deployment is None or self._closed:
+            return {"added": [], "leaving": []}
+        wanted = {engine_name(u): u for u in (urls if urls is not None else await self._current_urls())}
+        if not wanted:
+            log.warning("lorapub: the worker list is empty; the engines stay as they are")
+            return {"added": [], "leaving": []}
+        have = set(self.deployment.engines)
+        added = sorted(set(wanted) - have)
+        leaving = sorted(name for name in have - set(wanted) if name not in self._leaving)
+        for name in added:
+            engine = self._engine(wanted[name])
+            self._built_engines.append(engine)
+            try:
+                await self.deployment.add_engine(engine, timeout=join_timeout)
+                log.info("lorapub: engine %s joined (it holds every version a live session may use)", name)
+            except EngineUnavailable as e:  # a member now: it keeps joining in the background
+                log.warning("lorapub: engine %s is joining but takes no traffic yet: %s", name, e)
+            except LorapubError as e:  # refused (its LoRA slots, its protected prefix): a later look asks again
+                self._built_engines.remove(engine)
+                await engine.close()
+                log.error("lorapub: engine %s was refused and serves nothing: %s", name, e)
+        for name in leaving:
+            self._leaving[name] = asyncio.get_running_loop().create_task(self._leave(name))
+        self._followed_at = time.monotonic()
+        return {"added": added, "leaving": leaving}
+
+    async def _leave(self, name: str) -> None:
+        try:
+            await self.deployment.drain_engine(name, timeout=self.config.drain_wait)
+            await self.deployment.remove_engine(name)
+            log.info("lorapub: engine %s left the workers: drained and removed", name)
+        except UnknownEngine:
+            # another process of the run (the trainer, another shard) removed it from the shared registry
+            # first: nothing routes there any more; this process lets go of its adapter
+            engine = self.deployment.engines.pop(name, None)
+            if engine is not None and engine in self._built_engines:
+                self._built_engines.remove(engine)
+                await engine.close()
+            log.info("lorapub: engine %s left the workers (removed by another process of the run)", name)
+        except LorapubError as e:  # it stays draining (no new binding goes there); a later look tries again
+            log.warning("lorapub: engine %s left the workers but is not removed yet: %s", name, e)
+        finally:
+            self._leaving.pop(name, None)
+
+    def _maybe_follow(self) -> None:
+        """A shard looks at the router's workers at most every ``worker_refresh`` s, beside its groups."""
+        every = self.config.worker_refresh
+        if every is None or self._given_engines is not None or self._worker_urls is None:
+            return
+        if self._following is not None and not self._following.done():
+            return
+        if self._followed_at is not None and time.monotonic() - self._followed_at < every:
+            return
+        self._followed_at = time.monotonic()
+        self._following = asyncio.get_running_loop().create_task(self._follow_logged())
+
+    async def _follow_logged(self) -> None:
+        try:
+            await self.follow_workers()
+        except Exception as e:  # noqa: BLE001 - a failed look is retried at the next one
+            log.warning("lorapub: looking at the router's workers failed: %s", e)
 
     async def _shared_registry(self, engines: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
         if not self.config.registry:
@@ -189,6 +318,10 @@ class RelaxLorapub:
     async def aclose(self) -> None:
         """``_shutdown``: release every member still open, stop the deployment, close the engines."""
         self._closed = True
+        for task in [self._following, *self._leaving.values()]:
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._members:
             await asyncio.gather(*(self._close(sid) for sid in list(self._members)), return_exceptions=True)
         self._groups.clear()
@@ -201,17 +334,25 @@ class RelaxLorapub:
     # -- hooks of AgenticSessionShard ----------------------------------------------------------
     async def open_group(self, group_id: str, session_ids: Sequence[str]) -> None:
         """``start_group``: one lorapub group for the Relax group, every member opened now, so the
-        group keeps the version it binds at its first request while any member is open."""
+        group keeps the version it binds at its first request while any member is open.
+
+        Relax refuses a resident group id before this hook runs, so an id still known here belongs to a
+        group that ended (Relax's train ids restart at ``train:prepare_group_0`` whenever a PrepareDomain
+        is rebuilt): what it left open is released, and the id starts a new lorapub group."""
         if not self.enabled:
             return
         await self.start()
-        if group_id in self._groups:
-            raise ValueError(f"Relax group {group_id!r} is already open in lorapub")
-        key = f"{safe_id(group_id, 'group', 100)}.{uuid.uuid4().hex[:8]}"
+        self._maybe_follow()
+        ended = self._groups.pop(group_id, None)
+        if ended is not None:
+            log.info("lorapub: Relax group id %s comes back as a new group; releasing what its previous group "
+                     "left open (%d member(s))", group_id, sum(self._members.get(s) is m for s, m in ended.members.items()))
+            await self._release_members(ended)
+        key = f"{safe_id(group_id, 'group', 100)}.{uuid.uuid4().hex[:8]}"  # a closed lorapub group never reopens
         members = {sid: self.deployment.session(safe_id(sid, "session"), group=key) for sid in session_ids}
         self._groups[group_id] = _Group(key, members)
         self._members.update(members)
-        await asyncio.gather(*(member.open() for member in members.values()))
+        await _each([member.open() for member in members.values()])
 
     def member(self, session_id: str) -> Any:
         """The lorapub session of a Relax session record (None when none is open)."""
@@ -227,7 +368,32 @@ class RelaxLorapub:
                 f"Relax session {session_id!r} holds no lorapub session (its group was not opened, or the session "
                 "was released); nothing was sent"
             )
-        return await member.generate(payload)
+        try:
+            reply = await member.generate(payload)
+        except BindingStale:
+            self._counts["stale"] += 1  # on_stale: error — the trajectory ends here
+            raise
+        rebinds = int((reply.get("lorapub") or {}).get("rebinds") or 0)
+        if rebinds > self._rebinds_seen.get(session_id, 0):
+            self._counts["rebound"] += 1  # on_stale: rebind — the trajectory goes on on a newer version
+        self._rebinds_seen[session_id] = rebinds
+        return reply
+
+    def metrics(self, reset: bool = False) -> dict[str, float]:
+        """Cut trajectories for Relax's own metrics (``agentic_kv_metrics``; Relax's runtime reports them
+        as ``agentic_kv/lorapub/...``): turns that moved to a newer version (``on_stale: rebind``), requests
+        refused BINDING_STALE (``on_stale: error``), and requests that waited for the first version."""
+        if not self.enabled:
+            return {}
+        counts = dict(self._counts)
+        if reset:
+            self._counts = dict.fromkeys(self._counts, 0)
+        return {
+            "lorapub/cut_trajectories": float(counts["rebound"] + counts["stale"]),
+            "lorapub/rebound_turns": float(counts["rebound"]),
+            "lorapub/stale_refusals": float(counts["stale"]),
+            "lorapub/waited_first_version": float(counts["waited_first_version"]),
+        }
 
     async def release(self, session_id: str) -> None:
         """``_finish_session_once``, once the session's requests are aborted and joined: release its
@@ -236,15 +402,24 @@ class RelaxLorapub:
             await self._close(session_id)
 
     async def release_group(self, group_id: str) -> None:
-        """``_drop_group``: release every member of the group not released yet, forget the group."""
+        """Relax's ``release_group`` (a completed group, after ``collect_group`` has every result) and
+        ``_drop_group`` (a failed or dropped one): release every member not released yet and forget the
+        group, so a long-lived shard keeps nothing of the groups that ended."""
         if not self.enabled:
             return
         group = self._groups.pop(group_id, None)
         if group is not None:
-            await asyncio.gather(*(self._close(sid) for sid in group.members))
+            await self._release_members(group)
 
-    async def _close(self, session_id: str) -> None:
+    async def _release_members(self, group: _Group) -> None:
+        # only this group's own records: a member id of an ended group may be live again in a new one
+        await _each([self._close(sid, member) for sid, member in group.members.items()])
+
+    async def _close(self, session_id: str, member: Any = None) -> None:
+        if member is not None and self._members.get(session_id) is not member:
+            return  # released already (its own finish), or the id now belongs to a newer group
         member = self._members.pop(session_id, None)
+        self._rebinds_seen.pop(session_id, None)
         if member is None:
             return
         try:
@@ -310,6 +485,7 @@ class LorapubGenerationBackend:
         self._context_length_error_type = context_length_error_type
         self._result_type = result_type or GenerateResult
         self._sanitize_tokens = sanitize_tokens
+        self._waiting: dict[str, asyncio.Event] = {}  # request id -> set by abort_request while it waits
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -345,7 +521,7 @@ class LorapubGenerationBackend:
             payload["session_id"] = session_id
         started = time.monotonic()
         try:
-            output = await self.lorapub.generate(session_id, payload)
+            output = await self._send(session_id, request_id, payload)
         except EngineError as e:
             if e.details.get("status") == 400 and any(m in str(e) for m in CONTEXT_MARKERS):
                 if self._context_length_error_type is not None:
@@ -355,9 +531,46 @@ class LorapubGenerationBackend:
             raise chat_error(e, self._chat_error_type) from e
         return self._result(output, time.monotonic() - started)
 
+    async def _send(self, session_id: str, request_id: str, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Send on the session's binding. Before the trainer's first version the request waits for it (up to
+        ``first_version_wait`` s: nothing was sent, so asking again is safe); Relax's ``abort_request`` of a
+        waiting request (a pause) answers it as an aborted one, which Relax requeues and resumes."""
+        limit = self.lorapub.config.first_version_wait
+        deadline: float | None = None
+        try:
+            while True:
+                try:
+                    return await self.lorapub.generate(session_id, payload)
+                except NoPublishedVersion as e:
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + limit
+                        self.lorapub._counts["waited_first_version"] += 1
+                    if now >= deadline:
+                        raise NoPublishedVersion(
+                            f"{e}: the request waited {limit:g}s (first_version_wait) for the trainer's first "
+                            "version; nothing was sent — check that the trainer's first weight update ran"
+                        ) from e
+                    aborted = self._waiting.setdefault(request_id, asyncio.Event())
+                    try:
+                        await asyncio.wait_for(aborted.wait(), min(FIRST_VERSION_POLL, deadline - now))
+                    except TimeoutError:
+                        continue
+                    return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}}
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def abort_request(self, request_id: str) -> Any:
+        """Relax's ``abort_request``; a request still waiting for the first version is answered aborted."""
+        waiting = self._waiting.get(request_id)
+        if waiting is not None:
+            waiting.set()
+        return await self.inner.abort_request(request_id)
+
     def _result(self, output: Mapping[str, Any], elapsed: float) -> Any:
         meta_info = dict(output.get("meta_info") or {})
-        meta_info["lorapub"] = dict(output["lorapub"])
+        if "lorapub" in output:  # a request answered aborted while it waited for the first version has none
+            meta_info["lorapub"] = dict(output["lorapub"])
         items = list(meta_info.get("output_token_logprobs") or ())
         if items and all(isinstance(item, (list, tuple)) for item in items):  # SGLang: [logprob, token_id, text]
             tokens = [int(item[1]) for item in items]

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import re
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -19,6 +20,7 @@ from .shard import RelaxLorapub
 __all__ = ['LorapubPublisher', 'LorapubWeightPath', 'PublishOutcome', 'WeightPublicationFailed', 'install_weight_path', 'max_over']
 
 log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whole integration
+_STEP_RE = re.compile(r"step(\d+)")  # version_id_for's ids
 
 # ---------------------------------------------------------------------------------------------
 # The trainer side
@@ -68,6 +70,24 @@ class LorapubPublisher:
 
     def publish(self, snapshot: Snapshot, version_id: str, timeout: float | None = None) -> Any:
         return self.submit(snapshot, version_id).result(timeout)
+
+    def follow(self, urls: list[str]) -> concurrent.futures.Future:
+        """Bring the engines to ``urls`` in the background (``RelaxLorapub.follow_workers``): this process
+        published the versions, so it is the one that loads them on an engine that joins."""
+        return self._submit(self.lorapub.follow_workers(urls))
+
+    async def _resume_point(self) -> int | None:
+        await self.lorapub.start()
+        state = await self.lorapub.deployment.state()
+        if state.default is None:
+            return None  # nothing published in this epoch: the run starts here
+        steps = [int(m.group(1)) for key in state.versions if (m := _STEP_RE.fullmatch(key.version_id))]
+        return max(steps, default=0)
+
+    def resume_point(self, timeout: float | None = None) -> int | None:
+        """The shared registry's view of a run under way: None when this epoch has no version yet, else the
+        highest ``step<N>`` published (0 where no id has that form), which a restarted trainer counts on from."""
+        return self._run(self._resume_point(), timeout)
 
     def settle(self) -> None:
         """Wait for background reclaims."""
@@ -172,6 +192,10 @@ class LorapubWeightPath:
         self.background = config.background_publish if background is None else background
         self.outcomes: list[PublishOutcome] = []
         self._published_once = False
+        self._resume_checked = False
+        self._following: concurrent.futures.Future | None = None  # the last look at the rollout engines
+        #: True when this trainer found a run under way at its first update (a restart): no base sync then
+        self.resumed = False
         self._unreported: list[PublishOutcome] = []
         self._lock = threading.Lock()
 
@@ -187,6 +211,8 @@ class LorapubWeightPath:
 
     def update_weights_for_rollout(self, rollout_only=False, actor_fwd_only=False, *, rollout_id=None) -> None:
         backend = self.backend
+        if not actor_fwd_only and not backend._lora_sync.base_sync_done and not self._resume_checked:
+            self._resume()
         if actor_fwd_only or not backend._lora_sync.base_sync_done:
             self._original(rollout_only, actor_fwd_only)  # actor_fwd only, or the first (base) sync: Relax's own
             if actor_fwd_only:
@@ -196,6 +222,29 @@ class LorapubWeightPath:
         else:
             backend.weight_version += 1  # what Relax's path counts for every update
         self._publish(rollout_id)
+
+    def _resume(self) -> None:
+        """A restarted trainer's first update (every rank): when the shared registry already has a version, the
+        engines hold the base and serve lorapub's versions, so Relax's first sync (pause, flush, base and
+        fixed-adapter push) is skipped and this update publishes through lorapub like any other. The step count
+        goes on from the highest ``step<N>`` published, so no version id comes back. Rank 0 decides; the
+        decision is shared like a failure verdict (a MAX over the ranks), so every rank takes the same path."""
+        self._resume_checked = True
+        found = 0
+        if self._rank() == 0:
+            point = self.publisher.resume_point()
+            if point is not None:
+                found = 1
+                self.backend.weight_version = max(self.backend.weight_version, point)
+        if self._share_verdict is not None:
+            found = int(self._share_verdict(found))
+        if found:
+            sync = self.backend._lora_sync
+            sync.base_sync_done = sync.adapter_loaded = True
+            self.resumed = True
+            log.info("lorapub: a run is under way in this epoch (a trainer restart): Relax's first sync is skipped "
+                     "(no pause, no flush); this update publishes through lorapub from step %s on",
+                     self.backend.weight_version + 1)
 
     def _publish(self, rollout_id: Any) -> None:
         backend = self.backend
@@ -209,6 +258,7 @@ class LorapubWeightPath:
             local_adapter = sync.export_local_adapter(all_params)  # collective
             merged = sync.gather_full_adapter(local_adapter, all_gather=False)  # collective; None off rank 0
             if self._rank() == 0:
+                self._follow_rollout_engines()
                 snapshot = Snapshot(merged, sync.config_dict())  # a frozen CPU copy: training may step on
                 step = rollout_id if rollout_id is not None else backend.weight_version
                 failed = self._submit(snapshot, version_id_for(step))
@@ -226,6 +276,19 @@ class LorapubWeightPath:
                 "lorapub: publishing the LoRA adapter failed; the previous version stays the default and sessions "
                 f"keep theirs ({cause or 'failed on rank 0'})"
             ) from cause
+
+    def _follow_rollout_engines(self) -> None:
+        """Relax refreshes ``rollout_topology`` from its coordinator before every update (and a newer Relax
+        names the engines it updated with ``updated_rollout_urls()``): engines that joined or left since the
+        last update join or leave lorapub's deployment too (rank 0, in the background)."""
+        publisher = self.publisher
+        if publisher.deployment is None:
+            return  # its first publication starts it from rollout_topology
+        updated = getattr(self.backend, "updated_rollout_urls", None)
+        urls = list(updated() or ()) if callable(updated) else []
+        urls = urls or topology_urls(self.backend)
+        if urls:
+            self._following = publisher.follow(sorted(urls))
 
     def _submit(self, snapshot: Snapshot, version_id: str) -> int:
         outcome = PublishOutcome(version_id, snapshot.digest)

@@ -1,0 +1,68 @@
+"""elastic.py on live SGLang: three patched SGLang servers on one GPU, booted as live.py boots two.
+
+All three boot first (a server's boot is minutes, not what is measured); elastic.py starts with e0 and e1
+in the router's list and the trainer's topology, adds e2 under load, then drains and removes e0. Adapter B
+of bench/live_online's 4B-shaped model, lorapub's bytes over HTTP. Run by elastic.sh beside it, with the
+SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_RELAX_MAX_LORAS (each server's LoRA slots, default 5:
+capacity 3 + 2, sglang_overrides()), LIVE_RELAX_ELASTIC_ARGS (extra elastic.py arguments),
+LIVE_RELAX_DEADLINE (a Unix time: elastic.py is stopped in time for the servers to be stopped).
+"""
+
+import asyncio
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "src"), HERE]
+
+from lorapub.integrations.relax import LorapubConfig, engine_env  # noqa: E402
+from tests.gpu import servers as srv  # noqa: E402
+
+import live  # noqa: E402  (live.py: bench/live_online's model build)
+
+OUT = os.environ.get("OUT", "/tmp/out")
+MAX_LORAS = int(os.environ.get("LIVE_RELAX_MAX_LORAS", "5"))
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+async def main() -> int:
+    signal.signal(signal.SIGTERM, _stop)
+    os.makedirs(OUT, exist_ok=True)
+    online = live._live_online()
+    t0 = time.monotonic()
+    online.build_model()
+    print(f"model built in {time.monotonic() - t0:.0f} s", flush=True)
+    engines = [srv.start(f"e{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT, patched=True,
+                         max_lora_rank=64, mem_fraction=0.26, target_modules=online.ALL_LINEAR, decode_graphs=True,
+                         max_loras=MAX_LORAS, env=engine_env(LorapubConfig()))
+               for i in range(3)]
+    try:
+        await srv.wait_healthy(engines)
+        warm = await srv.warm_up(engines, os.path.join(online.MODEL, "A"))
+        print(f"servers up {[round(s.boot_s) for s in engines]} s, warm-up {warm}", flush=True)
+        cmd = [sys.executable, os.path.join(HERE, "elastic.py"), *(a for s in engines for a in ("--engine-url", s.url)),
+               "--adapter", os.path.join(online.MODEL, "B"), "--transport", "http", "--capacity", str(MAX_LORAS - 2),
+               "--max-new-tokens", "64", "--phase-s", "40", "--json", os.path.join(OUT, "elastic.json"),
+               *shlex.split(os.environ.get("LIVE_RELAX_ELASTIC_ARGS", ""))]
+        print("$", " ".join(cmd[1:]), flush=True)
+        deadline = os.environ.get("LIVE_RELAX_DEADLINE")
+        timeout = float(deadline) - time.time() - 30 if deadline else None
+        try:
+            return subprocess.run(cmd, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"elastic.py ran out of time ({timeout:.0f} s) and was stopped", flush=True)
+            return 124
+    finally:
+        srv.stop(engines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
