@@ -73,8 +73,13 @@ async def attest(fleet: FleetView, target: str, binding: Binding, out: Any) -> d
     if stamp.get("digest") != binding.digest:
         raise mismatch(f"stamped digest {str(stamp.get('digest'))[:12]} (other weights under the bound name)")
     for fresh in (False, True):  # a life this process has not seen yet: ask again before judging
-        lives = {a[1] for a in (await _attests(fleet, names, fresh)).values() if a is not None}
-        if stamp.get("incarnation") in lives:
+        await _attests(fleet, names, fresh)
+        if fresh:
+            # the registry's record too: a worker holding only the API key cannot ask the engine its
+            # life (an admin route), the deployment that publishes records every life it sees there
+            await fleet.refresh()
+        # a past life is a life of the engine: a restart while the answer travelled back is no mismatch
+        if stamp.get("incarnation") in fleet.lives_seen.of(names):
             return {k: stamp.get(k) for k in STAMP_FIELDS}
     raise mismatch(f"stamped by life {stamp.get('incarnation')!r}, not a life of {', '.join(names)}")
 
