@@ -100,21 +100,30 @@ def probe_payload(lora_name: str, sequence: Sequence[int]) -> dict[str, Any]:
 
 
 def _value(entry: object) -> float | None:
+    """One entry's logprob (None: none, or not a number: a malformed reply, never a TypeError here)."""
     if isinstance(entry, (list, tuple)):  # SGLang: (logprob, token_id, text)
         entry = entry[0] if entry else None
-    return None if entry is None else float(entry)  # type: ignore[arg-type]
+    if isinstance(entry, bool) or not isinstance(entry, (int, float)):
+        return None
+    return float(entry)
 
 
 def input_logprobs(reply: Mapping[str, Any], length: int) -> list[float]:
     """The ``length - 1`` input-token logprobs of a ``/generate`` reply (SGLang's
-    ``meta_info.input_token_logprobs``; its first entry, for the first token, has none)."""
+    ``meta_info.input_token_logprobs``; its first entry, for the first token, has none). A reply of
+    any other shape is ValueError (:func:`observe` makes it the engine's ENGINE_ERROR)."""
     meta = reply.get("meta_info") if isinstance(reply, Mapping) else None
-    items = list((meta or {}).get("input_token_logprobs") or ())
+    found = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
+    items = list(found) if isinstance(found, (list, tuple)) else []
     if len(items) == length:
         items = items[1:]
     values = [_value(x) for x in items]
     if len(values) != length - 1 or any(v is None or not math.isfinite(v) for v in values):
-        raise ValueError(f"the engine gave {len(items)} input token logprobs for {length} tokens: {items!r:.120}")
+        what = f"{len(items)} input token logprobs" if isinstance(found, (list, tuple)) else (
+            f"no input token logprob list ({type(found).__name__} in meta_info)" if isinstance(meta, Mapping)
+            else f"no meta_info object ({type(reply).__name__} reply)")
+        raise ValueError(f"the engine gave {what} for {length} tokens, each a number or a (logprob, token_id, "
+                         f"text) entry: {found!r:.120}")
     return [float(v) for v in values if v is not None]
 
 
