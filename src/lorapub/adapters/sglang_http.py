@@ -502,3 +502,15 @@ class SGLangOverwriteAdmin:
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         return await self.client.generate(payload)
+
+
+def __getattr__(name: str) -> object:
+    if name == "SGLangEngine":  # retired: the publisher-side stash it staged in is gone
+        raise ImportError(
+            "SGLangEngine was retired (its staging ran in the publisher, in a stash_dir the engine had to read): "
+            "use lorapub.adapters.sglang_wire.SGLangWireEngine(name, url), which stages inside the engine, and "
+            "name how buckets travel once on the deployment: Deployment(engines, transport=HTTPBytes() | "
+            "SameHostIPC() | SharedDir(path) | TorchDistributed(...)) (docs/design.md, \"Publication on an engine\")",
+            name=name,
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from typing import Awaitable, Mapping, TypeVar
 
 from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
@@ -21,10 +22,26 @@ from lorapub.ports import (
 )
 
 __all__ = ["check_engines", "hand_transport", "check_status_address", "transport_name", "check_limits",
-           "check_protects", "answer_within"]
+           "check_protects", "answer_within", "refuse_moved_options"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+#: Deployment keywords that were removed, and what replaced each.
+_MOVED_OPTIONS = {
+    "stash_dir": "the publisher-side stash was retired: engines stage inside themselves, and the bytes travel "
+                 "the transport named once on the deployment: Deployment(engines, transport=HTTPBytes() | "
+                 "SameHostIPC() | SharedDir(path)) (deploy(stash_dir=) stays, for the overwrite path, enabled=False)",
+}
+
+
+def refuse_moved_options(options: Mapping[str, object]) -> None:
+    """A removed ``Deployment`` keyword is INVALID_INPUT naming its replacement (any other unknown
+    keyword stays Python's own TypeError)."""
+    for name in options:
+        if name in _MOVED_OPTIONS:
+            raise InvalidInput(f"Deployment({name}=) was removed: {_MOVED_OPTIONS[name]}")
 
 
 def check_engines(engines: object) -> dict[str, EngineAdmin]:
@@ -37,6 +54,14 @@ def check_engines(engines: object) -> dict[str, EngineAdmin]:
             raise InvalidInput(
                 f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
                 "engines by name, so they must match"
+            )
+        if getattr(engine, "bucket_source_factory", None) is not None:
+            # the per-engine hook lorapub read before the Transport: ignoring it would send the bytes another way
+            raise InvalidInput(
+                f"engine {key!r} ({type(engine).__name__}) declares bucket_source_factory, which lorapub no longer "
+                "reads: name how buckets travel once, as a lorapub.ports.Transport on the deployment "
+                "(Deployment(engines, transport=...)), and make the engine a lorapub.ports.TakesTransport "
+                "(transport, use_transport) that posts each bucket the Transport's bucket_request way"
             )
         if not isinstance(engine, EngineAdmin):
             missing = [m for m in ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
@@ -56,6 +81,10 @@ def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Tra
     none, which are sent safetensors bytes). Without ``transport``, the one the engines already
     send with (their default, or one an earlier deployment gave them): they must agree."""
     takers = {name: e for name, e in engines.items() if isinstance(e, TakesTransport)}
+    if transport is not None and hasattr(transport, "stateless"):
+        warnings.warn(f"transport {type(transport).__name__} sets `stateless`, which lorapub no longer reads: "
+                      "transports are compared with their own __eq__ (define it to let equal transports merge; "
+                      "without it a transport equals only itself)", DeprecationWarning, stacklevel=3)
     if transport is not None and not isinstance(transport, Transport):
         raise InvalidInput(f"transport must be a lorapub.ports.Transport (e.g. lorapub.adapters.sglang_wire.HTTPBytes()), "
                            f"got {type(transport).__name__}")

@@ -52,6 +52,7 @@ from lorapub.runtime.admission import (
     check_admission,
     check_status_address,
     hand_transport,
+    refuse_moved_options,
     release_adapter,
     transport_name,
 )
@@ -99,6 +100,10 @@ class Deployment:
     (None, the default: off); a drift marks the version suspect. ``avoid_suspect``: new sessions
     are refused (``VERSION_SUSPECT``) while the default is suspect; bound sessions keep their version.
     """
+
+    def __new__(cls, *args: object, **options: object) -> "Deployment":
+        refuse_moved_options(options)  # Deployment(stash_dir=): a pointer to its replacement, not a bare TypeError
+        return super().__new__(cls)
 
     def __init__(
         self,
