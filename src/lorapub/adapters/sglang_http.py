@@ -257,7 +257,10 @@ class SGLangHTTP(OwnedHTTPSession):
                 text = (await r.read()).decode("utf-8", errors="replace")
                 return r.status, json_or_text(text)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
-            raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
+            hint = ("; is the engine running, and does this address reach it?"
+                    if isinstance(e, aiohttp.ClientConnectorError) else "")
+            raise OutcomeUnknown(f"{self.name} {path}: no answer from {self.base_url} ({type(e).__name__}){hint}",
+                                 engine=self.name, url=self.base_url) from None
 
     def refusal(self, path: str, status: int, body: Any) -> EngineError:
         """The definite "no" of an engine, with its own words (clipped)."""

@@ -22,7 +22,7 @@ from lorapub.ports import (
 )
 
 __all__ = ["check_engines", "hand_transport", "check_status_address", "transport_name", "check_limits",
-           "check_protects", "answer_within", "refuse_moved_options"]
+           "check_protects", "answer_within", "refuse_moved_options", "check_epoch"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -42,6 +42,18 @@ def refuse_moved_options(options: Mapping[str, object]) -> None:
     for name in options:
         if name in _MOVED_OPTIONS:
             raise InvalidInput(f"Deployment({name}=) was removed: {_MOVED_OPTIONS[name]}")
+
+
+def check_epoch(epoch: object) -> int:
+    """A deployment's ``epoch=``: an int >= 0, and the message says what it is for (a run id string is
+    the usual mistake)."""
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise InvalidInput(
+            f"epoch= must be an int >= 0 that grows with each trainer run, got {epoch!r} ({type(epoch).__name__}): "
+            "it numbers this run's versions (e.g. 7-step41) and a newer run's adapters are never touched by an "
+            "older one's; pass the run's number, or int(time.time()) taken once at its start"
+        )
+    return epoch
 
 
 def check_engines(engines: object) -> dict[str, EngineAdmin]:

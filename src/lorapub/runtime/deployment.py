@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Iterable, Literal, Mapping, TypedDict, Unpack,
 from lorapub.core.identity import (
     MANAGED_PREFIX,
     VersionKey,
-    _check_epoch,
     check_name_prefix,
 )
 from lorapub.core.commands import ReadFleet, ReadSessionsOf, ReadState, RegisterEngine
@@ -49,6 +48,7 @@ from lorapub.runtime.decision_log import DecisionLog
 from lorapub.runtime.observers import ObservedRegistry, Observers
 from lorapub.runtime.admission import (
     check_engines,
+    check_epoch,
     check_admission,
     check_status_address,
     hand_transport,
@@ -137,7 +137,7 @@ class Deployment:
         clock: Clock | None = None,
     ) -> None:
         self.engines = check_engines(engines)
-        _check_epoch(epoch)
+        check_epoch(epoch)
         if capacity is not None:
             check_capacity(capacity)
         check_max_lag(max_lag, on_stale)
