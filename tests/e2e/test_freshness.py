@@ -510,7 +510,7 @@ async def test_a_manual_clock_drives_idle_ttl_and_reconcile_expires_what_it_made
     assert version(dep, "A").state is VersionState.RETIRED  # not idle yet
     clock.advance(2)
     await dep.reconcile()  # no sleep: the pass expires it, and A's reclaim starts
-    await dep.settle(2)
+    await dep.settle(30)  # returns once the reclaim ends
     assert version(dep, "A").state is VersionState.RECLAIMED
     with pytest.raises(SessionExpired):
         await forgotten.generate(GEN)

@@ -54,7 +54,7 @@ async def test_status_names_the_session_that_keeps_a_retired_version():
     # the JSON form reads back to the same value
     assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status
     await session.close()
-    await dep.settle(5)
+    await dep.settle(30)
     status = await dep.status()
     assert [v.version for v in status.versions] == ["1-B"] and status.sessions_here == 0
     await dep.close()
