@@ -5,9 +5,10 @@ every engine, the status endpoint's address. See docs/design.md, "Runtime wiring
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import warnings
-from typing import Awaitable, Mapping, TypeVar
+from typing import Awaitable, Callable, Mapping, ParamSpec, TypeVar
 
 from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
 from lorapub.core.registry import Fleet
@@ -26,6 +27,7 @@ __all__ = ["check_engines", "hand_transport", "check_status_address", "transport
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 #: Deployment keywords that were removed, and what replaced each.
@@ -36,12 +38,18 @@ _MOVED_OPTIONS = {
 }
 
 
-def refuse_moved_options(options: Mapping[str, object]) -> None:
-    """A removed ``Deployment`` keyword is INVALID_INPUT naming its replacement (any other unknown
-    keyword stays Python's own TypeError)."""
-    for name in options:
-        if name in _MOVED_OPTIONS:
-            raise InvalidInput(f"Deployment({name}=) was removed: {_MOVED_OPTIONS[name]}")
+def refuse_moved_options(init: Callable[_P, None]) -> Callable[_P, None]:
+    """``Deployment.__init__``, where a removed keyword is INVALID_INPUT naming its replacement (any
+    other unknown keyword stays Python's own TypeError). Its signature is the one inspected."""
+
+    @functools.wraps(init)
+    def checked(*args: _P.args, **options: _P.kwargs) -> None:
+        for name in options:
+            if name in _MOVED_OPTIONS:
+                raise InvalidInput(f"Deployment({name}=) was removed: {_MOVED_OPTIONS[name]}")
+        init(*args, **options)
+
+    return checked
 
 
 def check_epoch(epoch: object) -> int:

@@ -101,10 +101,7 @@ class Deployment:
     are refused (``VERSION_SUSPECT``) while the default is suspect; bound sessions keep their version.
     """
 
-    def __new__(cls, *args: object, **options: object) -> "Deployment":
-        refuse_moved_options(options)  # Deployment(stash_dir=): a pointer to its replacement, not a bare TypeError
-        return super().__new__(cls)
-
+    @refuse_moved_options  # Deployment(stash_dir=): a pointer to its replacement, not a bare TypeError
     def __init__(
         self,
         engines: Mapping[str, EngineAdmin],

@@ -32,9 +32,9 @@ __all__ = [
 
 #: Seconds one check may take (its engine's start and close each get as long again).
 DEFAULT_DEADLINE = 60.0
-#: Seconds one admin call may take inside a check (a reclaim: from the moment its generation ended):
-#: one call that never answers fails its check in this time, not the whole check's. Generous for a
-#: loaded machine, where one call to a local engine takes well under a second.
+#: Seconds one admin call may take inside a check (a reclaim's includes the "long" generation it
+#: waits for, a few hundred ms): one call that never answers fails its check in this time, not the
+#: whole check's. Generous for a loaded machine, where one call to a local engine takes well under a second.
 DEFAULT_CALL_DEADLINE = 15.0
 
 
@@ -285,14 +285,12 @@ async def reclaim_waits_for_native_refs(engine: EngineUnderTest, epoch: int) -> 
     try:
         _check(await _until(lambda: engine.native_refs(name) > 0 or running.done()), "the generation started")
         _check(not running.done(), "a long generation is still running when reclaim starts")
-        # the engine's own call (not the kit's bounded one): it may wait out the generation; once that
-        # ended, the kit's call deadline bounds the rest
-        reclaim = asyncio.ensure_future(admin._admin.reclaim(name, "reclaim-conformance-1"))
+        reclaim = asyncio.ensure_future(admin.reclaim(name, "reclaim-conformance-1"))  # waits out the generation
         await asyncio.sleep(0.05)
         _check(not reclaim.done() or running.done(), "reclaim waits while a request holds a native ref")
         _check(engine.physical_unloads(name) == 0 or running.done(), "nothing is unloaded under a running request")
         await running
-        await admin._call("reclaim", asyncio.shield(reclaim))
+        await reclaim
     finally:
         await _cancel(running, *([reclaim] if reclaim is not None else []))
     _check(engine.physical_unloads(name) == 1, "reclaim unloads exactly once")
