@@ -60,3 +60,11 @@ async def test_a_transport_with_the_old_stateless_flag_is_warned_about():
         with pytest.raises(Exception):
             await Deployment({"e0": engine}, epoch=1, transport=Mine(), deadlines=None).start()
     await engine.close()
+
+
+def test_the_keyword_check_keeps_deployments_signature():
+    """Integrations read Deployment's options from its signature (the Relax one does)."""
+    import inspect
+
+    parameters = inspect.signature(Deployment).parameters
+    assert {"epoch", "name_prefix", "transport", "capacity"} <= set(parameters) and "stash_dir" not in parameters
