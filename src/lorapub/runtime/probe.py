@@ -118,12 +118,17 @@ def input_logprobs(reply: Mapping[str, Any], length: int) -> list[float]:
     if len(items) == length:
         items = items[1:]
     values = [_value(x) for x in items]
-    if len(values) != length - 1 or any(v is None or not math.isfinite(v) for v in values):
-        what = f"{len(items)} input token logprobs" if isinstance(found, (list, tuple)) else (
-            f"no input token logprob list ({type(found).__name__} in meta_info)" if isinstance(meta, Mapping)
-            else f"no meta_info object ({type(reply).__name__} reply)")
-        raise ValueError(f"the engine gave {what} for {length} tokens, each a number or a (logprob, token_id, "
-                         f"text) entry: {found!r:.120}")
+    bad = [x for x, v in zip(items, values) if v is None or not math.isfinite(v)]
+    if len(values) != length - 1 or bad:
+        if not isinstance(meta, Mapping):
+            what = f"no meta_info object ({type(reply).__name__} reply)"
+        elif not isinstance(found, (list, tuple)):
+            what = f"no input token logprob list ({type(found).__name__} in meta_info)"
+        elif len(values) != length - 1:
+            what = f"{len(values)} input token logprobs for {length} tokens"
+        else:
+            what = f"{len(bad)} input token logprobs that are not finite numbers (e.g. {bad[0]!r:.60})"
+        raise ValueError(f"the engine gave {what}; each must be a number or a (logprob, token_id, text) entry")
     return [float(v) for v in values if v is not None]
 
 
