@@ -3,8 +3,9 @@ generous enough for a loaded machine (the happy path returns as soon as the cond
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable
+
+from lorapub.demo.workload import until as _poll
 
 #: The bound on any wait for something that should happen soon: a busy 2-core machine may take
 #: many times the usual; a test that claims "at once, not after N seconds" passes a bound below N.
@@ -13,8 +14,7 @@ PATIENCE = 10.0
 
 async def until(condition: Callable[[], object], seconds: float = PATIENCE, what: str = "the condition") -> None:
     """Return once ``condition()`` holds; fail naming ``what`` if it does not within ``seconds``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not condition():
-        assert loop.time() < deadline, f"{what} did not hold within {seconds:g} s"
-        await asyncio.sleep(0.005)
+    try:
+        await _poll(lambda: bool(condition()), timeout=seconds)
+    except TimeoutError:
+        raise AssertionError(f"{what} did not hold within {seconds:g} s") from None
