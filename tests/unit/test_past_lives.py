@@ -51,3 +51,32 @@ async def test_a_life_the_engine_never_had_is_still_a_mismatch():
             await s.generate(TURN)
     finally:
         await dep.close()
+
+
+async def test_a_registry_that_does_not_answer_the_recheck_changes_no_verdict():
+    """The recheck reads the registry's record of lives; a lost reply there attests nothing and
+    refuses nothing more: a forged life is still PROVENANCE_MISMATCH, never an unknown outcome."""
+    from lorapub.core.commands import ReadFleet
+    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.testing import FaultyRegistry
+
+    e0 = MemoryEngine("e0")
+    registry = FaultyRegistry(LocalRegistry(1, {"e0": await e0.incarnation()}))
+    dep = await Deployment({"e0": e0}, epoch=1, registry=registry, reconcile_interval=None).start()
+    try:
+        await dep.publish(lora_snapshot(1), "A")
+        s = dep.session("s")
+        real = e0.generate
+
+        async def forged(payload):
+            out = await real(payload)
+            out["meta_info"]["lorapub"] = dict(out["meta_info"]["lorapub"], incarnation="e0-never")
+            return out
+
+        e0.generate = forged
+        registry.fail_next(ReadFleet, "request", count=5)
+        with pytest.raises(ProvenanceMismatch, match="not a life of e0"):
+            await s.generate(TURN)
+    finally:
+        registry.clear_faults()
+        await dep.close()
