@@ -52,6 +52,11 @@ def refuse_moved_options(init: Callable[_P, None]) -> Callable[_P, None]:
     return checked
 
 
+def _declares(obj: object, name: str) -> bool:
+    """``obj`` (its class or itself) sets ``name``: not an attribute a mock makes up when asked."""
+    return getattr(type(obj), name, None) is not None or getattr(obj, "__dict__", {}).get(name) is not None
+
+
 def check_epoch(epoch: object) -> int:
     """A deployment's ``epoch=``: an int >= 0, and the message says what it is for (a run id string is
     the usual mistake)."""
@@ -75,7 +80,7 @@ def check_engines(engines: object) -> dict[str, EngineAdmin]:
                 f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
                 "engines by name, so they must match"
             )
-        if getattr(engine, "bucket_source_factory", None) is not None:
+        if _declares(engine, "bucket_source_factory"):
             # the per-engine hook lorapub read before the Transport: ignoring it would send the bytes another way
             raise InvalidInput(
                 f"engine {key!r} ({type(engine).__name__}) declares bucket_source_factory, which lorapub no longer "
@@ -101,7 +106,7 @@ def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Tra
     none, which are sent safetensors bytes). Without ``transport``, the one the engines already
     send with (their default, or one an earlier deployment gave them): they must agree."""
     takers = {name: e for name, e in engines.items() if isinstance(e, TakesTransport)}
-    if transport is not None and hasattr(transport, "stateless"):
+    if transport is not None and _declares(transport, "stateless"):
         warnings.warn(f"transport {type(transport).__name__} sets `stateless`, which lorapub no longer reads: "
                       "transports are compared with their own __eq__ (define it to let equal transports merge; "
                       "without it a transport equals only itself)", DeprecationWarning, stacklevel=3)
