@@ -17,6 +17,7 @@ from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import SQLiteStore
 from lorapub.testing import MemoryEngine, SGLangDouble, lora_snapshot
 from tests.e2e.conftest import FAST
+from tests.helpers.waiting import until
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 300}}  # 0.3 s on a MemoryEngine
@@ -122,7 +123,7 @@ async def test_drain_moves_sessions_at_a_turn_boundary_and_returns_when_no_reque
     on_e1 = [s for s in sessions if s.engine.name == "e1"]
     assert on_e1
     running = [asyncio.create_task(s.generate(LONG)) for s in on_e1]  # mid-request when the drain begins
-    await asyncio.sleep(0.05)
+    await until(lambda: sum(dep.engines["e1"].refs.values()) == len(on_e1), what="every request running on e1")
     drain = asyncio.create_task(dep.drain_engine("e1"))
     await asyncio.sleep(0.05)
     assert not drain.done()  # their requests still run there: never cut mid-request
