@@ -168,3 +168,52 @@ async def test_the_new_rules_hold_for_the_engines_that_pass():
     assert is_managed_name(request.lora_name) and request.lora_name not in await under.served()
     with pytest.raises(VersionMissing):
         await under.admin.generate(under.generation(request.lora_name))
+
+
+async def test_one_call_that_never_answers_fails_in_the_call_deadline_not_the_whole_checks():
+    """A reclaim that never answers costs the kit's call deadline, not the check's 60 s."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(ConformanceFailure) as caught:
+        await asyncio.wait_for(check_engine_admin(factory_of(HangingReclaim), call_deadline=0.5), 50)
+    assert loop.time() - started < 30  # two checks reclaim: each fails in its call deadline
+    assert caught.value.failures["reclaim_waits_for_native_refs"] == (
+        "reclaim on e0 did not answer within its deadline of 0.5 s")
+    from lorapub.testing.conformance import DEFAULT_CALL_DEADLINE, DEFAULT_DEADLINE
+    assert DEFAULT_CALL_DEADLINE <= DEFAULT_DEADLINE / 4  # proportionate: a call is a small part of a check
+
+
+class BreaksTwoRules(BaseFallback, NoDigestCheck):
+    """Runs a missing version on the base model and loads bytes that do not match the manifest."""
+
+
+async def test_every_broken_rule_is_reported_not_only_the_first():
+    with pytest.raises(ConformanceFailure) as caught:
+        await check_engine_admin(factory_of(BreaksTwoRules))
+    failure = caught.value
+    # (the base-model fallback also breaks the restart check's "VersionMissing after a restart")
+    broken = ["end_verifies_the_digest", "no_fallback_on_a_missing_version", "new_incarnation_after_restart"]
+    assert list(failure.failures) == broken
+    lines = str(failure).splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == broken  # one line per check, in the suite's order
+    assert "3 of 9 checks failed" in lines[-1]
+    assert list(failure.result) == [n for n in ALL if n not in failure.failures]  # the rest ran and passed
+
+
+async def test_a_factory_that_fails_stops_the_run_naming_it():
+    async def broken():
+        raise OSError("no port free")
+
+    with pytest.raises(ConformanceFailure, match="idempotent_lifecycle: making the engine under test: OSError") as e:
+        await check_engine_admin(broken)
+    assert all(why.startswith("not run") for name, why in e.value.failures.items() if name != ALL[0])
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "60", True])
+async def test_a_deadline_that_is_not_a_positive_number_is_invalid_input(bad):
+    from lorapub import InvalidInput
+
+    for option in ("deadline", "call_deadline"):
+        with pytest.raises(InvalidInput, match=f"{option}=") as e:
+            await check_engine_admin(factory_of(MemoryEngine), **{option: bad})
+        assert e.value.code == "INVALID_INPUT"

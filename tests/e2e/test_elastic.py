@@ -17,6 +17,7 @@ from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.stores import SQLiteStore
 from lorapub.testing import MemoryEngine, SGLangDouble, lora_snapshot
 from tests.e2e.conftest import FAST
+from tests.helpers.waiting import until
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 300}}  # 0.3 s on a MemoryEngine
@@ -122,7 +123,7 @@ async def test_drain_moves_sessions_at_a_turn_boundary_and_returns_when_no_reque
     on_e1 = [s for s in sessions if s.engine.name == "e1"]
     assert on_e1
     running = [asyncio.create_task(s.generate(LONG)) for s in on_e1]  # mid-request when the drain begins
-    await asyncio.sleep(0.05)
+    await until(lambda: sum(dep.engines["e1"].refs.values()) == len(on_e1), what="every request running on e1")
     drain = asyncio.create_task(dep.drain_engine("e1"))
     await asyncio.sleep(0.05)
     assert not drain.done()  # their requests still run there: never cut mid-request
@@ -162,7 +163,7 @@ async def test_a_session_whose_version_only_the_draining_engine_holds_stays_and_
     out = await s.generate(GEN)  # it stays on its version where it is held
     assert out["meta_info"]["engine"] == "e1" and out["lorapub"]["version_id"] == "A"
     await s.close()
-    drained = await dep.drain_engine("e1", timeout=2)
+    drained = await dep.drain_engine("e1", timeout=30)  # generous: it returns once drained
     assert drained.engine == "e1"
     await dep.close()
 
@@ -204,8 +205,8 @@ async def test_a_remove_during_a_reclaim_lets_the_reclaim_finish_without_it():
     await dep.settle(timeout=0.5)
     assert version(dep, "A").state is VersionState.RECLAIMING
     await dep.remove_engine("e1")
-    await dep.reconcile(wait=1)
-    await dep.settle(timeout=1)
+    await dep.reconcile(wait=10)  # generous: each returns once the work is done
+    await dep.settle(timeout=10)
     assert version(dep, "A").state is VersionState.RECLAIMED
     assert not dep.engines["e0"].serves(a.lora_name)
     assert (await dep.state()).slots_held == 1

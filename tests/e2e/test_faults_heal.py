@@ -27,6 +27,7 @@ from lorapub.core.version import VersionState
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing import FaultyRegistry, MemoryEngine, SGLangDouble, lora_snapshot
+from tests.helpers.waiting import until as _until
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 QUICK = Deadlines(begin=1, bucket=1, end=3, cleanup=1, commit=1, reclaim=30)
@@ -41,7 +42,8 @@ async def faulty(engines, **options) -> tuple[Deployment, FaultyRegistry]:
     registry = FaultyRegistry(LocalRegistry(1, incarnations, lease_ttl=options.pop("lease_ttl", 120.0),
                                             max_lag=options.get("max_lag")))
     options.setdefault("reconcile_interval", None)
-    dep = await Deployment(engines, epoch=1, registry=registry, deadlines=QUICK, **options).start()
+    options.setdefault("deadlines", QUICK)
+    dep = await Deployment(engines, epoch=1, registry=registry, **options).start()
     return dep, registry
 
 
@@ -52,15 +54,16 @@ def version(dep: Deployment, version_id: str):
 # -- item 2: a cancelled publish, a lost RecordPrepared reply --------------------------------------
 async def test_a_cancelled_publish_aborts_and_cleans_its_attempt_at_once():
     engines = memory_engines()
-    dep, _ = await faulty(engines)
+    # B's ends stall until their deadline (30 s); C must not wait for it (a loaded machine included)
+    dep, _ = await faulty(engines, deadlines=Deadlines(begin=10, bucket=10, end=30, cleanup=10, commit=10, reclaim=30))
     await dep.publish(lora_snapshot(1), "A")
     for e in engines.values():
-        e.fail_next("end", "stall")  # an engine's end that answers only at its deadline (3 s)
+        e.fail_next("end", "stall")  # an engine's end that answers only at its deadline
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(dep.publish(lora_snapshot(2), "B"), 0.3)
     started = time.monotonic()
-    report = await dep.publish(lora_snapshot(3), "C", wait=5)  # not PUBLICATION_BLOCKED for minutes
-    assert report.state is VersionState.PUBLISHED and time.monotonic() - started < 2.5
+    report = await dep.publish(lora_snapshot(3), "C", wait=20)  # not PUBLICATION_BLOCKED for minutes
+    assert report.state is VersionState.PUBLISHED and time.monotonic() - started < 15  # not the stall's 30 s
     assert version(dep, "B").state is VersionState.FAILED_CLEAN  # aborted and cleaned, never committed
     assert all(version(dep, "B").lora_name not in e.loaded for e in engines.values())
     await dep.close()
@@ -79,14 +82,6 @@ async def test_a_replayed_publish_takes_over_its_own_attempt_after_a_lost_reply(
 
 
 # -- a publish cancelled while it waits for a slot ------------------------------------------------------
-async def _until(condition, seconds: float = 2.0) -> None:
-    """Poll ``condition`` (no fixed sleep decides the outcome): fail if it does not hold in time."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def _full(dep: Deployment):
     """A and B published, A kept by a session: both slots held, the next publish must wait."""
     await dep.publish(lora_snapshot(1), "A")
@@ -174,16 +169,16 @@ async def test_a_lost_close_is_retried_and_its_session_never_renewed():
 
 # -- item 5: a slow unload stalls nothing else ---------------------------------------------------------------
 async def test_a_slow_unload_never_holds_a_reconcile_pass():
-    engines = memory_engines(generate_seconds=4.0)
+    engines = memory_engines(generate_seconds=8.0)  # long beside the pass's bound, for a loaded machine
     dep, _ = await faulty(engines, max_lag=0)  # A retires at B's commit, under a running request
     await dep.publish(lora_snapshot(1), "A")
-    running = asyncio.ensure_future(dep.session("s").generate(GEN))  # A's native ref for 4 s
-    await asyncio.sleep(0.1)
+    running = asyncio.ensure_future(dep.session("s").generate(GEN))  # A's native ref for 8 s
+    await _until(lambda: any(sum(e.refs.values()) for e in engines.values()), what="A's request running")
     await dep.publish(lora_snapshot(2), "B")
-    engines["e1"].restart()  # meanwhile an engine restarts: the pass sees it now, not in 4 s
+    engines["e1"].restart()  # meanwhile an engine restarts: the pass sees it now, not in 8 s
     started = time.monotonic()
     health = await dep.reconcile(wait=0.5)
-    assert time.monotonic() - started < 2.0, "the pass waited on the unload"
+    assert time.monotonic() - started < 5.0, "the pass waited on the unload"
     kinds = {(b.kind, b.subject) for b in health.blockers}
     assert ("reclaim_pending", "1-A") in kinds, health.describe()
     assert dep.registry.state.engines["e1"] == engines["e1"].incarnation_id  # the restart was registered
@@ -421,7 +416,7 @@ async def test_a_session_forgotten_after_its_expiry_is_told_expired_not_an_inval
     await dep.reconcile()  # a tombstone is forgotten a pass after the one that made it
     assert s.key not in (await dep.state()).sessions
     await dep.publish(lora_snapshot(2), "B")  # A, kept by nothing now, is reclaimed
-    await dep.settle(2)
+    await dep.settle(30)  # returns once the reclaim ends
     with pytest.raises(SessionExpired, match="start a new session"):
         await s.generate({"input_ids": [1, 2]})
     assert (await dep.session("s").generate({"input_ids": [1, 2]}))["lorapub"]["version_id"] == "B"

@@ -27,6 +27,7 @@ from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.testing import MemoryEngine, SGLangDouble, lora_snapshot
 from tests.e2e.conftest import FAST
+from tests.helpers.waiting import until as _until
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
@@ -156,13 +157,6 @@ async def test_a_newer_publication_supersedes_a_waiting_one_which_never_commits(
         await dep.publish(lora_snapshot(3), "C", wait=1)
     assert "(it waited" not in again.value.message and "new version id" in again.value.message
     await dep.close()
-
-
-async def _until(condition, seconds: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def _waiter(dep: Deployment) -> str | None:
@@ -295,13 +289,14 @@ async def test_a_session_beyond_max_lag_is_told_binding_stale_and_its_version_is
 
 
 async def test_a_request_running_when_its_version_retires_completes_and_holds_the_unload():
-    dep = await deployment(capacity=3, max_lag=0, on_stale="error", engine={"generate_seconds": 0.5})
+    dep = await deployment(capacity=3, max_lag=0, on_stale="error", engine={"generate_seconds": 1.5})
     await dep.publish(lora_snapshot(1), "A")
     s = dep.session("s")
     running = asyncio.ensure_future(s.generate(GEN))
-    await asyncio.sleep(0.2)
+    await _until(lambda: any(sum(e.refs.values()) for e in dep.engines.values()), what="the request running")
     await dep.publish(lora_snapshot(2), "B")  # A retiring at once (max_lag 0), its request still runs
     await asyncio.sleep(0.05)
+    assert not running.done()
     assert version(dep, "A").state in (VersionState.RETIRED, VersionState.RECLAIMING)  # not unloaded under it
     out = await running  # never cut in the middle of a request
     assert out["lorapub"]["version_id"] == "A"
@@ -411,10 +406,11 @@ async def test_a_session_idle_past_idle_ttl_expires_in_a_live_worker():
     await dep.publish(lora_snapshot(1), "A")
     forgotten = await bound_session(dep, "forgotten")  # the rollout code raised before close()
     busy = dep.session("busy")
-    dep.engines["e0"].generate_seconds = dep.engines["e1"].generate_seconds = 1.0
+    dep.engines["e0"].generate_seconds = dep.engines["e1"].generate_seconds = 2.0
     running = asyncio.ensure_future(busy.generate(GEN))  # running: never idle
-    await asyncio.sleep(0.9)
-    assert dep.registry.state.sessions[forgotten.key].state is SessionState.EXPIRED
+    await _until(lambda: dep.registry.state.sessions[forgotten.key].state is SessionState.EXPIRED,
+                 what="the forgotten session expired")
+    assert not running.done()  # the busy one ran all along, past its idle_ttl many times over
     assert dep.registry.state.sessions[busy.key].state is SessionState.BOUND
     await running
     await dep.publish(lora_snapshot(2), "B")
@@ -428,7 +424,7 @@ async def test_an_idle_sessions_version_is_reclaimed_at_its_expiry_without_a_rec
     await dep.publish(lora_snapshot(1), "A")
     await bound_session(dep, "forgotten")  # keeps A once B is the default, until it idles out
     await dep.publish(lora_snapshot(2), "B")
-    await _until(lambda: version(dep, "A").state is VersionState.RECLAIMED, seconds=3.0)
+    await _until(lambda: version(dep, "A").state is VersionState.RECLAIMED, seconds=10.0)
     assert (await dep.publish(lora_snapshot(3), "C")).state is VersionState.PUBLISHED  # A's slot is free
     await dep.close()
 
@@ -547,7 +543,7 @@ async def test_a_manual_clock_drives_idle_ttl_and_reconcile_expires_what_it_made
     assert version(dep, "A").state is VersionState.RETIRED  # not idle yet
     clock.advance(2)
     await dep.reconcile()  # no sleep: the pass expires it, and A's reclaim starts
-    await dep.settle(2)
+    await dep.settle(30)  # returns once the reclaim ends
     assert version(dep, "A").state is VersionState.RECLAIMED
     with pytest.raises(SessionExpired):
         await forgotten.generate(GEN)

@@ -20,6 +20,7 @@ from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.testing import SGLangDouble, lora_snapshot
 from tests.e2e.conftest import FAST
+from tests.helpers.waiting import until
 
 IN_FLIGHT = 250  # over twice aiohttp's default limit of 100 connections per session
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 80}}  # 80 steps of 25 ms: ~2 s
@@ -39,8 +40,9 @@ async def test_the_old_path_publishes_while_more_sessions_wait_out_its_pause_tha
     try:
         await dep.publish(lora_snapshot(1), "A")
         sessions = [dep.session(f"s{i}") for i in range(IN_FLIGHT)]
+        sent = double.generate_requests
         turns = [asyncio.create_task(s.generate(dict(LONG))) for s in sessions]
-        await asyncio.sleep(0.3)  # all of them sent and decoding
+        await until(lambda: double.generate_requests >= sent + IN_FLIGHT, what="every turn sent")  # and decoding
         await asyncio.wait_for(dep.publish(lora_snapshot(2), "B"), 10)  # aborts, resends, flush, overwrite
         # the pause reached the engine while the turns ran (it waited for no connection), so it
         # aborted more of them than the pool holds; their resends waited out the pause
@@ -59,8 +61,9 @@ async def test_lorapub_publishes_while_more_generations_are_in_flight_than_the_p
     try:
         await dep.publish(lora_snapshot(1), "A")
         sessions = [dep.session(f"s{i}") for i in range(IN_FLIGHT)]
+        sent = slow_double.generate_requests
         turns = [asyncio.create_task(s.generate(dict(LONG))) for s in sessions]
-        await asyncio.sleep(0.3)  # all of them sent and decoding
+        await until(lambda: slow_double.generate_requests >= sent + IN_FLIGHT, what="every turn sent")  # and decoding
         await asyncio.wait_for(engines["e0"].incarnation(), 5)
         assert not any(t.done() for t in turns), "an admin call waited for a generation to end"
         await asyncio.wait_for(dep.publish(lora_snapshot(2), "B"), 5)

@@ -59,7 +59,7 @@ async def test_a_killed_publishers_orphans_are_reclaimed_by_the_next_trainer(kil
         for _ in range(10):
             if health.healthy:
                 break
-            await dep.settle(2.0)
+            await dep.settle(30.0)  # returns once the work is done
             health = await dep.reconcile()
         assert health.healthy, health.describe()
         for d in doubles:
@@ -92,7 +92,7 @@ async def test_an_orphan_is_unloaded_only_once_its_running_requests_end():
         assert orphan and "running request" in orphan[0].detail, health.describe()
         out = await long  # the request a dead trainer's rollout sent runs to its end
         assert out["meta_info"]["completion_tokens"] == 8
-        await dep.settle(5.0)
+        await dep.settle(30.0)
         health = await dep.reconcile()
         assert health.healthy, health.describe()
         assert epochs_held(doubles[0]) == set()

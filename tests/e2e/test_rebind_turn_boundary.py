@@ -15,6 +15,7 @@ import pytest
 from lorapub import BindingStale, Deployment
 from lorapub.testing import MemoryEngine, lora_snapshot
 from tests.e2e.conftest import FAST
+from tests.helpers.waiting import until
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 HELD = {"input_ids": [7, 7, 7], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -68,11 +69,11 @@ async def test_a_rebind_waits_for_the_sessions_running_request_which_keeps_the_f
     s = dep.session("s")
     assert fields(await s.generate(GEN)) == ("A", 0, 0)
     running = asyncio.ensure_future(s.generate(HELD))
-    await asyncio.sleep(0.05)  # sent on A
+    await until(lambda: log[-1:] == [("start", s.binding.lora_name)], what="the held request sent on A")
     await dep.publish(lora_snapshot(2), "B")
     await dep.publish(lora_snapshot(3), "C")  # A is 2 behind: retiring
     turn = asyncio.ensure_future(s.generate(GEN))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # time for a wrong send to happen (none may: the assertion holds at any speed)
     assert not turn.done() and log[-1] == ("start", s.binding.lora_name)  # nothing sent on another version
     release.set()
     assert fields(await running) == ("A", 0, 0)  # as when it was sent, not as when it returned
@@ -89,7 +90,7 @@ async def test_a_turn_beside_a_running_one_is_sent_at_once_while_its_version_is_
     s = dep.session("s")
     await s.generate(GEN)
     running = asyncio.ensure_future(s.generate(HELD))
-    await asyncio.sleep(0.05)
+    await until(lambda: log[-1:] == [("start", s.binding.lora_name)], what="the held request sent on A")
     await dep.publish(lora_snapshot(2), "B")  # A is 1 behind: still allowed
     assert fields(await s.generate(GEN)) == ("A", 1, 0)  # not held behind the running request
     release.set()
@@ -104,7 +105,7 @@ async def test_with_on_stale_error_the_new_turn_is_refused_and_the_running_one_c
     s = dep.session("s")
     await s.generate(GEN)
     running = asyncio.ensure_future(s.generate(HELD))
-    await asyncio.sleep(0.05)
+    await until(lambda: log[-1:] == [("start", s.binding.lora_name)], what="the held request sent on A")
     await dep.publish(lora_snapshot(2), "B")
     with pytest.raises(BindingStale):
         await s.generate(GEN)

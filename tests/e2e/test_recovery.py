@@ -24,6 +24,7 @@ from lorapub.runtime.publisher import PublicationFailed
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.testing import FaultyRegistry, lora_snapshot
 from tests.e2e.conftest import FAST
+from tests.helpers.waiting import until
 
 GEN = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
@@ -213,7 +214,7 @@ async def test_dead_publisher_attempt_is_aborted_when_stale(engines, doubles, tr
     dep, _ = await faulty_deployment(engines, transport, stale_attempt_after=0.2)
     doubles["e0"].inject("load", "hang")
     task = asyncio.create_task(dep.publish(lora_snapshot(1), "A"))
-    await asyncio.sleep(0.3)
+    await until(lambda: doubles["e0"].faults["load"].count == 0, what="e0's load hanging")
     task.cancel()  # the publishing process dies mid-attempt
     await asyncio.gather(task, return_exceptions=True)
     await dep.reconcile()  # first sighting

@@ -148,3 +148,32 @@ async def test_the_gate_over_the_sglang_double(double_pair, monkeypatch):
     assert (await dep.state()).default == a.version
     assert (await dep.publish(probed(3), "C")).state is VersionState.PUBLISHED
     await dep.close()
+
+
+MALFORMED = {
+    "dict entries": lambda n: {"meta_info": {"input_token_logprobs": [{"logprob": -1.0}] * n}},
+    "a number for the list": lambda n: {"meta_info": {"input_token_logprobs": 7}},
+    "strings": lambda n: {"meta_info": {"input_token_logprobs": [["x", 1, None]] * n}},
+    "meta_info a list": lambda n: {"meta_info": [1, 2]},
+    "not an object": lambda n: ["ok"],
+}
+
+
+@pytest.mark.parametrize("reply", MALFORMED)
+async def test_a_malformed_probe_reply_fails_the_attempt_like_a_refused_end(reply, caplog):
+    """docs/provenance.md: a reply that lacks the logprobs fails the attempt as a refused ``end`` does:
+    typed, cleaned, the default unmoved, and no traceback logged as an error inside lorapub."""
+    dep, engines = await deployment()
+    first = await dep.publish(probed(1), "A")
+    for engine in engines.values():
+        engine.generate = lambda payload, make=MALFORMED[reply]: _answer(make(len(payload["input_ids"])))
+    with pytest.raises(PublicationFailed) as caught:
+        await dep.publish(probed(2), "B")
+    assert caught.value.code == "PUBLICATION_FAILED" and "probe" in caught.value.message
+    assert (await dep.state()).default == first.version
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    await dep.close()
+
+
+async def _answer(reply):
+    return reply

@@ -45,7 +45,7 @@ async def _cycle(dep: Deployment) -> None:
     await session.generate(GEN)
     await dep.publish(lora_snapshot(2), "B")
     await session.close()
-    await dep.settle(5)
+    await dep.settle(30)
 
 
 async def test_a_whole_cycle_is_told_as_events_in_order():

@@ -169,7 +169,7 @@ async def test_the_series_move_with_a_publish_bind_retire_reclaim_cycle():
     assert _value(registry, "lorapub_engines", life="up") == 2
     assert _value(registry, "lorapub_registry_decision_seconds_count", command="Commit") == 2
     await session.close()
-    await dep.settle(5)
+    await dep.settle(30)
     await dep.reconcile(wait=0)
     assert _value(registry, "lorapub_reclaim_seconds_count") == 1
     assert _value(registry, "lorapub_version_session_refs", version="1-A") == 0  # left the series

@@ -18,6 +18,7 @@ from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.status import Status
 from lorapub.runtime.stores import SQLiteStore
 from lorapub.testing import MemoryEngine, lora_snapshot
+from tests.helpers.waiting import until
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
 TOKEN = "a-status-token-of-enough-length"
@@ -54,7 +55,7 @@ async def test_status_names_the_session_that_keeps_a_retired_version():
     # the JSON form reads back to the same value
     assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status
     await session.close()
-    await dep.settle(5)
+    await dep.settle(30)
     status = await dep.status()
     assert [v.version for v in status.versions] == ["1-B"] and status.sessions_here == 0
     await dep.close()
@@ -65,7 +66,7 @@ async def test_a_running_request_and_an_unreachable_engine_are_named():
     dep = await Deployment(engines, epoch=1, reconcile_interval=None).start()
     session = await _held(dep)
     long = asyncio.ensure_future(session.generate({**GEN, "sampling_params": {"max_new_tokens": 3000}}))
-    await asyncio.sleep(0.05)  # the request runs on A, on the engine the session sticks to
+    await until(lambda: any(sum(e.refs.values()) for e in engines.values()), what="the long request running")
     engines["e1"].fail_next("incarnation", "request", count=10)  # e1 answers nothing for a while
     status = await dep.status()
     a = next(v for v in status.versions if v.version == "1-A")

@@ -20,6 +20,7 @@ import pytest
 from lorapub import sglang_patch
 from lorapub.sglang_patch import diffs, targets
 from tests import sglang_real
+from tests.helpers.waiting import until
 from tests.sglang_patch import harness
 
 RELEASES = ["0.5.17", "0.5.23"]
@@ -171,7 +172,7 @@ async def check_request_racing_unload_is_rejected_without_reload(cls):
     inflight = asyncio.create_task(tm.generate("old", A, hold=hold))
     await asyncio.sleep(0)
     unloading = asyncio.create_task(unload(tm))
-    await asyncio.sleep(0.01)  # unregistered, waiting for the native ref
+    await until(lambda: A not in tm.lora_registry.get_all_adapters(), what="A unregistered")  # waiting for the native ref
     late = asyncio.create_task(tm.generate("late", A))
     await asyncio.sleep(0.01)
     hold.set()

@@ -24,6 +24,8 @@ from lorapub.wire.codec import plan_to_json, token_from_json, token_to_json
 pytest.importorskip("torch")
 
 from tests.wire.test_staging_landing import LIFE, Hooks, chunks_of, params, raw, snapshot  # noqa: E402
+from lorapub.demo.workload import until as _poll
+from tests.helpers.waiting import until
 
 
 def begin_body(snap, version: str, seq: int = 1) -> tuple[AttemptToken, object, dict]:
@@ -89,9 +91,9 @@ async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_cl
     staging = es.EngineStaging(Hooks(), incarnation=LIFE, stash_root=str(tmp_path / "disk"), idle_timeout=0.2)
     assert (await staging.begin(body))[0] == 200
     assert (await send(staging, snap, token, plan.buckets[0]))[0] == 200
-    await asyncio.sleep(0.6)  # nothing calls the staging meanwhile
-    assert staging.state.attempts == {} and token in staging.state.tombstones and not os.path.exists(staging.folder_of(token))
-    assert not staging.aging_armed  # nothing staged: no timer until a route is called again
+    # nothing calls the staging meanwhile; with nothing staged, no timer until a route is called again
+    await until(lambda: staging.state.attempts == {} and not staging.aging_armed, what="the attempt aged out")
+    assert token in staging.state.tombstones and not os.path.exists(staging.folder_of(token))
 
     other = snapshot(4)
     token_b, plan_b, body_b = begin_body(other, "B")
@@ -103,9 +105,14 @@ async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_cl
     assert await staging.sweep() == []  # a closed staging sweeps nothing
 
 
+#: How long the slow operations below run: long beside the 0.2 s idle timeout and the 0.35 s the
+#: test waits, so the operation still runs when it looks, however slow the machine.
+SLOW_OP = 1.5
+
+
 class SlowLoad(Hooks):
     async def load_dir(self, lora_name, path):
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(SLOW_OP)
         return await super().load_dir(lora_name, path)
 
 
@@ -123,7 +130,7 @@ async def test_an_attempt_is_never_aged_out_while_an_operation_on_it_runs(tmp_pa
 
         async def slow_body():
             yield blob[:10]
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(SLOW_OP)
             yield blob[10:]
 
         running = asyncio.ensure_future(send(staging, snap, token, last, slow_body()))
@@ -238,8 +245,13 @@ async def test_the_double_ages_out_as_the_patched_server_does_and_its_state_rout
         entry = staged["attempts"][str(token)]
         assert (entry["phase"], entry["buckets"], entry["bytes"]) == ("receiving", [0], plan.buckets[0].nbytes)
         assert staged["idle_timeout_s"] == 0.3
-        await asyncio.sleep(0.8)  # the publisher is gone: nothing drives the attempt
-        staged = (await engine.state())["staging"]
+        staged = {}
+
+        async def aged_out() -> bool:  # the publisher is gone: nothing drives the attempt
+            staged.update((await engine.state())["staging"])
+            return staged["attempts"] == {}
+
+        await _poll(aged_out, timeout=10)
         assert staged["attempts"] == {} and staged["bytes"] == 0 and staged["aged_out"] == 1
         with pytest.raises(EngineError, match="STAGE_TOMBSTONE|cleaned up"):
             await engine.receive_bucket(token, 1, RawBucket(snap, plan.buckets[1]))

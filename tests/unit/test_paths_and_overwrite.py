@@ -13,6 +13,7 @@ from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.runtime.overwrite import FIXED_LORA_NAME, OverwriteDeployment
 from lorapub.testing import lora_snapshot
+from tests.helpers.waiting import until
 
 
 class FakeOverwriteAdmin:
@@ -192,8 +193,8 @@ async def test_a_publication_cancelled_twice_still_continues_every_engine(fakes,
     with pytest.raises(asyncio.CancelledError):
         await task
     fakes["e1"].continue_gate.set()
-    await asyncio.sleep(0.05)
-    assert all(not f.paused and f.calls[-1] == "continue" for f in fakes.values())
+    await until(lambda: all(not f.paused and f.calls[-1] == "continue" for f in fakes.values()),
+                what="every engine continued")
 
 
 @pytest.mark.parametrize(

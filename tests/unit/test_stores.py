@@ -746,3 +746,16 @@ def test_a_stored_capacity_too_small_for_its_max_lag_resumes_with_a_warning(tmp_
         resumed = LocalRegistry(EP, E, store=FileStore(str(tmp_path / "r.pickle")))
     assert (resumed.state.capacity, resumed.state.max_lag) == (2, 1)  # resumed, not refused
     assert "capacity 2 cannot serve max_lag=1" in caplog.text and "capacity=3 or more" in caplog.text
+
+
+@pytest.mark.parametrize("cut", [1, 100, 4095])
+def test_a_sqlite_store_cut_by_a_few_bytes_is_store_corrupted(tmp_path, cut):
+    """SQLite writes whole pages: a file that is not a whole number of pages lost its tail."""
+    path = tmp_path / "r.db"
+    with_sessions(path, 5).close()
+    data = path.read_bytes()
+    path.write_bytes(data[:-cut])
+    with pytest.raises(StoreCorrupted, match="not a whole number of") as e:
+        sqlite_registry(path)
+    assert str(path) in e.value.message and f"{len(data) - cut} bytes" in e.value.message
+    assert path.read_bytes() == data[:-cut]  # refused, nothing written into it

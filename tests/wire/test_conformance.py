@@ -27,6 +27,6 @@ async def test_wire_engine_passes_the_conformance_suite(kind, tmp_path):
     (tmp_path / "shm").mkdir()
 
     async def factory():
-        return await SGLangUnderTest.start(str(tmp_path / "engine-disk"), transport=make(), request_timeout=2.0)
+        return await SGLangUnderTest.start(str(tmp_path / "engine-disk"), transport=make())  # the kit's own timeouts
 
     assert await check_engine_admin(factory) == [c.__name__ for c in CHECKS]

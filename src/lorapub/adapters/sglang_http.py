@@ -257,7 +257,10 @@ class SGLangHTTP(OwnedHTTPSession):
                 text = (await r.read()).decode("utf-8", errors="replace")
                 return r.status, json_or_text(text)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
-            raise OutcomeUnknown(f"{self.name} {path}: no answer ({type(e).__name__})") from None
+            hint = ("; is the engine running, and does this address reach it?"
+                    if isinstance(e, aiohttp.ClientConnectorError) else "")
+            raise OutcomeUnknown(f"{self.name} {path}: no answer from {self.base_url} ({type(e).__name__}){hint}",
+                                 engine=self.name, url=self.base_url) from None
 
     def refusal(self, path: str, status: int, body: Any) -> EngineError:
         """The definite "no" of an engine, with its own words (clipped)."""
@@ -502,3 +505,15 @@ class SGLangOverwriteAdmin:
 
     async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         return await self.client.generate(payload)
+
+
+def __getattr__(name: str) -> object:
+    if name == "SGLangEngine":  # retired: the publisher-side stash it staged in is gone
+        raise ImportError(
+            "SGLangEngine was retired (its staging ran in the publisher, in a stash_dir the engine had to read): "
+            "use lorapub.adapters.sglang_wire.SGLangWireEngine(name, url), which stages inside the engine, and "
+            "name how buckets travel once on the deployment: Deployment(engines, transport=HTTPBytes() | "
+            "SameHostIPC() | SharedDir(path) | TorchDistributed(...)) (docs/design.md, \"Publication on an engine\")",
+            name=name,
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -149,7 +149,8 @@ class SGLangWireEngine(SGLangAdminBase):
             return incarnation
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             why = f"{self.name} did not answer bucket {index}"
-            raise OutcomeUnknown(f"{self.name} {BUCKET_ROUTE}: no answer ({type(e).__name__})") from None
+            raise OutcomeUnknown(f"{self.name} {BUCKET_ROUTE}: no answer from {self.base_url} ({type(e).__name__})",
+                                 engine=self.name, url=self.base_url) from None
         except EngineError as e:
             why = f"{self.name} refused bucket {index}: {e.message}"
             raise

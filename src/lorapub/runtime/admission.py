@@ -5,8 +5,10 @@ every engine, the status endpoint's address. See docs/design.md, "Runtime wiring
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import Awaitable, Mapping, TypeVar
+import warnings
+from typing import Awaitable, Callable, Mapping, ParamSpec, TypeVar
 
 from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
 from lorapub.core.registry import Fleet
@@ -21,10 +23,50 @@ from lorapub.ports import (
 )
 
 __all__ = ["check_engines", "hand_transport", "check_status_address", "transport_name", "check_limits",
-           "check_protects", "answer_within"]
+           "check_protects", "answer_within", "refuse_moved_options", "check_epoch"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+#: Deployment keywords that were removed, and what replaced each.
+_MOVED_OPTIONS = {
+    "stash_dir": "the publisher-side stash was retired: engines stage inside themselves, and the bytes travel "
+                 "the transport named once on the deployment: Deployment(engines, transport=HTTPBytes() | "
+                 "SameHostIPC() | SharedDir(path)) (deploy(stash_dir=) stays, for the overwrite path, enabled=False)",
+}
+
+
+def refuse_moved_options(init: Callable[_P, None]) -> Callable[_P, None]:
+    """``Deployment.__init__``, where a removed keyword is INVALID_INPUT naming its replacement (any
+    other unknown keyword stays Python's own TypeError). Its signature is the one inspected."""
+
+    @functools.wraps(init)
+    def checked(*args: _P.args, **options: _P.kwargs) -> None:
+        for name in options:
+            if name in _MOVED_OPTIONS:
+                raise InvalidInput(f"Deployment({name}=) was removed: {_MOVED_OPTIONS[name]}")
+        init(*args, **options)
+
+    return checked
+
+
+def _declares(obj: object, name: str) -> bool:
+    """``obj`` (its class or itself) sets ``name``: not an attribute a mock makes up when asked."""
+    return getattr(type(obj), name, None) is not None or getattr(obj, "__dict__", {}).get(name) is not None
+
+
+def check_epoch(epoch: object) -> int:
+    """A deployment's ``epoch=``: an int >= 0, and the message says what it is for (a run id string is
+    the usual mistake)."""
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise InvalidInput(
+            f"epoch= must be an int >= 0 that grows with each trainer run, got {epoch!r} ({type(epoch).__name__}): "
+            "it numbers this run's versions (e.g. 7-step41) and a newer run's adapters are never touched by an "
+            "older one's; pass the run's number, or int(time.time()) taken once at its start"
+        )
+    return epoch
 
 
 def check_engines(engines: object) -> dict[str, EngineAdmin]:
@@ -37,6 +79,14 @@ def check_engines(engines: object) -> dict[str, EngineAdmin]:
             raise InvalidInput(
                 f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
                 "engines by name, so they must match"
+            )
+        if _declares(engine, "bucket_source_factory"):
+            # the per-engine hook lorapub read before the Transport: ignoring it would send the bytes another way
+            raise InvalidInput(
+                f"engine {key!r} ({type(engine).__name__}) declares bucket_source_factory, which lorapub no longer "
+                "reads: name how buckets travel once, as a lorapub.ports.Transport on the deployment "
+                "(Deployment(engines, transport=...)), and make the engine a lorapub.ports.TakesTransport "
+                "(transport, use_transport) that posts each bucket the Transport's bucket_request way"
             )
         if not isinstance(engine, EngineAdmin):
             missing = [m for m in ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
@@ -56,6 +106,10 @@ def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Tra
     none, which are sent safetensors bytes). Without ``transport``, the one the engines already
     send with (their default, or one an earlier deployment gave them): they must agree."""
     takers = {name: e for name, e in engines.items() if isinstance(e, TakesTransport)}
+    if transport is not None and _declares(transport, "stateless"):
+        warnings.warn(f"transport {type(transport).__name__} sets `stateless`, which lorapub no longer reads: "
+                      "transports are compared with their own __eq__ (define it to let equal transports merge; "
+                      "without it a transport equals only itself)", DeprecationWarning, stacklevel=3)
     if transport is not None and not isinstance(transport, Transport):
         raise InvalidInput(f"transport must be a lorapub.ports.Transport (e.g. lorapub.adapters.sglang_wire.HTTPBytes()), "
                            f"got {type(transport).__name__}")
@@ -165,7 +219,17 @@ async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: 
     another prefix would let its versions be unloaded, overwritten or reloaded."""
     if not isinstance(engine, ReportsInventory):
         return
-    protected = (await answer_within(name, "its inventory", deadline, engine.inventory())).managed_prefix
+    try:
+        protected = (await answer_within(name, "its inventory", deadline, engine.inventory())).managed_prefix
+    except EngineError as e:
+        if e.details.get("status") not in (401, 403):
+            raise
+        # A rollout worker holds only the API key (docs/embedding.md) and the inventory is an admin
+        # route: the check is the publisher's, whose deployment holds the admin key and runs it.
+        log.info("engine %s: its managed-adapter prefix is not checked here: its inventory needs the admin key, "
+                 "which this adapter does not hold (a worker with api_key= only); the deployment that publishes, "
+                 "holding the admin key, checks it", name)
+        return
     if protected is not None and protected != prefix:
         raise EngineError(
             f"engine {name} protects adapters named {protected!r}…, but this deployment names its versions "

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Iterable, Literal, Mapping, TypedDict, Unpack,
 from lorapub.core.identity import (
     MANAGED_PREFIX,
     VersionKey,
-    _check_epoch,
     check_name_prefix,
 )
 from lorapub.core.commands import ReadFleet, ReadSessionsOf, ReadState, RegisterEngine
@@ -49,9 +48,11 @@ from lorapub.runtime.decision_log import DecisionLog
 from lorapub.runtime.observers import ObservedRegistry, Observers
 from lorapub.runtime.admission import (
     check_engines,
+    check_epoch,
     check_admission,
     check_status_address,
     hand_transport,
+    refuse_moved_options,
     release_adapter,
     transport_name,
 )
@@ -102,6 +103,7 @@ class Deployment:
     are refused (``VERSION_SUSPECT``) while the default is suspect; bound sessions keep their version.
     """
 
+    @refuse_moved_options  # Deployment(stash_dir=): a pointer to its replacement, not a bare TypeError
     def __init__(
         self,
         engines: Mapping[str, EngineAdmin],
@@ -134,7 +136,7 @@ class Deployment:
         clock: Clock | None = None,
     ) -> None:
         self.engines = check_engines(engines)
-        _check_epoch(epoch)
+        check_epoch(epoch)
         if capacity is not None:
             check_capacity(capacity)
         self._on_stale_asked = on_stale  # None: the registry's rule for its max_lag

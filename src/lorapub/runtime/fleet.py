@@ -20,6 +20,7 @@ from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.admission import answer_within
 from lorapub.runtime.clock import Elapsed
 from lorapub.runtime.engines import shared
+from lorapub.runtime.lives import LivesSeen
 
 __all__ = ["FleetView", "Life", "incarnation_of"]
 
@@ -69,6 +70,8 @@ class FleetView:
         #: engine -> (whether it declares provenance stamps, the incarnation it said), from its last answer
         self.attests: dict[str, tuple[bool, str]] = {}
         self._left: dict[str, asyncio.Event] = {}  # engine -> set once it is removed from the fleet
+        #: the last few lives of each engine (its answers, the registry's records): a stamp of a past life attests
+        self.lives_seen = LivesSeen()
         self._repair = asyncio.Event()  # the reconciler's wakeup
         self._changed = asyncio.Event()  # waiting publications' wakeup; replaced at each change
 
@@ -86,8 +89,10 @@ class FleetView:
                 if inventory and isinstance(engine, ReportsInventory):
                     found = await engine.inventory()
                     self.attests[name] = (found.stamps, found.incarnation)
+                    self.lives_seen.saw(name, found.incarnation)
                     return Life(name, found.incarnation, found)
                 incarnation = await engine.incarnation()
+                self.lives_seen.saw(name, incarnation)
                 if not isinstance(engine, ReportsInventory):  # it cannot say it stamps: it does not
                     self.attests[name] = (False, incarnation)
                 elif name in self.attests:  # the same engine, maybe a new life
@@ -165,6 +170,8 @@ class FleetView:
         """The registry's latest view: who holds what (where sessions may go: never a joining member,
         a draining one only for a version no other member holds), the default revision, what is retiring."""
         self._holders = fleet.routing()
+        for name, incarnation in fleet.engines.items():
+            self.lives_seen.saw(name, incarnation)
         self.joining, self.draining = frozenset(fleet.joining), frozenset(fleet.draining)
         if fleet.now is not None:
             self.registry_time.set(fleet.now)

@@ -100,21 +100,35 @@ def probe_payload(lora_name: str, sequence: Sequence[int]) -> dict[str, Any]:
 
 
 def _value(entry: object) -> float | None:
+    """One entry's logprob (None: none, or not a number: a malformed reply, never a TypeError here)."""
     if isinstance(entry, (list, tuple)):  # SGLang: (logprob, token_id, text)
         entry = entry[0] if entry else None
-    return None if entry is None else float(entry)  # type: ignore[arg-type]
+    if isinstance(entry, bool) or not isinstance(entry, (int, float)):
+        return None
+    return float(entry)
 
 
 def input_logprobs(reply: Mapping[str, Any], length: int) -> list[float]:
     """The ``length - 1`` input-token logprobs of a ``/generate`` reply (SGLang's
-    ``meta_info.input_token_logprobs``; its first entry, for the first token, has none)."""
+    ``meta_info.input_token_logprobs``; its first entry, for the first token, has none). A reply of
+    any other shape is ValueError (:func:`observe` makes it the engine's ENGINE_ERROR)."""
     meta = reply.get("meta_info") if isinstance(reply, Mapping) else None
-    items = list((meta or {}).get("input_token_logprobs") or ())
+    found = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
+    items = list(found) if isinstance(found, (list, tuple)) else []
     if len(items) == length:
         items = items[1:]
     values = [_value(x) for x in items]
-    if len(values) != length - 1 or any(v is None or not math.isfinite(v) for v in values):
-        raise ValueError(f"the engine gave {len(items)} input token logprobs for {length} tokens: {items!r:.120}")
+    bad = [x for x, v in zip(items, values) if v is None or not math.isfinite(v)]
+    if len(values) != length - 1 or bad:
+        if not isinstance(meta, Mapping):
+            what = f"no meta_info object ({type(reply).__name__} reply)"
+        elif not isinstance(found, (list, tuple)):
+            what = f"no input token logprob list ({type(found).__name__} in meta_info)"
+        elif len(values) != length - 1:
+            what = f"{len(values)} input token logprobs for {length} tokens"
+        else:
+            what = f"{len(bad)} input token logprobs that are not finite numbers (e.g. {bad[0]!r:.60})"
+        raise ValueError(f"the engine gave {what}; each must be a number or a (logprob, token_id, text) entry")
     return [float(v) for v in values if v is not None]
 
 

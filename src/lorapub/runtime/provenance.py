@@ -6,10 +6,11 @@ See docs/provenance.md, "Stamp".
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from lorapub.core.session import Binding
-from lorapub.errors import ProvenanceMismatch
+from lorapub.errors import LorapubError, ProvenanceMismatch
 from lorapub.runtime.fleet import FleetView
 
 __all__ = ["STAMP_KEY", "STAMP_FIELDS", "attest", "stamp_of", "unstamped"]
@@ -17,6 +18,8 @@ __all__ = ["STAMP_KEY", "STAMP_FIELDS", "attest", "stamp_of", "unstamped"]
 #: The key of a response's ``meta_info`` that carries the stamp (lorapub's SGLang patch writes it).
 STAMP_KEY = "lorapub"
 STAMP_FIELDS = ("lora_name", "digest", "engine", "incarnation", "lora_id")
+
+log = logging.getLogger(__name__)
 
 
 def stamp_of(out: Any) -> Mapping[str, Any] | None:
@@ -73,8 +76,16 @@ async def attest(fleet: FleetView, target: str, binding: Binding, out: Any) -> d
     if stamp.get("digest") != binding.digest:
         raise mismatch(f"stamped digest {str(stamp.get('digest'))[:12]} (other weights under the bound name)")
     for fresh in (False, True):  # a life this process has not seen yet: ask again before judging
-        lives = {a[1] for a in (await _attests(fleet, names, fresh)).values() if a is not None}
-        if stamp.get("incarnation") in lives:
+        await _attests(fleet, names, fresh)
+        if fresh:
+            # the registry's record too: a worker holding only the API key cannot ask the engine its
+            # life (an admin route), the deployment that publishes records every life it sees there
+            try:
+                await fleet.refresh()
+            except LorapubError as e:  # judged on what is known: a registry that did not answer attests nothing
+                log.info("provenance: the registry's record of lives was not read (%s)", e)
+        # a past life is a life of the engine: a restart while the answer travelled back is no mismatch
+        if stamp.get("incarnation") in fleet.lives_seen.of(names):
             return {k: stamp.get(k) for k in STAMP_FIELDS}
     raise mismatch(f"stamped by life {stamp.get('incarnation')!r}, not a life of {', '.join(names)}")
 

@@ -90,6 +90,26 @@ def _freeze(name: str, t: Any) -> Any:
         raise InvalidInput(f"tensor {name!r} cannot be copied to CPU memory: {e}") from None
 
 
+def _check_finite(name: str, t: Any) -> None:
+    """A floating tensor holding NaN or an infinity (a diverged step, an uninitialised buffer) would
+    serve garbage on every turn bound to the version: refused, naming it, before anything is sent."""
+    if _is_torch(t):
+        import torch
+
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            return
+        nan, inf, count = int(torch.isnan(t).sum()), int(torch.isinf(t).sum()), t.numel()
+    else:
+        import numpy as np
+
+        if t.dtype.kind != "f" or bool(np.isfinite(t).all()):
+            return
+        nan, inf, count = int(np.isnan(t).sum()), int(np.isinf(t).sum()), t.size
+    found = " and ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
+    raise InvalidInput(f"tensor {name!r} holds values that are not finite ({found} of {count}): a diverged or "
+                       "uninitialised adapter would serve garbage on every turn; publish a snapshot of finite weights")
+
+
 def _is_torch(t: object) -> TypeGuard[torch.Tensor]:
     return _torch_tensor(t)
 
@@ -121,9 +141,9 @@ class Snapshot:
     Everything is checked here, before anything is sent to an engine: tensor names are
     non-empty strings, every tensor is a dense torch tensor or a numpy array (one kind per
     snapshot) of a dtype engine-side staging loads (:data:`lorapub.wire.dtypes.SAFETENSORS_DTYPES`:
-    bool, uint8, int8/16/32/64, float16, bfloat16, float32, float64), and the serving config is
-    plain JSON (no NaN, string keys). A violation is :class:`~lorapub.errors.InvalidInput`
-    naming the offending key.
+    bool, uint8, int8/16/32/64, float16, bfloat16, float32, float64) whose values are finite (no
+    NaN, no infinity), and the serving config is non-empty plain JSON (no NaN, string keys). A
+    violation is :class:`~lorapub.errors.InvalidInput` naming the offending key.
 
     ``probe`` (optional): reference logprobs each engine must reproduce before its READY
     (docs/provenance.md, "Numeric READY gate"); it is not part of the digest.
@@ -146,8 +166,14 @@ class Snapshot:
             raise InvalidInput(
                 f"state_dict mixes torch tensors ({torch_name!r}) and numpy arrays ({numpy_name!r}); pass one kind"
             )
+        if not serving_config:
+            raise InvalidInput("serving_config is empty: it is the adapter's adapter_config.json (PEFT's LoraConfig "
+                               "as a dict: r, lora_alpha, target_modules…), which the engine loads the adapter with; "
+                               "pass peft_model.peft_config['default'].to_dict() or the file's contents")
         self.serving_config = check_serving_config(serving_config)
         self._tensors = {name: _freeze(name, t) for name, t in sorted(state_dict.items())}
+        for name, t in self._tensors.items():
+            _check_finite(name, t)
         entries = [
             TensorEntry(
                 name=name,

@@ -19,3 +19,10 @@ __all__ = [
     "check_engine_admin", "fake_manifest", "fake_plan", "lora_snapshot", "peft_config",
     "peft_lora_state_dict", "reference_probe",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "SGLangWireUnderTest":  # merged into SGLangUnderTest, which runs the one engine adapter
+        raise ImportError("SGLangWireUnderTest was merged into lorapub.testing.SGLangUnderTest: "
+                          "SGLangUnderTest.start(disk, transport=...) (docs/embedding.md)", name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

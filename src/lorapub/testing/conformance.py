@@ -18,12 +18,12 @@ from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.errors import EngineError, OutcomeUnknown, VersionMissing
+from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineAdmin
 from lorapub.testing.fixtures import lora_snapshot
 
 __all__ = [
-    "DEFAULT_DEADLINE", "EngineUnderTest", "EngineFactory", "ConformanceFailure", "NotChecked", "NotCheckedWarning",
+    "DEFAULT_DEADLINE", "DEFAULT_CALL_DEADLINE", "EngineUnderTest", "EngineFactory", "ConformanceFailure", "NotChecked", "NotCheckedWarning",
     "ConformanceResult", "idempotent_lifecycle", "late_messages_after_cleanup", "reclaim_waits_for_native_refs",
     "generation_never_resent", "unknown_is_not_a_definite_error", "end_verifies_the_digest",
     "stale_incarnation_refused", "no_fallback_on_a_missing_version", "new_incarnation_after_restart", "CHECKS",
@@ -32,6 +32,10 @@ __all__ = [
 
 #: Seconds one check may take (its engine's start and close each get as long again).
 DEFAULT_DEADLINE = 60.0
+#: Seconds one admin call may take inside a check (a reclaim's includes the "long" generation it
+#: waits for, a few hundred ms): one call that never answers fails its check in this time, not the
+#: whole check's. Generous for a loaded machine, where one call to a local engine takes well under a second.
+DEFAULT_CALL_DEADLINE = 15.0
 
 
 class EngineUnderTest(Protocol):
@@ -73,7 +77,16 @@ EngineFactory = Callable[[], Awaitable[EngineUnderTest]]
 
 
 class ConformanceFailure(AssertionError):
-    """An engine admin broke the contract; the message names the check."""
+    """An engine admin broke the contract; the message names the check, one line per check broken.
+
+    ``failures``: each check broken -> why, in the suite's order; ``result``: the
+    :class:`ConformanceResult` of the rest (the checks passed, those not checked)."""
+
+    def __init__(self, message: str, failures: Mapping[str, str] | None = None,
+                 result: "ConformanceResult | None" = None) -> None:
+        super().__init__(message)
+        self.failures: dict[str, str] = dict(failures or {})
+        self.result = result
 
 
 class NotChecked(Exception):
@@ -123,42 +136,49 @@ def _typed(op: str, value: Any, kind: type) -> Any:
 
 class _TypedAdmin:
     """The admin as the checks call it: every answer is checked against the type the
-    :class:`~lorapub.ports.EngineAdmin` protocol promises."""
+    :class:`~lorapub.ports.EngineAdmin` protocol promises, and each call is bounded by its own
+    deadline (one that never answers fails in that time, naming the call)."""
 
-    def __init__(self, admin: EngineAdmin) -> None:
+    def __init__(self, admin: EngineAdmin, call_deadline: float = DEFAULT_CALL_DEADLINE) -> None:
         self._admin = admin
+        self._deadline = call_deadline
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._admin, name)
 
+    async def _call(self, op: str, awaitable: Awaitable[Any]) -> Any:
+        return await _within(self._deadline, f"{op} on {getattr(self._admin, 'name', '?')}", awaitable,
+                             "did not answer")
+
     async def incarnation(self) -> str:
-        return _typed("incarnation", await self._admin.incarnation(), str)
+        return _typed("incarnation", await self._call("incarnation", self._admin.incarnation()), str)
 
     async def begin(self, request: SendBegin) -> str:
-        return _typed("begin", await self._admin.begin(request), str)
+        return _typed("begin", await self._call("begin", self._admin.begin(request)), str)
 
     async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
-        return _typed("receive_bucket", await self._admin.receive_bucket(token, index, payload), str)
+        return _typed("receive_bucket",
+                      await self._call("receive_bucket", self._admin.receive_bucket(token, index, payload)), str)
 
     async def end(self, token: AttemptToken) -> ReadyLocal:
-        return _typed("end", await self._admin.end(token), ReadyLocal)
+        return _typed("end", await self._call("end", self._admin.end(token)), ReadyLocal)
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
-        return _typed("cleanup", await self._admin.cleanup(token, lora_name), str)
+        return _typed("cleanup", await self._call("cleanup", self._admin.cleanup(token, lora_name)), str)
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
-        await self._admin.reclaim(lora_name, reclaim_id)  # its answer is not used
+        await self._call("reclaim", self._admin.reclaim(lora_name, reclaim_id))  # its answer is not used
 
     async def generate(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
-        return _typed("generate", await self._admin.generate(payload), Mapping)
+        return _typed("generate", await self._call("generate", self._admin.generate(payload)), Mapping)
 
 
 class _UnderCheck:
     """The engine under test as a check sees it: its hooks, and its admin behind :class:`_TypedAdmin`."""
 
-    def __init__(self, engine: EngineUnderTest) -> None:
+    def __init__(self, engine: EngineUnderTest, call_deadline: float = DEFAULT_CALL_DEADLINE) -> None:
         self._engine = engine
-        self.admin = _TypedAdmin(engine.admin)
+        self.admin = _TypedAdmin(engine.admin, call_deadline)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -265,7 +285,7 @@ async def reclaim_waits_for_native_refs(engine: EngineUnderTest, epoch: int) -> 
     try:
         _check(await _until(lambda: engine.native_refs(name) > 0 or running.done()), "the generation started")
         _check(not running.done(), "a long generation is still running when reclaim starts")
-        reclaim = asyncio.ensure_future(admin.reclaim(name, "reclaim-conformance-1"))
+        reclaim = asyncio.ensure_future(admin.reclaim(name, "reclaim-conformance-1"))  # waits out the generation
         await asyncio.sleep(0.05)
         _check(not reclaim.done() or running.done(), "reclaim waits while a request holds a native ref")
         _check(engine.physical_unloads(name) == 0 or running.done(), "nothing is unloaded under a running request")
@@ -394,7 +414,7 @@ CHECKS: tuple[Callable[[EngineUnderTest, int], Awaitable[None]], ...] = (
 )
 
 
-async def _within(deadline: float, what: str, awaitable: Awaitable[Any]) -> Any:
+async def _within(deadline: float, what: str, awaitable: Awaitable[Any], overran: str = "did not finish") -> Any:
     """Await under the deadline; an overrun is a :class:`ConformanceFailure` saying what and how long."""
     timeout = asyncio.timeout(deadline)
     try:
@@ -402,44 +422,67 @@ async def _within(deadline: float, what: str, awaitable: Awaitable[Any]) -> Any:
             return await awaitable
     except TimeoutError:
         if timeout.expired():
-            raise ConformanceFailure(f"{what} did not finish within its deadline of {deadline:g} s") from None
+            raise ConformanceFailure(f"{what} {overran} within its deadline of {deadline:g} s") from None
         raise
 
 
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InvalidInput(f"check_engine_admin({name}=) is a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 async def check_engine_admin(
-    factory: EngineFactory, *, epoch: int = 1, deadline: float = DEFAULT_DEADLINE
+    factory: EngineFactory, *, epoch: int = 1, deadline: float = DEFAULT_DEADLINE,
+    call_deadline: float = DEFAULT_CALL_DEADLINE,
 ) -> ConformanceResult:
     """Run every check on a fresh engine from ``factory``; returns a :class:`ConformanceResult`: the
     names of the checks passed (a list) and ``not_checked``, the checks the engine under test lacks
     a hook for (each also a :class:`NotCheckedWarning`).
 
-    Raises :class:`ConformanceFailure` naming the first check an engine breaks; one that runs past
-    ``deadline`` seconds fails too (as do the factory and ``close``, each bounded by it).
+    Every check runs, whatever the others found; if any broke the contract,
+    :class:`ConformanceFailure` names each (one line per check, the first check broken first).
+    A check that runs past ``deadline`` seconds fails (as do the factory and ``close``, each
+    bounded by it), and so does one admin call that takes longer than ``call_deadline`` seconds.
+    A factory that fails stops the run: the checks left are named as not run.
     """
-    if not deadline > 0:
-        raise ValueError(f"deadline is a positive number of seconds, got {deadline!r}")
+    deadline = _seconds("deadline", deadline)
+    call_deadline = min(_seconds("call_deadline", call_deadline), deadline)
     passed: list[str] = []
     not_checked: dict[str, str] = {}
-    for check in CHECKS:
+    failures: dict[str, str] = {}
+    for position, check in enumerate(CHECKS):
         name = check.__name__
         try:
             engine = await _within(deadline, "making the engine under test", factory())
-        except ConformanceFailure as e:
-            raise ConformanceFailure(f"{name}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - the factory's own failure, named; nothing more can run
+            why = str(e) if isinstance(e, ConformanceFailure) else f"making the engine under test: {type(e).__name__}: {e}"
+            failures[name] = why
+            for later in CHECKS[position + 1:]:
+                failures[later.__name__] = "not run: making the engine under test failed"
+            break
         try:
-            await _within(deadline, "the check", check(_UnderCheck(engine), epoch))
+            await _within(deadline, "the check", check(_UnderCheck(engine, call_deadline), epoch))
         except NotChecked as e:
             not_checked[name] = str(e)
             warnings.warn(f"{name} not checked: {e}", NotCheckedWarning, stacklevel=2)
-            continue
         except ConformanceFailure as e:
-            raise ConformanceFailure(f"{name}: {e}") from e
+            failures[name] = str(e)
         except Exception as e:  # noqa: BLE001 - whatever else the engine raised, named by its check
-            raise ConformanceFailure(f"{name}: unexpected {type(e).__name__}: {e}") from e
+            failures[name] = f"unexpected {type(e).__name__}: {e}"
+        else:
+            passed.append(name)
         finally:
             try:
                 await _within(deadline, "closing the engine under test", engine.close())
-            except ConformanceFailure as e:
-                raise ConformanceFailure(f"{name}: {e}") from e
-        passed.append(name)
-    return ConformanceResult(passed, not_checked)
+            except Exception as e:  # noqa: BLE001 - named by its check, as the check's own failure is
+                if name in passed:
+                    passed.remove(name)
+                failures.setdefault(name, str(e) if isinstance(e, ConformanceFailure)
+                                    else f"closing the engine under test: {type(e).__name__}: {e}")
+    result = ConformanceResult(passed, not_checked)
+    if failures:
+        lines = [f"{name}: {why}" for name, why in failures.items()]
+        summary = f"({len(failures)} of {len(CHECKS)} checks failed; passed: {', '.join(passed) or 'none'})"
+        raise ConformanceFailure("\n".join([*lines, summary]), failures, result)
+    return result

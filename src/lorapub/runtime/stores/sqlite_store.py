@@ -50,6 +50,8 @@ TABLES = (
 )
 
 _CORRUPT_CODES = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_HEADER_BYTES = 100  # SQLite's database header; the page size is its bytes 16-17
 _MIN_DB_BYTES = 512  # SQLite's smallest page: a database file that is not empty holds one page at least
 _PARTS_PER_COLLECT = 8  # snapshot parts (each up to a few tens of kB) deleted per decision
 
@@ -198,6 +200,8 @@ class SQLiteStore:
                 f", shorter than the smallest SQLite database (one {_MIN_DB_BYTES}-byte page): it was cut short or "
                 f"overwritten; restore it from a copy, or move it away (with its -wal file) to start a new store"
             )
+        if size is not None:
+            self._check_whole_pages(size)
         if mark is not None:
             self._mark.verify(mark, self._open_error)
         db = None
@@ -239,6 +243,25 @@ class SQLiteStore:
         self._build = None
         self._garbage = True
         return db
+
+    def _check_whole_pages(self, size: int) -> None:
+        """SQLite writes a database file in whole pages (its header says their size): a file that is
+        not a whole number of them lost its tail, though what is left may still open and read."""
+        try:
+            with open(self.path, "rb") as f:
+                header = f.read(_HEADER_BYTES)
+        except OSError as e:
+            raise StoreError(f"registry store {self.path}: cannot read its header: {e}") from None
+        if len(header) < _HEADER_BYTES or not header.startswith(_SQLITE_MAGIC):
+            return  # not SQLite at all: opening it says so (or names the FileStore it is)
+        page = int.from_bytes(header[16:18], "big")
+        page = 65536 if page == 1 else page  # the header's encoding of the largest page size
+        if page and size % page:
+            raise StoreCorrupted(
+                f"registry store {self.path}: the file is {size} bytes, not a whole number of its {page}-byte "
+                f"pages: it was cut short (its last {size % page} bytes are part of a page); restore it from a "
+                f"copy, or move it away (with its -wal file) to start a new store"
+            )
 
     def _open_error(self, e: BaseException) -> StoreError:
         if looks_like_file_store(self.path):

@@ -9,7 +9,14 @@ from typing import Any
 
 from lorapub.testing.sglang_double.server import SGLangDouble
 
-__all__ = ["SGLangUnderTest"]
+__all__ = ["SGLangUnderTest", "DEFAULT_TIMEOUT", "LOST_REPLY_AFTER"]
+
+#: Seconds the adapter waits for an answer: a loaded 2-core machine answers well within it, so an
+#: ordinary answer that comes late is never taken for a lost one.
+DEFAULT_TIMEOUT = 30.0
+#: Seconds it waits for the one reply :meth:`SGLangUnderTest.drop_next_reply` drops (that reply
+#: never comes in time, so this is only how long the suite waits to see it lost).
+LOST_REPLY_AFTER = 1.0
 
 
 class SGLangUnderTest:
@@ -23,7 +30,7 @@ class SGLangUnderTest:
 
     @classmethod
     async def start(
-        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = 1.0, transport: Any = None,
+        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = DEFAULT_TIMEOUT, transport: Any = None,
         api_key: str | None = None, admin_api_key: str | None = None,
     ) -> "SGLangUnderTest":
         """A fresh double staging on its own disk ``stash_dir`` and the adapter on it, sending buckets
@@ -62,11 +69,28 @@ class SGLangUnderTest:
         self.double.inject(op, "error", status=500)
 
     def drop_next_reply(self, op: str) -> None:
-        timeout = self.admin.client.request_timeout if op == "generate" else self.admin.client.probe_timeout
+        # Only the call whose reply is dropped waits LOST_REPLY_AFTER; every other keeps its timeout.
         if op == "generate":  # the request runs on; its reply comes after the client gave up
-            self.double.inject(op, "slow", delay=2 * timeout)
+            self.double.inject(op, "slow", delay=2 * LOST_REPLY_AFTER)
+            self._next_call_waits("generate", self.admin.client, "request_timeout")
         else:  # the work is done, the reply never comes
             self.double.inject(op, "drop")
+            self._next_call_waits("end", self.admin, "load_timeout")
+
+    def _next_call_waits(self, method: str, owner: Any, timeout: str) -> None:
+        """The adapter's next ``method`` call gives up after LOST_REPLY_AFTER (``owner.timeout``, for that call only)."""
+        call = getattr(self.admin, method)
+
+        async def once(*args: Any, **kwargs: Any) -> Any:
+            self.admin.__dict__.pop(method, None)  # one call only
+            kept = getattr(owner, timeout)
+            setattr(owner, timeout, LOST_REPLY_AFTER)
+            try:
+                return await call(*args, **kwargs)
+            finally:
+                setattr(owner, timeout, kept)
+
+        setattr(self.admin, method, once)
 
     def restart(self) -> None:
         self.double.restart()
