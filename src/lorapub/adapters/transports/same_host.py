@@ -25,8 +25,8 @@ from lorapub.wire.collective import running_kernel
 
 from .http_bytes import HTTPBytes
 
-__all__ = ['LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S', 'SameHostIPC', 'SharedDir', 'ShmBucket', 'ShmBucketSource',
-    'sweep_shm']
+__all__ = ['IO_THREADS', 'LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S', 'SameHostIPC', 'SharedDir',
+    'ShmBucket', 'ShmBucketSource', 'sweep_shm', 'write_views']
 
 logger = logging.getLogger("lorapub.adapters.sglang_wire")
 
