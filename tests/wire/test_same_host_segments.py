@@ -197,3 +197,28 @@ async def test_a_torch_transport_makes_its_stores_off_the_callers_loop(pair, mon
     for i in range(2):
         await dep.publish(lora_snapshot(20 + i), f"T{i}")
     assert len(stores.args) >= 2 and stores.on(loop_thread) == 0
+
+
+async def test_a_source_dropped_inside_an_executors_submit_still_removes_its_segments(tmp_path):
+    """The collector may run a dropped source's finalizer inside any code, an executor's ``submit``
+    holding its module-wide lock included: the finalizer hands the removal over without that lock."""
+    import concurrent.futures.thread
+    import gc
+
+    snap = lora_snapshot(5)
+    dropped = same_host.ShmBucketSource(snap, snap.plan(CAP), str(tmp_path))
+    dropped.sweeping.join(10)
+    dropped._files[0] = dropped._write(0)
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".bucket")]
+
+    def drop_while_submitting():
+        nonlocal dropped
+        with concurrent.futures.thread._global_shutdown_lock:  # as a submit elsewhere holds it
+            dropped = None
+            gc.collect()
+
+    worker = threading.Thread(target=drop_while_submitting, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive(), "the finalizer waited for a lock its own thread holds"
+    assert await no_files(tmp_path)

@@ -3,9 +3,11 @@
 
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import os
+import queue
 import re
 import stat
 import threading
@@ -39,14 +41,21 @@ logger = logging.getLogger("lorapub.adapters.sglang_wire")
 #: rose (+131 to +322 ms over control); with 1 the transfer took 54 ms and the checks 68 ms
 #: (bench/results/2026-12-06-online-live-launch-gate).
 WRITE_AHEAD = 1
-#: The threads that write and remove every source's segments in this process, made once: a send or a
-#: removal hands its work to them, so the caller's loop never starts a thread per bucket (a thread's start
-#: waits for it to take the GIL) and never runs a write or an unlink (an unlink frees a tmpfs file's pages).
+#: The threads that write every source's segments in this process, made once: a send hands its
+#: write to them, so the caller's loop never starts a thread per bucket (a thread's start waits for it
+#: to take the GIL) and never runs a write.
 IO_THREADS = WRITE_AHEAD + 2
 _io: concurrent.futures.ThreadPoolExecutor | None = None
 _io_lock = threading.Lock()
 #: Views handed to one ``writev`` (the kernel's limit, IOV_MAX).
 _IOV_MAX = 1024
+#: Removals for the one remover thread. A removal is queued from the loop and from a dropped source's
+#: finalizer, which the garbage collector may run inside any code, an executor's ``submit`` holding its
+#: module-wide lock included: so a queue whose ``put`` takes no lock that code can hold (a SimpleQueue),
+#: never an executor.
+_removals: queue.SimpleQueue = queue.SimpleQueue()
+_remover: threading.Thread | None = None
+_exiting = False
 
 
 def _io_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -57,12 +66,36 @@ def _io_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _io
 
 
+def _remove_forever() -> None:
+    while True:
+        work, args = _removals.get()
+        try:
+            work(*args)
+        except Exception:  # noqa: BLE001 - one removal's failure never stops the next
+            logger.exception("lorapub: removing shared-memory files failed")
+
+
+def _start_remover() -> None:
+    """The remover thread, started once per process from a source's constructor (never from a finalizer)."""
+    global _remover
+    with _io_lock:
+        if _remover is None or not _remover.is_alive():
+            _remover = threading.Thread(target=_remove_forever, name="lorapub-shm-remove", daemon=True)
+            _remover.start()
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
 def _off_loop(work, *args) -> None:
-    """Run ``work(*args)`` on the shared-memory threads; at interpreter exit (they are gone), here."""
-    try:
-        _io_pool().submit(work, *args)
-    except RuntimeError:  # cannot schedule new futures after interpreter shutdown
+    """Run ``work(*args)`` (a removal) on the remover thread; while the interpreter exits, here."""
+    if _exiting or _remover is None:
         work(*args)
+    else:
+        _removals.put((work, args))
 
 
 def write_views(fd: int, views: list[memoryview]) -> int:
@@ -292,6 +325,7 @@ class ShmBucketSource:
         self._read_by: dict[int, set[str]] = {}
         self._ahead: dict[int, asyncio.Future] = {}  # up to WRITE_AHEAD buckets, written in advance
         self._aborted = False
+        _start_remover()
         # a source dropped with segments left (a failed or cancelled publication) removes them off the loop
         self._finalizer = weakref.finalize(self, _off_loop, self._owner.remove_all)
         self.sweeping = threading.Thread(target=sweep_shm, args=(shm_dir,), name="lorapub-shm-sweep", daemon=True)
@@ -373,9 +407,12 @@ class ShmBucketSource:
             _off_loop(self._owner.remove, {os.path.join(self.shm_dir, found.name)})
 
     def close(self) -> None:
-        """Remove every bucket file now, and each one still being written ahead once it is written."""
+        """Remove every bucket file now, on this thread, and each one still being written ahead once it
+        is written (a publication never calls this: its segments go off the loop as its engines read
+        them, or when it fails, is cancelled or its source is dropped)."""
         self.abort()
-        self._finalizer()
+        self._finalizer.detach()
+        self._owner.remove_all()
         self._files.clear()
 
     @property

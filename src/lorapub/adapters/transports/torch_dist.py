@@ -78,14 +78,15 @@ class TorchDistributed(HTTPBytes):
         self._spare = _store_maker().submit(self._make_store)
 
     def take_store(self) -> Any:
-        """A store for a new attempt (the one made ahead, or one made here if that is not ready or
-        failed), and the next one started."""
+        """A store for a new attempt: the one made ahead (waited for if it is still being made, which
+        takes less than making one here), or, if that failed, one made here; the next one is started."""
         spare, store = self._spare, None
-        if spare is not None and spare.done() and spare.exception() is None:
-            store = spare.result()
-        else:
+        try:
             if spare is not None:
-                spare.cancel()
+                store = spare.result(timeout=self.timeout)
+        except Exception:  # noqa: BLE001 - made again here, where its error reaches the caller
+            store = None
+        if store is None:
             store = self._make_store()  # raises as the constructor of a store does (host not bindable)
         self._make_spare()
         return store
