@@ -191,21 +191,35 @@ def test_the_quick_benchmark_against_real_servers_publishes_a_peft_folder_over_h
         assert os.listdir(tmp_path / f"stash{i}") == [], os.listdir(tmp_path / f"stash{i}")
 
 
-def test_the_transport_benchmark_runs_every_transport_and_prints_the_callers_loop_figures():
+def test_the_transport_benchmark_runs_every_transport_and_prints_the_callers_loop_figures(tmp_path):
     """bench/transport_bench.py on one layer of the adapter: every transport publishes, fails
-    clean and leaves no stash; each row carries the loop figures the bar is judged on."""
+    clean and leaves no stash; each row carries the loop figures the bar is judged on, each
+    publication names its longest loop step, and its figures come back side by side."""
+    bench = os.path.join(ROOT, "bench", "transport_bench.py")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    figures = str(tmp_path / "run.json")
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "transport_bench.py"), "--layers", "1", "--repeat", "2"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")),
+        [sys.executable, bench, "--layers", "1", "--repeat", "2", "--label", "now", "--json", figures],
+        capture_output=True, text=True, timeout=300, env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert "longest loop step: wall / CPU" in rows[0] and "caller's loop: CPU per publication" in rows[0]
+    assert "steps > 5 ms: wall / CPU" in rows[0] and "control (idle loop, as long)" in rows[0]
+    assert "publish() less the engines' load s" in rows[0]
     names = ["HTTP bytes", "HTTP bytes, posted on the caller's loop", "same-host IPC (/dev/shm, tensor load)",
              "same-host IPC (/dev/shm, folder load)", "torch.distributed (gloo)"]
     assert [r.split(" | ")[0].lstrip("| ") for r in rows[1:]] == names
     for row in rows[1:]:
         assert row.endswith("| 0 (1 reclaimed, failed clean: True) |"), row  # no stash left, failure cleaned
+    named = [line for line in done.stdout.splitlines() if line.strip().startswith("longest step ")]
+    assert len(named) == 2 * len(names) and all(" ms: " in line and " -> " in line for line in named)
+    assert sum(line.strip().startswith(tuple(f"{n}: publish() median" for n in names))
+               for line in done.stdout.splitlines()) == len(names)  # a bar verdict per transport
+    side = subprocess.run([sys.executable, bench, "--side-by-side", figures], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert side.returncode == 0, side.stderr
+    assert [line.split(" | ")[:3] for line in side.stdout.splitlines()[2:]] == [[f"| {n}", "now", "2"] for n in names]
 
 
 @pytest.mark.ray  # registry_bench.py starts a local Ray cluster

@@ -3,8 +3,11 @@
 
 
 import asyncio
+import atexit
+import concurrent.futures
 import logging
 import os
+import queue
 import re
 import stat
 import threading
@@ -18,14 +21,14 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan
 from lorapub.errors import EngineError, InvalidInput
 from lorapub.ports import BucketPost
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.runtime.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes
 from lorapub.wire.collective import running_kernel
 
-from .http_bytes import HTTPBytes, RawBucket
+from .http_bytes import HTTPBytes
 
-__all__ = ['LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S', 'SameHostIPC', 'SharedDir', 'ShmBucket', 'ShmBucketSource',
-    'sweep_shm']
+__all__ = ['IO_THREADS', 'LIVE_OWNERS', 'WRITE_AHEAD', 'SHM_BUCKET', 'SHM_OWNER', 'SHM_STALE_S', 'SameHostIPC', 'SharedDir',
+    'ShmBucket', 'ShmBucketSource', 'sweep_shm', 'write_views']
 
 logger = logging.getLogger("lorapub.adapters.sglang_wire")
 
@@ -38,6 +41,80 @@ logger = logging.getLogger("lorapub.adapters.sglang_wire")
 #: rose (+131 to +322 ms over control); with 1 the transfer took 54 ms and the checks 68 ms
 #: (bench/results/2026-12-06-online-live-launch-gate).
 WRITE_AHEAD = 1
+#: The threads that write every source's segments in this process, made once: a send hands its
+#: write to them, so the caller's loop never starts a thread per bucket (a thread's start waits for it
+#: to take the GIL) and never runs a write.
+IO_THREADS = WRITE_AHEAD + 2
+_io: concurrent.futures.ThreadPoolExecutor | None = None
+_io_lock = threading.Lock()
+#: Views handed to one ``writev`` (the kernel's limit, IOV_MAX).
+_IOV_MAX = 1024
+#: Removals for the one remover thread. A removal is queued from the loop and from a dropped source's
+#: finalizer, which the garbage collector may run inside any code, an executor's ``submit`` holding its
+#: module-wide lock included: so a queue whose ``put`` takes no lock that code can hold (a SimpleQueue),
+#: never an executor.
+_removals: queue.SimpleQueue = queue.SimpleQueue()
+_remover: threading.Thread | None = None
+_exiting = False
+
+
+def _io_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _io
+    with _io_lock:
+        if _io is None:
+            _io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="lorapub-shm-io")
+        return _io
+
+
+def _remove_forever() -> None:
+    while True:
+        work, args = _removals.get()
+        try:
+            work(*args)
+        except Exception:  # noqa: BLE001 - one removal's failure never stops the next
+            logger.exception("lorapub: removing shared-memory files failed")
+
+
+def _start_remover() -> None:
+    """The remover thread, started once per process from a source's constructor (never from a finalizer)."""
+    global _remover
+    with _io_lock:
+        if _remover is None or not _remover.is_alive():
+            _remover = threading.Thread(target=_remove_forever, name="lorapub-shm-remove", daemon=True)
+            _remover.start()
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
+def _off_loop(work, *args) -> None:
+    """Run ``work(*args)`` (a removal) on the remover thread; while the interpreter exits, here."""
+    if _exiting or _remover is None:
+        work(*args)
+    else:
+        _removals.put((work, args))
+
+
+def write_views(fd: int, views: list[memoryview]) -> int:
+    """Write ``views`` back to back at ``fd``'s position: each call of ``writev`` hands the kernel up to
+    IOV_MAX views at once, with the GIL released for all of it (a write per slice held it between every
+    slice); a short write goes on where it stopped. Answers the bytes written."""
+    pending = [v for v in views if len(v)]
+    total = 0
+    while pending:
+        n = os.writev(fd, pending[:_IOV_MAX])
+        if n <= 0:
+            raise OSError(f"writev wrote {n} bytes")
+        total += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
+    return total
 
 class ShmBucket:
     """A bucket written once into a shared-memory file; removed once every engine has read it."""
@@ -248,27 +325,52 @@ class ShmBucketSource:
         self._read_by: dict[int, set[str]] = {}
         self._ahead: dict[int, asyncio.Future] = {}  # up to WRITE_AHEAD buckets, written in advance
         self._aborted = False
-        self._finalizer = weakref.finalize(self, self._owner.remove_all)
+        _start_remover()
+        # a source dropped with segments left (a failed or cancelled publication) removes them off the loop
+        self._finalizer = weakref.finalize(self, _off_loop, self._owner.remove_all)
         self.sweeping = threading.Thread(target=sweep_shm, args=(shm_dir,), name="lorapub-shm-sweep", daemon=True)
         self.sweeping.start()
 
     def _write(self, index: int) -> ShmBucket:
+        """Bucket ``index`` into a new segment: the snapshot's tensors, straight from its memory, in plan
+        order (the one copy of the bytes this transport makes). A segment that could not be written
+        whole is removed at once."""
         bucket = self.plan.buckets[index]
         name, fd = self._owner.create(index)
-        with os.fdopen(fd, "wb") as f:
-            for view in RawBucket(self.snapshot, bucket).views():
-                f.write(view)
+        try:
+            written = write_views(fd, [tensor_bytes(self.snapshot.tensor(e.name)) for e in bucket.entries])
+            if written != bucket.nbytes:
+                raise OSError(f"wrote {written} of {bucket.nbytes} bytes")
+        except OSError as e:
+            self._owner.remove({os.path.join(self.shm_dir, name)})
+            raise EngineError(f"writing shared-memory bucket {index} into {self.shm_dir} failed ({e}): free "
+                              "room there (tmpfs size), or publish over HTTPBytes") from None
+        finally:
+            os.close(fd)
         return ShmBucket(name, bucket.nbytes, self, index)
+
+    def _start_write(self, index: int) -> asyncio.Future:
+        write = asyncio.wrap_future(_io_pool().submit(self._write, index))
+        write.add_done_callback(lambda f: f.cancelled() or f.exception())  # a write ahead nobody awaits: read here
+        return write
 
     async def send(self, token: AttemptToken, index: int, engines: tuple[str, ...]) -> None:
         self._engines[index] = set(engines)
         last = min(index + WRITE_AHEAD, len(self.plan.buckets) - 1)
-        for nxt in range(index, last + 1):  # this bucket and the next ones, each written on its own thread
+        for nxt in range(index, last + 1):  # this bucket and the next ones, each on a thread of its own
             if not self._aborted and nxt not in self._files and nxt not in self._ahead:
-                self._ahead[nxt] = asyncio.ensure_future(asyncio.to_thread(self._write, nxt))
+                self._ahead[nxt] = self._start_write(nxt)
         if index not in self._files:
             ahead = self._ahead.pop(index, None)
-            self._files[index] = await (ahead if ahead is not None else asyncio.to_thread(self._write, index))
+            if ahead is None:
+                ahead = self._start_write(index)
+            try:
+                self._files[index] = await asyncio.shield(ahead)
+            except BaseException:  # cancelled (the attempt is over) or not written: no segment of it stays,
+                # those being written go once written
+                self._ahead[index] = ahead
+                self.abort()
+                raise
         for old in [i for i in self._files if i < index]:  # every party finished those buckets
             self._remove(old)
 
@@ -278,15 +380,16 @@ class ShmBucketSource:
         return self._files[index]
 
     def abort(self) -> None:
-        """The attempt failed: remove every bucket file, and the one being written ahead once written."""
+        """The attempt is over (failed, or its send cancelled): remove every bucket file now, and those
+        being written once written; nothing more is written ahead."""
         self._aborted = True
         for index in list(self._files):
             self._remove(index)
         for index, ahead in list(self._ahead.items()):
+            del self._ahead[index]
             ahead.add_done_callback(lambda f, i=index: self._drop_ahead(i, f))
 
     def _drop_ahead(self, index: int, done: asyncio.Future) -> None:
-        self._ahead.pop(index, None)
         if not done.cancelled() and done.exception() is None:
             self._files[index] = done.result()
             self._remove(index)
@@ -300,14 +403,16 @@ class ShmBucketSource:
     def _remove(self, index: int) -> None:
         found = self._files.pop(index, None)
         if found is not None:
-            path = os.path.join(self.shm_dir, found.name)
             # removing a large tmpfs file frees its pages there and then: never on the event loop
-            threading.Thread(target=self._owner.remove, args=({path},), name="lorapub-shm-unlink", daemon=True).start()
+            _off_loop(self._owner.remove, {os.path.join(self.shm_dir, found.name)})
 
     def close(self) -> None:
-        """Remove every bucket file now, and each one still being written ahead once it is written."""
+        """Remove every bucket file now, on this thread, and each one still being written ahead once it
+        is written (a publication never calls this: its segments go off the loop as its engines read
+        them, or when it fails, is cancelled or its source is dropped)."""
         self.abort()
-        self._finalizer()
+        self._finalizer.detach()
+        self._owner.remove_all()
         self._files.clear()
 
     @property

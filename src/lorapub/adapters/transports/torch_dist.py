@@ -3,6 +3,7 @@ GPUs) and receives each bucket as one ordered broadcast."""
 
 
 import asyncio
+import concurrent.futures
 import datetime
 import logging
 import threading
@@ -26,6 +27,19 @@ __all__ = ['TorchBucketSource', 'TorchDistributed']
 logger = logging.getLogger("lorapub.adapters.sglang_wire")
 
 # -- torch.distributed ----------------------------------------------------------------------------------
+_maker: concurrent.futures.ThreadPoolExecutor | None = None
+_maker_lock = threading.Lock()
+
+
+def _store_maker() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that makes every transport's stores ahead of their attempts (one, made once)."""
+    global _maker
+    with _maker_lock:
+        if _maker is None:
+            _maker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-torch-store")
+        return _maker
+
+
 class TorchDistributed(HTTPBytes):
     """Buckets as ordered broadcasts in a process group of the publisher (rank 0) and the attempt's
     engines (ranks 1.. in engine-name order): ``backend`` gloo (CPU) or nccl (GPU, ``device`` cuda).
@@ -49,6 +63,33 @@ class TorchDistributed(HTTPBytes):
         self.host, self.backend, self.device, self.timeout = host, backend, device, float(timeout)
         self._sources: weakref.WeakValueDictionary[str, TorchBucketSource] = weakref.WeakValueDictionary()
         self._attempts: weakref.WeakValueDictionary[AttemptToken, TorchBucketSource] = weakref.WeakValueDictionary()
+        self._spare: concurrent.futures.Future | None = None
+        self._make_spare()
+
+    def _make_store(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout),
+                             wait_for_workers=False)
+
+    def _make_spare(self) -> None:
+        """The next attempt's store, made on a thread now: a store's start (its server thread, and the
+        first one's setup, 10 ms here) never runs on the caller's loop."""
+        self._spare = _store_maker().submit(self._make_store)
+
+    def take_store(self) -> Any:
+        """A store for a new attempt: the one made ahead (waited for if it is still being made, which
+        takes less than making one here), or, if that failed, one made here; the next one is started."""
+        spare, store = self._spare, None
+        try:
+            if spare is not None:
+                store = spare.result(timeout=self.timeout)
+        except Exception:  # noqa: BLE001 - made again here, where its error reaches the caller
+            store = None
+        if store is None:
+            store = self._make_store()  # raises as the constructor of a store does (host not bindable)
+        self._make_spare()
+        return store
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -95,13 +136,10 @@ class TorchBucketSource:
     collective = True
 
     def __init__(self, snapshot: Snapshot, plan: BucketPlan, transport: TorchDistributed) -> None:
-        import torch.distributed as dist
-
         if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
             raise InvalidInput("a torch bucket source takes a Snapshot and the plan made for it")
         self.snapshot, self.plan, self.transport = snapshot, plan, transport
-        self.store = dist.TCPStore(transport.host, 0, None, True, timeout=datetime.timedelta(seconds=transport.timeout),
-                                   wait_for_workers=False)
+        self.store = transport.take_store()
         self.port = self.store.port
         self._rosters: dict[AttemptToken, tuple[str, ...]] = {}
         self._roster_set: dict[AttemptToken, asyncio.Event] = {}

@@ -122,7 +122,9 @@ def from_shm(stash: Stash, bucket: Bucket, control: Mapping[str, Any], shm_dir: 
                 raise
         else:  # no copy: the engine maps the publisher's pages (they live on after it removes the file);
             # a dir load copies them into the adapter's file once verified, beside the next bucket
-            buf = Buffer(size, False, mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            # (mapped populated: one call maps every page, instead of a fault per page in the hash threads)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            buf = Buffer(size, False, mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
         return buf, raw_spans(bucket)
     finally:
         os.close(fd)
