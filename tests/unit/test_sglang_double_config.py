@@ -127,3 +127,19 @@ async def test_a_turn_cut_by_an_engine_restart_is_reported_as_unknown_not_as_ref
     finally:
         await dep.close()
         await double.stop()
+
+
+@pytest.mark.parametrize("setting", [None, ("v", 1.5), ("absent", 2.0)])
+def test_the_doubles_tensor_load_models_an_adapter_as_the_whole_float64_copy_did(setting):
+    """The tensor load reads one float64 tensor at a time; its stand-in model must stay the number the
+    publisher's probe expects (numeric.apply_scale over a float64 copy of every tensor)."""
+    import torch
+
+    from lorapub.testing import numeric
+    from lorapub.testing.sglang_double.engine import _Float64View
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"l{i}.{m}": torch.randn(8, 16, generator=g).to(torch.bfloat16) for i in range(3) for m in ("q", "v")}
+    config = {"r": 8, "lora_alpha": 16}
+    whole = numeric.apply_scale({n: t.to(torch.float64).numpy() for n, t in tensors.items()}, setting)
+    assert numeric.adapter_stat(_Float64View(tensors, setting), config) == numeric.adapter_stat(whole, config)
