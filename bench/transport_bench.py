@@ -19,9 +19,9 @@ Per publication (``--repeat`` of them, each transport):
   time and each engine's share of ``end`` (its wait for its SHA-256 checks, its load);
 * the engines' load (the slower engine's: they load at once) is the engine's own work, SGLang's in
   production and the contract double's here, so the table also gives ``publish()`` less it: what
-  the transport and lorapub's staging cost. (The double's tensor load converts every tensor to
-  float64 for its stand-in numeric model: at 349 MB that is 1.4 GB allocated per engine, most of it
-  fresh pages on the first publication, so a tensor load's row carries that cost in ``end``.)
+  the transport and lorapub's staging cost. (The double's tensor load reads every tensor as float64
+  for its stand-in numeric model, one tensor at a time since 2026-12-07; before, a float64 copy of
+  the whole adapter, 1.4 GB per engine at 349 MB, made that load the slowest part of a same-host row.)
 * MB/s: adapter bytes / the transfer phase (first bucket sent to last bucket stored on both
   engines), next to the raw limit measured in the same run between the same processes: the same
   buckets as plain HTTP POSTs into a discarding route (HTTP bytes), through /dev/shm files copied
