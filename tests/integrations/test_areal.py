@@ -35,6 +35,17 @@ def _logging_kept():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _reward_pools_joined():
+    """AReaL's reward wrapper forks a process pool shared by the whole process and shuts it down only at
+    exit; a forked worker left running keeps this test process's pipes open (under pytest-xdist the run
+    then never ends). Each test's pools are shut down, and their processes joined, when it ends."""
+    yield
+    from areal.api.reward_api import AsyncRewardWrapper
+
+    AsyncRewardWrapper._atexit_shutdown_all()
+
+
 @pytest.fixture
 def fleet():
     fleet = H.Fleet(2, slots=6, decode_delay=0.01)
