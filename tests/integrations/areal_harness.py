@@ -7,6 +7,7 @@ SGLang engine imports into .cache/areal/1.0.4, which :func:`areal_on_path` appen
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -37,16 +38,20 @@ def areal_on_path() -> None:
 
 
 @contextlib.contextmanager
-def logging_kept():
-    """AReaL's ``areal.utils.logging.getLogger`` (called on import and at run time) replaces ``logging``'s
-    root logger and manager and re-runs ``dictConfig``: a logger made afterwards (``getLogger(__name__)`` in a
-    module imported later) hangs under AReaL's root, out of pytest's ``caplog``. What it swapped is put back."""
+def kept_from_areal():
+    """What AReaL changes for its whole process, put back. ``areal.utils.logging.getLogger`` (called on
+    import and at run time) replaces ``logging``'s root logger and manager and re-runs ``dictConfig``: a logger
+    made afterwards hangs under AReaL's root, out of pytest's ``caplog``. ``areal.api.cli_args`` runs
+    ``uvloop.install()`` on import: every event loop made afterwards in the process would be uvloop's, the rest
+    of the suite included (a sender thread's loop closed while another thread wakes it aborts the process)."""
+    policy = asyncio.get_event_loop_policy()
     root, manager = logging.Logger.root, logging.Logger.manager
     handlers, level = list(logging.root.handlers), logging.root.level
     disabled = {n: lg.disabled for n, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
     try:
         yield
     finally:
+        asyncio.set_event_loop_policy(policy)
         logging.Logger.root, logging.Logger.manager = root, manager
         logging.root.handlers[:] = handlers
         logging.root.setLevel(level)

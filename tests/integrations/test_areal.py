@@ -12,7 +12,7 @@ from . import areal_harness as H
 
 H.areal_on_path()
 
-with H.logging_kept():  # AReaL's logging swaps the root logger on import: put back for the rest of the suite
+with H.kept_from_areal():  # AReaL swaps the root logger and the event loop policy on import: put back
     from areal.api.io_struct import WeightUpdateMeta
     from areal.engine.sglang_remote import RemoteSGLangEngine
     from areal.infra.remote_inf_engine import RemoteInfEngine
@@ -30,8 +30,8 @@ PROMPT = {"messages": [{"role": "user", "content": "t1 t2 t3"}]}
 
 
 @pytest.fixture(autouse=True)
-def _logging_kept():
-    with H.logging_kept():  # AReaL's getLogger runs again in each engine
+def _kept_from_areal():
+    with H.kept_from_areal():  # AReaL's getLogger runs again in each engine
         yield
 
 
@@ -324,3 +324,17 @@ def test_the_side_by_side_runs_small_and_lorapub_meets_its_bar(capsys):
     assert float(ours["version lag p50 / p99 / max (token-weighted)"].split(" / ")[1]) <= 1
     assert ours["pause calls reaching the servers"] == 0
     assert results["areal"]["agenerate calls"] > 0
+
+
+def test_importing_areal_leaves_the_process_event_loops_as_they_were():
+    """AReaL installs uvloop's policy on import; the rest of the suite must keep asyncio's own loops."""
+    import asyncio
+    import sys
+
+    assert "uvloop" in sys.modules  # AReaL did import it
+    assert "uvloop" not in type(asyncio.get_event_loop_policy()).__module__
+    loop = asyncio.new_event_loop()
+    try:
+        assert type(loop).__module__.startswith("asyncio")
+    finally:
+        loop.close()

@@ -222,3 +222,31 @@ async def test_posts_racing_close_each_answer_or_fail_typed(slow_server):
     for worker in {id(w): w for w in workers if w is not None}.values():
         worker.thread.join(10)
         assert not worker.thread.is_alive() and (worker.http is None or worker.http.closed)
+
+
+def test_the_sender_runs_asyncios_own_loop_whatever_policy_the_process_installed():
+    """An embedder may install another loop policy (AReaL installs uvloop's on import); the sender's loop,
+    stopped from other threads by close(), stays asyncio's selector loop."""
+    class Marked(asyncio.SelectorEventLoop):
+        pass
+
+    class Policy(asyncio.DefaultEventLoopPolicy):
+        def new_event_loop(self):
+            return Marked()
+
+    from lorapub.adapters.body_sender import _Worker
+
+    before = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(Policy())
+    try:
+        made = asyncio.new_event_loop()
+        made.close()
+        assert type(made) is Marked  # the policy is in force
+        worker = _Worker()
+        try:
+            assert type(worker.loop) is asyncio.SelectorEventLoop
+        finally:
+            worker.stop()
+        assert not worker.thread.is_alive()
+    finally:
+        asyncio.set_event_loop_policy(before)

@@ -27,7 +27,10 @@ class _Worker:
     """One thread, its event loop and its session (made on that loop, closed on it)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        # asyncio's own loop whatever policy the process installed (AReaL installs uvloop's): close() stops
+        # this loop from other threads, which uvloop's loop does not survive (libuv aborts the process),
+        # and _drain() aborts the loop's transports through asyncio's selector loop
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop()
         self.http: aiohttp.ClientSession | None = None
         self._lock = threading.Lock()
         self._stopped = False

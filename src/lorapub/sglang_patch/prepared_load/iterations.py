@@ -1,6 +1,6 @@
 """What each scheduler loop iteration spent around a load (trace): one ``lorapub iteration {json}`` line an
 iteration, on the host's monotonic clock, which bench/attribution.py joins to a client's slow decode steps.
-See docs/sglang-patch.md, "Prepared loads"."""
+See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)"."""
 
 from __future__ import annotations
 
