@@ -120,7 +120,15 @@ async def fill(view: memoryview, chunks: AsyncIterator[bytes] | None, what: str)
     """Read the body into ``view``: exactly its size, no more, no less."""
     got = 0
     if chunks is not None:
-        async for chunk in chunks:
+        stream = chunks.__aiter__()
+        while True:
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - the body broke off: its sender went away (a cancelled publish)
+                raise bad(f"{what} broke off after {got} of {len(view)} bytes: its sender went away "
+                          f"({type(e).__name__})") from None
             n = len(chunk)
             if got + n > len(view):
                 raise bad(f"{what} is longer than its {len(view)} bytes")
