@@ -62,8 +62,10 @@ class _Worker:
         # servers see the posts end now, not when the sockets are collected. asyncio's selector
         # loops keep them in ``_transports``; another loop's are dropped when collected.
         for transport in list(getattr(self.loop, "_transports", {}).values()):
-            if transport is not None:
-                transport.abort()  # also one already closing, still waiting to flush
+            # one already closing, still waiting to flush, is aborted too; one whose close has completed
+            # has let go of its loop and has nothing left to abort
+            if transport is not None and getattr(transport, "_loop", None) is not None:
+                transport.abort()
         for _ in range(3):  # the aborts' connection_lost callbacks run in the next iterations
             await asyncio.sleep(0)
         await self.loop.shutdown_asyncgens()
