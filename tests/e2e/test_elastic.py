@@ -213,6 +213,26 @@ async def test_a_remove_during_a_reclaim_lets_the_reclaim_finish_without_it():
     await dep.close()
 
 
+async def test_a_remove_blocked_by_an_aborted_attempts_cleanup_retries_that_cleanup_itself():
+    """With no background reconciler, nobody else retries the cleanup a failed publication left on the
+    draining engine: the removal does, within its own timeout, instead of waiting it out."""
+    dep = await memory_deployment(names=("e0", "e1", "e2"), reconcile_interval=None, reclaim_retries=1)
+    await dep.publish(lora_snapshot(1), "A")
+    e2 = dep.engines["e2"]
+    e2.fail_next("receive_bucket", "error", count=1)
+    e2.fail_next("cleanup", "request", count=1000)  # the failed attempt's cleanup there goes unconfirmed
+    with pytest.raises(Exception):
+        await dep.publish(lora_snapshot(2), "B")
+    assert (await dep.state()).unresolved_attempt() is not None
+    await dep.drain_engine("e2")
+    e2.clear_faults()
+    await asyncio.wait_for(dep.remove_engine("e2", timeout=5.0), 3.0)
+    state = await dep.state()
+    assert "e2" not in state.engines and state.unresolved_attempt() is None
+    await dep.publish(lora_snapshot(2), "B")  # nothing left blocks the next publication
+    await dep.close()
+
+
 async def test_membership_survives_a_restart_of_the_registry(tmp_path):
     path = str(tmp_path / "registry.db")
     engines = {n: MemoryEngine(n) for n in ("e0", "e1")}

@@ -273,7 +273,7 @@ class FleetMembership:
                 except PublicationBlocked:
                     if timeout is not None and time.monotonic() - started > timeout:
                         raise
-                    result = None
+                    result = None  # an attempt still needs it: its cleanup is retried now, below
                 except UnknownEngine:
                     # a replay after a lost reply: our removal landed, and what it started the reconciler finds
                     engine = self._forget(name, reachable)
@@ -282,6 +282,9 @@ class FleetMembership:
                     engine = self._forget(name, reachable)
                     await self.control.run(result.effects)
                     break
+            # what blocks the removal is a publication still running there or an aborted one whose cleanup is
+            # unconfirmed there: that cleanup is retried now
+            await self.reconciler.repair_soon()
             await asyncio.sleep(POLL)
         await self._fleet()
         self.reconciler.kick()  # a reclaim that waited for it may finish now

@@ -161,6 +161,14 @@ class Reconciler:
         """Run a pass soon (an event happened: a close, a commit, a failed call)."""
         self.fleet.kick()
 
+    async def repair_soon(self) -> None:
+        """A caller waits on what a pass repairs (an aborted attempt's cleanup): the loop, where it runs,
+        is woken; without one (``reconcile_interval=None``) the pass runs here, else nobody would run it."""
+        if self._task is not None and not self._task.done():
+            self.kick()
+        else:
+            await self.run_once()
+
     def start(self) -> None:
         if self._task is None and self.interval is not None:
             self._task = self.tasks.spawn(self._loop(), name="reconciler", key="reconciler")
