@@ -284,3 +284,36 @@ async def test_an_sglang_double_joins_over_the_wire(engines, doubles, transport,
     finally:
         await dep.close()
         await d2.stop()
+
+
+async def test_a_removal_lets_this_process_requests_running_there_end_before_it_closes_the_connection(
+        doubles, transport, tmp_path):
+    """Another process of the run (the trainer) removed the member while a request of this process still runs
+    there: this process's removal lets it end with its answer, never cut by the closing connection."""
+    trainer = await Deployment({n: SGLangWireEngine(n, d.url) for n, d in doubles.items()}, epoch=1, deadlines=FAST,
+                               bucket_cap_bytes=8 << 10, transport=transport, reconcile_interval=0.05).start()
+    worker = await Deployment({n: SGLangWireEngine(n, d.url) for n, d in doubles.items()}, epoch=1, deadlines=FAST,
+                              registry=trainer.registry, reconcile_interval=0.05,
+                              own_engines=True).start()  # its removal closes its connections
+    try:
+        await trainer.publish(lora_snapshot(1), "A")
+        sessions = [worker.session(f"s{i}") for i in range(6)]
+        for s in sessions:
+            await s.generate(GEN)
+        on_e1 = next(s for s in sessions if s.engine.name == "e1")
+        doubles["e1"].inject("generate", "slow", delay=0.8)
+        running = asyncio.ensure_future(on_e1.generate(GEN))
+        await asyncio.sleep(0.2)
+        with pytest.raises(DrainTimeout):
+            await trainer.drain_engine("e1", timeout=0.05)
+        doubles["e1"].inject("unload", "error", count=10)  # the trainer leaves what it loaded there at once
+        await trainer.remove_engine("e1", timeout=0.1)
+        with pytest.raises(UnknownEngine):
+            await worker.drain_engine("e1")
+        assert not running.done()
+        await worker.remove_engine("e1", timeout=5.0)  # not a member any more: it lets go of its adapter here
+        answer = await running
+        assert answer["lorapub"]["stamp"]["engine"] == "e1" and "error" not in answer
+    finally:
+        await worker.close()
+        await trainer.close()

@@ -84,6 +84,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.receipts: dict = {}
         self.now = 1000.0  # the registry's clock, stamped into commands as the single writer does
         self.holding: set[tuple] = set()  # (engine, incarnation, lora_name) truly loaded
+        self.loaded_by: dict[tuple, object] = {}  # what `holding` holds -> the attempt whose end loaded it
         self.expired: set[SessionKey] = set()
 
     # -- helpers ------------------------------------------------------------
@@ -137,14 +138,21 @@ class RegistryMachine(RuleBasedStateMachine):
             receipt = ReadyLocal(msg.engine, msg.token, a.digest, self.incarnations[msg.engine], "lid")
             reply = ("ready", receipt)
             if msg.token not in self.cleanup_sent:  # the engine loads it pinned before it answers
-                self.holding.add((msg.engine, self.incarnations[msg.engine], a.lora_name))
+                held = (msg.engine, self.incarnations[msg.engine], a.lora_name)
+                if held not in self.holding:
+                    self.holding.add(held)
+                    self.loaded_by[held] = msg.token
             self.try_apply(R.RecordReady(receipt))
         elif isinstance(msg, SendCleanup):
             inc = self.incarnations[msg.engine]
             reply = ("cleaned", msg.token, msg.engine, inc)
             # The engine cleaned the attempt in its current life, whatever the registry knew then.
             self.cleaned.add((msg.token, msg.engine, inc))
-            self.holding.discard((msg.engine, inc, msg.lora_name))
+            # it unloads what this attempt loaded, never a later attempt's load of the same name (an
+            # attempt of the same version reserved again once this one was cleaned: this is a late duplicate)
+            held = (msg.engine, inc, msg.lora_name)
+            if self.loaded_by.get(held) == msg.token:
+                self.holding.discard(held)
             self.try_apply(R.RecordCleaned(msg.token, msg.engine, inc))
         elif isinstance(msg, SendReclaim):
             reply = ("unloaded", msg.version, msg.reclaim_id, msg.engine)

@@ -288,6 +288,10 @@ class FleetMembership:
             await asyncio.sleep(POLL)
         await self._fleet()
         self.reconciler.kick()  # a reclaim that waited for it may finish now
+        if engine is not None:
+            # a request of this process still running there (sent before the drain, or the member was removed
+            # by another process of the run) ends before its connection closes: cut, its outcome is unknown
+            await self._requests_end(name, None if timeout is None else started + timeout)
         if engine is not None and reachable:
             await self._unload_ours(name, engine, fleet)
         if engine is not None and self.own_engines:
@@ -297,6 +301,15 @@ class FleetMembership:
                     await close()
                 except Exception as e:  # noqa: BLE001 - closing is best effort
                     log.warning("closing removed engine %s: %s", name, e)
+
+    async def _requests_end(self, name: str, deadline: float | None) -> None:
+        """Wait (up to ``deadline``) until no request of this process runs on ``name``."""
+        while self._sessions_on(name)[1]:
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("remove_engine %s: %d request(s) of this process still run there; its connection "
+                            "closes under them", name, self._sessions_on(name)[1])
+                return
+            await asyncio.sleep(POLL / 5)
 
     def _forget(self, name: str, reachable: bool) -> EngineAdmin | None:
         """The registry no longer counts ``name``: its adapter leaves this process's engine set, and every

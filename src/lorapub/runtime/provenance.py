@@ -34,8 +34,9 @@ def _expected(binding: Binding) -> dict[str, str]:
 
 
 def _candidates(fleet: FleetView, target: str, binding: Binding) -> list[str]:
-    """The engines the request may have run on: the target itself, or behind a router, the holders."""
-    if target in fleet.engines:
+    """The engines the request may have run on: the target itself (a member, or one removed while the
+    request ran: its lives are still known), or behind a router, the holders."""
+    if target in fleet.engines or fleet.lives_seen.of([target]):
         return [target]
     holders = fleet.holders(binding.version)
     return sorted(holders) if holders else sorted(fleet.engines)

@@ -272,8 +272,13 @@ class RelaxLorapub:
             log.info("lorapub: engine %s left the workers: drained and removed", name)
         except UnknownEngine:
             # another process of the run (the trainer, another shard) removed it from the shared registry
-            # first: nothing routes there any more; this process lets go of its adapter
-            engine = self.deployment.engines.pop(name, None)
+            # first: nothing routes there any more; this process lets go of its adapter once its own requests
+            # running there end (the removal finishes here)
+            engine = self.deployment.engines.get(name)
+            try:
+                await self.deployment.remove_engine(name, timeout=self.config.drain_wait)
+            except UnknownEngine:
+                pass
             if engine is not None and engine in self._built_engines:
                 self._built_engines.remove(engine)
                 await engine.close()
