@@ -16,7 +16,8 @@ ROOT=$PWD
 SGL=${LORAPUB_SGL_DIR:-.sgl}
 export LIVE_RELAX_DEADLINE=$(( S + ${LIVE_RELAX_BUDGET_S:-560} ))
 {
-  mkdir -p /tmp/site && xz -dc -T0 "$SGL/site.tar.xz" | tar -x -C /tmp/site || exit 3
+  # the bundle, unless an earlier run on this machine unpacked it (a second run need not carry .sgl)
+  [ -d /tmp/site/sglang ] || { mkdir -p /tmp/site && xz -dc -T0 "$SGL/site.tar.xz" | tar -x -C /tmp/site; } || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 4
   [ -f "$SGL/triton-cache.tgz" ] && tar -C ~ -xzf "$SGL/triton-cache.tgz"
   export PYTHONPATH=/tmp/site:$ROOT/src:$ROOT PYTHONUNBUFFERED=1
