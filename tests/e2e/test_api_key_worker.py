@@ -33,6 +33,10 @@ async def test_a_worker_holding_only_the_api_key_starts_binds_and_generates(capl
             await session.close()
             # what the worker was refused is reading the state route, never a load, unload or pause
             assert {(method, path) for method, path, _ in double.refused} <= {("GET", "/lorapub/state")}
+            # its health is not blocked by what it may not read: the engine is named in a note, not unreachable
+            health = await worker.reconcile()
+            assert health.healthy, health.describe()
+            assert any(n.startswith("e0: not administered here") for n in health.notes), health.notes
         finally:
             await worker.close()
     finally:

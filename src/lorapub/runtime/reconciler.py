@@ -29,7 +29,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
-from lorapub.errors import LorapubError
+from lorapub.errors import EngineError, LorapubError
 from lorapub.events import (
     EngineReprovisioned,
     EngineRestarted,
@@ -252,8 +252,13 @@ class Reconciler:
         probes = {n: _said(life) for n, life in (await self.fleet.lives(deadline=self.probe_deadline)).items()}
         fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
         # 2. restarts
-        restarted = set()
+        restarted, keyless = set(), []
         for name, probe in sorted(probes.items()):
+            if isinstance(probe, EngineError) and probe.details.get("status") in (401, 403):
+                # a worker holding only the API key (docs/embedding.md): the engine answers, its admin routes
+                # refuse this key; the deployment that publishes, holding the admin key, watches its lives
+                keyless.append(name)
+                continue
             if isinstance(probe, Exception):
                 blockers.append(Blocker("engine_unreachable", name, f"{type(probe).__name__}: {probe}"))
                 continue
@@ -319,6 +324,9 @@ class Reconciler:
         blockers = [b for b in blockers if b.kind != "attempt_running" or b.subject in active]
         notes = tuple(f"{name}: does not stamp its responses (stock SGLang, an older patch, or an adapter that does not): its turns are "
                       "unattested" for name in unstamped(self.fleet))
+        notes += tuple(f"{name}: not administered here: its admin routes refuse this adapter's key (a worker holding only the "
+                       "API key); the deployment that publishes, holding the admin key, watches its restarts and unloads"
+                       for name in keyless)
         return Health(not blockers, tuple(blockers), fleet, self._passes, self._failed, notes)
 
     # -- the canary (docs/provenance.md, "Canary") ------------------------------------
