@@ -7,21 +7,24 @@ See docs/embedding.md, "Your engine: implement `lorapub.ports.EngineAdmin`".
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
 from lorapub.core.attempt import Phase, ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import AttemptToken, SessionKey
+from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
 from lorapub.core.commands import Command
 from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session import Binding
 from lorapub.core.version import VersionState
 
+if TYPE_CHECKING:
+    from lorapub.runtime.snapshot import Snapshot
+
 __all__ = [
     "EngineAdmin", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
-    "OverwriteAdmin", "GenerationTarget", "RoutedSession", "Routing", "BucketSource", "Registry", "RegistryStore", "Clock", "AttemptToken",
+    "OverwriteAdmin", "GenerationTarget", "RoutedSession", "Routing", "BucketSource", "Registry", "RegistryStore", "CopyStore", "Clock", "AttemptToken",
     "Phase", "ReadyLocal", "SendBegin", "VersionState",
 ]
 
@@ -286,6 +289,20 @@ class RegistryStore(Protocol):
     def load(self) -> RegistryState | None: ...
 
     def save(self, state: RegistryState, command: Command | None = None) -> None: ...
+
+
+class CopyStore(Protocol):
+    """Where the publishing process also keeps the frozen copy of each version sessions may still need
+    (``Deployment(copies=)``), so that a publishing process started again (a trainer's restart) takes
+    them back and can still load them on an engine that joins or restarts. ``keep`` and ``retain``
+    run on the event loop and must not block (send in the background); a failure there is logged and
+    this process keeps its own copy. ``items`` runs once, when the deployment starts, off the loop."""
+
+    def keep(self, key: VersionKey, snapshot: "Snapshot") -> None: ...
+
+    def retain(self, keys: Iterable[VersionKey]) -> None: ...
+
+    def items(self) -> list[tuple[VersionKey, "Snapshot"]]: ...
 
 
 class Clock(Protocol):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Literal, Mapping, TypedDict, Unpack, cast, overload
@@ -37,6 +38,7 @@ from lorapub.errors import (
 )
 from lorapub.ports import (
     Clock,
+    CopyStore,
     EngineAdmin,
     OverwriteAdmin,
     Registry,
@@ -101,6 +103,10 @@ class Deployment:
     ``canary_interval``: seconds between re-runs of each resident version's probe on each engine
     (None, the default: off); a drift marks the version suspect. ``avoid_suspect``: new sessions
     are refused (``VERSION_SUSPECT``) while the default is suspect; bound sessions keep their version.
+    ``copies``: a :class:`~lorapub.ports.CopyStore` where this publishing process also keeps the frozen
+    copy of every version sessions may still need, and from which it takes back, at start, what the
+    process before it kept (a trainer's restart: it can still load them on an engine that joins or
+    restarts). None, the default: the copies live and die with this process.
     """
 
     @refuse_moved_options  # Deployment(stash_dir=): a pointer to its replacement, not a bare TypeError
@@ -134,6 +140,7 @@ class Deployment:
         canary_interval: float | None = None,
         avoid_suspect: bool = False,
         clock: Clock | None = None,
+        copies: CopyStore | None = None,
     ) -> None:
         self.engines = check_engines(engines)
         check_epoch(epoch)
@@ -163,6 +170,10 @@ class Deployment:
         if (not isinstance(reclaim_backoff, (int, float)) or isinstance(reclaim_backoff, bool)
                 or not 0 <= reclaim_backoff < float("inf")):
             raise InvalidInput(f"reclaim_backoff must be a finite number of seconds >= 0, got {reclaim_backoff!r}")
+        if copies is not None and not all(callable(getattr(copies, m, None)) for m in ("keep", "retain", "items")):
+            raise InvalidInput(f"copies must be a lorapub.ports.CopyStore (keep, retain and items), got "
+                               f"{type(copies).__name__}")
+        self.copies = copies
         self.epoch = epoch
         self.registry = registry
         self.auto_reclaim = auto_reclaim
@@ -234,6 +245,7 @@ class Deployment:
             bucket_cap_bytes=self.bucket_cap_bytes, on_eligible=self.reclaimer.on_eligible,
             source_factory=None if self.transport is None else self.transport.source, fleet=self.fleet,
             tasks=self.tasks, events=self.observers, transport_name=transport_name(self.transport),
+            copies=self.copies,
         )
         self.sessions = SessionService(
             registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
@@ -251,6 +263,16 @@ class Deployment:
             deadlines=self.deadlines, transport=self.transport, own_engines=self.own_engines,
             on_eligible=self.reclaimer.on_eligible, events=self.observers,
         )
+        if self.copies is not None:  # what a publishing process before this one kept (a restart)
+            try:
+                taken = self.publisher.frozen.take_back(await asyncio.to_thread(self.copies.items))
+            except Exception as e:  # noqa: BLE001 - it publishes all the same; a version only the old process
+                taken = []          # kept cannot be loaded on a new engine (health names it reprovisioning)
+                log.warning("the copy store could not be read (%s: %s); no frozen copy was taken back",
+                            type(e).__name__, e)
+            if taken:
+                log.info("took back the frozen copies of %s (published before this process started)",
+                         ", ".join(sorted(map(str, taken))))
         self._started = True
         self.fleet.update(fleet)
         self.reconciler.start()
@@ -552,6 +574,7 @@ class DeploymentOptions(TypedDict, total=False):
     canary_interval: float | None
     avoid_suspect: bool
     clock: Clock | None
+    copies: CopyStore | None
 
 
 @overload

@@ -52,7 +52,7 @@ from lorapub.events import (
     PublishSuperseded,
     PublishWaiting,
 )
-from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
+from lorapub.ports import BucketSource, Clock, CopyStore, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.frozen import FrozenCopies
@@ -100,6 +100,7 @@ class Publisher:
         tasks: TaskOwner | None = None,
         events: Observer | None = None,
         transport_name: str = "inline",
+        copies: CopyStore | None = None,
     ) -> None:
         self.clock = clock or SystemClock()
         self.events: Observer = events or (lambda event: None)
@@ -117,7 +118,7 @@ class Publisher:
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-publisher")
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
-        self.frozen = FrozenCopies()
+        self.frozen = FrozenCopies(copies)  # also kept in ``copies``, to outlive this process
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
         self._waiting: set[VersionKey] = set()  # those of them waiting for a slot now
         self._reserve_in_flight: dict[VersionKey, asyncio.Future] = {}  # a Reserve sent, its reply not read

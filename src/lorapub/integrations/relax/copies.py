@@ -1,17 +1,19 @@
 """Frozen copies of live versions that outlive the trainer process that published them: rank 0 keeps
-each in a store beside the registry (a detached Ray actor in a Relax run), and a trainer started again
-takes them back, so it can still load them on an engine that joins or restarts.
+each in a store beside the registry (a detached Ray actor in a Relax run: ``Deployment(copies=)``, a
+:class:`lorapub.ports.CopyStore`), and a trainer started again takes them back, so it can still load
+them on an engine that joins or restarts.
 See docs/relax.md, "Engines that come and go".
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from typing import Any, Iterable
 
 from lorapub import Snapshot, VersionKey
 
-__all__ = ["LocalCopies", "RayCopies", "SharedFrozenCopies"]
+__all__ = ["LocalCopies", "RayCopies"]
 
 log = logging.getLogger("lorapub.integrations.relax")
 
@@ -61,49 +63,34 @@ class RayCopies:
         self.timeout = timeout
         self.actor = ray.remote(num_cpus=0)(_CopiesActor).options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
+        # keep() and retain() are called on the publisher's event loop: submitting a call serializes its
+        # snapshot (hundreds of MB) into Ray's object store, so it happens on one thread of its own, in order
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-copies")
+
+    def _send(self, call: Any, *args: Any) -> None:
+        def send() -> None:
+            try:
+                call.remote(*args)
+            except Exception as e:  # noqa: BLE001 - the trainer keeps its own copy; only its restart would miss it
+                log.warning("lorapub: the copy store did not take %s: %s", call, e)
+
+        self._sender.submit(send)
 
     def keep(self, key: VersionKey, snapshot: Snapshot) -> None:
-        self.actor.keep.remote((key.deployment_epoch, key.version_id), snapshot)
+        self._send(self.actor.keep, (key.deployment_epoch, key.version_id), snapshot)
 
     def retain(self, keys: Iterable[VersionKey]) -> None:
-        self.actor.retain.remote([(k.deployment_epoch, k.version_id) for k in keys])
+        self._send(self.actor.retain, [(k.deployment_epoch, k.version_id) for k in keys])
 
     def items(self) -> list[tuple[VersionKey, Snapshot]]:
+        self._sender.submit(lambda: None).result()  # what this process sent before is there first
         found = self._ray.get(self.actor.items.remote(), timeout=self.timeout)
         return [(VersionKey(epoch, version_id), snapshot) for (epoch, version_id), snapshot in found]
 
 
-class SharedFrozenCopies:
-    """The trainer deployment's frozen copies (what its reconciler loads joining and restarted engines
-    from), each also kept in ``shared``; what the registry no longer needs leaves both."""
-
-    def __init__(self, local: Any, shared: Any) -> None:
-        self.local = local
-        self.shared = shared
-
-    def keep(self, key: VersionKey, snapshot: Snapshot) -> None:
-        self.local.keep(key, snapshot)
-        try:
-            self.shared.keep(key, snapshot)
-        except Exception as e:  # noqa: BLE001 - this process still has it; only a restart would miss it
-            log.warning("lorapub: keeping the copy of %s beyond this process failed: %s", key, e)
-
-    def get(self, key: VersionKey) -> Snapshot | None:
-        return self.local.get(key)
-
-    def retain(self, keys: Iterable[VersionKey]) -> None:
-        keys = set(keys)
-        self.local.retain(keys)
-        try:
-            self.shared.retain(keys)
-        except Exception as e:  # noqa: BLE001 - retried at the reconciler's next pass
-            log.warning("lorapub: trimming the shared copies failed: %s", e)
-
-    def __contains__(self, key: VersionKey) -> bool:
-        return key in self.local
-
-    def __len__(self) -> int:
-        return len(self.local)
-
-    def keys(self) -> frozenset[VersionKey]:
-        return self.local.keys()
+def __getattr__(name: str) -> Any:
+    if name == "SharedFrozenCopies":
+        raise AttributeError("SharedFrozenCopies is gone: pass the store as Deployment(copies=...) (a "
+                             "lorapub.ports.CopyStore, e.g. RayCopies or LocalCopies); the deployment keeps each "
+                             "frozen copy there and takes them back at start")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

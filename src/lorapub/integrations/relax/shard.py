@@ -180,33 +180,17 @@ class RelaxLorapub:
             for shared in ("capacity", "max_lag", "on_stale"):
                 options.pop(shared, None)  # a shared registry's settings are made where it is created
             # (name_prefix stays: the deployment refuses a shared registry that names versions otherwise)
-        self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
         if self.role == "trainer":
-            await self._share_frozen_copies()
+            # its frozen copies outlive it, and a trainer started again takes back those kept before it: it loads
+            # every live version on an engine that joins or restarts, whichever trainer process published it
+            copies = self._copies
+            if copies is None and self.config.registry and self._registry is None:
+                from .copies import RayCopies
 
-    async def _share_frozen_copies(self) -> None:
-        """The trainer keeps its frozen copies beyond itself, and takes back those a trainer before it kept
-        (a restart): it loads every live version on an engine that joins or restarts, whichever trainer
-        process published it."""
-        copies = self._copies
-        if copies is None and self.config.registry and self._registry is None:
-            from .copies import RayCopies
-
-            copies = RayCopies(f"{self.config.registry}-{self.config.epoch}-copies")
-        if copies is None:
-            return
-        from .copies import SharedFrozenCopies
-
-        publisher = self.deployment.publisher
-        frozen = publisher.frozen
-        taken = await asyncio.to_thread(copies.items)
-        for key, snapshot in taken:
-            if key not in frozen:
-                frozen.keep(key, snapshot)
-        publisher.frozen = SharedFrozenCopies(frozen, copies)
-        if taken:
-            log.info("lorapub: took back the frozen copies of %s (published before this trainer started)",
-                     ", ".join(sorted(str(k) for k, _ in taken)))
+                copies = RayCopies(f"{self.config.registry}-{self.config.epoch}-copies")
+            if copies is not None:
+                options.setdefault("copies", copies)
+        self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
 
     async def _build_engines(self) -> dict[str, Any]:
         urls = await self._current_urls()
