@@ -750,6 +750,31 @@ def test_the_trace_records_each_iteration_of_a_publication_window_with_what_it_s
     assert iterations.parse_line("lorapub trace: something else") is None
 
 
+def test_the_trace_counts_an_install_time_residency_fill_as_a_fill_not_as_the_install(classes, monkeypatch):
+    """With a slot image the adapter is made resident at install: that copy is a fill (as a first batch's
+    would be), and the install's own span ends before it, so no millisecond is counted twice."""
+    from lorapub.sglang_patch.prepared_load import iterations, preparer as preparer_module
+
+    monkeypatch.setenv(prepared_load.TRACE_ENV, "1")
+    scheduler, manager, preparer = preparing(classes)
+    lines = []
+    preparer.iterations.emit = lines.append
+
+    def resident(manager, uid):  # a 60 ms fill, as make_resident notes it
+        time.sleep(0.060)
+        iterations.note("fill", 0.060)
+        return 0
+
+    monkeypatch.setattr(preparer_module, "make_resident", resident)
+    scheduler.process_input_requests([Req("a")])
+    run_until(scheduler, 1)
+    scheduler.process_input_requests([])
+    records = [iterations.parse_line("x " + line) for line in lines]
+    [installed] = [r for r in records if r is not None and "install" in r]
+    assert installed["fill"] == pytest.approx(60.0)
+    assert installed["install"] < 40.0, installed  # SGLang's load of a prepared adapter only
+
+
 def test_the_trace_reads_the_preparing_threads_cpu_clock_from_the_scheduler_thread():
     """The recorder reads another thread's CPU time (what it could take of the interpreter), not its own."""
     from lorapub.sglang_patch.prepared_load import iterations
