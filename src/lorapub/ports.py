@@ -33,10 +33,10 @@ __all__ = [
 class EngineAdmin(Protocol):
     """One serving engine (E0, E1…), addressed by its stable ``name``.
 
-    Beyond this protocol an adapter may have ``async close()`` (called when its deployment closes,
-    with ``own_engines=True``) and ``async release()``: close its connections but stay usable, called
-    when ``Deployment.start()`` or ``add_engine`` refuses it, so a refusal leaks nothing and the same
-    adapter may be offered again. Without ``release()`` a refused adapter keeps what it opened."""
+    Its lifecycle: :meth:`close` (its deployment closes, or removes it, with ``own_engines=True``) and
+    :meth:`release` (``Deployment.start()`` or ``add_engine`` refused it). An adapter written before
+    these two were declared is still admitted: the deployment supplies no-ops for the ones it lacks
+    (docs/embedding.md)."""
 
     name: str
 
@@ -63,6 +63,16 @@ class EngineAdmin(Protocol):
     async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
         """One backend generation, sent once: never resent by the transport. The reply is the
         engine's JSON (SGLang's ``/generate`` answer)."""
+
+    async def close(self) -> None:
+        """End the adapter's connections for good: called once its deployment (or ``remove_engine``)
+        is done with it, with ``own_engines=True``. Nothing is sent through it afterwards. A no-op
+        where there is nothing to close."""
+
+    async def release(self) -> None:
+        """Close lorapub's own connections but leave the adapter usable (its next call opens new ones):
+        what a refused ``Deployment.start()`` or ``add_engine`` does, so that a refusal leaks nothing
+        and the same adapter may be offered again. A no-op where there is nothing to close."""
 
 
 @attrs.frozen
