@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from lorapub.runtime.snapshot import Snapshot
 
 __all__ = [
-    "EngineAdmin", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
+    "EngineAdmin", "EndTimings", "ReportsEndTimings", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
     "OverwriteAdmin", "GenerationTarget", "RoutedSession", "Routing", "BucketSource", "Registry", "RegistryStore", "CopyStore", "Clock", "AttemptToken",
     "Phase", "ReadyLocal", "SendBegin", "VersionState",
 ]
@@ -100,6 +100,35 @@ class ReportsLimits(Protocol):
     it is not checked (the deployment logs that)."""
 
     async def limits(self) -> EngineLimits: ...
+
+
+@attrs.frozen
+class EndTimings:
+    """Where one ``end`` spent its time on an engine, in seconds: the engine's own phases (what its
+    staging reports, e.g. ``verify_wait`` and ``load``), then the adapter's: the staging call
+    (``stage``), the exact-version probe (``probe``), the state check (``state``). The publication
+    report carries them per engine, each named ``end.<phase>`` (:meth:`phases`)."""
+
+    engine: Mapping[str, float] = attrs.field(factory=dict)
+    stage: float | None = None
+    probe: float | None = None
+    state: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """As the publication report's ``engine_phases`` names them: ``end.<phase>`` -> seconds."""
+        out = {f"end.{k}": v for k, v in self.engine.items()}
+        out.update({f"end.{k}": v for k, v in (("stage", self.stage), ("probe", self.probe), ("state", self.state))
+                    if v is not None})
+        return out
+
+
+@runtime_checkable
+class ReportsEndTimings(Protocol):
+    """An :class:`EngineAdmin` that keeps where its recent ``end`` calls spent their time (the
+    publication report's ``engine_phases`` carry them). Optional."""
+
+    def end_timings(self, token: AttemptToken) -> EndTimings | None:
+        """Where ``end`` of ``token`` spent its time, handed over once (None: not kept, or taken)."""
 
 
 @attrs.frozen

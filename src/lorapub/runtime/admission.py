@@ -72,9 +72,9 @@ def check_epoch(epoch: object) -> int:
 #: What every engine adapter does (EngineAdmin without its lifecycle, which older adapters lack).
 _OPERATIONS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
 #: The optional protocols' members an adapter admitted without its lifecycle keeps (ReportsInventory,
-#: ReportsLimits, TakesTransport): its wrapper has each only where the adapter has it, so that
-#: ``isinstance`` on those protocols answers of the wrapper as of the adapter.
-_OPTIONAL = ("inventory", "limits", "use_transport", "can_use_transport")
+#: ReportsLimits, ReportsEndTimings, TakesTransport): its wrapper has each only where the adapter has
+#: it, so that ``isinstance`` on those protocols answers of the wrapper as of the adapter.
+_OPTIONAL = ("inventory", "limits", "end_timings", "use_transport", "can_use_transport")
 
 
 class _Lifecycle:
@@ -151,7 +151,8 @@ def with_lifecycle(engine: object, known: object = None) -> EngineAdmin:
         return engine
     if isinstance(known, _Lifecycle) and known.inner is engine:
         return known
-    members = frozenset(m for m in (*_OPTIONAL, "transport") if hasattr(engine, m))
+    members = frozenset((*(m for m in _OPTIONAL if callable(getattr(engine, m, None))),
+                         *(("transport",) if hasattr(engine, "transport") else ())))
     return _lifecycle_class(members)(engine)  # type: ignore[return-value]
 
 
