@@ -57,8 +57,7 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TTL = 600.0
 
 
-def _target_name(target: GenerationTarget | None) -> str:
-    """The name of the target a generation went to (an engine's is its admitted name); "?": none yet."""
+def _target_name(target: GenerationTarget | None) -> str:  # "?": no generation went anywhere yet
     return "?" if target is None else target.name
 
 
