@@ -7,7 +7,7 @@ See docs/embedding.md, "Your engine: implement `lorapub.ports.EngineAdmin`".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
@@ -18,9 +18,6 @@ from lorapub.core.commands import Command
 from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session import Binding
 from lorapub.core.version import VersionState
-
-if TYPE_CHECKING:
-    from lorapub.runtime.snapshot import Snapshot
 
 __all__ = [
     "EngineAdmin", "EndTimings", "ReportsEndTimings", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
@@ -335,13 +332,14 @@ class CopyStore(Protocol):
     (``Deployment(copies=)``), so that a publishing process started again (a trainer's restart) takes
     them back and can still load them on an engine that joins or restarts. ``keep`` and ``retain``
     run on the event loop and must not block (send in the background); a failure there is logged and
-    this process keeps its own copy. ``items`` runs once, when the deployment starts, off the loop."""
+    this process keeps its own copy. ``items`` runs once, when the deployment starts, off the loop.
+    Each snapshot is a :class:`lorapub.snapshot.Snapshot` (typed ``Any`` here: the ports sit beneath it)."""
 
-    def keep(self, key: VersionKey, snapshot: "Snapshot") -> None: ...
+    def keep(self, key: VersionKey, snapshot: Any) -> None: ...
 
     def retain(self, keys: Iterable[VersionKey]) -> None: ...
 
-    def items(self) -> list[tuple[VersionKey, "Snapshot"]]: ...
+    def items(self) -> list[tuple[VersionKey, Any]]: ...
 
 
 class Clock(Protocol):

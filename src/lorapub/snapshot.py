@@ -18,7 +18,7 @@ from lorapub.wire.dtypes import ACCEPTED, SAFETENSORS_DTYPES
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry, check_serving_config
 from lorapub.errors import InvalidInput
-from lorapub.runtime.probe import Probe
+from lorapub.probe import Probe
 
 __all__ = ["DEFAULT_BUCKET_CAP", "tensor_bytes", "Snapshot", "load_safetensors", "InlineBucketSource"]
 
@@ -131,7 +131,7 @@ def _dtype(t: Any) -> str:
 
 def _check_probe(probe: object) -> Probe | None:
     if probe is not None and not isinstance(probe, Probe):
-        raise InvalidInput(f"a snapshot's probe is a lorapub.runtime.probe.Probe, got {type(probe).__name__}")
+        raise InvalidInput(f"a snapshot's probe is a lorapub.probe.Probe, got {type(probe).__name__}")
     return probe
 
 

@@ -72,7 +72,7 @@ from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService
 from lorapub.runtime.status import LocalSession, Status, build_status, check_bind
-from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
+from lorapub.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
 if TYPE_CHECKING:
     from lorapub.runtime.status_server import StatusServer

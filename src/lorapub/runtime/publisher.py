@@ -59,7 +59,7 @@ from lorapub.runtime.frozen import FrozenCopies
 from lorapub.runtime.progress import progress_listener
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
-from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+from lorapub.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
 from lorapub.runtime.publication_report import PublicationReport, WaitReport
