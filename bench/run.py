@@ -58,7 +58,7 @@ from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 from lorapub.runtime.registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
-from lorapub.runtime.snapshot import Snapshot  # noqa: E402
+from lorapub.snapshot import Snapshot  # noqa: E402
 from bench.decode_probe import DecodeProbe, probe_gap, probe_tokens  # noqa: E402
 from bench.attribution import CAUSES, SLOW, attribute, read_iterations, summarize  # noqa: E402
 

@@ -77,7 +77,7 @@ from lorapub.adapters.sglang_wire import HTTPBytes, RawBucket, SameHostIPC, SGLa
 from lorapub.runtime.deployment import Deployment  # noqa: E402
 from lorapub.runtime.publisher import PublicationFailed  # noqa: E402
 from lorapub.runtime.runner import Deadlines  # noqa: E402
-from lorapub.runtime.snapshot import Snapshot  # noqa: E402
+from lorapub.snapshot import Snapshot  # noqa: E402
 
 HIDDEN, INTER, KV, RANK, LAYERS = 4096, 12288, 1024, 64, 36
 MODULES = {  # Qwen3-8B: module -> (in_features, out_features)

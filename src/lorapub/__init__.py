@@ -52,8 +52,8 @@ from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publication_report import PublicationReport, WaitReport
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import Session
-from lorapub.runtime.probe import Probe
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.probe import Probe
+from lorapub.snapshot import Snapshot
 
 __version__ = "0.1.0"
 # Every typed error of lorapub.errors is here too: a caller catches them from one import.

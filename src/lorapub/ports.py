@@ -7,7 +7,7 @@ See docs/embedding.md, "Your engine: implement `lorapub.ports.EngineAdmin`".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
@@ -19,11 +19,8 @@ from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session import Binding
 from lorapub.core.version import VersionState
 
-if TYPE_CHECKING:
-    from lorapub.runtime.snapshot import Snapshot
-
 __all__ = [
-    "EngineAdmin", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
+    "EngineAdmin", "EndTimings", "ReportsEndTimings", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
     "OverwriteAdmin", "GenerationTarget", "RoutedSession", "Routing", "BucketSource", "Registry", "RegistryStore", "CopyStore", "Clock", "AttemptToken",
     "Phase", "ReadyLocal", "SendBegin", "VersionState",
 ]
@@ -33,10 +30,10 @@ __all__ = [
 class EngineAdmin(Protocol):
     """One serving engine (E0, E1…), addressed by its stable ``name``.
 
-    Beyond this protocol an adapter may have ``async close()`` (called when its deployment closes,
-    with ``own_engines=True``) and ``async release()``: close its connections but stay usable, called
-    when ``Deployment.start()`` or ``add_engine`` refuses it, so a refusal leaks nothing and the same
-    adapter may be offered again. Without ``release()`` a refused adapter keeps what it opened."""
+    Its lifecycle: :meth:`close` (its deployment closes, or removes it, with ``own_engines=True``) and
+    :meth:`release` (``Deployment.start()`` or ``add_engine`` refused it). An adapter written before
+    these two were declared is still admitted: the deployment supplies no-ops for the ones it lacks
+    (docs/embedding.md)."""
 
     name: str
 
@@ -64,6 +61,16 @@ class EngineAdmin(Protocol):
         """One backend generation, sent once: never resent by the transport. The reply is the
         engine's JSON (SGLang's ``/generate`` answer)."""
 
+    async def close(self) -> None:
+        """End the adapter's connections for good: called once its deployment (or ``remove_engine``)
+        is done with it, with ``own_engines=True``. Nothing is sent through it afterwards. A no-op
+        where there is nothing to close."""
+
+    async def release(self) -> None:
+        """Close lorapub's own connections but leave the adapter usable (its next call opens new ones):
+        what a refused ``Deployment.start()`` or ``add_engine`` does, so that a refusal leaks nothing
+        and the same adapter may be offered again. A no-op where there is nothing to close."""
+
 
 @attrs.frozen
 class EngineLimits:
@@ -90,6 +97,35 @@ class ReportsLimits(Protocol):
     it is not checked (the deployment logs that)."""
 
     async def limits(self) -> EngineLimits: ...
+
+
+@attrs.frozen
+class EndTimings:
+    """Where one ``end`` spent its time on an engine, in seconds: the engine's own phases (what its
+    staging reports, e.g. ``verify_wait`` and ``load``), then the adapter's: the staging call
+    (``stage``), the exact-version probe (``probe``), the state check (``state``). The publication
+    report carries them per engine, each named ``end.<phase>`` (:meth:`phases`)."""
+
+    engine: Mapping[str, float] = attrs.field(factory=dict)
+    stage: float | None = None
+    probe: float | None = None
+    state: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """As the publication report's ``engine_phases`` names them: ``end.<phase>`` -> seconds."""
+        out = {f"end.{k}": v for k, v in self.engine.items()}
+        out.update({f"end.{k}": v for k, v in (("stage", self.stage), ("probe", self.probe), ("state", self.state))
+                    if v is not None})
+        return out
+
+
+@runtime_checkable
+class ReportsEndTimings(Protocol):
+    """An :class:`EngineAdmin` that keeps where its recent ``end`` calls spent their time (the
+    publication report's ``engine_phases`` carry them). Optional."""
+
+    def end_timings(self, token: AttemptToken) -> EndTimings | None:
+        """Where ``end`` of ``token`` spent its time, handed over once (None: not kept, or taken)."""
 
 
 @attrs.frozen
@@ -296,13 +332,14 @@ class CopyStore(Protocol):
     (``Deployment(copies=)``), so that a publishing process started again (a trainer's restart) takes
     them back and can still load them on an engine that joins or restarts. ``keep`` and ``retain``
     run on the event loop and must not block (send in the background); a failure there is logged and
-    this process keeps its own copy. ``items`` runs once, when the deployment starts, off the loop."""
+    this process keeps its own copy. ``items`` runs once, when the deployment starts, off the loop.
+    Each snapshot is a :class:`lorapub.snapshot.Snapshot` (typed ``Any`` here: the ports sit beneath it)."""
 
-    def keep(self, key: VersionKey, snapshot: "Snapshot") -> None: ...
+    def keep(self, key: VersionKey, snapshot: Any) -> None: ...
 
     def retain(self, keys: Iterable[VersionKey]) -> None: ...
 
-    def items(self) -> list[tuple[VersionKey, "Snapshot"]]: ...
+    def items(self) -> list[tuple[VersionKey, Any]]: ...
 
 
 class Clock(Protocol):

@@ -3,7 +3,7 @@ on the source.
 
 Levels, each importing only those beneath it (``docs/design.md``, "Shape"):
 demo -> integrations, testing -> adapters -> the public face (``lorapub``) -> runtime, sglang_patch
--> wire, ports -> core -> errors. wire is the staging protocol both the publisher's adapter and
+-> snapshot -> probe -> wire, ports -> core -> errors. wire is the staging protocol both the publisher's adapter and
 the engine-side staging speak; sglang_patch runs inside the SGLang server.
 """
 
@@ -46,7 +46,7 @@ def _modules():
 #: A package's level: a module imports only its own package and packages of lower levels. "lorapub" is
 #: the public face (``from lorapub import Deployment``), above the runtime it re-exports.
 LEVELS = {
-    "errors": 0, "core": 1, "events": 1.5, "wire": 2, "ports": 2, "runtime": 3, "sglang_patch": 3, "lorapub": 4,
+    "errors": 0, "core": 1, "events": 1.5, "wire": 2, "ports": 2, "probe": 2.4, "snapshot": 2.5, "runtime": 3, "sglang_patch": 3, "lorapub": 4,
     "adapters": 5, "integrations": 6, "testing": 6, "cli": 6.5, "demo": 7, "__main__": 8,
 }
 #: No module grows past this: one concept per module.

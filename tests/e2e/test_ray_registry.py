@@ -125,7 +125,7 @@ async def test_a_corrupted_store_reaches_callers_as_store_corrupted(ray_cluster,
 async def test_a_store_of_another_epoch_is_refused_through_the_actor(ray_cluster, tmp_path):
     from lorapub.errors import EpochMismatch
     from lorapub.runtime.registry import LocalRegistry
-    from lorapub.runtime.stores import SQLiteStore
+    from lorapub.adapters.stores import SQLiteStore
 
     path = str(tmp_path / "registry.db")
     LocalRegistry(3, _engines(), store=SQLiteStore(path)).close()  # written by epoch 3
@@ -146,7 +146,7 @@ async def test_a_failed_save_in_the_actor_is_a_store_error_and_the_actor_keeps_s
     poison = SessionKey(3, "poison", "n")
 
     def store_factory():  # built inside the actor; the disk is "full" for one command only
-        from lorapub.runtime.stores import SQLiteStore
+        from lorapub.adapters.stores import SQLiteStore
 
         class FullForPoison(SQLiteStore):
             def save_many(self, items):  # the group commit every save goes through

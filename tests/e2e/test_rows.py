@@ -372,7 +372,7 @@ async def test_engine_restart_between_and_during_publications(deployment, double
 
 
 async def test_source_failure_mid_transfer_aborts_and_cleans(engines, doubles, transport):
-    from lorapub.runtime.snapshot import InlineBucketSource
+    from lorapub.snapshot import InlineBucketSource
 
     class FlakySource(InlineBucketSource):
         async def send(self, token, index, engines_):

@@ -29,7 +29,7 @@ from typing import Any
 
 from lorapub import Deployment, LorapubError, NumericMismatch, ProvenanceMismatch
 from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
-from lorapub.runtime.probe import DEFAULT_MEAN_TOLERANCE, DEFAULT_TOKEN_TOLERANCE, Probe, observe
+from lorapub.probe import DEFAULT_MEAN_TOLERANCE, DEFAULT_TOKEN_TOLERANCE, Probe, observe
 from tests.gpu.fixtures import adapter_snapshot
 
 #: F's switches: the tensor the scale switch hits (one LoRA B of the first layer), and by how much.
@@ -253,7 +253,7 @@ class ProvenanceSection:
                 "suspect": [v.version for v in (await dep.status(probe=False)).versions if v.suspect]}
 
     async def canary_cost(self, dep, engines) -> dict:
-        """One canary check is one probe run (runtime.probe.observe, as the reconciler calls it):
+        """One canary check is one probe run (lorapub.probe.observe, as the reconciler calls it):
         timed here CANARY_REPEATS times per engine on the resident default, engines idle."""
         state = await dep.state()
         version = state.versions[state.default]

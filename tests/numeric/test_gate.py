@@ -7,7 +7,7 @@ import pytest
 
 from lorapub import Deployment, InvalidInput, NumericMismatch, Probe, PublicationFailed, VersionKey
 from lorapub.core.version import VersionState
-from lorapub.runtime.probe import compare, input_logprobs
+from lorapub.probe import compare, input_logprobs
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing import MemoryEngine, lora_snapshot, peft_config, reference_probe
 from lorapub.testing.numeric import SCALE_ENV

@@ -16,7 +16,7 @@ from lorapub import Deployment
 from lorapub.errors import InvalidInput
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.status import Status
-from lorapub.runtime.stores import SQLiteStore
+from lorapub.adapters.stores import SQLiteStore
 from lorapub.testing import MemoryEngine, lora_snapshot
 from tests.helpers.waiting import until
 

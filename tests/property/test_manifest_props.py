@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lorapub.core.manifest import BucketPlan
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 
 shapes = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=8)
 

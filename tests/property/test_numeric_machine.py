@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.probe import compare
+from lorapub.probe import compare
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing import MemoryEngine, lora_snapshot, peft_config, reference_probe

@@ -22,7 +22,7 @@ from lorapub.core import registry as R
 from lorapub.errors import LorapubError
 from lorapub.core.commands import stamped
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.runtime.stores import SQLiteStore
+from lorapub.adapters.stores import SQLiteStore
 from tests.property.test_registry_machine import WINDOW, EPOCH, SESSION_POOL, RegistryMachine
 
 

@@ -21,7 +21,7 @@ import socket
 import pytest
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 from lorapub.sglang_patch import staging as es
 from lorapub.testing.fixtures import lora_snapshot, peft_config
 from lorapub.wire.codec import plan_to_json, token_params, token_to_json

@@ -42,7 +42,7 @@ import math  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lorapub.core.manifest import BucketPlan  # noqa: E402
-from lorapub.runtime.snapshot import InlineBucketSource, Snapshot  # noqa: E402
+from lorapub.snapshot import InlineBucketSource, Snapshot  # noqa: E402
 from lorapub.testing import lora_snapshot, peft_config, peft_lora_state_dict  # noqa: E402
 
 GOOD = np.ones((2, 2), dtype="float32")

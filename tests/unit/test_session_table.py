@@ -21,7 +21,7 @@ from lorapub.core.identity import SessionKey, VersionKey, new_nonce
 from lorapub.core.session import LEASED, TOMBSTONES, SessionRecord, SessionState
 from lorapub.core.session_table import SessionTable
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.runtime.stores import FileStore, SQLiteStore
+from lorapub.adapters.stores import FileStore, SQLiteStore
 from tests.unit.test_core_rows import EP, E, publish
 
 V = [VersionKey(EP, "A"), VersionKey(EP, "B")]
@@ -244,7 +244,7 @@ def test_a_file_store_an_earlier_release_wrote_resumes_as_a_table(tmp_path, boun
 
 
 def test_a_sqlite_snapshot_an_earlier_release_wrote_resumes_as_a_table(tmp_path, bound_state, monkeypatch):
-    from lorapub.runtime.stores import sqlite_store as stores
+    from lorapub.adapters.stores import sqlite_store as stores
 
     def earlier_parts(state, entries):  # the snapshot layout before the session table
         old = _earlier_state(state)

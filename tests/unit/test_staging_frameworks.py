@@ -11,7 +11,7 @@ import pytest
 
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 from lorapub.testing import peft_config
 
 #: Stages a numpy snapshot in the engine-side staging as lorapub's engine adapter sends it (each

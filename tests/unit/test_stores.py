@@ -22,7 +22,7 @@ from lorapub.core.registry import (
 )
 from lorapub.errors import EpochMismatch, StoreCorrupted, StoreError
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.runtime.stores import FileStore, SQLiteStore
+from lorapub.adapters.stores import FileStore, SQLiteStore
 from lorapub.testing.fixtures import fake_plan
 from tests.unit.test_core_rows import E, EP, publish
 
@@ -267,7 +267,7 @@ def _corrupt_record(path):
 # The two rewrites below give a record a valid checksum; they pick one before the last: the last
 # record's checksum is also in the store's mark, which refuses a rewritten last record on its own.
 def _unpicklable_record(path):
-    from lorapub.runtime.stores import records
+    from lorapub.adapters.stores import records
 
     db = sqlite3.connect(str(path), isolation_level=None)
     (seq,) = db.execute("SELECT MAX(seq) - 1 FROM log").fetchone()
@@ -278,7 +278,7 @@ def _unpicklable_record(path):
 
 
 def _unreplayable_record(path):
-    from lorapub.runtime.stores import records
+    from lorapub.adapters.stores import records
 
     db = sqlite3.connect(str(path), isolation_level=None)
     (seq,) = db.execute("SELECT MAX(seq) - 1 FROM log").fetchone()
@@ -384,7 +384,7 @@ def test_a_store_missing_beside_its_mark_is_refused_not_started_afresh(tmp_path)
 def test_a_new_sqlite_store_never_appears_at_its_path_unfinished(tmp_path, monkeypatch):
     """SQLite creates a database file empty: a creation cut short in place would leave an empty file,
     refused as a store cut to nothing. The store is built beside its path and linked into place."""
-    from lorapub.runtime.stores import sqlite_store
+    from lorapub.adapters.stores import sqlite_store
 
     path = tmp_path / "r.db"
     monkeypatch.setattr(sqlite_store, "TABLES", sqlite_store.TABLES + ("CREATE TABLE broken (",))  # creation fails midway
@@ -468,7 +468,7 @@ _CRASH = textwrap.dedent("""
     from lorapub.core.identity import SessionKey
     from lorapub.core.registry import BindFirst, CloseAndRelease
     from lorapub.runtime.registry import LocalRegistry
-    from lorapub.runtime.stores import SQLiteStore
+    from lorapub.adapters.stores import SQLiteStore
     registry = LocalRegistry(3, {"e0": "x"}, store=SQLiteStore(sys.argv[1]))
     command = {"bind": BindFirst, "close": CloseAndRelease}[sys.argv[2]](SessionKey(3, "victim", "n"))
     registry.apply(command)  # durable on return
@@ -509,7 +509,7 @@ _ACKNOWLEDGE = textwrap.dedent("""
     from lorapub.core.identity import SessionKey
     from lorapub.core.registry import BindFirst
     from lorapub.runtime.registry import LocalRegistry
-    from lorapub.runtime.stores import SQLiteStore
+    from lorapub.adapters.stores import SQLiteStore
     registry = LocalRegistry(3, {"e0": "x"}, store=SQLiteStore(sys.argv[1]))
     for i in range(int(sys.argv[2])):
         registry.apply(BindFirst(SessionKey(3, f"acked{i}", "n")))  # durable on return
@@ -610,7 +610,7 @@ def test_a_kill_without_damage_reopens_with_every_acknowledged_decision(tmp_path
 
 
 def stores_mark(path):
-    from lorapub.runtime.stores.mark import Mark
+    from lorapub.adapters.stores.mark import Mark
 
     return Mark.decode(path.read_bytes())
 
@@ -643,7 +643,7 @@ def test_a_damaged_mark_is_store_corrupted_naming_it(tmp_path, damage):
 
 
 def test_a_last_record_rewritten_under_a_valid_checksum_is_refused_by_the_mark(tmp_path):
-    from lorapub.runtime.stores import records
+    from lorapub.adapters.stores import records
 
     path = tmp_path / "r.db"
     with_sessions(path, 5).close()
@@ -678,7 +678,7 @@ def test_a_mark_that_cannot_be_written_stops_the_next_decision_not_the_acknowled
 
 @pytest.mark.parametrize("every, synced", [(0, 6), (3600, 0)])
 def test_the_mark_is_written_after_every_commit_and_fsynced_as_often_as_asked(tmp_path, monkeypatch, every, synced):
-    from lorapub.runtime.stores import records
+    from lorapub.adapters.stores import records
 
     registry = with_sessions(tmp_path / "r.db", 2)
     registry = reopen(registry, mark_sync_every=every)

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 from lorapub.sglang_patch import staging as es
 from lorapub.wire.codec import json_bytes, plan_to_json, token_params, token_to_json
 from lorapub.wire.safetensors import safetensors_header

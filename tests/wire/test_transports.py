@@ -24,7 +24,7 @@ from lorapub.errors import InvalidInput
 from lorapub.ports import BucketSource, TakesTransport, Transport
 from lorapub.runtime.deployment import Deployment
 from lorapub.runtime.publisher import PublicationFailed
-from lorapub.runtime.snapshot import InlineBucketSource
+from lorapub.snapshot import InlineBucketSource
 from lorapub.testing import MemoryEngine, SGLangDouble
 from lorapub.testing.fixtures import lora_snapshot
 from tests.e2e.conftest import FAST

@@ -23,7 +23,7 @@ from lorapub.core.registry import COMMANDS, DEFAULT_LEASE_TTL, Result, check_cap
 from lorapub.ports import RegistryStore
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.runtime.registry import LocalRegistry
-from lorapub.runtime.stores import SQLiteStore
+from lorapub.adapters.stores import SQLiteStore
 
 __all__ = ["RegistryActor", "RayRegistry"]
 
@@ -233,7 +233,7 @@ class RayRegistry:
     ) -> "RayRegistry":
         """A durable store lets Ray restart the actor without losing its state.
 
-        ``store_path`` keeps it in a :class:`~lorapub.runtime.stores.SQLiteStore` at that
+        ``store_path`` keeps it in a :class:`~lorapub.adapters.stores.SQLiteStore` at that
         path (on the actor's node); ``store_factory`` builds any other store inside the
         actor (it is pickled there), e.g. ``functools.partial(FileStore, path)``.
 

@@ -21,7 +21,7 @@ from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
-from lorapub.ports import Transport
+from lorapub.ports import EndTimings, Transport
 from lorapub.wire.codec import json_or_text, plan_to_json, token_params, token_to_json
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
 
@@ -71,9 +71,9 @@ class SGLangWireEngine(SGLangAdminBase):
         self.transfer_timeout = transfer_timeout  # one bucket's request (None: the runner's deadline bounds it)
         self.load_timeout = load_timeout  # end (verify + the engine's load) and cleanup (waits for it)
         self._lives: dict[AttemptToken, str] = {}
-        #: where each recent ``end`` spent its time (seconds): the engine's last SHA-256 checks and load,
-        #: the exact-version probe, the state check. The publication report carries them per engine.
-        self.end_timings: dict[AttemptToken, dict[str, float]] = {}
+        #: where each recent ``end`` spent its time: the engine's last SHA-256 checks and load, the
+        #: exact-version probe, the state check (:meth:`end_timings` hands each over once)
+        self._end_timings: dict[AttemptToken, EndTimings] = {}
 
     def __repr__(self) -> str:
         return f"SGLangWireEngine({self.client!r}, transport={self.transport!r})"
@@ -175,10 +175,10 @@ class SGLangWireEngine(SGLangAdminBase):
         t2 = time.monotonic()
         state = await self.client.state()
         timings = receipt.get("timings") if isinstance(receipt.get("timings"), dict) else {}
-        self.end_timings[token] = {**{f"end.{k}": v for k, v in timings.items() if isinstance(v, (int, float))},
-                                   "end.stage": t1 - t0, "end.probe": t2 - t1, "end.state": time.monotonic() - t2}
-        while len(self.end_timings) > 16:  # a few recent ones, for reports
-            self.end_timings.pop(next(iter(self.end_timings)))
+        self._end_timings[token] = EndTimings({k: v for k, v in timings.items() if isinstance(v, (int, float))},
+                                              stage=t1 - t0, probe=t2 - t1, state=time.monotonic() - t2)
+        while len(self._end_timings) > 16:  # a few recent ones, for reports
+            self._end_timings.pop(next(iter(self._end_timings)))
         if state["incarnation"] != inc:
             raise EngineError(f"{self.name} restarted during end ({inc} -> {state['incarnation']})")
         entry = state["adapters"].get(name)
@@ -186,6 +186,11 @@ class SGLangWireEngine(SGLangAdminBase):
             raise EngineError(f"{self.name}: {name} is not loaded pinned from this attempt")
         self._lives.pop(token, None)
         return ReadyLocal(self.name, token, digest, inc, entry.get("lora_id"))
+
+    def end_timings(self, token: AttemptToken) -> EndTimings | None:
+        """Where ``end`` of ``token`` spent its time (:class:`~lorapub.ports.ReportsEndTimings`), handed
+        over once; None when it is not kept (an ``end`` that failed, or one of the 16 most recent no more)."""
+        return self._end_timings.pop(token, None)
 
     async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
         # The engine tombstones the attempt first and waits for its in-flight operation, so nothing

@@ -21,7 +21,7 @@ from lorapub.core.registry import RegistryState, SessionsOf, handle
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError, StoreError
 from lorapub.runtime.status import Status, build_status
-from lorapub.runtime.stores import FileStore, SQLiteStore
+from lorapub.adapters.stores import FileStore, SQLiteStore
 
 __all__ = ["add_status_parser", "run_status", "read_store", "fetch", "render"]
 

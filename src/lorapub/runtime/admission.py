@@ -22,7 +22,7 @@ from lorapub.ports import (
     Transport,
 )
 
-__all__ = ["check_engines", "hand_transport", "check_status_address", "transport_name", "check_limits",
+__all__ = ["check_engines", "check_operations", "with_lifecycle", "release_adapter", "close_adapter", "hand_transport", "check_status_address", "transport_name", "check_limits",
            "check_protects", "answer_within", "refuse_moved_options", "check_epoch"]
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,113 @@ def check_epoch(epoch: object) -> int:
     return epoch
 
 
+#: What every engine adapter does (EngineAdmin without its lifecycle, which older adapters lack).
+_OPERATIONS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
+#: The optional protocols' members an adapter admitted without its lifecycle keeps (ReportsInventory,
+#: ReportsLimits, ReportsEndTimings, TakesTransport): its wrapper has each only where the adapter has
+#: it, so that ``isinstance`` on those protocols answers of the wrapper as of the adapter.
+_OPTIONAL = ("inventory", "limits", "end_timings", "use_transport", "can_use_transport")
+
+
+class _Lifecycle:
+    """An engine adapter written before :class:`~lorapub.ports.EngineAdmin` declared ``close()`` and
+    ``release()``, as the deployment holds it: every call goes to the adapter, and the lifecycle method
+    it lacks is a no-op (one it has is its own). Made once, when the engine is admitted; what the
+    runtime holds then is an EngineAdmin, called directly."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.name: str = inner.name  # type: ignore[attr-defined]  # checked at admission
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+    def __getattr__(self, name: str) -> object:  # anything else the embedder reads of its own adapter
+        if name == "inner":  # not set yet (a copy being made): never looked up on itself
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    async def incarnation(self) -> str:
+        return await self.inner.incarnation()  # type: ignore[attr-defined]
+
+    async def begin(self, request):  # type: ignore[no-untyped-def]
+        return await self.inner.begin(request)  # type: ignore[attr-defined]
+
+    async def receive_bucket(self, token, index, payload):  # type: ignore[no-untyped-def]
+        return await self.inner.receive_bucket(token, index, payload)  # type: ignore[attr-defined]
+
+    async def end(self, token):  # type: ignore[no-untyped-def]
+        return await self.inner.end(token)  # type: ignore[attr-defined]
+
+    async def cleanup(self, token, lora_name):  # type: ignore[no-untyped-def]
+        return await self.inner.cleanup(token, lora_name)  # type: ignore[attr-defined]
+
+    async def reclaim(self, lora_name, reclaim_id):  # type: ignore[no-untyped-def]
+        return await self.inner.reclaim(lora_name, reclaim_id)  # type: ignore[attr-defined]
+
+    async def generate(self, payload):  # type: ignore[no-untyped-def]
+        return await self.inner.generate(payload)  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            await close()
+
+    async def release(self) -> None:
+        release = getattr(self.inner, "release", None)
+        if callable(release):
+            await release()
+
+
+def _forward(member: str) -> Callable[..., object]:
+    def forwarded(self: _Lifecycle, *args: object, **kwargs: object) -> object:
+        return getattr(self.inner, member)(*args, **kwargs)
+    forwarded.__name__ = member
+    return forwarded
+
+
+@functools.cache
+def _lifecycle_class(members: frozenset[str]) -> type[_Lifecycle]:
+    """:class:`_Lifecycle` with exactly ``members`` of the optional protocols (forwarded)."""
+    namespace: dict[str, object] = {m: _forward(m) for m in members if m != "transport"}
+    if "transport" in members:
+        namespace["transport"] = property(lambda self: self.inner.transport)
+    return type("_Lifecycle", (_Lifecycle,), namespace) if namespace else _Lifecycle
+
+
+def with_lifecycle(engine: object, known: object = None) -> EngineAdmin:
+    """``engine`` as the runtime holds it: itself where it is an :class:`~lorapub.ports.EngineAdmin`,
+    else (an adapter without ``close()``/``release()``) wrapped once in :class:`_Lifecycle` — or
+    ``known``, where that is already this adapter's wrapper (the same adapter added again)."""
+    if isinstance(engine, EngineAdmin):
+        return engine
+    if isinstance(known, _Lifecycle) and known.inner is engine:
+        return known
+    members = frozenset((*(m for m in _OPTIONAL if callable(getattr(engine, m, None))),
+                         *(("transport",) if hasattr(engine, "transport") else ())))
+    return _lifecycle_class(members)(engine)  # type: ignore[return-value]
+
+
+def check_operations(key: object, engine: object) -> None:
+    """``engine`` does every EngineAdmin operation (its lifecycle may be missing: supplied), else
+    INVALID_INPUT naming what it lacks."""
+    if isinstance(engine, EngineAdmin):
+        return
+    missing = [m for m in _OPERATIONS if not callable(getattr(engine, m, None))]
+    if not missing:
+        return
+    hint = (" — it is an engine of the switched-off path (OverwriteAdmin): with enabled=True pass "
+            "lorapub.adapters.sglang_wire.SGLangWireEngine adapters"
+            if isinstance(engine, OverwriteAdmin) else "")
+    raise InvalidInput(
+        f"engine {key!r} ({type(engine).__name__}) is not a lorapub.ports.EngineAdmin: it lacks "
+        f"{', '.join(missing)}{hint}"
+    )
+
+
 def check_engines(engines: object) -> dict[str, EngineAdmin]:
+    """The deployment's engine map, checked; an adapter without ``close()``/``release()`` is admitted
+    with no-ops for them (:func:`with_lifecycle`)."""
     if not isinstance(engines, Mapping) or not engines:
         raise InvalidInput("engines must be a non-empty mapping of engine name -> engine adapter")
     for key, engine in engines.items():
@@ -88,17 +194,8 @@ def check_engines(engines: object) -> dict[str, EngineAdmin]:
                 "(Deployment(engines, transport=...)), and make the engine a lorapub.ports.TakesTransport "
                 "(transport, use_transport) that posts each bucket the Transport's bucket_request way"
             )
-        if not isinstance(engine, EngineAdmin):
-            missing = [m for m in ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
-                       if not callable(getattr(engine, m, None))]
-            hint = (" — it is an engine of the switched-off path (OverwriteAdmin): with enabled=True pass "
-                    "lorapub.adapters.sglang_wire.SGLangWireEngine adapters"
-                    if isinstance(engine, OverwriteAdmin) else "")
-            raise InvalidInput(
-                f"engine {key!r} ({type(engine).__name__}) is not a lorapub.ports.EngineAdmin: it lacks "
-                f"{', '.join(missing)}{hint}"
-            )
-    return dict(engines)
+        check_operations(key, engine)
+    return {key: with_lifecycle(engine) for key, engine in engines.items()}
 
 
 def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Transport | None:
@@ -186,16 +283,21 @@ async def check_limits(name: str, engine: EngineAdmin, capacity: int, deadline: 
         )
 
 
-async def release_adapter(engine: object) -> None:
-    """Close the connections an adapter lorapub owns has open, keeping it usable (its optional
-    ``release()``: an adapter refused at admission must leak nothing, yet may be offered again)."""
-    release = getattr(engine, "release", None)
-    if release is None:
-        return
+async def release_adapter(name: str, engine: EngineAdmin) -> None:
+    """Close the connections an adapter lorapub owns has open, keeping it usable (its ``release()``:
+    an adapter refused at admission must leak nothing, yet may be offered again)."""
     try:
-        await release()
+        await engine.release()
     except Exception as e:  # noqa: BLE001 - best effort: the refusal is what the caller must see
-        log.warning("releasing engine %s: %s", getattr(engine, "name", "?"), e)
+        log.warning("releasing engine %s: %s", name, e)
+
+
+async def close_adapter(name: str, engine: EngineAdmin, what: str = "closing engine") -> None:
+    """End an adapter's connections for good (its ``close()``), best effort: a failure is logged."""
+    try:
+        await engine.close()
+    except Exception as e:  # noqa: BLE001 - closing is best effort: the rest still closes
+        log.warning("%s %s: %s", what, name, e)
 
 
 def _lower(holds: int, max_lag: int | None) -> str:

@@ -50,6 +50,7 @@ from lorapub.runtime.decision_log import DecisionLog
 from lorapub.runtime.observers import ObservedRegistry, Observers
 from lorapub.runtime.admission import (
     check_engines,
+    close_adapter,
     check_epoch,
     check_admission,
     check_status_address,
@@ -71,7 +72,7 @@ from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService
 from lorapub.runtime.status import LocalSession, Status, build_status, check_bind
-from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, Snapshot
+from lorapub.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
 if TYPE_CHECKING:
     from lorapub.runtime.status_server import StatusServer
@@ -299,8 +300,8 @@ class Deployment:
 
     async def _release_engines(self) -> None:
         if self.own_engines:
-            for engine in self.engines.values():
-                await release_adapter(engine)
+            for name, engine in self.engines.items():
+                await release_adapter(name, engine)
 
     async def _serve_status(self, host: str, port: int) -> None:
         from lorapub.runtime.status_server import StatusServer  # aiohttp's server: only when asked for
@@ -360,13 +361,8 @@ class Deployment:
     async def _close_engines(self) -> None:
         if not self.own_engines:
             return
-        for engine in self.engines.values():
-            close = getattr(engine, "close", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception as e:  # noqa: BLE001 - closing is best effort: the rest still closes
-                    log.warning("closing engine %s: %s", getattr(engine, "name", "?"), e)
+        for name, engine in self.engines.items():
+            await close_adapter(name, engine)
 
     async def __aenter__(self) -> "Deployment":
         return await self.start()

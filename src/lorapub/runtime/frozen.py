@@ -7,7 +7,7 @@ from typing import Iterable
 
 from lorapub.core.identity import VersionKey
 from lorapub.ports import CopyStore
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

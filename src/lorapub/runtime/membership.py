@@ -30,7 +30,14 @@ from lorapub.errors import (
 from lorapub.ports import EngineAdmin, Registry, ReportsInventory, TakesTransport, Transport
 from lorapub.runtime.engines import Engines
 from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, Observer
-from lorapub.runtime.admission import answer_within, check_admission, release_adapter
+from lorapub.runtime.admission import (
+    answer_within,
+    check_admission,
+    check_operations,
+    close_adapter,
+    release_adapter,
+    with_lifecycle,
+)
 from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.reconciler import Reconciler
@@ -94,11 +101,13 @@ class FleetMembership:
         return await self.fleet.refresh()
 
     # -- join ------------------------------------------------------------------------------
-    def _check_adapter(self, engine: object) -> tuple[str, EngineAdmin]:
-        name = getattr(engine, "name", None)
+    def _check_adapter(self, offered: object) -> tuple[str, EngineAdmin]:
+        name = getattr(offered, "name", None)  # the adapter names itself here: this is its admission
         check_id("engine name", name)
-        if not isinstance(engine, EngineAdmin):
-            raise InvalidInput(f"engine {name!r} ({type(engine).__name__}) is not a lorapub.ports.EngineAdmin")
+        check_operations(name, offered)
+        assert isinstance(name, str)
+        # one without close()/release() is admitted with no-ops for them (the same wrapper when it comes again)
+        engine = with_lifecycle(offered, self.engines.get(name))
         takes = isinstance(engine, TakesTransport)
         if self.transport is not None and not takes:
             raise InvalidInput(f"engine {name} takes no transport, but this deployment's engines receive buckets "
@@ -107,7 +116,6 @@ class FleetMembership:
                 isinstance(e, TakesTransport) for e in self.engines.values()):
             raise InvalidInput(f"engine {name} takes a transport, but this deployment's engines are sent "
                                "safetensors bytes: every engine of a deployment receives them one way")
-        assert isinstance(name, str)
         return name, engine
 
     async def add(self, engine: EngineAdmin, *, timeout: float | None = 60.0) -> Membership:
@@ -125,7 +133,7 @@ class FleetMembership:
                 incarnation = await incarnation_of(name, engine, self.deadlines.begin)
             except BaseException:
                 if self.own_engines and known is not engine:  # refused: it leaks no connection, may come again
-                    await release_adapter(engine)
+                    await release_adapter(name, engine)
                 raise
             if self.transport is not None and isinstance(engine, TakesTransport):
                 engine.use_transport(self.transport)  # one given another transport earlier refuses, naming itself
@@ -295,12 +303,7 @@ class FleetMembership:
         if engine is not None and reachable:
             await self._unload_ours(name, engine, fleet)
         if engine is not None and self.own_engines:
-            close = getattr(engine, "close", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception as e:  # noqa: BLE001 - closing is best effort
-                    log.warning("closing removed engine %s: %s", name, e)
+            await close_adapter(name, engine, "closing removed engine")
 
     async def _requests_end(self, name: str, deadline: float | None) -> None:
         """Wait (up to ``deadline``) until no request of this process runs on ``name``."""

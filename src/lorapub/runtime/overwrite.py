@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from lorapub.core.identity import LORA_NAME_PREFIX, check_id
 from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown
 from lorapub.ports import OverwriteAdmin
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 
 __all__ = ["FIXED_LORA_NAME", "OverwritePublisher", "OverwriteSession", "OverwriteDeployment"]
 

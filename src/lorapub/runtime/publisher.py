@@ -52,14 +52,14 @@ from lorapub.events import (
     PublishSuperseded,
     PublishWaiting,
 )
-from lorapub.ports import BucketSource, Clock, CopyStore, EngineAdmin, Registry
+from lorapub.ports import BucketSource, Clock, CopyStore, EndTimings, EngineAdmin, Registry, ReportsEndTimings
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.frozen import FrozenCopies
 from lorapub.runtime.progress import progress_listener
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible, RunLog
-from lorapub.runtime.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
+from lorapub.snapshot import DEFAULT_BUCKET_CAP, InlineBucketSource, Snapshot
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
 from lorapub.runtime.publication_report import PublicationReport, WaitReport
@@ -481,9 +481,10 @@ class Publisher:
         """Each engine's phases, with the breakdown of its ``end`` where its adapter keeps one."""
         phases = runlog.engine_phase_seconds()
         for name, engine in self.engines.items():
-            detail = getattr(engine, "end_timings", None)
-            if isinstance(detail, dict) and token in detail:
-                phases.setdefault(name, {}).update(detail.pop(token))
+            if isinstance(engine, ReportsEndTimings) and callable(engine.end_timings):  # (an older adapter's was a dict)
+                timings = engine.end_timings(token)
+                if isinstance(timings, EndTimings):
+                    phases.setdefault(name, {}).update(timings.phases())
         return phases
 
     async def close(self, grace: float = 5.0) -> None:

@@ -44,7 +44,7 @@ from lorapub.events import (
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
-from lorapub.runtime.probe import Probe, compare, observe
+from lorapub.probe import Probe, compare, observe
 from lorapub.runtime.provenance import unstamped
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.status import holders

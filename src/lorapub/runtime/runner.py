@@ -39,7 +39,7 @@ from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnkno
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.engines import shared
-from lorapub.runtime.probe import Mismatch, Probe, compare, observe
+from lorapub.probe import Mismatch, Probe, compare, observe
 
 __all__ = ["OnReady", "OnEligible", "Deadlines", "RunLog", "EffectRunner"]
 

@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TTL = 600.0
 
 
+def _target_name(target: GenerationTarget | None) -> str:  # "?": no generation went anywhere yet
+    return "?" if target is None else target.name
+
+
 class _Overtaken(Exception):
     """The binding became stale between this turn's check and its send (nothing was sent)."""
 
@@ -285,7 +289,7 @@ class Session:
                 raise  # the fleet still says it holds it: report the engine's own answer
             if holders is not None and not holders:
                 raise self._unavailable(binding) from missing
-            log.warning("%s: %s lost %s; sending the request to a holder", self.key, getattr(engine, "name", "?"), binding.version)
+            log.warning("%s: %s lost %s; sending the request to a holder", self.key, _target_name(engine), binding.version)
             try:
                 return await self._send(binding, payload)
             except VersionMissing:
@@ -350,7 +354,7 @@ class Session:
 
     async def _attest(self, binding: Binding, out: Any) -> dict[str, Any] | None:
         """Every turn's stamp is checked against the binding: a mismatch is never a success."""
-        target = getattr(self.engine, "name", "?")
+        target = _target_name(self.engine)
         try:
             return await attest(self.service.fleet, target, binding, out)
         except ProvenanceMismatch as e:

@@ -172,6 +172,12 @@ class _TypedAdmin:
     async def generate(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
         return _typed("generate", await self._call("generate", self._admin.generate(payload)), Mapping)
 
+    async def close(self) -> None:
+        await self._call("close", self._admin.close())
+
+    async def release(self) -> None:
+        await self._call("release", self._admin.release())
+
 
 class _UnderCheck:
     """The engine under test as a check sees it: its hooks, and its admin behind :class:`_TypedAdmin`."""

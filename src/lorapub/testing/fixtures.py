@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
-from lorapub.runtime.snapshot import Snapshot
+from lorapub.snapshot import Snapshot
 
 __all__ = ["peft_lora_state_dict", "peft_config", "lora_snapshot", "fake_manifest", "fake_plan"]
 

@@ -72,6 +72,12 @@ class MemoryEngine:
         self.ended: set[AttemptToken] = set()  # stashes whose end loaded their adapter
         self._dead: asyncio.Event | None = None  # set when this life ends (created lazily, in a loop)
 
+    async def close(self) -> None:
+        """Nothing to close: it holds no connection (EngineAdmin's lifecycle)."""
+
+    async def release(self) -> None:
+        """Nothing to release: it holds no connection (EngineAdmin's lifecycle)."""
+
     def restart(self) -> None:
         """A crash and restart: every adapter, stash and running request is gone."""
         self.life += 1

@@ -12,8 +12,8 @@ import os
 from typing import Any, Mapping, Sequence
 
 from lorapub.core.manifest import Bucket
-from lorapub.runtime.probe import Probe
-from lorapub.runtime.snapshot import Snapshot, tensor_bytes
+from lorapub.probe import Probe
+from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.safetensors import safetensors_layout
 
 __all__ = ["VOCAB", "SCALE_ENV", "decode", "adapter_stat", "model_logprobs", "blob_tensors", "snapshot_stat",

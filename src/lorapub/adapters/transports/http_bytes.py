@@ -12,7 +12,7 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.errors import InvalidInput
 from lorapub.ports import BucketPost
-from lorapub.runtime.snapshot import Snapshot, tensor_bytes
+from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.routes import LOAD_FORMS
 
 __all__ = ['CHUNK', 'HTTPBytes', 'RawBucket', 'SENDERS', 'WireBucketSource']
@@ -92,7 +92,7 @@ class HTTPBytes:
 
     async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
         """A :class:`RawBucket` is streamed (``raw``); bytes are one safetensors blob (``safetensors``,
-        e.g. :meth:`~lorapub.runtime.snapshot.Snapshot.bucket_bytes`)."""
+        e.g. :meth:`~lorapub.snapshot.Snapshot.bucket_bytes`)."""
         if isinstance(payload, RawBucket):
             return BucketPost("raw", payload.chunks(), length=len(payload), sender=self.sender)
         if isinstance(payload, (bytes, bytearray, memoryview)):

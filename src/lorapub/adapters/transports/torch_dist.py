@@ -16,7 +16,7 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import BucketPost
-from lorapub.runtime.snapshot import Snapshot, tensor_bytes
+from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes
 from lorapub.wire.collective import barrier, post_abort
 

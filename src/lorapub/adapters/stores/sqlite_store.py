@@ -31,7 +31,7 @@ from .records import size as file_size
 
 __all__ = ["MARK_SYNC_EVERY", "SCHEMA", "TABLES", "SQLiteStore"]
 
-log = logging.getLogger("lorapub.runtime.stores")
+log = logging.getLogger("lorapub.adapters.stores")
 
 
 SCHEMA = "lorapub.registry.log/1"

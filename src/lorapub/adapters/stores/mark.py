@@ -24,7 +24,7 @@ from .records import checksum, fsync_dir, size
 
 __all__ = ["HighWaterMark", "Mark", "NO_TAG"]
 
-log = logging.getLogger("lorapub.runtime.stores")
+log = logging.getLogger("lorapub.adapters.stores")
 
 MAGIC = b"LORAPUB-MARK/1\n\x00"
 SIZE = len(MAGIC) + 8 + 16 + 16  # magic, seq, tag, checksum
