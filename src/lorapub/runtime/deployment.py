@@ -54,6 +54,7 @@ from lorapub.runtime.admission import (
     check_epoch,
     check_admission,
     check_status_address,
+    check_tuning,
     hand_transport,
     refuse_moved_options,
     release_adapter,
@@ -153,27 +154,11 @@ class Deployment:
             check_room_for_lag(capacity or DEFAULT_CAPACITY, max_lag)
         if name_prefix is not None:
             check_name_prefix(name_prefix)
-        if not isinstance(avoid_suspect, bool):
-            raise InvalidInput(f"avoid_suspect must be True or False, got {avoid_suspect!r}")
-        for name, value in (("reconcile_interval", reconcile_interval), ("lease_ttl", lease_ttl),
-                            ("canary_interval", canary_interval),
-                            ("stale_attempt_after", stale_attempt_after), ("idle_ttl", idle_ttl)):
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
-                raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
-        if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
-            raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
-        if deadlines is not None and not isinstance(deadlines, Deadlines):
-            raise InvalidInput(f"deadlines must be a lorapub.Deadlines (e.g. Deadlines(begin=30, end=120)) or None, "
-                               f"got {type(deadlines).__name__} {deadlines!r:.60}")
-        # named here: the reclaimer's RetryPolicy would name its own fields, not these arguments
-        if not isinstance(reclaim_retries, int) or isinstance(reclaim_retries, bool) or reclaim_retries < 0:
-            raise InvalidInput(f"reclaim_retries must be an int >= 0 (retries of a failed reclaim), got {reclaim_retries!r}")
-        if (not isinstance(reclaim_backoff, (int, float)) or isinstance(reclaim_backoff, bool)
-                or not 0 <= reclaim_backoff < float("inf")):
-            raise InvalidInput(f"reclaim_backoff must be a finite number of seconds >= 0, got {reclaim_backoff!r}")
-        if copies is not None and not all(callable(getattr(copies, m, None)) for m in ("keep", "retain", "items")):
-            raise InvalidInput(f"copies must be a lorapub.ports.CopyStore (keep, retain and items), got "
-                               f"{type(copies).__name__}")
+        check_tuning(avoid_suspect=avoid_suspect, bucket_cap_bytes=bucket_cap_bytes, deadlines=deadlines,
+                     reclaim_retries=reclaim_retries, reclaim_backoff=reclaim_backoff, copies=copies,
+                     seconds={"reconcile_interval": reconcile_interval, "lease_ttl": lease_ttl,
+                              "canary_interval": canary_interval, "stale_attempt_after": stale_attempt_after,
+                              "idle_ttl": idle_ttl})
         self.copies = copies
         self.epoch = epoch
         self.registry = registry
