@@ -9,7 +9,7 @@ cleanup. Messages for another attempt or an old incarnation change nothing.
 from __future__ import annotations
 
 import enum
-from typing import Mapping
+from typing import Mapping, TypedDict, Unpack
 
 import attrs
 
@@ -38,6 +38,32 @@ class Phase(enum.Enum):
 
 ACTIVE = frozenset({Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING, Phase.READY})
 RESOLVED = frozenset({Phase.COMMITTED, Phase.CLEAN})
+
+#: The phase moves, as the module's docstring draws them: every active phase may abort; an aborted attempt is
+#: CLEAN once every target confirmed its cleanup. Every function below moves a phase only through
+#: :func:`_move`, which refuses any other.
+_ALLOWED: dict[Phase, frozenset[Phase]] = {
+    Phase.BEGINNING: frozenset({Phase.TRANSFERRING, Phase.ABORTED}),
+    Phase.TRANSFERRING: frozenset({Phase.ENDING, Phase.ABORTED}),
+    Phase.ENDING: frozenset({Phase.READY, Phase.ABORTED}),
+    Phase.READY: frozenset({Phase.COMMITTED, Phase.ABORTED}),
+    Phase.COMMITTED: frozenset(),
+    Phase.ABORTED: frozenset({Phase.CLEAN}),
+    Phase.CLEAN: frozenset(),
+}
+
+
+class _Changes(TypedDict, total=False):
+    targets: "tuple[Target, ...]"
+    bucket: int
+    bucket_done: frozenset[str]
+    abort_reason: str | None
+
+
+def _move(attempt: "Attempt", to: Phase, **changes: Unpack[_Changes]) -> "Attempt":
+    if to not in _ALLOWED[attempt.phase]:
+        raise InvalidTransition(f"attempt {attempt.token}: {attempt.phase.value} -> {to.value} is not a phase move")
+    return attrs.evolve(attempt, phase=to, **changes)
 
 
 class TargetState(enum.Enum):
@@ -161,7 +187,7 @@ def on_prepared(attempt: Attempt, engine: str, incarnation: str) -> Step:
         return attempt, [Ignored(f"{attempt.token}: PREPARED from {engine} in {attempt.phase.value}/{target.state.value}")]
     attempt = attempt._with_target(attrs.evolve(target, state=TargetState.PREPARED))
     if all(t.state is TargetState.PREPARED for t in attempt.targets):
-        attempt = attrs.evolve(attempt, phase=Phase.TRANSFERRING, bucket=0, bucket_done=frozenset())
+        attempt = _move(attempt, Phase.TRANSFERRING, bucket=0, bucket_done=frozenset())
         return attempt, [TransferBucket(attempt.token, 0, attempt.engines)]
     return attempt, []
 
@@ -181,9 +207,9 @@ def on_bucket_done(attempt: Attempt, party: str, index: int, incarnation: str | 
     if nxt < len(attempt.plan):
         attempt = attrs.evolve(attempt, bucket=nxt, bucket_done=frozenset())
         return attempt, [TransferBucket(attempt.token, nxt, attempt.engines)]
-    attempt = attrs.evolve(
+    attempt = _move(
         attempt,
-        phase=Phase.ENDING,
+        Phase.ENDING,
         bucket=nxt,
         bucket_done=frozenset(),
         targets=tuple(attrs.evolve(t, state=TargetState.END_SENT) for t in attempt.targets),
@@ -204,7 +230,7 @@ def on_ready(attempt: Attempt, receipt: ReadyLocal) -> Step:
         return abort(attempt, f"{receipt.engine} loaded digest {receipt.digest[:12]}, expected {attempt.digest[:12]}")
     attempt = attempt._with_target(attrs.evolve(target, state=TargetState.READY, ready=receipt))
     if all(t.state is TargetState.READY for t in attempt.targets):
-        attempt = attrs.evolve(attempt, phase=Phase.READY)
+        attempt = _move(attempt, Phase.READY)
     return attempt, []
 
 
@@ -226,7 +252,7 @@ def cleanup_owed_by(attempt: Attempt) -> tuple[str, ...]:
 def mark_committed(attempt: Attempt) -> Attempt:
     if attempt.phase is not Phase.READY:
         raise InvalidTransition(f"{attempt.token} cannot commit from {attempt.phase.value}")
-    return attrs.evolve(attempt, phase=Phase.COMMITTED)
+    return _move(attempt, Phase.COMMITTED)
 
 
 def abort(attempt: Attempt, reason: str) -> Step:
@@ -234,7 +260,7 @@ def abort(attempt: Attempt, reason: str) -> Step:
     if attempt.phase not in ACTIVE:
         return attempt, [Ignored(f"{attempt.token} is {attempt.phase.value}; abort ({reason}) changes nothing")]
     targets = tuple(attrs.evolve(t, state=TargetState.CLEANUP_SENT, ready=None) for t in attempt.targets)
-    attempt = attrs.evolve(attempt, phase=Phase.ABORTED, targets=targets, abort_reason=reason)
+    attempt = _move(attempt, Phase.ABORTED, targets=targets, abort_reason=reason)
     return attempt, [SendCleanup(t.engine, t.incarnation, attempt.token, attempt.lora_name) for t in targets]
 
 
@@ -246,7 +272,7 @@ def on_cleaned(attempt: Attempt, engine: str, incarnation: str) -> Step:
         return attempt, [Ignored(f"{attempt.token}: CLEANED from {engine} in {attempt.phase.value}/{target.state.value}")]
     attempt = attempt._with_target(attrs.evolve(target, state=TargetState.CLEANED))
     if all(t.state is TargetState.CLEANED for t in attempt.targets):
-        attempt = attrs.evolve(attempt, phase=Phase.CLEAN)
+        attempt = _move(attempt, Phase.CLEAN)
     return attempt, []
 
 
@@ -299,5 +325,5 @@ def on_engine_removed(attempt: Attempt, engine: str) -> Step:
         effects = [fx for fx in effects if not (isinstance(fx, SendCleanup) and fx.engine == engine)]
     attempt = attempt._with_target(attrs.evolve(target, state=TargetState.CLEANED, ready=None))
     if all(t.state is TargetState.CLEANED for t in attempt.targets):
-        attempt = attrs.evolve(attempt, phase=Phase.CLEAN)
+        attempt = _move(attempt, Phase.CLEAN)
     return attempt, effects

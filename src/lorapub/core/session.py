@@ -9,6 +9,7 @@ See docs/design.md, "Lifecycles in the core".
 from __future__ import annotations
 
 import enum
+from typing import TypedDict, Unpack
 
 import attrs
 
@@ -35,6 +36,17 @@ ENDING = frozenset({SessionState.CLOSING, SessionState.CLOSED, SessionState.EXPI
 TOMBSTONES = frozenset({SessionState.CLOSED, SessionState.EXPIRED})
 # States whose ref a lease keeps alive (a worker that dies mid-close leaves CLOSING).
 LEASED = frozenset({SessionState.OPEN, SessionState.BOUND, SessionState.CLOSING})
+
+
+#: The lifecycle moves, as the module's docstring draws them (a new record starts OPEN, or CLOSING when a close
+#: arrives first); every function below moves a record only through :func:`_move`, which refuses any other.
+_ALLOWED: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.OPEN: frozenset({SessionState.BOUND, SessionState.CLOSING, SessionState.EXPIRED}),
+    SessionState.BOUND: frozenset({SessionState.CLOSING, SessionState.EXPIRED}),
+    SessionState.CLOSING: frozenset({SessionState.CLOSED, SessionState.EXPIRED}),
+    SessionState.CLOSED: frozenset(),
+    SessionState.EXPIRED: frozenset(),
+}
 
 
 @attrs.frozen
@@ -70,6 +82,20 @@ class Binding:
     group_rebinds: int = 0
 
 
+class _Changes(TypedDict, total=False):
+    version: VersionKey | None
+    holds_ref: bool
+    group: str | None
+    lease_until: float | None
+
+
+def _move(record: "SessionRecord", to: SessionState, **changes: Unpack[_Changes]) -> "SessionRecord":
+    if to not in _ALLOWED[record.state]:
+        raise InvalidTransition(f"session {record.key}: {record.state.value} -> {to.value} is not a lifecycle move",
+                                session=record.key)
+    return attrs.evolve(record, state=to, **changes)
+
+
 def _refuse_if_ending(record: SessionRecord, what: str) -> None:
     if record.state is SessionState.EXPIRED:
         raise SessionExpired(
@@ -97,7 +123,7 @@ def bound(
     record = opened(record, key)
     if record.state is not SessionState.OPEN:
         raise InvalidTransition(f"session {key} is already {record.state.value}")
-    return attrs.evolve(record, state=SessionState.BOUND, version=version, holds_ref=holds_ref, group=group)
+    return _move(record, SessionState.BOUND, version=version, holds_ref=holds_ref, group=group)
 
 
 def closing(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
@@ -105,7 +131,7 @@ def closing(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
         return SessionRecord(key, SessionState.CLOSING)
     if record.state in ENDING:
         return record
-    return attrs.evolve(record, state=SessionState.CLOSING)
+    return _move(record, SessionState.CLOSING)
 
 
 def closed(record: SessionRecord | None, key: SessionKey) -> tuple[SessionRecord, VersionKey | None]:
@@ -114,7 +140,7 @@ def closed(record: SessionRecord | None, key: SessionKey) -> tuple[SessionRecord
     if record.state in TOMBSTONES:
         return record, None
     release = record.version if record.holds_ref else None
-    return attrs.evolve(record, state=SessionState.CLOSED, holds_ref=False), release
+    return _move(record, SessionState.CLOSED, holds_ref=False), release
 
 
 def leased(record: SessionRecord, lease_until: float | None) -> SessionRecord:
@@ -124,9 +150,12 @@ def leased(record: SessionRecord, lease_until: float | None) -> SessionRecord:
 
 
 def expired(record: SessionRecord) -> tuple[SessionRecord, VersionKey | None]:
-    """The EXPIRED tombstone and the version whose ref must be dropped now (None if none)."""
+    """The EXPIRED tombstone and the version whose ref must be dropped now (None if none); a tombstone
+    stays as it is (its ref was released when it became one)."""
+    if record.state in TOMBSTONES:
+        return record, None
     release = record.version if record.holds_ref else None
-    return attrs.evolve(record, state=SessionState.EXPIRED, holds_ref=False, lease_until=None), release
+    return _move(record, SessionState.EXPIRED, holds_ref=False, lease_until=None), release
 
 
 def require_dispatchable(record: SessionRecord | None, key: SessionKey) -> SessionRecord:
