@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lorapub.core.identity import AttemptToken, VersionKey
-from lorapub.sglang_patch.staging import machine as M
-from lorapub.sglang_patch.staging import messages as m
+from lorapub.core.staging import machine as M
+from lorapub.core.staging import messages as m
 
 LIFE = "life-1"
 BUDGET = 900

@@ -12,8 +12,8 @@ import logging
 import threading
 from typing import Any, Callable, Iterator
 
-from lorapub.sglang_patch.staging import machine
-from lorapub.sglang_patch.staging import messages as m
+from lorapub.core.staging import machine
+from lorapub.core.staging import messages as m
 from lorapub.sglang_patch.staging.engine import managed_prefix_of
 
 __all__ = [

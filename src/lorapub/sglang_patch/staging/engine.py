@@ -1,5 +1,5 @@
 """The engine-side staging of one server life: :class:`EngineStaging` drives the pure machine
-(:mod:`lorapub.sglang_patch.staging.machine`) and runs the effects it answers with.
+(:mod:`lorapub.core.staging.machine`) and runs the effects it answers with.
 See docs/design.md, "The staging machine".
 """
 
@@ -14,13 +14,14 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, AsyncIterator, Mapping, Protocol
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
 from lorapub.sglang_patch.env import env_number
-from lorapub.sglang_patch.staging import claims, collective, landing, machine, swap, test_switch
-from lorapub.sglang_patch.staging import messages as m
+from lorapub.core.staging import machine
+from lorapub.core.staging import messages as m
+from lorapub.sglang_patch.staging import claims, collective, landing, swap
 from lorapub.sglang_patch.staging.buffers import Buffer, verify_and_keep
 from lorapub.sglang_patch.staging.landing import Stash
 from lorapub.sglang_patch.staging.receivers import (
@@ -97,8 +98,11 @@ class EngineStaging:
 
     def __init__(self, hooks: EngineHooks, *, incarnation: str, stash_root: str | None = None,
                  shm_dir: str | None = None, max_stash_bytes: int | None = None,
-                 idle_timeout: float | None = None) -> None:
+                 idle_timeout: float | None = None, before_dir_load: Callable[[str], object] | None = None) -> None:
         self.hooks = hooks
+        #: run (in a thread) on a ``dir`` load's verified folder just before it is loaded: a test's hook (the
+        #: numeric READY gate's test switch, test_switch.switch_from_env()); None in production
+        self.before_dir_load = before_dir_load
         self.incarnation = incarnation
         root = stash_root or os.environ.get("LORAPUB_ENGINE_STASH") or os.path.join(
             tempfile.gettempdir(), "lorapub-engine-stash")
@@ -481,8 +485,8 @@ class EngineStaging:
             path = await asyncio.to_thread(landing.finish_peft_dir, stash)
             if self.swap_weights:
                 path, loaded, self._swap = await asyncio.to_thread(swap.dir_load, self._swap, path, digest, self.stash_root)
-            if os.environ.get(test_switch.SCALE_ENV):  # test-only (docs/provenance.md): never in production
-                await asyncio.to_thread(test_switch.scale_for_test, path)
+            if self.before_dir_load is not None:  # a test's hook (docs/provenance.md): never in production
+                await asyncio.to_thread(self.before_dir_load, path)
             error = await self.hooks.load_dir(name, path)
         else:
             path = "__tensor__"

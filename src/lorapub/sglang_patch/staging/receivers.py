@@ -19,7 +19,7 @@ from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.sglang_patch.staging import collective
 from lorapub.sglang_patch.staging.buffers import Buffer
 from lorapub.sglang_patch.staging.landing import Stash, from_shm, landing
-from lorapub.sglang_patch.staging.messages import Refusal
+from lorapub.core.staging.messages import Refusal
 from lorapub.wire.codec import manifest_digest, plan_from_json
 from lorapub.wire.refusal import Refused, bad, refuse
 from lorapub.wire.routes import FORMATS, LOAD_FORMS

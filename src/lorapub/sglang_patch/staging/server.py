@@ -12,6 +12,7 @@ import asyncio
 from typing import Any, Callable
 
 from lorapub.core.identity import MANAGED_PREFIX
+from lorapub.sglang_patch.staging import test_switch
 from lorapub.sglang_patch.staging.engine import EngineStaging
 
 __all__ = ["CURRENT", "SGLangHooks", "for_server", "max_loaded_loras", "starlette_json", "starlette_receive"]
@@ -79,7 +80,8 @@ def for_server(tokenizer_manager: Callable[[], Any], incarnation: str) -> Engine
     is freed when the server's process exits normally; after a kill, by the next life on the host."""
     import atexit
 
-    staging = EngineStaging(SGLangHooks(tokenizer_manager), incarnation=incarnation)
+    staging = EngineStaging(SGLangHooks(tokenizer_manager), incarnation=incarnation,
+                            before_dir_load=test_switch.switch_from_env())  # None unless a test set it
     global CURRENT
     CURRENT = staging  # the provenance stamps of this server read its digests and incarnation
     atexit.register(staging.close)

@@ -6,8 +6,9 @@ See docs/provenance.md, "Numeric READY gate".
 from __future__ import annotations
 
 import os
+from typing import Callable
 
-__all__ = ["SCALE_ENV", "scale_for_test"]
+__all__ = ["SCALE_ENV", "scale_for_test", "switch_from_env"]
 
 SCALE_ENV = "LORAPUB_TEST_SCALE_TENSOR"
 
@@ -29,3 +30,9 @@ def scale_for_test(path: str) -> str | None:
             save_file(tensors, file)
             return name
     return None
+
+
+def switch_from_env() -> "Callable[[str], object] | None":
+    """The hook :class:`~lorapub.sglang_patch.staging.EngineStaging` takes as ``before_dir_load``: this switch
+    where its variable is set (a test's server or double), else None (production: nothing runs)."""
+    return scale_for_test if os.environ.get(SCALE_ENV) else None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.sglang_patch import provenance
 from lorapub.sglang_patch import staging as engine_side
+from lorapub.sglang_patch.staging.test_switch import scale_for_test
 from lorapub.testing import numeric
 from lorapub.testing._sglang_registry import lora_registry_module
 from lorapub.testing.sglang_double.auth import sglang_decide, decide_request_auth
@@ -322,6 +323,8 @@ class DoubleEngine:
                 _DoubleHooks(self), incarnation=self.incarnation,
                 stash_root=self.__dict__.get("stash_root"), shm_dir=self.__dict__.get("shm_dir"),
                 idle_timeout=self.__dict__.get("stage_idle_s"),  # None: LORAPUB_STAGE_IDLE_S, as the server
+                # the numeric gate's test switch, read at each load (a test may set it mid-life)
+                before_dir_load=scale_for_test,
             )
             if self.__dict__.get("swap_weights"):  # TEST-ONLY: serve each new version with the last one's weights
                 current.swap_weights = True
