@@ -101,7 +101,7 @@ class EngineStaging:
                  idle_timeout: float | None = None, before_dir_load: Callable[[str], object] | None = None) -> None:
         self.hooks = hooks
         #: run (in a thread) on a ``dir`` load's verified folder just before it is loaded: a test's hook (the
-        #: numeric READY gate's test switch, test_switch.switch_from_env()); None in production
+        #: numeric READY gate's scale switch, given by the server glue or the double); None in production
         self.before_dir_load = before_dir_load
         self.incarnation = incarnation
         root = stash_root or os.environ.get("LORAPUB_ENGINE_STASH") or os.path.join(
