@@ -119,10 +119,10 @@ def tensor_bytes(t: Tensor) -> memoryview:
     if _is_torch(t):
         import torch
 
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B").toreadonly()
+        return t.reshape(-1).view(torch.uint8).numpy().data.cast("B").toreadonly()  # .data: the array's memoryview
     import numpy as np
 
-    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8)).cast("B").toreadonly()
+    return np.ascontiguousarray(t).reshape(-1).view(np.uint8).data.cast("B").toreadonly()
 
 
 def _dtype(t: Any) -> str:
@@ -226,12 +226,12 @@ class Snapshot:
         chosen = {name: self._tensors[name] for name in bucket.tensor_names}
         metadata = {"lorapub_digest": plan.digest, "lorapub_bucket": str(index)}
         if self._framework == "torch":
-            from safetensors.torch import save
+            from safetensors.torch import save as save_torch
 
-            return save(chosen, metadata=metadata)
-        from safetensors.numpy import save
+            return save_torch(chosen, metadata=metadata)
+        from safetensors.numpy import save as save_numpy
 
-        return save(chosen, metadata=metadata)
+        return save_numpy(chosen, metadata=metadata)
 
     def save_peft_dir(self, path: str) -> str:
         """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (what SGLang loads)."""
@@ -240,11 +240,15 @@ class Snapshot:
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidInput(f"save_peft_dir takes a directory path, got {path!r}")
         os.makedirs(path, exist_ok=True)
+        file = os.path.join(path, "adapter_model.safetensors")
         if self._framework == "torch":
-            from safetensors.torch import save_file
+            from safetensors.torch import save_file as save_torch_file
+
+            save_torch_file(dict(self._tensors), file)
         else:
-            from safetensors.numpy import save_file
-        save_file(dict(self._tensors), os.path.join(path, "adapter_model.safetensors"))
+            from safetensors.numpy import save_file as save_numpy_file
+
+            save_numpy_file(dict(self._tensors), file)
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(self.serving_config, f, sort_keys=True, indent=1)
         return path
@@ -253,10 +257,12 @@ class Snapshot:
 def load_safetensors(path: str) -> dict[str, Any]:
     """Load with torch when present (bf16 has no numpy dtype), else with numpy."""
     try:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file as load_torch_file
     except ImportError:
-        from safetensors.numpy import load_file
-    return load_file(path)
+        from safetensors.numpy import load_file as load_numpy_file
+
+        return load_numpy_file(path)
+    return load_torch_file(path)
 
 
 class InlineBucketSource:

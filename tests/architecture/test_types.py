@@ -1,4 +1,5 @@
-"""The typed public face: the core, the staging protocol, the ports, the errors and the events pass ``mypy --strict``.
+"""The typed public face and the runtime behind it: the core, the staging protocol, the ports, the errors,
+the events, the runtime, the snapshot and the probe pass ``mypy --strict``.
 
 The configuration is pyproject.toml's ``[tool.mypy]`` (strict for these paths; what they import is
 read for its types, not checked). .ci/install installs the pinned mypy, so CI always runs this.
@@ -16,10 +17,11 @@ import lorapub
 
 SRC = pathlib.Path(lorapub.__file__).parent
 ROOT = SRC.parent.parent
-STRICT = [SRC / "core", SRC / "wire", SRC / "ports.py", SRC / "errors.py", SRC / "events.py"]
+STRICT = [SRC / "core", SRC / "wire", SRC / "ports.py", SRC / "errors.py", SRC / "events.py",
+          SRC / "runtime", SRC / "snapshot.py", SRC / "probe.py"]
 
 
-def test_core_wire_ports_and_errors_pass_mypy_strict():
+def test_strict_set_passes_mypy_strict():
     pytest.importorskip("mypy.api", reason="mypy is not installed (.ci/install installs it)")
     config = ROOT / "pyproject.toml"
     assert "[tool.mypy]" in config.read_text(), f"{config} has no [tool.mypy] section"

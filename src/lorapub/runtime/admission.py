@@ -8,9 +8,11 @@ import asyncio
 import functools
 import logging
 import warnings
-from typing import Awaitable, Callable, Mapping, ParamSpec, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, ParamSpec, Protocol, TypeVar, runtime_checkable
 
-from lorapub.core.identity import MANAGED_PREFIX_ENV, check_id
+from lorapub.core.attempt import ReadyLocal
+from lorapub.core.effects import SendBegin
+from lorapub.core.identity import MANAGED_PREFIX_ENV, AttemptToken, check_id
 from lorapub.core.registry import Fleet
 from lorapub.errors import EngineCapacityError, EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import (
@@ -77,15 +79,30 @@ _OPERATIONS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "recl
 _OPTIONAL = ("inventory", "limits", "end_timings", "use_transport", "can_use_transport")
 
 
+@runtime_checkable
+class _Operations(Protocol):
+    """An adapter :func:`check_operations` admits: EngineAdmin without its lifecycle (``close``, ``release``)."""
+
+    name: str
+
+    async def incarnation(self) -> str: ...
+    async def begin(self, request: SendBegin) -> str: ...
+    async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str: ...
+    async def end(self, token: AttemptToken) -> ReadyLocal: ...
+    async def cleanup(self, token: AttemptToken, lora_name: str) -> str: ...
+    async def reclaim(self, lora_name: str, reclaim_id: str) -> None: ...
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
+
+
 class _Lifecycle:
     """An engine adapter written before :class:`~lorapub.ports.EngineAdmin` declared ``close()`` and
     ``release()``, as the deployment holds it: every call goes to the adapter, and the lifecycle method
     it lacks is a no-op (one it has is its own). Made once, when the engine is admitted; what the
     runtime holds then is an EngineAdmin, called directly."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: _Operations) -> None:
         self.inner = inner
-        self.name: str = inner.name  # type: ignore[attr-defined]  # checked at admission
+        self.name: str = inner.name
 
     def __repr__(self) -> str:
         return repr(self.inner)
@@ -96,25 +113,25 @@ class _Lifecycle:
         return getattr(self.inner, name)
 
     async def incarnation(self) -> str:
-        return await self.inner.incarnation()  # type: ignore[attr-defined]
+        return await self.inner.incarnation()
 
-    async def begin(self, request):  # type: ignore[no-untyped-def]
-        return await self.inner.begin(request)  # type: ignore[attr-defined]
+    async def begin(self, request: SendBegin) -> str:
+        return await self.inner.begin(request)
 
-    async def receive_bucket(self, token, index, payload):  # type: ignore[no-untyped-def]
-        return await self.inner.receive_bucket(token, index, payload)  # type: ignore[attr-defined]
+    async def receive_bucket(self, token: AttemptToken, index: int, payload: bytes) -> str:
+        return await self.inner.receive_bucket(token, index, payload)
 
-    async def end(self, token):  # type: ignore[no-untyped-def]
-        return await self.inner.end(token)  # type: ignore[attr-defined]
+    async def end(self, token: AttemptToken) -> ReadyLocal:
+        return await self.inner.end(token)
 
-    async def cleanup(self, token, lora_name):  # type: ignore[no-untyped-def]
-        return await self.inner.cleanup(token, lora_name)  # type: ignore[attr-defined]
+    async def cleanup(self, token: AttemptToken, lora_name: str) -> str:
+        return await self.inner.cleanup(token, lora_name)
 
-    async def reclaim(self, lora_name, reclaim_id):  # type: ignore[no-untyped-def]
-        return await self.inner.reclaim(lora_name, reclaim_id)  # type: ignore[attr-defined]
+    async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
+        return await self.inner.reclaim(lora_name, reclaim_id)
 
-    async def generate(self, payload):  # type: ignore[no-untyped-def]
-        return await self.inner.generate(payload)  # type: ignore[attr-defined]
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
+        return await self.inner.generate(payload)
 
     async def close(self) -> None:
         close = getattr(self.inner, "close", None)
@@ -151,9 +168,10 @@ def with_lifecycle(engine: object, known: object = None) -> EngineAdmin:
         return engine
     if isinstance(known, _Lifecycle) and known.inner is engine:
         return known
+    assert isinstance(engine, _Operations), "with_lifecycle follows check_operations"
     members = frozenset((*(m for m in _OPTIONAL if callable(getattr(engine, m, None))),
                          *(("transport",) if hasattr(engine, "transport") else ())))
-    return _lifecycle_class(members)(engine)  # type: ignore[return-value]
+    return _lifecycle_class(members)(engine)
 
 
 def check_operations(key: object, engine: object) -> None:

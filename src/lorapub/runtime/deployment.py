@@ -47,7 +47,7 @@ from lorapub.ports import (
 )
 from lorapub.events import Observer
 from lorapub.runtime.decision_log import DecisionLog
-from lorapub.runtime.observers import ObservedRegistry, Observers
+from lorapub.runtime.observers import ObservedRegistry, Observers, exposition_of
 from lorapub.runtime.admission import (
     check_engines,
     close_adapter,
@@ -209,7 +209,7 @@ class Deployment:
         if self._closed:
             raise AlreadyStarted("this Deployment was closed; build a new one")
         try:
-            fleet = await self._admit()
+            base, fleet = await self._admit()
         except BaseException:
             # refused (an engine down, too small, a settings clash): nothing started, and no connection
             # is left open; the adapters stay usable, so start() may be called again once it is fixed
@@ -220,7 +220,7 @@ class Deployment:
         # registry as the parts see it (every decision timed and told to the observers).
         self.tasks = TaskOwner("lorapub")
         self.engines = Engines(self.engines)  # one live engine set, shared by every part (add/remove_engine)
-        registry = ObservedRegistry(self.registry, self.observers)
+        registry = ObservedRegistry(base, self.observers)
         self.fleet = FleetView(registry, self.engines, deadline=self.deadlines.begin)
         self.reclaimer = Reclaimer(
             registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
@@ -267,7 +267,7 @@ class Deployment:
             await self._serve_status(*self.status_address)
         return self
 
-    async def _admit(self) -> Fleet:
+    async def _admit(self) -> tuple[Registry, Fleet]:
         """The registry (made here unless one was given) and the checks every engine must pass first."""
         if self.registry is None:
             incarnations = {name: await incarnation_of(name, engine, self.deadlines.begin)
@@ -277,11 +277,11 @@ class Deployment:
                 tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
                 name_prefix=self.name_prefix or MANAGED_PREFIX, avoid_suspect=self.avoid_suspect,
             )
-        fleet = (await self.registry.handle(ReadFleet())).reply
+        fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
         for name, engine in sorted(self.engines.items()):
             await check_admission(name, engine, fleet, self.deadlines.begin)
-        return fleet
+        return self.registry, fleet
 
     async def _release_engines(self) -> None:
         if self.own_engines:
@@ -291,7 +291,7 @@ class Deployment:
     async def _serve_status(self, host: str, port: int) -> None:
         from lorapub.runtime.status_server import StatusServer  # aiohttp's server: only when asked for
 
-        exposition = next((o.exposition for o in self.observers if callable(getattr(o, "exposition", None))), None)
+        exposition = exposition_of(self.observers)
         server = StatusServer(host, port, status=lambda probe: self.status(probe=probe), exposition=exposition,
                               token=self.status_token, health=lambda: self.reconciler.health)
         try:
@@ -385,9 +385,9 @@ class Deployment:
         """What the deployment holds now, as one :class:`~lorapub.runtime.status.Status`: each version
         with what blocks its reclaim by name, each engine with what it holds against what it should
         (``probe=False``: the last pass's view, no engine asked), attempts in flight, health."""
-        self._require_started()
-        fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
-        sessions_of = {h.version: (await self.registry.handle(ReadSessionsOf(h.version))).reply
+        registry = self._require_started()
+        fleet: Fleet = (await registry.handle(ReadFleet())).reply
+        sessions_of = {h.version: (await registry.handle(ReadSessionsOf(h.version))).reply
                        for h in fleet.slots if h.state is VersionState.RETIRED and h.session_refs}
         inventories = None
         if probe:
@@ -409,17 +409,19 @@ class Deployment:
         self._require_started()
         return await self.publisher.recover()
 
-    def _require_started(self) -> None:
-        if not self._started:
+    def _require_started(self) -> Registry:
+        """The registry ``start()`` made or took; refused before ``start()`` and after ``close()``."""
+        if not self._started or self.registry is None:
             if self._closed:  # one code for everything a closed deployment refuses
                 raise DeploymentClosed("this Deployment is closed; it starts nothing more — publish and open "
                                        "sessions on a new one")
             raise InvalidInput("call `await deployment.start()` first")
+        return self.registry
 
     async def state(self) -> RegistryState:
         """The registry's whole state (for reports and tests; sessions never need it)."""
-        self._require_started()
-        return (await self.registry.handle(ReadState())).reply
+        state: RegistryState = (await self._require_started().handle(ReadState())).reply
+        return state
 
     async def settle(self, timeout: float | None = None) -> None:
         """Wait for the background work: reclaims started by session closes, commits and the
@@ -431,7 +433,7 @@ class Deployment:
     async def refresh_engines(self) -> dict[str, str]:
         """Tell the registry about engines that restarted (their READYs and stashes are void).
         An engine that does not answer is left as the registry knows it (a begin to it fails)."""
-        self._require_started()
+        registry = self._require_started()
         found = {}
         for name in list(self.engines):  # add_engine may change the set while an engine answers
             try:
@@ -439,7 +441,7 @@ class Deployment:
             except LorapubError as e:
                 log.warning("incarnation of %s unknown before publishing: %s", name, e)
                 continue
-            result = await self.registry.handle(RegisterEngine(name, found[name]))
+            result = await registry.handle(RegisterEngine(name, found[name]))
             if result.effects:
                 await self.publisher.control.run(result.effects)
         return found
@@ -458,9 +460,9 @@ class Deployment:
         it joins or returns that publication (``reused=True``), with the version's state now —
         ``RETIRED`` once a newer version became the default, which a retry never undoes. Another
         snapshot under the id is ``VERSION_CONFLICT``; an id already reclaimed, ``VERSION_RECLAIMING``."""
-        self._require_started()
+        registry = self._require_started()
         if not wait:
-            await self._settle_briefly()
+            await self._settle_briefly(registry)
         await self.refresh_engines()
         try:
             report = await self.publisher.publish(snapshot, version_id, wait=wait, progress=progress)
@@ -474,11 +476,11 @@ class Deployment:
     #: request is not waited for, and the call is refused (CAPACITY_ERROR) as it would be at once.
     SETTLE_UNLOAD = 1.0
 
-    async def _settle_briefly(self) -> None:
+    async def _settle_briefly(self, registry: Registry) -> None:
         if not self.reclaimer.tasks.of_kind("reclaim"):
             return
         try:
-            fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
+            fleet: Fleet = (await registry.handle(ReadFleet())).reply
         except LorapubError:  # not known: the short wait below, then the reserve says what holds the slots
             pass
         else:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
 
 import attrs
 
 from lorapub.core.commands import AddEngine, DrainEngine, RemoveEngine
 from lorapub.core.identity import check_id
-from lorapub.core.registry import Fleet, Membership
+from lorapub.core.registry import Fleet, Membership, Result
 from lorapub.errors import (
     DrainTimeout,
     EngineUnavailable,
@@ -42,7 +41,7 @@ from lorapub.runtime.fleet import FleetView, incarnation_of
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.reconciler import Reconciler
 from lorapub.runtime.retry import RetryPolicy
-from lorapub.runtime.runner import Deadlines, EffectRunner
+from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible
 from lorapub.runtime.sessions import LIVE, SessionService
 
 __all__ = ["Drained", "FleetMembership"]
@@ -79,7 +78,7 @@ class FleetMembership:
         deadlines: Deadlines,
         transport: Transport | None = None,
         own_engines: bool = True,
-        on_eligible: Callable[..., object] | None = None,
+        on_eligible: OnEligible | None = None,
         events: Observer | None = None,
     ) -> None:
         self.events: Observer = events or (lambda event: None)
@@ -150,7 +149,7 @@ class FleetMembership:
             await self.control.run(result.effects)
         return await self._wait_joined(name, timeout)
 
-    async def _replayed(self, command, what: str, advice: str):
+    async def _replayed(self, command: AddEngine | DrainEngine | RemoveEngine, what: str, advice: str) -> Result:
         """A membership command, a lost reply replayed: each is idempotent (adding the same engine and life
         again, draining a draining member, removing a member already gone change nothing)."""
         last: Exception | None = None
@@ -163,7 +162,7 @@ class FleetMembership:
         raise OutcomeUnknown(f"{what}: the registry did not answer after {self.retry_policy.tries} tries ({last}); "
                              + advice, engine=command.engine)
 
-    async def _add(self, name: str, incarnation: str):
+    async def _add(self, name: str, incarnation: str) -> Result:
         return await self._replayed(
             AddEngine(name, incarnation), f"add_engine {name}",
             "it may be a joining member already, loaded in the background — call add_engine with the same engine "
@@ -328,7 +327,7 @@ class FleetMembership:
         if not isinstance(engine, ReportsInventory):
             return
         try:
-            held = (await answer_within(name, "its inventory", self.deadlines.begin, engine.inventory())).adapters  # type: ignore[attr-defined]
+            held = (await answer_within(name, "its inventory", self.deadlines.begin, engine.inventory())).adapters
             for lora_name in sorted(set(fleet.lora_names.values()) & set(held)):
                 async with asyncio.timeout(self.deadlines.reclaim):
                     await engine.reclaim(lora_name, f"removed-{name}-{lora_name}")

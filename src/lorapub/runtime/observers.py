@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 
-from lorapub.core.commands import ClaimReclaim, Commit, RecordReady, RecordUnloaded
+from lorapub.core.commands import ClaimReclaim, Command, Commit, RecordReady, RecordUnloaded
 from lorapub.core.effects import Ignored
 from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Result
@@ -28,9 +28,22 @@ from lorapub.events import (
 )
 from lorapub.ports import Registry
 
-__all__ = ["Observers", "ObservedRegistry"]
+__all__ = ["Observers", "ObservedRegistry", "Exposes", "exposition_of"]
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Exposes(Protocol):
+    """An observer that also serves what it counted as a text exposition (the status endpoint's
+    ``/metrics``): ``(body, content type)``, e.g. :class:`lorapub.adapters.prometheus.Metrics`."""
+
+    def exposition(self) -> tuple[bytes, str]: ...
+
+
+def exposition_of(observers: Iterable[object]) -> Callable[[], tuple[bytes, str]] | None:
+    """The first of ``observers`` that serves an exposition: its ``exposition`` (None: none does)."""
+    return next((o.exposition for o in observers if isinstance(o, Exposes) and callable(o.exposition)), None)
 
 
 class Observers:
@@ -53,7 +66,7 @@ class Observers:
     def __len__(self) -> int:
         return len(self._observers)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Observer]:
         return iter(tuple(self._observers))
 
     def __call__(self, event: Event) -> None:
@@ -79,11 +92,11 @@ class ObservedRegistry:
         self._claims: dict[VersionKey, tuple[str, float]] = {}  # reclaim claimed here -> (id, when)
         self._retired: dict[VersionKey, None] = {}  # retirements told (the newest few)
 
-    async def handle(self, command: object) -> Result:
+    async def handle(self, command: Command) -> Result:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            result = await self.inner.handle(command)  # type: ignore[arg-type]
+            result = await self.inner.handle(command)
             if self.observers:
                 self._derive(command, result)
             return result

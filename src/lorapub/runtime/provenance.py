@@ -13,7 +13,7 @@ from lorapub.core.session import Binding
 from lorapub.errors import LorapubError, ProvenanceMismatch
 from lorapub.runtime.fleet import FleetView
 
-__all__ = ["STAMP_KEY", "STAMP_FIELDS", "attest", "stamp_of", "unstamped"]
+__all__ = ["STAMP_KEY", "STAMP_FIELDS", "attest", "stamp_of", "stamp_said", "unstamped"]
 
 #: The key of a response's ``meta_info`` that carries the stamp (lorapub's SGLang patch writes it).
 STAMP_KEY = "lorapub"
@@ -27,6 +27,12 @@ def stamp_of(out: Any) -> Mapping[str, Any] | None:
     meta = out.get("meta_info") if isinstance(out, Mapping) else None
     found = meta.get(STAMP_KEY) if isinstance(meta, Mapping) else None
     return found if isinstance(found, Mapping) else None
+
+
+def stamp_said(error: ProvenanceMismatch) -> dict[str, object] | None:
+    """The stamp a mismatch names: what the engine said (None: no stamp)."""
+    stamp = error.details.get("stamp")
+    return stamp if isinstance(stamp, dict) else None
 
 
 def _expected(binding: Binding) -> dict[str, str]:

@@ -29,7 +29,7 @@ from lorapub.core.commands import (
     Reserve,
     RetryCleanup,
 )
-from lorapub.core.registry import Waiting
+from lorapub.core.registry import AttemptStatus, Result, ReserveReply, Waiting
 from lorapub.core.version import CommitReceipt, VersionState
 from lorapub.errors import (
     CapacityError,
@@ -74,7 +74,7 @@ class _Call:
     """One publication running in this process, and how many callers await it."""
 
     digest: str
-    task: asyncio.Future
+    task: asyncio.Future[PublicationReport]
     callers: int = 0
     progress: list[Observer] = attrs.field(factory=list)  # each caller's progress callback
     closed_while: str | None = None  # "waiting" or "running": close() cancelled it then
@@ -121,7 +121,7 @@ class Publisher:
         self.frozen = FrozenCopies(copies)  # also kept in ``copies``, to outlive this process
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
         self._waiting: set[VersionKey] = set()  # those of them waiting for a slot now
-        self._reserve_in_flight: dict[VersionKey, asyncio.Future] = {}  # a Reserve sent, its reply not read
+        self._reserve_in_flight: dict[VersionKey, asyncio.Future[Result]] = {}  # a Reserve sent, its reply not read
         self._closed = False
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
@@ -131,7 +131,7 @@ class Publisher:
         return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible,
                             left=self.fleet.left)
 
-    async def _reserve(self, command: Reserve):
+    async def _reserve(self, command: Reserve) -> Result:
         """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
         last: Exception | None = None
         async for _ in self.retry_policy.attempts(self.clock):
@@ -232,7 +232,9 @@ class Publisher:
         try:
             return await self._publish_once(snapshot, key, wait, progress, started)
         except PublicationSuperseded as e:
-            self.events(PublishSuperseded(key, e.details.get("by"), float(e.details.get("waited", 0.0))))
+            by, waited = e.details.get("by"), e.details.get("waited", 0.0)
+            self.events(PublishSuperseded(key, by if isinstance(by, VersionKey) else None,
+                                          float(waited) if isinstance(waited, (int, float)) else 0.0))
             raise
         except LorapubError as e:
             # the whole message: its last sentence says what to do, and a cut log line would lose it
@@ -333,7 +335,7 @@ class Publisher:
         self.fleet.changed()
 
     async def _reserve_attempt(self, key: VersionKey, snapshot: Snapshot, plan: BucketPlan, wait: float,
-                               started: float):
+                               started: float) -> tuple[Result, float, WaitReport | None]:
         """The reserve: ``(result, waited, WaitReport)``. CAPACITY_ERROR and PUBLICATION_BLOCKED come before
         any begin (or, waiting, SUPERSEDED)."""
         reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id),
@@ -369,7 +371,7 @@ class Publisher:
                                                                       Phase.ENDING):
             await self._abort(found.attempt, "its publish call was cancelled while it reserved")
 
-    async def _reserve_slot(self, command: Reserve, wait: float, started: float):
+    async def _reserve_slot(self, command: Reserve, wait: float, started: float) -> tuple[Result, float, WaitReport | None]:
         """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``.
         A call cancelled meanwhile withdraws its wait, so no waiter outlives its caller."""
         try:
@@ -386,7 +388,8 @@ class Publisher:
     async def _with_reachability(self, e: CapacityError | PublicationBlocked) -> CapacityError | PublicationBlocked:
         """A refusal whose slots wait on engines' confirmations, told whether those engines answer now:
         one that does confirms once its running requests end; one that does not is the operator's to fix."""
-        engines = e.details.get("waiting_on_engines") or []
+        said = e.details.get("waiting_on_engines")
+        engines = [n for n in said if isinstance(n, str)] if isinstance(said, (list, tuple)) else []
         if not engines:
             return e
         lives = await self.fleet.lives(engines, inventory=False, deadline=min(2.0, self.deadlines.begin))
@@ -395,7 +398,7 @@ class Publisher:
                 "frees what it holds." if silent else "")
         return type(e)(e.message + said, **{**e.details, "unreachable_engines": silent})
 
-    async def _reserve_or_wait(self, command: Reserve, wait: float, started: float):
+    async def _reserve_or_wait(self, command: Reserve, wait: float, started: float) -> tuple[Result, float, WaitReport | None]:
         deadline = started + wait
         waited_for: WaitReport | None = None
         described = -1.0
@@ -501,7 +504,7 @@ class Publisher:
             await asyncio.wait(running, timeout=grace)
         await self.tasks.wait(grace, kind="abort")
 
-    async def _confirm_lives(self, token: AttemptToken, targets, runlog: RunLog) -> None:
+    async def _confirm_lives(self, token: AttemptToken, targets: tuple[tuple[str, str], ...], runlog: RunLog) -> None:
         """Re-check every target's life right before commit: a READY from a life that has
         since ended is void, and the attempt aborts and is cleaned (the default stays)."""
         for engine_name, _ in targets:
@@ -516,7 +519,7 @@ class Publisher:
                     runlog.failures.append(f"{engine_name} restarted after READY (now {incarnation})")
             await self.control.run(result.effects)
 
-    async def _existing(self, key: VersionKey, reply, started: float) -> PublicationReport:
+    async def _existing(self, key: VersionKey, reply: ReserveReply, started: float) -> PublicationReport:
         status = (await self.registry.handle(QueryAttempt(reply.token))).reply
         # Another publisher runs this very version (same id and digest): join it.
         waited, pause = 0.0, 0.02
@@ -566,7 +569,8 @@ class Publisher:
                 continue
             runlog.mark("commit")
             await self.control.run(result.effects)  # the retired version may be reclaimable now
-            return result.reply
+            receipt: CommitReceipt = result.reply  # a Commit's reply
+            return receipt
         raise OutcomeUnknown(f"commit of {token} unanswered after {self.commit_retries} tries: {last}", token=token)
 
     async def recover(self) -> list[str]:
@@ -589,4 +593,5 @@ class Publisher:
     async def retry_cleanup(self, token: AttemptToken) -> Phase:
         result = await self.registry.handle(RetryCleanup(token))
         await self.control.run(result.effects)
-        return (await self.registry.handle(QueryAttempt(token))).reply.phase
+        status: AttemptStatus = (await self.registry.handle(QueryAttempt(token))).reply
+        return status.phase

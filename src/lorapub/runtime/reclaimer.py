@@ -66,7 +66,7 @@ class Reclaimer:
         """An unload of ``key`` is running in this process (it may wait for long requests)."""
         return self._in_flight.get(key, 0) > 0 or self.tasks.running(("reclaim", key)) is not None
 
-    async def _run(self, key: VersionKey, command) -> tuple[VersionState, bool]:
+    async def _run(self, key: VersionKey, command: ClaimReclaim | RetryReclaim) -> tuple[VersionState, bool]:
         """Apply ``command``, run its unloads; (the version's state after, whether anything was sent)."""
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         try:

@@ -9,6 +9,7 @@ See docs/design.md, "Recovery rules: the reconciler".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any, Awaitable, Callable, Hashable, Mapping
@@ -26,6 +27,7 @@ from lorapub.core.commands import (
     StartReprovision,
 )
 from lorapub.core.effects import SendBegin
+from lorapub.core.attempt import Progress
 from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
@@ -46,10 +48,13 @@ from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
 from lorapub.probe import Probe, compare, observe
 from lorapub.runtime.provenance import unstamped
+from lorapub.runtime.publisher import Publisher
+from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.status import holders
 from lorapub.runtime.runner import Deadlines, EffectRunner
 from lorapub.runtime.tasks import TaskOwner
+from lorapub.snapshot import Snapshot
 from lorapub.runtime.engines import shared
 
 __all__ = ["Blocker", "Health", "Reconciler"]
@@ -102,8 +107,8 @@ class Reconciler:
         engines: Mapping[str, EngineAdmin],
         *,
         deadlines: Deadlines,
-        reclaimer,
-        publisher=None,
+        reclaimer: Reclaimer,
+        publisher: Publisher | None = None,
         clock: Clock | None = None,
         interval: float | None = 5.0,
         stale_attempt_after: float | None = None,
@@ -136,7 +141,7 @@ class Reconciler:
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-reconciler")
         self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible,
                                     left=self.fleet.left)
-        self._seen: dict[AttemptToken, tuple[tuple, float]] = {}  # progress value, first seen
+        self._seen: dict[AttemptToken, tuple[Progress, float]] = {}  # progress value, first seen
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._passes = 0
@@ -292,7 +297,7 @@ class Reconciler:
                 blockers.append(Blocker("attempt_running", str(token), "publication in progress"))
         # 5. cleanups, reclaims and orphans, in the background
         for token in fleet.cleaning:
-            self._spawn(("cleanup", token), lambda token=token: self._retry_cleanup(token))
+            self._spawn(("cleanup", token), functools.partial(self._retry_cleanup, token))
         for key in (*fleet.reclaimable, *fleet.reclaiming):
             self.reclaimer.ensure(key)
         inventories = {n: p for n, p in probes.items() if isinstance(p, Inventory) and n not in restarted}
@@ -336,8 +341,8 @@ class Reconciler:
         if self.canary_interval is None or self.publisher is None:
             return
         now = self.clock.monotonic()
-        for key in [k for k in self._canary_last if k[0] not in fleet.holders]:
-            del self._canary_last[key]
+        for gone in [k for k in self._canary_last if k[0] not in fleet.holders]:
+            del self._canary_last[gone]
         for key, engines in sorted(fleet.holders.items()):
             snapshot = self.publisher.frozen.get(key)
             probe = getattr(snapshot, "probe", None)
@@ -348,8 +353,7 @@ class Reconciler:
                 last = self._canary_last.setdefault((key, engine), now)  # its READY probe was the first check
                 if now - last >= self.canary_interval and engine in self.engines:
                     self._canary_last[(key, engine)] = now
-                    self._spawn(("canary", key, engine),
-                                lambda k=key, e=engine, p=probe, n=name: self._canary_one(k, e, p, n))
+                    self._spawn(("canary", key, engine), functools.partial(self._canary_one, key, engine, probe, name))
 
     async def _canary_one(self, key: VersionKey, engine: str, probe: Probe, lora_name: str) -> None:
         try:
@@ -386,7 +390,7 @@ class Reconciler:
                 if (engine, name) not in self.orphans:
                     self.events(OrphanFound(engine, name, doing))
                 self.orphans[(engine, name)] = doing
-                self._spawn(("orphan", engine, name), lambda e=engine, n=name: self._unload_orphan(e, n))
+                self._spawn(("orphan", engine, name), functools.partial(self._unload_orphan, engine, name))
             for staged in inventory.staged:
                 epoch = staged.token.version.deployment_epoch
                 if epoch > fleet.epoch or (epoch == fleet.epoch and staged.token in live_tokens):
@@ -401,7 +405,7 @@ class Reconciler:
                     self.events(OrphanFound(engine, what, "a staged attempt no registry drives: cleaning"))
                 self.orphans[(engine, what)] = "a staged attempt no registry drives: cleaning"
                 self._spawn(("orphan", engine, what),
-                            lambda e=engine, s=staged: self._clean_orphan(e, s.token, s.lora_name))
+                            functools.partial(self._clean_orphan, engine, staged.token, staged.lora_name))
         for key in [k for k in self.orphans if k[0] not in self.engines]:
             del self.orphans[key]  # its engine left the fleet: what it holds is no longer this deployment's to sweep
         for key in [k for k in self.orphans if k[0] in inventories and k not in found]:
@@ -443,7 +447,8 @@ class Reconciler:
         pending = {h.version: h for h in fleet.slots if h.version in (*fleet.reclaimable, *fleet.reclaiming)}
         for key, holder in sorted(pending.items()):
             name = fleet.lora_names.get(key)
-            running = {e: inv.adapters[name].refs for e, inv in inventories.items() if name in inv.adapters}
+            running = ({e: inv.adapters[name].refs for e, inv in inventories.items() if name in inv.adapters}
+                       if name is not None else {})
             on = ", ".join(f"{e} ({n} running request(s))" if n else e
                            for e, n in sorted(running.items()) if e in holder.unloading_on or n)
             detail = (f"unload not confirmed on {on or ', '.join(holder.unloading_on) or 'its engines'}"
@@ -467,15 +472,17 @@ class Reconciler:
             snapshot = frozen.get(key) if frozen is not None else None
             if snapshot is None:
                 continue  # only the process that published it keeps the frozen copy
-            self._spawn(("reprovision", engine, key), lambda e=engine, k=key, s=snapshot: self._reprovision_one(e, k, s))
+            self._spawn(("reprovision", engine, key), functools.partial(self._reprovision_one, engine, key, snapshot))
 
-    async def _reprovision_one(self, engine: str, key: VersionKey, snapshot: Any) -> None:
+    async def _reprovision_one(self, engine: str, key: VersionKey, snapshot: Snapshot) -> None:
+        publisher = self.publisher
+        assert publisher is not None, "only the publishing process keeps frozen copies to re-provision from"
         result = await self.registry.handle(StartReprovision(key, engine))
         if result.reply is None or not result.effects:
             return
         runner = EffectRunner(
             self.registry, self.engines,
-            self.publisher.source_factory(snapshot, snapshot.plan(self.publisher.bucket_cap_bytes)), self.deadlines,
+            publisher.source_factory(snapshot, snapshot.plan(publisher.bucket_cap_bytes)), self.deadlines,
             # the numeric READY gate holds for a re-provisioned load too
             probe=getattr(snapshot, "probe", None),
             lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),

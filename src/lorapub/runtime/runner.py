@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Awaitable, Callable, Iterable, Mapping
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import attrs
 
 from lorapub.core.effects import (
     SOURCE,
+    Effect,
     Ignored,
     ReadyToCommit,
     ReclaimEligible,
@@ -24,7 +25,8 @@ from lorapub.core.effects import (
     TransferBucket,
 )
 from lorapub.core.attempt import ReadyLocal
-from lorapub.core.identity import VersionKey
+from lorapub.core.identity import AttemptToken, VersionKey
+from lorapub.core.registry import Result
 from lorapub.core.commands import (
     RecordBucketDone,
     RecordCleaned,
@@ -47,6 +49,10 @@ log = logging.getLogger(__name__)
 
 OnReady = Callable[[ReadyToCommit], None]
 OnEligible = Callable[[VersionKey], Awaitable[None] | None]
+
+_T = TypeVar("_T")
+#: The effects that are run against an engine or the source (the two notices are handed on, Ignored is logged).
+_Executable = SendBegin | TransferBucket | SendEnd | SendCleanup | SendReclaim
 
 
 def _seconds(instance: object, attribute: "attrs.Attribute[float]", value: object) -> None:
@@ -162,12 +168,12 @@ class EffectRunner:
         self.lora_name = lora_name
         self.left = left  # engine -> the event set when it leaves the fleet (FleetView.left)
 
-    async def run(self, effects: Iterable, runlog: RunLog | None = None) -> RunLog:
+    async def run(self, effects: Iterable[Effect], runlog: RunLog | None = None) -> RunLog:
         runlog = runlog or RunLog()
-        pending: set[asyncio.Task] = set()
+        pending: set[asyncio.Task[Sequence[Effect]]] = set()
         eligible: list[VersionKey] = []
 
-        def schedule(batch) -> None:
+        def schedule(batch: Iterable[Effect]) -> None:
             for fx in batch:
                 if isinstance(fx, ReadyToCommit):
                     if self.on_ready is not None:
@@ -203,7 +209,7 @@ class EffectRunner:
                 await maybe
         return runlog
 
-    async def _call(self, seconds: float, awaitable, engine: str | None = None):
+    async def _call(self, seconds: float, awaitable: Awaitable[_T], engine: str | None = None) -> _T:
         """``awaitable`` within ``seconds`` (OUTCOME_UNKNOWN past them); a call to an engine that is
         removed from the fleet meanwhile stops at once (ENGINE_ERROR): nothing waits on a member gone."""
         if engine is None or self.left is None:
@@ -227,7 +233,7 @@ class EffectRunner:
 
     _PHASES = {SendBegin: "begin", TransferBucket: "transfer", SendEnd: "end", SendCleanup: "cleanup", SendReclaim: "reclaim"}
 
-    async def _timed(self, fx, runlog: RunLog):
+    async def _timed(self, fx: _Executable, runlog: RunLog) -> Sequence[Effect]:
         phase = self._PHASES.get(type(fx), "other")
         engine = getattr(fx, "engine", None)
         runlog.mark(phase, engine)
@@ -243,7 +249,7 @@ class EffectRunner:
             raise UnknownEngine(f"the registry targets {name!r}, which this process has no adapter for: "
                                 "Deployment.add_engine(<its adapter>) gives it one", engine=name) from None
 
-    async def _execute(self, fx, runlog: RunLog):
+    async def _execute(self, fx: _Executable, runlog: RunLog) -> Sequence[Effect]:
         """Run one effect. A target this process has no adapter for (a member another process added)
         was sent nothing: a begin, bucket or end to it fails the attempt (which aborts and is cleaned,
         never left running), a cleanup or an unload to it stays unconfirmed."""
@@ -262,7 +268,7 @@ class EffectRunner:
                 return ()  # stays RECLAIMING with its slot; RetryReclaim later
             raise
 
-    async def _execute_on(self, fx, runlog: RunLog):
+    async def _execute_on(self, fx: _Executable, runlog: RunLog) -> Sequence[Effect]:
         reg, d = self.registry, self.deadlines
         if isinstance(fx, SendBegin):
             engine = self._engine(fx.engine)
@@ -276,7 +282,7 @@ class EffectRunner:
             return await self._transfer(fx, runlog)
         if isinstance(fx, SendEnd):
             engine = self._engine(fx.engine)
-            async def ready(receipt: ReadyLocal):
+            async def ready(receipt: ReadyLocal) -> Result:
                 if self.probe is None:
                     return await reg.handle(RecordReady(receipt))
                 return await self._gate(fx, engine, receipt, runlog)
@@ -308,7 +314,7 @@ class EffectRunner:
             return (await reg.handle(RecordUnloaded(fx.version, fx.reclaim_id, fx.engine))).effects
         raise TypeError(f"no executor for {fx!r}")
 
-    async def _gate(self, fx: SendEnd, engine: EngineAdmin, receipt: ReadyLocal, runlog: RunLog):
+    async def _gate(self, fx: SendEnd, engine: EngineAdmin, receipt: ReadyLocal, runlog: RunLog) -> Result:
         """The numeric READY gate: the engine's READY is recorded only once it reproduces the probe
         under the exact version name; a mismatch is the attempt's failure (RecordFailure)."""
         probe, name = self.probe, self.lora_name
@@ -336,7 +342,8 @@ class EffectRunner:
         return await self.registry.handle(
             RecordFailure(fx.token, fx.engine, f"numeric mismatch: {mismatch.describe()}"))
 
-    async def _guarded(self, token, engine: str, op: str, runlog: RunLog, call, feed):
+    async def _guarded(self, token: AttemptToken, engine: str, op: str, runlog: RunLog,
+                       call: Callable[[], Awaitable[_T]], feed: Callable[[_T], Awaitable[Result]]) -> Sequence[Effect]:
         try:
             value = await call()
         except EngineError as e:
@@ -351,36 +358,37 @@ class EffectRunner:
             return (await self.registry.handle(RecordUnknown(token, engine, op))).effects
         return (await feed(value)).effects
 
-    async def _transfer(self, fx: TransferBucket, runlog: RunLog):
-        if self.source is None:
+    async def _transfer(self, fx: TransferBucket, runlog: RunLog) -> Sequence[Effect]:
+        source = self.source
+        if source is None:
             raise LorapubError("a bucket transfer needs a BucketSource")
         d = self.deadlines
-        collective = self.source.collective
+        collective = source.collective
 
         sent = False
 
-        async def source_done(_):
+        async def source_done(_: None) -> Result:
             nonlocal sent
             sent = True
             return await self.registry.handle(RecordBucketDone(fx.token, SOURCE, fx.index, None))
 
-        async def source_half():
+        async def source_half() -> Sequence[Effect]:
             return await self._guarded(
                 fx.token, SOURCE, f"send bucket {fx.index}", runlog,
-                lambda: self._call(d.bucket, self.source.send(fx.token, fx.index, fx.engines)),
+                lambda: self._call(d.bucket, source.send(fx.token, fx.index, fx.engines)),
                 source_done,
             )
 
-        async def engine_half(name: str):
+        async def engine_half(name: str) -> Sequence[Effect]:
             try:
                 engine = self._engine(name)
             except UnknownEngine as e:  # sent nothing there: this half fails, the others' answers still count
                 runlog.failures.append(f"{name}: {e.message}")
                 return (await self.registry.handle(RecordFailure(fx.token, name, e.message))).effects
-            payload = b"" if collective else self.source.payload(fx.token, fx.index)
+            payload = b"" if collective else source.payload(fx.token, fx.index)
             runlog.mark("transfer", name)
             try:
-                async def received(inc: str):
+                async def received(inc: str) -> Result:
                     runlog.bucket_done(name, fx.index)
                     return await self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc))
 

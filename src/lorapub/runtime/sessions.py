@@ -44,7 +44,7 @@ from lorapub.events import Observer, ProvenanceMismatched, RequestDispatched, Se
 from lorapub.ports import Clock, EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
 from lorapub.runtime.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
-from lorapub.runtime.provenance import attest
+from lorapub.runtime.provenance import attest, stamp_said
 from lorapub.runtime.runner import EffectRunner, OnEligible
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.engines import shared
@@ -65,7 +65,7 @@ class _Overtaken(Exception):
     """The binding became stale between this turn's check and its send (nothing was sent)."""
 
 
-def _failed(task: asyncio.Task) -> bool:
+def _failed(task: asyncio.Task[Any]) -> bool:  # any task: its result is not read
     return task.done() and (task.cancelled() or task.exception() is not None)
 
 
@@ -127,9 +127,9 @@ class Session:
         self.turn_versions: list[str] = []
         self.lease_seen = self.service.clock.monotonic()  # when the registry last confirmed this session's lease
         self.last_active = self.service.clock.monotonic()  # the last generation's start or end (the idle clock)
-        self._bind_task: asyncio.Task | None = None
-        self._close_task: asyncio.Task | None = None
-        self._inflight: set[asyncio.Task] = set()
+        self._bind_task: asyncio.Task[Binding] | None = None
+        self._close_task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[tuple[dict[str, Any], int, int]]] = set()
         self._stale_details: dict[str, Any] = {}  # what the refusal that made it STALE said
 
     def __repr__(self) -> str:
@@ -359,7 +359,7 @@ class Session:
             return await attest(self.service.fleet, target, binding, out)
         except ProvenanceMismatch as e:
             self.service.events(ProvenanceMismatched(
-                str(self.key), binding.version, target, str(e.details.get("reason")), e.details.get("stamp")))  # type: ignore[arg-type]
+                str(self.key), binding.version, target, str(e.details.get("reason")), stamp_said(e)))
             raise
 
     async def _dispatch(self, binding: Binding, body: dict[str, object]) -> tuple[dict[str, Any], int, int]:

@@ -196,13 +196,13 @@ def build_status(
         should.setdefault(engine, []).append(str(key))
     names = {name: str(key) for key, name in fleet.lora_names.items()}
     blockers = tuple((b.kind, b.subject, b.detail) for b in getattr(health, "blockers", ()))
-    engines = []
+    engine_rows: list[EngineStatus] = []
     for engine, incarnation in sorted(fleet.engines.items()):
         said = answers.get(engine)
         error = said if isinstance(said, BaseException) else None
         inv = None if error is not None or isinstance(said, str) else said  # a str: its incarnation alone
         last = next((d for k, s, d in blockers if s == engine or s.startswith(f"{engine}:")), None)
-        engines.append(EngineStatus(
+        engine_rows.append(EngineStatus(
             engine, incarnation, said if isinstance(said, str) else getattr(inv, "incarnation", None),
             None if inventories is None else error is None and said is not None,
             tuple(sorted(names[n] for n in getattr(inv, "adapters", {}) if n in names)),
@@ -220,7 +220,7 @@ def build_status(
         epoch=fleet.epoch, at=now, source=source, default=str(fleet.default) if fleet.default else None,
         default_revision=fleet.default_revision, capacity=fleet.capacity, slots_used=len(fleet.slots),
         max_lag=fleet.max_lag, healthy=getattr(health, "healthy", None), blockers=blockers,
-        versions=tuple(versions), engines=tuple(engines), attempts=attempts,
+        versions=tuple(versions), engines=tuple(engine_rows), attempts=attempts,
         waiting=str(fleet.waiting.key) if fleet.waiting is not None else None,
         sessions_here=len(local), groups_here=len({s.group for s in local.values() if s.group is not None}),
         notes=tuple(getattr(health, "notes", ())),
