@@ -1,6 +1,7 @@
 """SGLang over its HTTP API (aiohttp): HTTP only. :class:`SGLangHTTP` is the client both SGLang
-adapters (:mod:`.sglang_wire`, :mod:`.sglang_overwrite`) send through: the keys, the JSON checks,
-a lost reply as OutcomeUnknown and a refusal as EngineError.
+adapters (:mod:`.sglang_wire`, :mod:`.sglang_overwrite`) and the router's client
+(:mod:`.sglang_router`) send through: the keys, the JSON checks, a lost reply as OutcomeUnknown
+and a refusal as EngineError.
 See docs/embedding.md, "SGLang's keys, and which call carries which".
 """
 
