@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin  # noqa: E402
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin  # noqa: E402
 from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine, SharedDir  # noqa: E402
 from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.attempt import ReadyLocal  # noqa: E402

@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
 from lorapub import Deadlines, Snapshot  # noqa: E402
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin  # noqa: E402
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin  # noqa: E402
 from lorapub.adapters.sglang_wire import SGLangWireEngine  # noqa: E402
 from lorapub.demo.workload import RequestRecord, WorkloadResult  # noqa: E402
 from lorapub.errors import OutcomeUnknown  # noqa: E402

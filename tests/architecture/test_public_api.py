@@ -44,7 +44,7 @@ def test_the_public_face_is_exactly_all():
 
 def test_the_readme_imports_work():
     from lorapub import Deployment, PublicationReport, Snapshot  # noqa: F401
-    from lorapub.adapters.sglang_http import SGLangOverwriteAdmin  # noqa: F401
+    from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin  # noqa: F401
     from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SGLangWireEngine, SharedDir, TorchDistributed  # noqa: F401
 
 

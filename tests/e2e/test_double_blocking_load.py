@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.demo.workload import until
 from lorapub.testing import SGLangDouble, lora_snapshot
 

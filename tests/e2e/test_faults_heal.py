@@ -19,7 +19,7 @@ from lorapub import (
     VersionReclaiming,
     deploy,
 )
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core.commands import CancelWait, CloseAndRelease, ExpireLeases, ReadState, RecordPrepared
 from lorapub.core.session import SessionState

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from lorapub.adapters.sglang_http import MAX_ENGINE_TEXT, SGLangHTTP, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import MAX_ENGINE_TEXT, SGLangHTTP
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine, SharedDir
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown
 

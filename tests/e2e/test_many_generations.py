@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.runtime.deployment import Deployment, deploy
 from lorapub.testing import SGLangDouble, lora_snapshot

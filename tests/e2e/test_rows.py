@@ -7,7 +7,7 @@ from unittest.mock import ANY
 
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.core.attempt import Phase
 from lorapub.core.version import VersionState
 from lorapub.core.registry import CloseAndRelease, Commit

@@ -11,7 +11,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangHTTP, SGLangOverwriteAdmin
+from lorapub.adapters.sglang_http import SGLangHTTP
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.core.version import VersionState

@@ -9,7 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core.identity import STATE_ROUTE
 from lorapub.errors import EngineError

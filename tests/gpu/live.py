@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from lorapub import CapacityError, Deadlines, Deployment, EngineError, LorapubError, deploy
-from lorapub.adapters.sglang_http import SGLangOverwriteAdmin
+from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 from lorapub.core.identity import RECLAIM_HEADER
 from lorapub.demo.workload import WorkloadSpec, run_workload

@@ -34,6 +34,19 @@ def test_the_retired_engine_adapter_names_its_replacement():
         exec("from lorapub.testing import SGLangWireUnderTest", {})
 
 
+def test_the_overwrite_adapter_keeps_its_old_import_path():
+    from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
+
+    with pytest.warns(DeprecationWarning, match="lorapub.adapters.sglang_overwrite"):
+        from lorapub.adapters.sglang_http import SGLangOverwriteAdmin as old
+    assert old is SGLangOverwriteAdmin
+
+
+def test_the_merged_adapter_base_names_its_replacement():
+    with pytest.raises(ImportError, match="sglang_wire.SGLangWireEngine"):
+        exec("from lorapub.adapters.sglang_http import SGLangAdminBase", {})
+
+
 def test_deployment_stash_dir_names_its_replacement():
     with pytest.raises(InvalidInput, match="stash_dir.*transport=") as e:
         Deployment({"e0": MemoryEngine("e0")}, epoch=1, stash_dir="/tmp/x")

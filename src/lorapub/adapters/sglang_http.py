@@ -1,7 +1,7 @@
-"""SGLang over its HTTP API (aiohttp): HTTP only. :class:`SGLangHTTP` is the client;
-:class:`SGLangAdminBase` what every adapter of a patched server shares (the state route, the
-exact-version probe, the reclaim-authorised unload, generation); :class:`SGLangOverwriteAdmin`
-drives stock SGLang for the old overwrite path (switch off).
+"""SGLang over its HTTP API (aiohttp): HTTP only. :class:`SGLangHTTP` is the client both SGLang
+adapters (:mod:`.sglang_wire`, :mod:`.sglang_overwrite`) and the router's client
+(:mod:`.sglang_router`) send through: the keys, the JSON checks, a lost reply as OutcomeUnknown
+and a refusal as EngineError.
 See docs/embedding.md, "SGLang's keys, and which call carries which".
 """
 
@@ -18,14 +18,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE, check_id
+from lorapub.core.identity import STATE_ROUTE, check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
-from lorapub.ports import EngineLimits, HeldAdapter, Inventory, StagedAttempt
-from lorapub.wire.codec import json_or_text, token_from_json
+from lorapub.wire.codec import json_or_text
 
 __all__ = [
     "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "ClientOptions", "OwnedHTTPSession", "SGLangHTTP",
-    "SGLangAdminBase", "SGLangOverwriteAdmin",
 ]
 
 logger = logging.getLogger(__name__)
@@ -38,10 +36,6 @@ MISSING_MARKERS = ("not loaded", "never been loaded", "implicit reload refused",
                     "Failed to implicitly load")  # the last: live SGLang when a reload finds its files gone
 #: Engine text kept in an error message; a traceback or an HTML page is cut here.
 MAX_ENGINE_TEXT = 500
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _clip(text: str, limit: int = MAX_ENGINE_TEXT) -> str:
@@ -345,169 +339,22 @@ class SGLangHTTP(OwnedHTTPSession):
                           engine=self.name, status=status)
 
 
-class SGLangAdminBase:
-    """What every lorapub adapter of a patched SGLang server shares: the client, the state route,
-    the exact-version probe, the reclaim-authorised unload and the generation path.
-
-    lorapub's engine adapter (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`, which stages
-    inside the engine) is one. It requires lorapub's SGLang patch: its state route gives the
-    incarnation, and managed adapters are neither implicitly reloaded nor unloadable without a
-    reclaim id.
-    """
-
-    client: SGLangHTTP
-    name: str
-
-    @property
-    def base_url(self) -> str:
-        return self.client.base_url
-
-    @property
-    def require_patch(self) -> bool:
-        return self.client.require_patch
-
-    @require_patch.setter
-    def require_patch(self, value: bool) -> None:
-        self.client.require_patch = value
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    async def release(self) -> None:
-        """Close the client's own connections; the adapter stays usable (see OwnedHTTPSession.release)."""
-        await self.client.release()
-
-    async def state(self) -> dict[str, Any]:
-        return await self.client.state()
-
-    async def incarnation(self) -> str:
-        return (await self.client.state())["incarnation"]
-
-    async def inventory(self) -> Inventory:
-        """The state route, as lorapub reads it: the managed adapters with their native refs,
-        and what the engine-side staging holds."""
-        state = await self.client.state()
-        adapters = {
-            name: HeldAdapter(name, int(a.get("refs") or 0), a.get("lora_id"), bool(a.get("pinned")))
-            for name, a in state.get("adapters", {}).items()
-        }
-        attempts = (state.get("staging") or {}).get("attempts") or {}
-        staged = []
-        for a in (attempts.values() if isinstance(attempts, dict) else ()):
-            if not isinstance(a, dict) or a.get("loaded"):
-                continue
-            try:
-                token = token_from_json(a.get("token"))
-            except Exception:  # noqa: BLE001 - an attempt this client cannot name: left to the engine's aging
-                continue
-            staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
-        prefix = state.get("managed_prefix")
-        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None,
-                         stamps=state.get("stamps") is True)
-
-    async def limits(self) -> EngineLimits:
-        """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``
-        (``/get_server_info`` on servers that predate it); the state route's ``max_loaded_loras``
-        where neither answers."""
-        for path in ("/server_info", "/get_server_info"):
-            status, body = await self.client.request("GET", path, timeout=self.client.probe_timeout, admin=False)
-            if status == 200 and isinstance(body, dict):
-                return EngineLimits(_int_or_none(body.get("max_loaded_loras")), _int_or_none(body.get("max_loras_per_batch")))
-            if status not in (404, 405):
-                raise self.client.refusal(path, status, body)
-        return EngineLimits(_int_or_none((await self.client.state()).get("max_loaded_loras")), None)
-
-    async def _probe(self, lora_name: str) -> None:
-        status, body = await self.client.request(
-            "POST", "/generate",
-            json_body={"input_ids": [1, 2, 3], "lora_path": lora_name, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-            timeout=self.client.probe_timeout, admin=False,
-        )
-        if status != 200:
-            raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_status_text(status, body)}")
-        self.client.json_object("/generate", status, body)
-
-    async def _unload(self, lora_name: str, reclaim_id: str) -> None:
-        status, body = await self.client.request(
-            "POST", "/unload_lora_adapter", json_body={"lora_name": lora_name},
-            headers={RECLAIM_HEADER: reclaim_id}, timeout=None,
-        )
-        if status == 200:
-            return
-        if status in (401, 403):  # refused at the door: nothing was looked at
-            raise self.client.refusal("/unload_lora_adapter", status, body)
-        # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
-        state = await self.client.state()
-        if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
-            return
-        raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
-
-    # -- serving ----------------------------------------------------------------------
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(payload, Mapping) or not payload.get("lora_path"):
-            raise InvalidInput("lorapub never sends a generation without its bound lora_path")
-        return await self.client.generate(payload)
-
-
-class SGLangOverwriteAdmin:
-    """An SGLang server as the old overwrite path drives it (``enabled=False``).
-
-    Needs nothing of lorapub's SGLang patch: it uses only stock SGLang routes (the adapter
-    list comes from ``/v1/models``), so it runs against any SGLang 0.5.17/0.5.23 server.
-    ``require_patch`` is accepted for symmetry with the versioned path's adapter
-    (:class:`~lorapub.adapters.sglang_wire.SGLangWireEngine`) and changes nothing here.
-    """
-
-    def __init__(self, name: str, base_url: str, *, http: aiohttp.ClientSession | None = None,
-                 request_timeout: float | None = None, probe_timeout: float | None = 30.0,
-                 require_patch: bool = True, api_key: str | None = None, admin_api_key: str | None = None) -> None:
-        self.client = SGLangHTTP(
-            name, base_url, http=http, request_timeout=request_timeout, probe_timeout=probe_timeout,
-            require_patch=require_patch, api_key=api_key, admin_api_key=admin_api_key,
-        )
-        self.name = self.client.name
-
-    def __repr__(self) -> str:
-        return f"SGLangOverwriteAdmin({self.client!r})"
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    async def pause_generation(self) -> None:
-        await self.client.admin("/pause_generation", {"mode": "abort"})
-
-    async def continue_generation(self) -> None:
-        await self.client.admin("/continue_generation")
-
-    async def flush_cache(self, attempts: int = 100) -> None:
-        # SGLang refuses to flush while aborted requests are still draining (400): ask again.
-        # Its answer is plain text ("Cache flushed. ..."), not JSON. A refusal at the door
-        # (401/403) will not change by asking again.
-        for _ in range(attempts - 1):
-            try:
-                await self.client.admin("/flush_cache", expect_json=False)
-                return
-            except EngineError as e:
-                if e.details.get("status") in (401, 403):
-                    raise
-                await asyncio.sleep(0.05)
-        await self.client.admin("/flush_cache", expect_json=False)
-
-    async def loaded_adapters(self) -> list[str]:
-        # Stock SGLang lists its LoRA adapters as model cards with a parent (the base model).
-        return [card["id"] for card in await self.client.models() if card.get("parent")]
-
-    async def load_adapter(self, lora_name: str, lora_path: str) -> None:
-        await self.client.admin("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": False})
-
-    async def unload_adapter(self, lora_name: str) -> None:
-        await self.client.admin("/unload_lora_adapter", {"lora_name": lora_name})
-
-    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.client.generate(payload)
-
-
 def __getattr__(name: str) -> object:
+    if name == "SGLangOverwriteAdmin":  # moved to its own module; this path keeps working
+        import warnings
+
+        from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
+
+        warnings.warn("lorapub.adapters.sglang_http.SGLangOverwriteAdmin moved: import it from "
+                      "lorapub.adapters.sglang_overwrite", DeprecationWarning, stacklevel=2)
+        return SGLangOverwriteAdmin
+    if name == "SGLangAdminBase":  # merged into its one child
+        raise ImportError(
+            "SGLangAdminBase was merged into its one subclass: use lorapub.adapters.sglang_wire.SGLangWireEngine "
+            "(lorapub's one engine adapter of a patched SGLang server: the state route, the exact-version probe, "
+            "the reclaim-authorised unload and generation are its own methods now)",
+            name=name,
+        )
     if name == "SGLangEngine":  # retired: the publisher-side stash it staged in is gone
         raise ImportError(
             "SGLangEngine was retired (its staging ran in the publisher, in a stash_dir the engine had to read): "

@@ -11,18 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Unpack
+from typing import Any, Mapping, Unpack
 
 import aiohttp
 
 from lorapub.adapters.body_sender import shared_sender
-from lorapub.adapters.sglang_http import ClientOptions, SGLangAdminBase, SGLangHTTP
+from lorapub.adapters.sglang_http import ClientOptions, SGLangHTTP, _status_text
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import AttemptToken
+from lorapub.core.identity import RECLAIM_HEADER, AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
-from lorapub.ports import EndTimings, Transport
-from lorapub.wire.codec import json_or_text, plan_to_json, token_params, token_to_json
+from lorapub.ports import EndTimings, EngineLimits, HeldAdapter, Inventory, StagedAttempt, Transport
+from lorapub.wire.codec import json_or_text, plan_to_json, token_from_json, token_params, token_to_json
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
 
 from lorapub.adapters.transports import (  # the transports, importable from here as before
@@ -44,7 +44,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRANSPORT = HTTPBytes()
 
 
-class SGLangWireEngine(SGLangAdminBase):
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class SGLangWireEngine:
     """A patched SGLang server (0.5.17 or 0.5.23) whose staging runs inside it: lorapub's one
     SGLang engine adapter.
 
@@ -54,6 +58,9 @@ class SGLangWireEngine(SGLangAdminBase):
     engine's load) and ``cleanup`` (which waits for an in-flight ``end``); ``transfer_timeout`` one
     bucket's request. The other options are :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s;
     every staging route is admin-level and carries the admin key.
+
+    It requires lorapub's SGLang patch: its state route gives the incarnation, and managed adapters
+    are neither implicitly reloaded nor unloadable without a reclaim id.
     """
 
     def __init__(
@@ -99,6 +106,98 @@ class SGLangWireEngine(SGLangAdminBase):
             raise InvalidInput(f"engine {self.name} already sends buckets {self._transport!r}; it cannot also send "
                                f"them {transport!r} (one transport per engine adapter: build another for this deployment)")
 
+    # -- the patched server: state, limits, the exact-version probe, the reclaim-authorised unload --------
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
+
+    @property
+    def require_patch(self) -> bool:
+        return self.client.require_patch
+
+    @require_patch.setter
+    def require_patch(self, value: bool) -> None:
+        self.client.require_patch = value
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def release(self) -> None:
+        """Close the client's own connections; the adapter stays usable (see OwnedHTTPSession.release)."""
+        await self.client.release()
+
+    async def state(self) -> dict[str, Any]:
+        return await self.client.state()
+
+    async def incarnation(self) -> str:
+        return (await self.client.state())["incarnation"]
+
+    async def inventory(self) -> Inventory:
+        """The state route, as lorapub reads it: the managed adapters with their native refs,
+        and what the engine-side staging holds."""
+        state = await self.client.state()
+        adapters = {
+            name: HeldAdapter(name, int(a.get("refs") or 0), a.get("lora_id"), bool(a.get("pinned")))
+            for name, a in state.get("adapters", {}).items()
+        }
+        attempts = (state.get("staging") or {}).get("attempts") or {}
+        staged = []
+        for a in (attempts.values() if isinstance(attempts, dict) else ()):
+            if not isinstance(a, dict) or a.get("loaded"):
+                continue
+            try:
+                token = token_from_json(a.get("token"))
+            except Exception:  # noqa: BLE001 - an attempt this client cannot name: left to the engine's aging
+                continue
+            staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
+        prefix = state.get("managed_prefix")
+        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None,
+                         stamps=state.get("stamps") is True)
+
+    async def limits(self) -> EngineLimits:
+        """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``
+        (``/get_server_info`` on servers that predate it); the state route's ``max_loaded_loras``
+        where neither answers."""
+        for path in ("/server_info", "/get_server_info"):
+            status, body = await self.client.request("GET", path, timeout=self.client.probe_timeout, admin=False)
+            if status == 200 and isinstance(body, dict):
+                return EngineLimits(_int_or_none(body.get("max_loaded_loras")), _int_or_none(body.get("max_loras_per_batch")))
+            if status not in (404, 405):
+                raise self.client.refusal(path, status, body)
+        return EngineLimits(_int_or_none((await self.client.state()).get("max_loaded_loras")), None)
+
+    async def _probe(self, lora_name: str) -> None:
+        status, body = await self.client.request(
+            "POST", "/generate",
+            json_body={"input_ids": [1, 2, 3], "lora_path": lora_name, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+            timeout=self.client.probe_timeout, admin=False,
+        )
+        if status != 200:
+            raise EngineError(f"{self.name}: exact-version probe of {lora_name} failed: {_status_text(status, body)}")
+        self.client.json_object("/generate", status, body)
+
+    async def _unload(self, lora_name: str, reclaim_id: str) -> None:
+        status, body = await self.client.request(
+            "POST", "/unload_lora_adapter", json_body={"lora_name": lora_name},
+            headers={RECLAIM_HEADER: reclaim_id}, timeout=None,
+        )
+        if status == 200:
+            return
+        if status in (401, 403):  # refused at the door: nothing was looked at
+            raise self.client.refusal("/unload_lora_adapter", status, body)
+        # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
+        state = await self.client.state()
+        if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
+            return
+        raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
+
+    # -- serving ----------------------------------------------------------------------
+    async def generate(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(payload, Mapping) or not payload.get("lora_path"):
+            raise InvalidInput("lorapub never sends a generation without its bound lora_path")
+        return await self.client.generate(payload)
+
+    # -- the staging routes of lorapub's SGLang patch ---------------------------------------------
     async def _stage(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         status, reply = await self.client.request("POST", path, json_body=body,
                                                   timeout=timeout if timeout is not None else self.client.probe_timeout)

@@ -16,8 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import attrs
 
-from lorapub.adapters.sglang_http import MISSING_MARKERS, OwnedHTTPSession, engine_message
-from lorapub.wire.codec import json_or_text
+from lorapub.adapters.sglang_http import MISSING_MARKERS, SGLangHTTP, engine_message
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
 
 __all__ = [
@@ -93,12 +92,14 @@ class RouterWorker:
     load: int
 
 
-class SGLangRouter(OwnedHTTPSession):
+class SGLangRouter:
     """The SGLang router's HTTP API: worker management and ``/generate``.
 
     Admin calls (list/add/remove) time out after ``admin_timeout``; a generation after
     ``request_timeout`` (None: never, the router's own ``--request-timeout-secs`` bounds it).
     A request with no (complete) answer is :class:`OutcomeUnknown`; nothing is resent here.
+    Every request goes through :class:`~lorapub.adapters.sglang_http.SGLangHTTP`'s ``request``
+    (:attr:`client`): the same session, ``api_key`` checks and typed errors as an engine's.
     """
 
     def __init__(
@@ -110,22 +111,33 @@ class SGLangRouter(OwnedHTTPSession):
         admin_timeout: float = 10.0,
         api_key: str | None = None,
     ) -> None:
-        self.base_url = normalize_url(base_url)
-        self._use_http(http)
+        self.client = SGLangHTTP("router", normalize_url(base_url), http=http, require_patch=False, api_key=api_key)
+        self.base_url = self.client.base_url
         self.request_timeout = request_timeout
         self.admin_timeout = admin_timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        return self.client.http
+
+    @property
+    def current_http(self) -> aiohttp.ClientSession | None:
+        return self.client.current_http
+
+    @property
+    def owns_http(self) -> bool:
+        return self.client.owns_http
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def release(self) -> None:
+        await self.client.release()
 
     async def request(self, method: str, path: str, *, json_body=None, timeout: float | None) -> tuple[int, Any]:
-        try:
-            t = aiohttp.ClientTimeout(total=timeout)
-            async with self.http.request(
-                method, self.base_url + path, json=json_body, headers=self._headers, timeout=t
-            ) as r:
-                text = await r.text()
-                return r.status, json_or_text(text)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:  # no (complete) answer: it may have run
-            raise OutcomeUnknown(f"router {method} {path}: no answer ({type(e).__name__})") from None
+        """``(status, body)``, as :meth:`SGLangHTTP.request <lorapub.adapters.sglang_http.SGLangHTTP.request>`
+        sends it; the router takes the API key (its only key) on every route."""
+        return await self.client.request(method, path, json_body=json_body, timeout=timeout, admin=False)
 
     # -- worker management ----------------------------------------------------------
     async def list_workers(self) -> list[RouterWorker]:
