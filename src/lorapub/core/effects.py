@@ -21,6 +21,9 @@ SOURCE = "<source>"  # the sending side of a bucket collective, next to the engi
 
 @attrs.frozen
 class SendBegin:
+    """Ask ``engine`` (in life ``incarnation``) to begin staging attempt ``token``: the adapter's name, digest
+    and bucket plan, before any byte travels."""
+
     engine: str
     incarnation: str
     token: AttemptToken

@@ -264,6 +264,7 @@ class LorapubConfig:
 
 
 def is_enabled(args: Any) -> bool:
+    """Relax's parsed arguments ask for lorapub (``--enable-lorapub``, as add_arguments() declares it)."""
     return bool(getattr(args, _ENABLE_DEST, False))
 
 
