@@ -609,3 +609,25 @@ async def test_a_member_refused_by_a_closed_group_is_not_left_open():
     record = dep.registry.state.sessions.get(late.key)
     assert record is None or record.state is not SessionState.OPEN
     await dep.close()
+
+
+async def test_a_manual_clock_drives_reclaim_retries_without_sleeping():
+    """Deployment(clock=) reaches the reclaimer: a reclaim whose unload fails twice is retried after its
+    backoff on that clock (30 s, then 60 s of it), so a test waits for none of it."""
+    import time
+
+    from lorapub.testing import ManualClock
+
+    clock = ManualClock()
+    dep = await deployment(capacity=2, clock=clock, reclaim_backoff=30.0, reclaim_retries=5)
+    a = await dep.publish(lora_snapshot(1), "A")
+    for engine in dep.engines.values():
+        engine.fail_next("reclaim", "request", count=1)  # each engine's first unload gets no answer
+    started, before = time.monotonic(), clock.monotonic()
+    await dep.publish(lora_snapshot(2), "B")  # A retires unused: its reclaim starts
+    await dep.settle(10)
+    assert version(dep, "A").state is VersionState.RECLAIMED
+    assert clock.monotonic() - before >= 30.0  # the backoff ran on the manual clock
+    assert time.monotonic() - started < 5.0  # and took no real time
+    assert not any(e.serves(a.lora_name) for e in dep.engines.values())
+    await dep.close()

@@ -95,9 +95,9 @@ class Deployment:
     a session on its version for life. It needs ``capacity >= max_lag + 2``
     (the default and the ``max_lag`` versions behind it, plus one loading): less is ``INVALID_INPUT``.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
-    ``clock``: what session idle and lease ages are read from (default: the monotonic clock); a
-    test's ``lorapub.testing.ManualClock`` drives ``idle_ttl`` without sleeping (``reconcile()``
-    then expires the sessions idle by it).
+    ``clock``: what session idle and lease ages, reclaim retries' backoff and a stalled attempt's age are
+    read from (default: the monotonic clock); a test's ``lorapub.testing.ManualClock`` drives ``idle_ttl``
+    and the reclaim retries without sleeping (``reconcile()`` then expires the sessions idle by it).
     ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
     ``TorchDistributed()``), named once here and handed to every engine (None: the one they already
@@ -224,7 +224,7 @@ class Deployment:
         self.fleet = FleetView(registry, self.engines, deadline=self.deadlines.begin)
         self.reclaimer = Reclaimer(
             registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
-            backoff=self.reclaim_backoff, fleet=self.fleet, tasks=self.tasks,
+            backoff=self.reclaim_backoff, fleet=self.fleet, tasks=self.tasks, clock=self.clock,
         )
         self.publisher = Publisher(
             registry, self.engines, epoch=self.epoch, deadlines=self.deadlines,
@@ -242,7 +242,7 @@ class Deployment:
             registry, self.engines, deadlines=self.deadlines, reclaimer=self.reclaimer,
             publisher=self.publisher, interval=self.reconcile_interval,
             stale_attempt_after=self.stale_attempt_after, fleet=self.fleet, tasks=self.tasks, events=self.observers,
-            sessions_here=self.sessions.counts, canary_interval=self.canary_interval,
+            sessions_here=self.sessions.counts, canary_interval=self.canary_interval, clock=self.clock,
         )
         self.membership = FleetMembership(
             registry, self.engines, fleet=self.fleet, reconciler=self.reconciler, sessions=self.sessions,
