@@ -7,17 +7,19 @@ See docs/embedding.md, "Your engine: implement `lorapub.ports.EngineAdmin`".
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
 from lorapub.core.attempt import Phase, ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
-from lorapub.core.commands import Command
+from lorapub.core.commands import Command, Returns
 from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session import Binding
 from lorapub.core.version import VersionState
+
+R = TypeVar("R")
 
 __all__ = [
     "EngineAdmin", "EndTimings", "ReportsEndTimings", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
@@ -306,7 +308,7 @@ class Registry(Protocol):
     command is safe to replay.
     """
 
-    async def handle(self, command: Command) -> Result: ...
+    async def handle(self, command: Returns[R]) -> Result[R]: ...
 
 
 class RegistryStore(Protocol):

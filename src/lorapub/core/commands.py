@@ -8,7 +8,7 @@ in :mod:`lorapub.core.registry`, whose :func:`~lorapub.core.registry.handle` is 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Generic, Iterable, TypeVar
 
 import attrs
 
@@ -17,8 +17,16 @@ from lorapub.core.attempt import ReadyLocal
 from lorapub.core.identity import AttemptToken, SessionKey, VersionKey
 from lorapub.core.manifest import BucketPlan
 
+if TYPE_CHECKING:  # the replies' types: the registry's own modules import this one
+    from lorapub.core.attempt import Phase
+    from lorapub.core.registry.state import (
+        AttemptStatus, Fleet, Membership, RegistryState, ReserveReply, SessionsOf, Waiting,
+    )
+    from lorapub.core.session import Binding, SessionState
+    from lorapub.core.version import CommitReceipt, Version, VersionState
+
 __all__ = [
-    "RegisterEngine", "Reserve", "CancelWait", "RecordPrepared", "RecordBucketDone", "RecordReady", "RecordFailure",
+    "Returns", "RegisterEngine", "Reserve", "CancelWait", "RecordPrepared", "RecordBucketDone", "RecordReady", "RecordFailure",
     "RecordUnknown", "RecordCleaned", "RetryCleanup", "Commit", "OpenSession", "BindFirst", "Rebind", "RenewLeases",
     "ExpireSessions", "ExpireLeases", "StartReprovision", "RecordLost", "AbortStale", "BeginClose", "CloseAndRelease",
     "ForgetSessions", "ClaimReclaim", "RecordUnloaded", "RetryReclaim", "AuthorizeDispatch", "QueryAttempt",
@@ -28,19 +36,29 @@ __all__ = [
 ]
 
 
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Returns(Generic[R_co]):
+    """A command whose registry reply is an ``R_co``: ``await registry.handle(command)`` is a
+    ``Result[R_co]`` (lorapub.ports.Registry), so every ``.reply`` read is typed."""
+
+    __slots__ = ()
+
+
 def _session_keys(keys: Iterable[SessionKey]) -> tuple[SessionKey, ...]:
     return tuple(keys)
 
 
 # requests and reports: they may change the state
 @attrs.frozen
-class RegisterEngine:
+class RegisterEngine(Returns["None"]):
     engine: str
     incarnation: str
 
 
 @attrs.frozen
-class MarkSuspect:
+class MarkSuspect(Returns["bool"]):
     """The canary found ``engine`` computing with a resident version differently from its probe:
     mark the version suspect (idempotent; only a PUBLISHED or RETIRED version)."""
 
@@ -50,7 +68,7 @@ class MarkSuspect:
 
 
 @attrs.frozen
-class AddEngine:
+class AddEngine(Returns["Membership"]):
     """``engine`` joins the fleet: JOINING (no traffic) until it holds every version sessions may use,
     then SERVING. A draining member added again rejoins; a member's new incarnation is a restart."""
 
@@ -59,7 +77,7 @@ class AddEngine:
 
 
 @attrs.frozen
-class DrainEngine:
+class DrainEngine(Returns["Membership"]):
     """``engine`` takes no new binding and no new version; its sessions move to another holder of their
     version at their next turn boundary. Refused for the last member that takes traffic."""
 
@@ -67,7 +85,7 @@ class DrainEngine:
 
 
 @attrs.frozen
-class RemoveEngine:
+class RemoveEngine(Returns["bool"]):
     """``engine`` leaves the fleet: only once draining (``force``: it is gone, e.g. unreachable). Reclaims
     and cleanups stop waiting for it; its versions' slots are counted without it."""
 
@@ -76,7 +94,7 @@ class RemoveEngine:
 
 
 @attrs.frozen
-class Reserve:
+class Reserve(Returns["ReserveReply | Waiting"]):
     """``publisher`` names the caller: its own replay (a lost reply) resumes the attempt,
     another publisher's same key and digest joins it.
 
@@ -96,21 +114,21 @@ class Reserve:
 
 
 @attrs.frozen
-class CancelWait:
+class CancelWait(Returns["bool"]):
     """The waiting publication of ``key`` stopped waiting (its caller's wait ran out)."""
 
     key: VersionKey
 
 
 @attrs.frozen
-class RecordPrepared:
+class RecordPrepared(Returns["Phase"]):
     token: AttemptToken
     engine: str
     incarnation: str
 
 
 @attrs.frozen
-class RecordBucketDone:
+class RecordBucketDone(Returns["Phase"]):
     token: AttemptToken
     party: str
     index: int
@@ -118,45 +136,45 @@ class RecordBucketDone:
 
 
 @attrs.frozen
-class RecordReady:
+class RecordReady(Returns["Phase"]):
     receipt: ReadyLocal
 
 
 @attrs.frozen
-class RecordFailure:
+class RecordFailure(Returns["Phase"]):
     token: AttemptToken
     engine: str
     reason: str
 
 
 @attrs.frozen
-class RecordUnknown:
+class RecordUnknown(Returns["Phase"]):
     token: AttemptToken
     engine: str
     operation: str
 
 
 @attrs.frozen
-class RecordCleaned:
+class RecordCleaned(Returns["Phase"]):
     token: AttemptToken
     engine: str
     incarnation: str
 
 
 @attrs.frozen
-class RetryCleanup:
+class RetryCleanup(Returns["Phase"]):
     token: AttemptToken
 
 
 @attrs.frozen
-class Commit:
+class Commit(Returns["CommitReceipt"]):
     key: VersionKey
     token: AttemptToken
     expected_default_revision: int
 
 
 @attrs.frozen
-class OpenSession:
+class OpenSession(Returns["SessionState"]):
     """Record the session (and its membership of ``group``) before its first generation."""
 
     key: SessionKey
@@ -168,7 +186,7 @@ class OpenSession:
 
 
 @attrs.frozen
-class BindFirst:
+class BindFirst(Returns["Binding"]):
     """Bind the current default (a group member: its group's version, bound by its first member)."""
 
     key: SessionKey
@@ -180,7 +198,7 @@ class BindFirst:
 
 
 @attrs.frozen
-class Rebind:
+class Rebind(Returns["Binding"]):
     """``on_stale="rebind"``: move a session (or its whole group) whose version is retiring to
     the current default, at a turn boundary; recorded in its ``rebinds``."""
 
@@ -189,7 +207,7 @@ class Rebind:
 
 
 @attrs.frozen
-class RenewLeases:
+class RenewLeases(Returns["tuple[SessionKey, ...]"]):
     """Renew the leases of sessions a live worker still holds (one batch, not per request)."""
 
     keys: tuple[SessionKey, ...] = attrs.field(converter=_session_keys)
@@ -197,7 +215,7 @@ class RenewLeases:
 
 
 @attrs.frozen
-class ExpireSessions:
+class ExpireSessions(Returns["tuple[SessionKey, ...]"]):
     """Expire these sessions now (their worker saw no generation for its idle TTL): EXPIRED
     tombstones, each ref released once. Answers the keys of those expired, sorted."""
 
@@ -206,7 +224,7 @@ class ExpireSessions:
 
 
 @attrs.frozen
-class ExpireLeases:
+class ExpireLeases(Returns["tuple[SessionKey, ...]"]):
     """Release the refs of sessions whose lease ran out (their worker stopped renewing), and
     forget the tombstones of sessions born before the tombstone window. Answers the keys of the
     sessions expired, sorted."""
@@ -215,7 +233,7 @@ class ExpireLeases:
 
 
 @attrs.frozen
-class StartReprovision:
+class StartReprovision(Returns["AttemptToken | None"]):
     """Load ``key`` again on ``engine``, which restarted and lost it, from lorapub's frozen copy."""
 
     key: VersionKey
@@ -223,7 +241,7 @@ class StartReprovision:
 
 
 @attrs.frozen
-class RecordLost:
+class RecordLost(Returns["bool"]):
     """``engine`` lost ``key`` without a restart (its inventory lacks it)."""
 
     engine: str
@@ -231,7 +249,7 @@ class RecordLost:
 
 
 @attrs.frozen
-class AbortStale:
+class AbortStale(Returns["Phase"]):
     """Abort an active attempt whose publisher stopped making progress (it is cleaned after)."""
 
     token: AttemptToken
@@ -239,72 +257,72 @@ class AbortStale:
 
 
 @attrs.frozen
-class BeginClose:
+class BeginClose(Returns["SessionState"]):
     key: SessionKey
     now: float | None = None
 
 
 @attrs.frozen
-class CloseAndRelease:
+class CloseAndRelease(Returns["SessionState"]):
     key: SessionKey
     now: float | None = None
 
 
 @attrs.frozen
-class ForgetSessions:
+class ForgetSessions(Returns["int"]):
     keys: tuple[SessionKey, ...] = attrs.field(converter=_session_keys)
 
 
 @attrs.frozen
-class ClaimReclaim:
+class ClaimReclaim(Returns["str"]):
     key: VersionKey
 
 
 @attrs.frozen
-class RecordUnloaded:
+class RecordUnloaded(Returns["VersionState"]):
     key: VersionKey
     reclaim_id: str
     engine: str
 
 
 @attrs.frozen
-class RetryReclaim:
+class RetryReclaim(Returns["VersionState"]):
     key: VersionKey
 
 
 
 # queries: the reply only, the state never changes
 @attrs.frozen
-class AuthorizeDispatch:
+class AuthorizeDispatch(Returns["Binding"]):
     """The binding a new backend request must carry (refused once closing or reclaiming)."""
 
     key: SessionKey
 
 
 @attrs.frozen
-class QueryAttempt:
+class QueryAttempt(Returns["AttemptStatus"]):
     token: AttemptToken
 
 
 @attrs.frozen
-class ReadVersion:
+class ReadVersion(Returns["Version"]):
     """One version's record (cheap over an actor boundary, unlike ``ReadState``)."""
 
     key: VersionKey
 
 
 @attrs.frozen
-class ListReclaimable:
+class ListReclaimable(Returns["list[VersionKey]"]):
     pass
 
 
 @attrs.frozen
-class ReadState:
+class ReadState(Returns["RegistryState"]):
     pass
 
 
 @attrs.frozen
-class ReadFleet:
+class ReadFleet(Returns["Fleet"]):
     """Which engine holds which version, and what the reconciler has to do (small, cheap); with
     the registry's clock reading (``now``, stamped by the registry) for processes that time sessions."""
 
@@ -312,7 +330,7 @@ class ReadFleet:
 
 
 @attrs.frozen
-class ReadSessionsOf:
+class ReadSessionsOf(Returns["SessionsOf"]):
     """The sessions and groups that hold a ref on ``version`` (at most ``limit`` of them, and
     how many in all): what keeps it from being reclaimed."""
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
 
 import attrs
 
-from lorapub.core.commands import AddEngine, DrainEngine, RemoveEngine
+from lorapub.core.commands import AddEngine, DrainEngine, RemoveEngine, Returns
 from lorapub.core.identity import check_id
 from lorapub.core.registry import Fleet, Membership, Result
 from lorapub.errors import (
@@ -43,6 +44,8 @@ from lorapub.runtime.reconciler import Reconciler
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible
 from lorapub.runtime.sessions import LIVE, SessionService
+
+R_ = TypeVar("R_")  # a command's reply type
 
 __all__ = ["Drained", "FleetMembership"]
 
@@ -149,7 +152,7 @@ class FleetMembership:
             await self.control.run(result.effects)
         return await self._wait_joined(name, timeout)
 
-    async def _replayed(self, command: AddEngine | DrainEngine | RemoveEngine, what: str, advice: str) -> Result:
+    async def _replayed(self, command: Returns[R_], engine: str, what: str, advice: str) -> Result[R_]:
         """A membership command, a lost reply replayed: each is idempotent (adding the same engine and life
         again, draining a draining member, removing a member already gone change nothing)."""
         last: Exception | None = None
@@ -160,11 +163,11 @@ class FleetMembership:
                 last = e
                 log.warning("%s: reply lost (%s); replaying it", what, e)
         raise OutcomeUnknown(f"{what}: the registry did not answer after {self.retry_policy.tries} tries ({last}); "
-                             + advice, engine=command.engine)
+                             + advice, engine=engine)
 
-    async def _add(self, name: str, incarnation: str) -> Result:
+    async def _add(self, name: str, incarnation: str) -> Result[Membership]:
         return await self._replayed(
-            AddEngine(name, incarnation), f"add_engine {name}",
+            AddEngine(name, incarnation), name, f"add_engine {name}",
             "it may be a joining member already, loaded in the background — call add_engine with the same engine "
             "again (adding a member again is idempotent)")
 
@@ -227,7 +230,7 @@ class FleetMembership:
         (it stays draining)."""
         started = time.monotonic()
         async with self._lock:
-            await self._replayed(DrainEngine(name), f"drain_engine {name}",
+            await self._replayed(DrainEngine(name), name, f"drain_engine {name}",
                                  "it may be draining already — call drain_engine again (draining is idempotent)")
         self.events(EngineDraining(name))
         fleet = await self._fleet()
@@ -275,7 +278,7 @@ class FleetMembership:
                                                                             deadline=ask)).answered
                 try:
                     result = await self._replayed(
-                        RemoveEngine(name, force=not reachable), f"remove_engine {name}",
+                        RemoveEngine(name, force=not reachable), name, f"remove_engine {name}",
                         "it may have left the fleet already — call remove_engine again (removing is idempotent)")
                 except PublicationBlocked:
                     if timeout is not None and time.monotonic() - started > timeout:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
 
-from lorapub.core.commands import ClaimReclaim, Command, Commit, RecordReady, RecordUnloaded
+from lorapub.core.commands import ClaimReclaim, Command, Commit, RecordReady, RecordUnloaded, Returns
 from lorapub.core.effects import Ignored
 from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Result
@@ -27,6 +27,8 @@ from lorapub.events import (
     VersionUnloaded,
 )
 from lorapub.ports import Registry
+
+R_ = TypeVar("R_")  # a command's reply type
 
 __all__ = ["Observers", "ObservedRegistry", "Exposes", "exposition_of"]
 
@@ -92,7 +94,7 @@ class ObservedRegistry:
         self._claims: dict[VersionKey, tuple[str, float]] = {}  # reclaim claimed here -> (id, when)
         self._retired: dict[VersionKey, None] = {}  # retirements told (the newest few)
 
-    async def handle(self, command: Command) -> Result:
+    async def handle(self, command: Returns[R_]) -> Result[R_]:
         started = time.perf_counter()
         outcome = "ok"
         try:
@@ -110,7 +112,7 @@ class ObservedRegistry:
             if self.observers:
                 self.observers(RegistryDecided(type(command).__name__, time.perf_counter() - started, outcome))
 
-    def _derive(self, command: object, result: Result) -> None:
+    def _derive(self, command: object, result: Result[Any]) -> None:
         reply, emit = result.reply, self.observers
         if isinstance(command, RecordReady):
             if not any(isinstance(fx, Ignored) for fx in result.effects):  # a late READY changes nothing

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Callable, Mapping
+from typing import Callable, Mapping, cast
 
 import attrs
 
@@ -121,7 +121,7 @@ class Publisher:
         self.frozen = FrozenCopies(copies)  # also kept in ``copies``, to outlive this process
         self._running: dict[VersionKey, _Call] = {}  # the publications running in this process
         self._waiting: set[VersionKey] = set()  # those of them waiting for a slot now
-        self._reserve_in_flight: dict[VersionKey, asyncio.Future[Result]] = {}  # a Reserve sent, its reply not read
+        self._reserve_in_flight: dict[VersionKey, asyncio.Future[Result[ReserveReply | Waiting]]] = {}  # a Reserve sent, its reply not read
         self._closed = False
         self.join_timeout = 2 * max(self.deadlines.begin, self.deadlines.bucket, self.deadlines.end)
 
@@ -131,7 +131,7 @@ class Publisher:
         return EffectRunner(self.registry, self.engines, None, self.deadlines, on_eligible=self.on_eligible,
                             left=self.fleet.left)
 
-    async def _reserve(self, command: Reserve) -> Result:
+    async def _reserve(self, command: Reserve) -> Result[ReserveReply | Waiting]:
         """Reserve; a lost reply is replayed with the same command (same publisher: it resumes)."""
         last: Exception | None = None
         async for _ in self.retry_policy.attempts(self.clock):
@@ -335,7 +335,7 @@ class Publisher:
         self.fleet.changed()
 
     async def _reserve_attempt(self, key: VersionKey, snapshot: Snapshot, plan: BucketPlan, wait: float,
-                               started: float) -> tuple[Result, float, WaitReport | None]:
+                               started: float) -> tuple[Result[ReserveReply], float, WaitReport | None]:
         """The reserve: ``(result, waited, WaitReport)``. CAPACITY_ERROR and PUBLICATION_BLOCKED come before
         any begin (or, waiting, SUPERSEDED)."""
         reserved, waited, waited_for = await self._reserve_slot(Reserve(key, snapshot.digest, plan, self.publisher_id),
@@ -371,7 +371,7 @@ class Publisher:
                                                                       Phase.ENDING):
             await self._abort(found.attempt, "its publish call was cancelled while it reserved")
 
-    async def _reserve_slot(self, command: Reserve, wait: float, started: float) -> tuple[Result, float, WaitReport | None]:
+    async def _reserve_slot(self, command: Reserve, wait: float, started: float) -> tuple[Result[ReserveReply], float, WaitReport | None]:
         """Reserve, waiting up to ``wait`` seconds for a slot: ``(result, waited, WaitReport)``.
         A call cancelled meanwhile withdraws its wait, so no waiter outlives its caller."""
         try:
@@ -398,7 +398,7 @@ class Publisher:
                 "frees what it holds." if silent else "")
         return type(e)(e.message + said, **{**e.details, "unreachable_engines": silent})
 
-    async def _reserve_or_wait(self, command: Reserve, wait: float, started: float) -> tuple[Result, float, WaitReport | None]:
+    async def _reserve_or_wait(self, command: Reserve, wait: float, started: float) -> tuple[Result[ReserveReply], float, WaitReport | None]:
         deadline = started + wait
         waited_for: WaitReport | None = None
         described = -1.0
@@ -425,7 +425,7 @@ class Publisher:
             reply = result.reply
             if not isinstance(reply, Waiting):
                 waited = self.clock.monotonic() - started if waited_for is not None else 0.0
-                return result, waited, waited_for
+                return cast("Result[ReserveReply]", result), waited, waited_for  # not Waiting: a ReserveReply
             now = self.clock.monotonic()
             self._waiting.add(command.key)
             if waited_for is None:
@@ -512,7 +512,8 @@ class Publisher:
                 incarnation = await self.fleet.incarnation(engine_name)
             except Exception as e:
                 runlog.unknown.append(f"{engine_name} pre-commit life check: {e}")
-                result = await self.registry.handle(RecordUnknown(token, engine_name, "pre-commit life check"))
+                result: Result[Phase | None] = await self.registry.handle(
+                    RecordUnknown(token, engine_name, "pre-commit life check"))
             else:
                 result = await self.registry.handle(RegisterEngine(engine_name, incarnation))
                 if result.effects:

@@ -271,12 +271,12 @@ class Reconciler:
             if fleet.engines.get(name) != incarnation:
                 self.events(EngineRestarted(name, fleet.engines.get(name), incarnation))
                 restarted.add(name)
-                result = await self.registry.handle(RegisterEngine(name, incarnation))
-                await self.control.run(result.effects)
+                registered = await self.registry.handle(RegisterEngine(name, incarnation))
+                await self.control.run(registered.effects)
         # 3. leases
-        result = await self.registry.handle(ExpireLeases())
-        if result.reply:  # the sessions expired, sorted
-            self.events(SessionsExpired(len(result.reply), "lease", tuple(k.session_id for k in result.reply[:8])))
+        expired = (await self.registry.handle(ExpireLeases())).reply
+        if expired:  # the sessions expired, sorted
+            self.events(SessionsExpired(len(expired), "lease", tuple(k.session_id for k in expired[:8])))
         fleet = (await self.registry.handle(ReadFleet())).reply
         # 4. stale attempts
         now = self.clock.monotonic()

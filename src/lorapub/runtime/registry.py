@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar, cast
 
 import attrs
 
 from lorapub.core import registry as R
-from lorapub.core.commands import Command, stamped
+from lorapub.core.commands import Command, Returns, stamped
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session_table import SessionTable
@@ -24,6 +24,8 @@ from lorapub.ports import RegistryStore
 from lorapub.runtime.clock import RegistryClock
 
 log = logging.getLogger(__name__)
+
+R_ = TypeVar("R_")  # a command's reply type (R is the core registry module here)
 
 __all__ = ["MemoryStore", "LocalRegistry"]
 
@@ -131,29 +133,30 @@ class LocalRegistry:
                 f"registry store {_where(self._store)}: save failed: {type(e).__name__}: {e}"
             ) from None
 
-    def apply(self, command: Command) -> Result:
+    def apply(self, command: Returns[R_]) -> Result[R_]:
         """Apply one command whole; a rejection raises its typed error and changes nothing.
 
         A transition is durable before this returns. If the store cannot save it, this
         raises :class:`~lorapub.errors.StoreError` and the state stays as it was: the
         command counts as not applied (replaying it later is safe, as for every command).
         """
-        command = stamped(command, self._clock())  # the one clock reading, before the transition (and the log)
-        outcome = R.handle(self._state, command)
-        if not isinstance(command, R.QUERIES):
+        # the one clock reading, before the transition (and the log)
+        applied = stamped(cast(Command, command), self._clock())  # every Returns is a Command
+        outcome = R.handle(self._state, applied)
+        if not isinstance(applied, R.QUERIES):
             if outcome.state is not self._state:  # an idempotent replay changes nothing: nothing to store
-                self._save(outcome.state, command)  # durable before the reply leaves
+                self._save(outcome.state, applied)  # durable before the reply leaves
                 self._state = outcome.state
             self.transitions += 1
         return Result(outcome.reply, outcome.effects)
 
-    def apply_many(self, commands: list[Command]) -> list[Result | LorapubError]:
+    def apply_many(self, commands: list[Command]) -> list[Result[Any] | LorapubError]:
         """Apply commands in order, each answered on its own (a rejection is returned, not
         raised, and changes nothing); the transitions are made durable together — one group
         commit when the store has ``save_many`` — before any answer is returned. If that
         commit fails, every command of the batch counts as not applied (StoreError each)."""
         state = self._state
-        answers: list[Result | LorapubError] = []
+        answers: list[Result[Any] | LorapubError] = []
         changed: list[tuple[RegistryState, Command]] = []
         for command in commands:
             command = stamped(command, self._clock())
@@ -185,7 +188,7 @@ class LocalRegistry:
             self.transitions += len(changed)
         return answers
 
-    async def handle(self, command: Command) -> Result:
+    async def handle(self, command: Returns[R_]) -> Result[R_]:
         return self.apply(command)
 
     def close(self) -> None:

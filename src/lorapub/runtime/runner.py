@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import attrs
 
@@ -282,7 +282,7 @@ class EffectRunner:
             return await self._transfer(fx, runlog)
         if isinstance(fx, SendEnd):
             engine = self._engine(fx.engine)
-            async def ready(receipt: ReadyLocal) -> Result:
+            async def ready(receipt: ReadyLocal) -> Result[Any]:
                 if self.probe is None:
                     return await reg.handle(RecordReady(receipt))
                 return await self._gate(fx, engine, receipt, runlog)
@@ -314,7 +314,7 @@ class EffectRunner:
             return (await reg.handle(RecordUnloaded(fx.version, fx.reclaim_id, fx.engine))).effects
         raise TypeError(f"no executor for {fx!r}")
 
-    async def _gate(self, fx: SendEnd, engine: EngineAdmin, receipt: ReadyLocal, runlog: RunLog) -> Result:
+    async def _gate(self, fx: SendEnd, engine: EngineAdmin, receipt: ReadyLocal, runlog: RunLog) -> Result[Any]:
         """The numeric READY gate: the engine's READY is recorded only once it reproduces the probe
         under the exact version name; a mismatch is the attempt's failure (RecordFailure)."""
         probe, name = self.probe, self.lora_name
@@ -343,7 +343,7 @@ class EffectRunner:
             RecordFailure(fx.token, fx.engine, f"numeric mismatch: {mismatch.describe()}"))
 
     async def _guarded(self, token: AttemptToken, engine: str, op: str, runlog: RunLog,
-                       call: Callable[[], Awaitable[_T]], feed: Callable[[_T], Awaitable[Result]]) -> Sequence[Effect]:
+                       call: Callable[[], Awaitable[_T]], feed: Callable[[_T], Awaitable[Result[Any]]]) -> Sequence[Effect]:
         try:
             value = await call()
         except EngineError as e:
@@ -367,7 +367,7 @@ class EffectRunner:
 
         sent = False
 
-        async def source_done(_: None) -> Result:
+        async def source_done(_: None) -> Result[Any]:
             nonlocal sent
             sent = True
             return await self.registry.handle(RecordBucketDone(fx.token, SOURCE, fx.index, None))
@@ -388,7 +388,7 @@ class EffectRunner:
             payload = b"" if collective else source.payload(fx.token, fx.index)
             runlog.mark("transfer", name)
             try:
-                async def received(inc: str) -> Result:
+                async def received(inc: str) -> Result[Any]:
                     runlog.bucket_done(name, fx.index)
                     return await self.registry.handle(RecordBucketDone(fx.token, name, fx.index, inc))
 

@@ -9,7 +9,7 @@ See docs/design.md, "Shape".
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import attrs
 
@@ -188,10 +188,14 @@ def handle(state: RegistryState, command: Command) -> Outcome:
     return outcome
 
 
-@attrs.frozen
-class Result:
-    """What a registry answers, in process or across an actor boundary: the reply and the
-    effects the caller must run, never the state."""
+R = TypeVar("R")
 
-    reply: Any = None  # its type depends on the command, as Outcome's
+
+@attrs.frozen
+class Result(Generic[R]):
+    """What a registry answers, in process or across an actor boundary: the reply (of the type the
+    command names, :class:`~lorapub.core.commands.Returns`) and the effects the caller must run, never
+    the state."""
+
+    reply: R
     effects: tuple[Effect, ...] = attrs.field(default=(), converter=as_effects)
