@@ -191,6 +191,15 @@ def check_operations(key: object, engine: object) -> None:
     )
 
 
+def name_of(offered: object) -> str:
+    """The name an adapter offered alone (``add_engine``) gives itself, checked: it names stash folders,
+    routes and log fields."""
+    name = getattr(offered, "name", None)
+    check_id("engine name", name)
+    assert isinstance(name, str)
+    return name
+
+
 def check_engines(engines: object) -> dict[str, EngineAdmin]:
     """The deployment's engine map, checked; an adapter without ``close()``/``release()`` is admitted
     with no-ops for them (:func:`with_lifecycle`)."""

@@ -16,7 +16,6 @@ from typing import TypeVar
 import attrs
 
 from lorapub.core.commands import AddEngine, DrainEngine, RemoveEngine, Returns
-from lorapub.core.identity import check_id
 from lorapub.core.registry import Fleet, Membership, Result
 from lorapub.errors import (
     DrainTimeout,
@@ -35,6 +34,7 @@ from lorapub.runtime.admission import (
     check_admission,
     check_operations,
     close_adapter,
+    name_of,
     release_adapter,
     with_lifecycle,
 )
@@ -104,10 +104,8 @@ class FleetMembership:
 
     # -- join ------------------------------------------------------------------------------
     def _check_adapter(self, offered: object) -> tuple[str, EngineAdmin]:
-        name = getattr(offered, "name", None)  # the adapter names itself here: this is its admission
-        check_id("engine name", name)
+        name = name_of(offered)  # the adapter names itself here: this is its admission
         check_operations(name, offered)
-        assert isinstance(name, str)
         # one without close()/release() is admitted with no-ops for them (the same wrapper when it comes again)
         engine = with_lifecycle(offered, self.engines.get(name))
         takes = isinstance(engine, TakesTransport)
