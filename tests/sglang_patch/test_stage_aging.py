@@ -88,7 +88,8 @@ async def test_a_vanished_publishers_stash_is_aged_out_before_a_begin_checks_cap
 async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_close_stops_it(tmp_path):
     snap = snapshot(3)
     token, plan, body = begin_body(snap, "A")
-    staging = es.EngineStaging(Hooks(), incarnation=LIFE, stash_root=str(tmp_path / "disk"), idle_timeout=0.2)
+    # 1 s: a busy machine's pause between the begin and the bucket never ages the attempt out first
+    staging = es.EngineStaging(Hooks(), incarnation=LIFE, stash_root=str(tmp_path / "disk"), idle_timeout=1.0)
     assert (await staging.begin(body))[0] == 200
     assert (await send(staging, snap, token, plan.buckets[0]))[0] == 200
     # nothing calls the staging meanwhile; with nothing staged, no timer until a route is called again
@@ -101,13 +102,14 @@ async def test_the_staging_timer_ages_an_attempt_out_with_no_route_called_and_cl
     assert staging.aging_armed
     staging.close()
     assert not staging.aging_armed
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(1.2)  # past the idle timeout
     assert await staging.sweep() == []  # a closed staging sweeps nothing
 
 
-#: How long the slow operations below run: long beside the 0.2 s idle timeout and the 0.35 s the
-#: test waits, so the operation still runs when it looks, however slow the machine.
-SLOW_OP = 1.5
+#: How long the slow operations below run: long beside the 0.6 s idle timeout (itself long beside a busy
+#: machine's pause between two buckets) and the 0.9 s the test waits, so the operation still runs when it looks.
+SLOW_OP = 4.0
+IDLE = 0.6
 
 
 class SlowLoad(Hooks):
@@ -120,7 +122,7 @@ class SlowLoad(Hooks):
 async def test_an_attempt_is_never_aged_out_while_an_operation_on_it_runs(tmp_path, op):
     snap = snapshot(5)
     token, plan, body = begin_body(snap, "A")
-    staging = es.EngineStaging(SlowLoad(), incarnation=LIFE, stash_root=str(tmp_path / "disk"), idle_timeout=0.2)
+    staging = es.EngineStaging(SlowLoad(), incarnation=LIFE, stash_root=str(tmp_path / "disk"), idle_timeout=IDLE)
     assert (await staging.begin(body))[0] == 200
     last = plan.buckets[-1]
     for bucket in plan.buckets[:-1]:
@@ -137,7 +139,7 @@ async def test_an_attempt_is_never_aged_out_while_an_operation_on_it_runs(tmp_pa
     else:
         assert (await send(staging, snap, token, last))[0] == 200
         running = asyncio.ensure_future(staging.end({"token": body["token"], "incarnation": LIFE}))
-    await asyncio.sleep(0.35)  # past the idle timeout, the operation still running
+    await asyncio.sleep(IDLE * 1.5)  # past the idle timeout, the operation still running
     assert staging.report()["attempts"][str(token)]["driving"]
     assert await staging.sweep() == []
     status, answer = await running
@@ -230,7 +232,8 @@ async def test_the_double_ages_out_as_the_patched_server_does_and_its_state_rout
     from lorapub.testing.fixtures import lora_snapshot
 
     double = SGLangDouble("e0")
-    double.stash_root, double.stage_idle_s = str(tmp_path / "disk"), 0.3
+    # long enough that a busy machine's pause between two calls never ages the attempt before the test lets go
+    double.stash_root, double.stage_idle_s = str(tmp_path / "disk"), 2.0
     await double.start()
     engine = SGLangWireEngine("e0", double.url, probe_timeout=10)
     try:
@@ -244,14 +247,14 @@ async def test_the_double_ages_out_as_the_patched_server_does_and_its_state_rout
         staged = (await engine.state())["staging"]
         entry = staged["attempts"][str(token)]
         assert (entry["phase"], entry["buckets"], entry["bytes"]) == ("receiving", [0], plan.buckets[0].nbytes)
-        assert staged["idle_timeout_s"] == 0.3
+        assert staged["idle_timeout_s"] == 2.0
         staged = {}
 
         async def aged_out() -> bool:  # the publisher is gone: nothing drives the attempt
             staged.update((await engine.state())["staging"])
             return staged["attempts"] == {}
 
-        await _poll(aged_out, timeout=10)
+        await _poll(aged_out, timeout=30)
         assert staged["attempts"] == {} and staged["bytes"] == 0 and staged["aged_out"] == 1
         with pytest.raises(EngineError, match="STAGE_TOMBSTONE|cleaned up"):
             await engine.receive_bucket(token, 1, RawBucket(snap, plan.buckets[1]))
