@@ -123,15 +123,18 @@ class Metrics:
     sessions_ended: Counter
     rebinds: Counter
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, namespace: str = "lorapub", created: bool = False) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, namespace: str = "lorapub",
+                 created: bool = False) -> None:
         if _prom is None:
             raise InvalidInput("lorapub.adapters.prometheus.Metrics needs prometheus-client: "
                                "pip install 'lorapub[metrics]'")
         if not created:
-            _prom.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client 0.26
+            # unannotated in prometheus_client 0.26
+            _prom.disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else _prom.CollectorRegistry()
         self.namespace = namespace
-        kinds: dict[str, type[MetricWrapperBase]] = {"gauge": _prom.Gauge, "counter": _prom.Counter, "histogram": _prom.Histogram}
+        kinds: dict[str, type[MetricWrapperBase]] = {
+            "gauge": _prom.Gauge, "counter": _prom.Counter, "histogram": _prom.Histogram}
         made: list[MetricWrapperBase] = []
         for attr, kind, name, labels, meaning, buckets in SERIES:
             extra: dict[str, Any] = {"buckets": buckets} if buckets else {}
