@@ -134,7 +134,8 @@ class SGLangRouter:
     async def release(self) -> None:
         await self.client.release()
 
-    async def request(self, method: str, path: str, *, json_body=None, timeout: float | None) -> tuple[int, Any]:
+    async def request(self, method: str, path: str, *, json_body: object = None,
+                      timeout: float | None) -> tuple[int, Any]:
         """``(status, body)``, as :meth:`SGLangHTTP.request <lorapub.adapters.sglang_http.SGLangHTTP.request>`
         sends it; the router takes the API key (its only key) on every route."""
         return await self.client.request(method, path, json_body=json_body, timeout=timeout, admin=False)
