@@ -351,7 +351,7 @@ class RayRegistry:
             try:
                 answer = await self._reply(ref, "handle", command, type(command).__name__)
             except _Unread as e:
-                outcome: Any = _unreadable(command, e.cause)
+                outcome: errors.LorapubError = _unreadable(command, e.cause)
             except errors.LorapubError as e:
                 outcome = e
             else:
@@ -425,7 +425,7 @@ def _check_epoch_of(actor: Any, name: str, namespace: str, epoch: int, timeout: 
             f"old one first (ray.kill(ray.get_actor({name!r}, namespace={namespace!r})))")
 
 
-def _not_sendable(command: Any) -> errors.InvalidInput | None:
+def _not_sendable(command: object) -> errors.InvalidInput | None:
     """The typed refusal of a command Ray cannot serialize, naming the field that cannot be; None
     when the command serializes."""
     try:
@@ -434,9 +434,10 @@ def _not_sendable(command: Any) -> errors.InvalidInput | None:
         return None
     except Exception as e:  # noqa: BLE001 - any pickling failure is the command's
         error = e
-    what = type(command).__name__
-    if attrs.has(type(command)):
-        for field in attrs.fields(type(command)):
+    cls = type(command)
+    what = cls.__name__
+    if attrs.has(cls):
+        for field in attrs.fields(cls):
             value = getattr(command, field.name)
             try:
                 ray.cloudpickle.dumps(value)  # type: ignore[no-untyped-call]  # as above
@@ -455,7 +456,7 @@ class _Unread(Exception):
         self.cause = cause
 
 
-def _unreadable(command: Any, cause: BaseException) -> errors.InvalidInput:
+def _unreadable(command: object, cause: BaseException) -> errors.InvalidInput:
     return errors.InvalidInput(
         f"the registry actor could not read {type(command).__name__} ({type(cause).__name__}: {_first_line(cause)}); "
         "nothing was applied: registry commands hold plain values every process can import")
@@ -467,7 +468,7 @@ def _not_sent(what: str, error: Exception) -> errors.LorapubError:
                                f"{_first_line(error)}); nothing was applied, send it again")
 
 
-def _short(command: Any) -> str:
+def _short(command: object) -> str:
     text = repr(command)
     return text if len(text) <= 300 else text[:300] + "…"
 

@@ -43,7 +43,7 @@ def _clip(text: str, limit: int = MAX_ENGINE_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def engine_message(body: Any) -> str:
+def engine_message(body: object) -> str:
     """The engine's own words: SGLang answers ``{"error": {"message": …}}``, ``{"error": "…"}``
     (its auth middleware), ``{"message": …}`` (OpenAI routes), ``{"error_message": …}`` (LoRA
     admin), ``{"detail": …}`` (request validation), or plain text (``/flush_cache``)."""
@@ -63,7 +63,7 @@ def engine_message(body: Any) -> str:
     return "" if body is None else _clip(json.dumps(body, default=str))
 
 
-def _status_text(status: int, body: Any) -> str:
+def _status_text(status: int, body: object) -> str:
     said = engine_message(body)
     if said:
         return f"{status}: {said}"
@@ -105,7 +105,7 @@ def _check_url(base_url: object) -> str:
     return base_url.rstrip("/")
 
 
-def _json_text(body: Any, what: str) -> str:
+def _json_text(body: object, what: str) -> str:
     try:
         return json.dumps(body, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -274,11 +274,11 @@ class SGLangHTTP(OwnedHTTPSession):
             raise OutcomeUnknown(f"{self.name} {path}: no answer from {self.base_url} ({type(e).__name__}){hint}",
                                  engine=self.name, url=self.base_url) from None
 
-    def refusal(self, path: str, status: int, body: Any) -> EngineError:
+    def refusal(self, path: str, status: int, body: object) -> EngineError:
         """The definite "no" of an engine, with its own words (clipped)."""
         return EngineError(f"{self.name} {path} answered {_status_text(status, body)}", engine=self.name, status=status)
 
-    def json_object(self, path: str, status: int, body: Any) -> dict[str, Any]:
+    def json_object(self, path: str, status: int, body: object) -> dict[str, Any]:
         """``body`` when it is a JSON object; a 200 with anything else is a definite :class:`EngineError`."""
         if isinstance(body, dict):
             return body

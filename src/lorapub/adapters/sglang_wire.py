@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRANSPORT = HTTPBytes()
 
 
-def _int_or_none(value: Any) -> int | None:
+def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -203,7 +203,7 @@ class SGLangWireEngine:
                                                   timeout=timeout if timeout is not None else self.client.probe_timeout)
         return self._staged(path, status, reply)
 
-    def _staged(self, path: str, status: int, reply: Any) -> dict[str, Any]:
+    def _staged(self, path: str, status: int, reply: object) -> dict[str, Any]:
         if status == 404 and self.client.require_patch:
             raise EngineError(f"{self.name} lacks lorapub's engine-side staging ({path} is missing): update its "
                               "SGLang patch", engine=self.name, status=status)

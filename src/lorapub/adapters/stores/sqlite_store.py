@@ -63,7 +63,7 @@ def _create_tables(db: sqlite3.Connection) -> None:
 
 
 
-def snapshot_parts(state: RegistryState, entries: int) -> Iterator[Any]:
+def snapshot_parts(state: RegistryState, entries: int) -> Iterator[RegistryState | tuple[str, list[object]]]:
     """The state in slices: its maps emptied first, then ``entries`` map items per slice
     (the session table's items as its atoms: tuples of str/int/float, no objects to rebuild).
 
