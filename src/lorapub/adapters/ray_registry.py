@@ -12,19 +12,21 @@ import gc
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping, TypedDict, cast
+from typing import Any, Callable, Mapping, TypedDict, TypeVar, cast
 
 import attrs
 import ray
 
 from lorapub import errors
-from lorapub.core.commands import Command
+from lorapub.core.commands import Command, Returns
 from lorapub.core.registry import (
     COMMANDS, DEFAULT_LEASE_TTL, RegistryState, Result, check_capacity, check_max_lag, check_room_for_lag)
 from lorapub.ports import RegistryStore
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.adapters.stores import SQLiteStore
+
+R_ = TypeVar("R_")  # a command's reply type
 
 __all__ = ["RegistryActor", "RayRegistry"]
 
@@ -281,7 +283,7 @@ class RayRegistry:
         return cls(ray.get_actor(name, namespace=namespace), call_timeout=call_timeout, batch=batch, name=name,
                    namespace=namespace)
 
-    async def handle(self, command: Command) -> Result:
+    async def handle(self, command: Returns[R_]) -> Result[R_]:
         if not self.batch:
             try:
                 ref = self.actor.handle.remote(command)
@@ -291,8 +293,8 @@ class RayRegistry:
                 return _answer(command, await self._reply(ref, "handle", command, type(command).__name__))
             except _Unread as e:
                 raise _unreadable(command, e.cause) from None
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((command, future))
+        future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
+        self._pending.append((cast(Command, command), future))  # every Returns is a Command
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._start_flush)
@@ -483,7 +485,7 @@ def _refusal(e: errors.LorapubError) -> tuple[str, str, dict[str, Any]]:
     return e.code, e.message, dict(e.details)
 
 
-def _answer(command: Command, answer: _Reply) -> Result:
+def _answer(command: Returns[R_], answer: _Reply) -> Result[R_]:
     status, value = answer
     if status == "error":
         code, message, details = value if len(value) == 3 else (*value, {})  # an actor of an earlier release: no details
@@ -491,4 +493,4 @@ def _answer(command: Command, answer: _Reply) -> Result:
         if cls is None:
             raise errors.LorapubError(f"{code}: {message}", **details)
         raise cls(message, **details)
-    return cast(Result, value)  # tagged "ok": the actor's LocalRegistry answered it (handle, handle_many)
+    return cast("Result[R_]", value)  # tagged "ok": the actor's LocalRegistry answered this command
