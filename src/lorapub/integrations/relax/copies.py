@@ -61,7 +61,8 @@ class RayCopies:
 
         self._ray = ray
         self.timeout = timeout
-        self.actor = ray.remote(num_cpus=0)(_CopiesActor).options(
+        # a Ray actor handle: ray's types give its methods no .remote (the calls below go through it)
+        self.actor: Any = ray.remote(num_cpus=0)(_CopiesActor).options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
         # keep() and retain() are called on the publisher's event loop: submitting a call serializes its
         # snapshot (hundreds of MB) into Ray's object store, so it happens on one thread of its own, in order
