@@ -7,16 +7,22 @@ See docs/testing.md, "Faults: `MemoryEngine` and `FaultyRegistry`".
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 from lorapub.core.commands import QUERIES, Command
-from lorapub.core.registry import Result
+from lorapub.core.registry import RegistryState, Result
 from lorapub.errors import OutcomeUnknown
 from lorapub.ports import Registry
 
 __all__ = ["MODES", "FaultyRegistry"]
 
 MODES = ("request", "reply")
+
+
+@runtime_checkable
+class _ShowsState(Protocol):
+    @property
+    def state(self) -> RegistryState: ...
 
 
 class FaultyRegistry:
@@ -64,6 +70,8 @@ class FaultyRegistry:
         return result
 
     @property
-    def state(self) -> Any:
-        """The wrapped registry's state (for assertions)."""
+    def state(self) -> RegistryState:
+        """The wrapped registry's state (for assertions; a registry that shows it, as LocalRegistry does)."""
+        if not isinstance(self.inner, _ShowsState):
+            raise AttributeError(f"{type(self.inner).__name__} shows no state")
         return self.inner.state

@@ -71,7 +71,7 @@ def chat_error(exc: LorapubError, error_type: Callable[..., Exception] | None = 
     )
     error.__cause__ = exc
     try:
-        setattr(error, "lorapub_error", exc)  # noqa: B010 - an attribute the class need not declare
+        setattr(error, "lorapub_error", exc)  # an attribute the class need not declare
     except AttributeError:  # a class with __slots__
         pass
     return error
