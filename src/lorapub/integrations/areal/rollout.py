@@ -22,6 +22,7 @@ import uuid
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from lorapub import Deployment, PublicationFailed, PublicationReport, Session, Snapshot
+from lorapub.ports import EngineAdmin
 
 from .config import LorapubAReaLConfig, version_id
 
@@ -76,7 +77,7 @@ def current_episode() -> Episode | None:
 class LorapubRollout:
     """The deployment behind one AReaL rollout engine, on its own loop (a daemon thread)."""
 
-    def __init__(self, config: LorapubAReaLConfig, *, max_lag: int, engines: Mapping[str, Any] | None = None,
+    def __init__(self, config: LorapubAReaLConfig, *, max_lag: int, engines: Mapping[str, EngineAdmin] | None = None,
                  **deployment_options: Any) -> None:
         self.config = config
         self.max_lag = max_lag
@@ -111,6 +112,7 @@ class LorapubRollout:
     async def _start(self, addresses: list[str]) -> None:
         if self.deployment is not None:
             return
+        engines: Mapping[str, EngineAdmin]
         if self._given_engines is not None:
             engines = self._given_engines
         else:

@@ -38,9 +38,9 @@ class LocalCopies:
 
 class _CopiesActor:
     def __init__(self) -> None:
-        self.copies: dict[tuple[int, str], Any] = {}
+        self.copies: dict[tuple[int, str], Snapshot] = {}
 
-    def keep(self, key: tuple[int, str], snapshot: Any) -> None:
+    def keep(self, key: tuple[int, str], snapshot: Snapshot) -> None:
         self.copies[key] = snapshot
 
     def retain(self, keys: list[tuple[int, str]]) -> None:
@@ -48,7 +48,7 @@ class _CopiesActor:
         for key in [k for k in self.copies if k not in wanted]:
             del self.copies[key]
 
-    def items(self) -> list[tuple[tuple[int, str], Any]]:
+    def items(self) -> list[tuple[tuple[int, str], Snapshot]]:
         return list(self.copies.items())
 
 

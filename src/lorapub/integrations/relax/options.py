@@ -13,6 +13,8 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
+from lorapub.ports import Transport
+
 
 __all__ = ['CONFIG_FLAG', 'DEFAULT_NAME_PREFIX', 'ENABLE_FLAG', 'LorapubConfig', 'MAX_STALENESS', 'OptionClash', 'RELAX_ADAPTER_NAME', 'RELAX_NAME_FAMILIES', 'RELAX_OPTIONS', 'TRANSPORTS', 'add_arguments', 'check_name_prefix', 'check_parser', 'config_from_args', 'engine_env', 'engine_name', 'is_enabled', 'sglang_overrides', 'topology_urls', 'validate_args', 'version_id_for']
 
@@ -361,7 +363,7 @@ def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
 
 
 
-def make_transport(config: LorapubConfig, args: Any) -> Any:
+def make_transport(config: LorapubConfig, args: Any) -> Transport:
     from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, TorchDistributed
 
     kind = config.transport
