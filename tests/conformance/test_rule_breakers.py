@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import types
 
 import pytest
 
@@ -69,6 +70,14 @@ class EndAnswersADict(MemoryEngine):
         return {"engine": ready.engine, "digest": ready.digest, "incarnation": ready.incarnation}
 
 
+class GenerateAnswersAMappingProxy(MemoryEngine):
+    """Its generate answers a read-only mapping where a dict is due (lorapub stamps its provenance,
+    ``result["lorapub"]``, into the engine's dict: a read-only reply would carry none)."""
+
+    async def generate(self, payload):
+        return types.MappingProxyType(await super().generate(payload))
+
+
 @pytest.mark.parametrize(
     "engine_class, check, says",
     [
@@ -76,8 +85,9 @@ class EndAnswersADict(MemoryEngine):
         (NoDigestCheck, "end_verifies_the_digest", "do not match the manifest"),
         (AcceptsStaleIncarnation, "stale_incarnation_refused", "another life"),
         (EndAnswersADict, "idempotent_lifecycle", "end returned a dict, not a ReadyLocal"),
+        (GenerateAnswersAMappingProxy, "reclaim_waits_for_native_refs", "generate returned a mappingproxy, not a dict"),
     ],
-    ids=["base-fallback", "no-digest-check", "stale-incarnation", "end-returns-dict"],
+    ids=["base-fallback", "no-digest-check", "stale-incarnation", "end-returns-dict", "generate-returns-mappingproxy"],
 )
 async def test_the_suite_fails_an_engine_that_breaks_a_rule(engine_class, check, says):
     with pytest.raises(ConformanceFailure) as caught:

@@ -16,6 +16,10 @@ from lorapub.adapters.sglang_http import MAX_ENGINE_TEXT, SGLangHTTP
 from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine, SharedDir
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown
+from lorapub.core.effects import SendBegin
+from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+from lorapub.testing import lora_snapshot
+from lorapub.wire.routes import BEGIN_ROUTE
 
 
 @pytest.fixture
@@ -127,6 +131,19 @@ async def test_a_malformed_state_is_an_engine_error(scripted):
     answers["/lorapub/state"] = (200, '{"incarnation": "x", "adapters": {"a": 1}, "managed_patch": true}', JSON)
     with pytest.raises(EngineError, match="malformed state"):
         await client(SGLangWireEngine).incarnation()
+
+
+@pytest.mark.parametrize("reply", ['{"ok": true}', '{"incarnation": 7}'])
+async def test_a_staging_reply_without_an_incarnation_is_an_engine_error(scripted, reply):
+    """begin's reply names the engine's life: one that does not (or not as text) is a definite
+    EngineError, never a KeyError nor a non-text life handed on to the attempt."""
+    answers, client = scripted
+    snap = lora_snapshot(1, layers=1, hidden=8, rank=2)
+    token = AttemptToken(VersionKey(1, "A"), 1)
+    request = SendBegin("e0", "life0", token, lora_name_for(token.version, snap.digest), snap.digest, snap.plan(256))
+    answers[BEGIN_ROUTE] = (200, reply, JSON)
+    with pytest.raises(EngineError, match="without its incarnation"):
+        await client(SGLangWireEngine).begin(request)
 
 
 async def test_flush_cache_takes_sglangs_plain_text_answer(scripted):

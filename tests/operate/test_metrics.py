@@ -64,6 +64,12 @@ def test_the_registry_series_documented_are_the_ones_exported():
     assert not any(label in ("session", "session_id", "request", "token") for labels in spec.values() for label in labels)
 
 
+def test_every_series_is_an_attribute_annotated_with_its_kind():
+    """Metrics declares one typed attribute per SERIES entry (what mypy --strict checks its uses against)."""
+    annotated = {attr: kind.lower() for attr, kind in Metrics.__annotations__.items()}
+    assert annotated == {attr: kind for attr, kind, *_ in SERIES}
+
+
 def test_the_engine_series_documented_are_the_ones_exported():
     metrics_module = pytest.importorskip("lorapub.sglang_patch.metrics")
     registry = prometheus_client.CollectorRegistry()

@@ -12,12 +12,13 @@ import concurrent.futures
 import os
 import threading
 import weakref
-from typing import Any, AsyncIterable, Mapping
+from typing import Any, AsyncIterable, Coroutine, Mapping, TypeVar
 
 import aiohttp
 
 from lorapub.adapters.sglang_http import IDLE_CONNECTION_S
 
+_T = TypeVar("_T")
 
 class _Stopped(Exception):
     """The worker was stopped before the post could be handed to it."""
@@ -81,7 +82,7 @@ class _Worker:
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             return r.status, await r.read()
 
-    def submit(self, coro) -> concurrent.futures.Future:
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         with self._lock:
             if self._stopped:
                 raise _Stopped

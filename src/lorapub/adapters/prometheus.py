@@ -6,7 +6,7 @@ See docs/metrics.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lorapub.errors import InvalidInput
 from lorapub.events import (
@@ -31,6 +31,10 @@ try:
     import prometheus_client as _prom
 except ImportError:  # the optional extra is not installed
     _prom = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["Metrics", "SERIES"]
 
@@ -95,16 +99,43 @@ class Metrics:
     prometheus_client way (``disable_created_metrics()``, as ``PROMETHEUS_DISABLE_CREATED_SERIES=True``
     does), True leaves that setting as it is."""
 
-    def __init__(self, registry: Any = None, *, namespace: str = "lorapub", created: bool = False) -> None:
+    # One attribute per entry of SERIES (set in __init__), of the type its kind names.
+    versions: Gauge
+    slots_used: Gauge
+    slots_free: Gauge
+    session_refs: Gauge
+    sessions_open: Gauge
+    groups_open: Gauge
+    dispatch_lag: Histogram
+    publications: Counter
+    publication_seconds: Histogram
+    phase_seconds: Histogram
+    bytes_sent: Counter
+    reclaim_seconds: Histogram
+    reclaims_waiting: Gauge
+    engines: Gauge
+    restarts: Counter
+    orphans_found: Counter
+    orphans_freed: Counter
+    reconcile_seconds: Histogram
+    reconcile_failures: Counter
+    decision_seconds: Histogram
+    sessions_ended: Counter
+    rebinds: Counter
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, namespace: str = "lorapub",
+                 created: bool = False) -> None:
         if _prom is None:
             raise InvalidInput("lorapub.adapters.prometheus.Metrics needs prometheus-client: "
                                "pip install 'lorapub[metrics]'")
         if not created:
-            _prom.disable_created_metrics()
+            # unannotated in prometheus_client 0.26
+            _prom.disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else _prom.CollectorRegistry()
         self.namespace = namespace
-        kinds = {"gauge": _prom.Gauge, "counter": _prom.Counter, "histogram": _prom.Histogram}
-        made: list[Any] = []
+        kinds: dict[str, type[MetricWrapperBase]] = {
+            "gauge": _prom.Gauge, "counter": _prom.Counter, "histogram": _prom.Histogram}
+        made: list[MetricWrapperBase] = []
         for attr, kind, name, labels, meaning, buckets in SERIES:
             extra: dict[str, Any] = {"buckets": buckets} if buckets else {}
             if _unit(name):

@@ -12,18 +12,21 @@ import gc
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict, TypeVar, cast
 
 import attrs
 import ray
 
 from lorapub import errors
-from lorapub.core.commands import Command
-from lorapub.core.registry import COMMANDS, DEFAULT_LEASE_TTL, Result, check_capacity, check_max_lag, check_room_for_lag
+from lorapub.core.commands import Command, Returns
+from lorapub.core.registry import (
+    COMMANDS, DEFAULT_LEASE_TTL, RegistryState, Result, check_capacity, check_max_lag, check_room_for_lag)
 from lorapub.ports import RegistryStore
 from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.adapters.stores import SQLiteStore
+
+R_ = TypeVar("R_")  # a command's reply type
 
 __all__ = ["RegistryActor", "RayRegistry"]
 
@@ -32,6 +35,22 @@ _ERRORS = {
     for cls in vars(errors).values()
     if isinstance(cls, type) and issubclass(cls, errors.LorapubError)
 }
+
+
+#: A call's answer as it crosses the actor boundary: ("ok", a Result) or ("error", (code, message,
+#: details)); an actor of an earlier release answers (code, message). Read only after the tag is checked.
+_Reply = tuple[str, Any]
+
+
+class _Options(TypedDict):
+    """The actor's LocalRegistry keyword options (as LocalRegistry names them)."""
+
+    lease_ttl: float | None
+    max_lag: int | None
+    on_stale: str | None
+    name_prefix: str
+    avoid_suspect: bool
+    clock: Callable[[], float]
 
 
 class _RunningClock:
@@ -107,8 +126,8 @@ class _RegistryActor:
         if store_factory is None and store_path:
             store_factory = functools.partial(SQLiteStore, store_path)  # durable: a restarted actor resumes
         self._open_args = (epoch, dict(engines), capacity)
-        self._options = dict(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
-                             avoid_suspect=avoid_suspect, clock=self.clock)
+        self._options = _Options(lease_ttl=lease_ttl, max_lag=max_lag, on_stale=on_stale, name_prefix=name_prefix,
+                                 avoid_suspect=avoid_suspect, clock=self.clock)
         self._store_factory = store_factory
         self.registry: LocalRegistry | None = None
         try:
@@ -137,7 +156,7 @@ class _RegistryActor:
                 self.clock.go_on_from(last)
         return self.registry
 
-    def handle_many(self, commands: list[Command]) -> list[tuple[str, Any]]:
+    def handle_many(self, commands: list[Command]) -> list[_Reply]:
         """A batch from one caller process, applied in order, each answered on its own, made
         durable by one group commit (one actor call and one fsync instead of one per command:
         what lets 100 callers share the actor)."""
@@ -154,7 +173,7 @@ class _RegistryActor:
             return [self.handle(c) for c in commands]
         return [("error", _refusal(a)) if isinstance(a, errors.LorapubError) else ("ok", a) for a in answers]
 
-    def handle(self, command: Command) -> tuple[str, Any]:
+    def handle(self, command: Command) -> _Reply:
         if not isinstance(command, COMMANDS):
             return ("error", ("INVALID_INPUT", f"{command!r} is not a registry command"))
         try:
@@ -168,7 +187,7 @@ class _RegistryActor:
                                                f"({type(e).__name__}: {e}); nothing was applied; build "
                                                f"{type(command).__name__} with fields of the documented types"))
 
-def _last_lease_granted(state: Any) -> float | None:
+def _last_lease_granted(state: RegistryState) -> float | None:
     """The latest time a stored lease was granted or renewed (a lower bound of the registry's time
     when its last life ended), None without leases."""
     if state.lease_ttl is None:
@@ -180,7 +199,7 @@ def _last_lease_granted(state: Any) -> float | None:
 def _owns_its_process() -> bool:
     """True in a Ray worker process (an actor's own), never in a driver or local mode."""
     try:
-        return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+        return bool(ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
     except Exception:  # noqa: BLE001 - no Ray context: a plain object in someone's process
         return False
 
@@ -219,7 +238,7 @@ class RayRegistry:
         # how a restarted or re-created actor is found again (create() and lookup() set it; a handle
         # wrapped without a name never asks a lost reply again: it is OutcomeUnknown at once)
         self.name, self.namespace = name, namespace
-        self._pending: list[tuple[Command, asyncio.Future]] = []
+        self._pending: list[tuple[Command, asyncio.Future[_Reply]]] = []
         self._flush_scheduled = False
         self.calls = 0  # actor calls made (for benchmarks)
 
@@ -245,6 +264,7 @@ class RayRegistry:
         check_capacity(capacity)
         on_stale = check_max_lag(max_lag, on_stale)
         check_room_for_lag(capacity, max_lag)
+        found: Any  # an actor handle: Ray's stubs type an ActorHandle's methods as Never
         try:
             found = ray.get_actor(name, namespace=namespace)
         except ValueError:  # no actor under that name: make it (Ray settles a race between two makers)
@@ -263,7 +283,7 @@ class RayRegistry:
         return cls(ray.get_actor(name, namespace=namespace), call_timeout=call_timeout, batch=batch, name=name,
                    namespace=namespace)
 
-    async def handle(self, command: Command) -> Result:
+    async def handle(self, command: Returns[R_]) -> Result[R_]:
         if not self.batch:
             try:
                 ref = self.actor.handle.remote(command)
@@ -273,8 +293,8 @@ class RayRegistry:
                 return _answer(command, await self._reply(ref, "handle", command, type(command).__name__))
             except _Unread as e:
                 raise _unreadable(command, e.cause) from None
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((command, future))
+        future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
+        self._pending.append((cast(Command, command), future))  # every Returns is a Command
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._start_flush)
@@ -286,7 +306,7 @@ class RayRegistry:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
             asyncio.ensure_future(self._flush(batch))
 
-    async def _flush(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
+    async def _flush(self, batch: list[tuple[Command, asyncio.Future[_Reply]]]) -> None:
         try:
             await self._send(batch)
         except BaseException as e:  # every caller is answered, whatever happened to its batch
@@ -299,7 +319,7 @@ class RayRegistry:
             if not isinstance(e, Exception):
                 raise
 
-    async def _send(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
+    async def _send(self, batch: list[tuple[Command, asyncio.Future[_Reply]]]) -> None:
         commands = [c for c, _ in batch]
         try:
             ref = self.actor.handle_many.remote(commands)
@@ -327,13 +347,13 @@ class RayRegistry:
             if not future.done():
                 future.set_result(answer)
 
-    async def _send_one_by_one(self, batch: list[tuple[Command, asyncio.Future]]) -> None:
+    async def _send_one_by_one(self, batch: list[tuple[Command, asyncio.Future[_Reply]]]) -> None:
         sent = [(c, f, self.actor.handle.remote(c)) for c, f in batch]  # one caller's calls run in this order
         for command, future, ref in sent:
             try:
                 answer = await self._reply(ref, "handle", command, type(command).__name__)
             except _Unread as e:
-                outcome: Any = _unreadable(command, e.cause)
+                outcome: errors.LorapubError = _unreadable(command, e.cause)
             except errors.LorapubError as e:
                 outcome = e
             else:
@@ -407,20 +427,22 @@ def _check_epoch_of(actor: Any, name: str, namespace: str, epoch: int, timeout: 
             f"old one first (ray.kill(ray.get_actor({name!r}, namespace={namespace!r})))")
 
 
-def _not_sendable(command: Any) -> errors.InvalidInput | None:
+def _not_sendable(command: object) -> errors.InvalidInput | None:
     """The typed refusal of a command Ray cannot serialize, naming the field that cannot be; None
     when the command serializes."""
     try:
-        ray.cloudpickle.dumps(command)
+        # Ray's vendored cloudpickle is unannotated
+        ray.cloudpickle.dumps(command)  # type: ignore[no-untyped-call]
         return None
     except Exception as e:  # noqa: BLE001 - any pickling failure is the command's
         error = e
-    what = type(command).__name__
-    if attrs.has(type(command)):
-        for field in attrs.fields(type(command)):
+    cls = type(command)
+    what = cls.__name__
+    if attrs.has(cls):
+        for field in attrs.fields(cls):
             value = getattr(command, field.name)
             try:
-                ray.cloudpickle.dumps(value)
+                ray.cloudpickle.dumps(value)  # type: ignore[no-untyped-call]  # as above
             except Exception as e:  # noqa: BLE001
                 what, error = f"{what}.{field.name} (a {type(value).__name__})", e
                 break
@@ -436,7 +458,7 @@ class _Unread(Exception):
         self.cause = cause
 
 
-def _unreadable(command: Any, cause: BaseException) -> errors.InvalidInput:
+def _unreadable(command: object, cause: BaseException) -> errors.InvalidInput:
     return errors.InvalidInput(
         f"the registry actor could not read {type(command).__name__} ({type(cause).__name__}: {_first_line(cause)}); "
         "nothing was applied: registry commands hold plain values every process can import")
@@ -448,7 +470,7 @@ def _not_sent(what: str, error: Exception) -> errors.LorapubError:
                                f"{_first_line(error)}); nothing was applied, send it again")
 
 
-def _short(command: Any) -> str:
+def _short(command: object) -> str:
     text = repr(command)
     return text if len(text) <= 300 else text[:300] + "…"
 
@@ -463,7 +485,7 @@ def _refusal(e: errors.LorapubError) -> tuple[str, str, dict[str, Any]]:
     return e.code, e.message, dict(e.details)
 
 
-def _answer(command: Command, answer: tuple[str, Any]) -> Result:
+def _answer(command: Returns[R_], answer: _Reply) -> Result[R_]:
     status, value = answer
     if status == "error":
         code, message, details = value if len(value) == 3 else (*value, {})  # an actor of an earlier release: no details
@@ -471,4 +493,4 @@ def _answer(command: Command, answer: tuple[str, Any]) -> Result:
         if cls is None:
             raise errors.LorapubError(f"{code}: {message}", **details)
         raise cls(message, **details)
-    return value
+    return cast("Result[R_]", value)  # tagged "ok": the actor's LocalRegistry answered this command

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import re
-from typing import Any, Mapping, TypedDict
+from typing import Any, Mapping, NotRequired, TypedDict, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -43,7 +43,7 @@ def _clip(text: str, limit: int = MAX_ENGINE_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def engine_message(body: Any) -> str:
+def engine_message(body: object) -> str:
     """The engine's own words: SGLang answers ``{"error": {"message": …}}``, ``{"error": "…"}``
     (its auth middleware), ``{"message": …}`` (OpenAI routes), ``{"error_message": …}`` (LoRA
     admin), ``{"detail": …}`` (request validation), or plain text (``/flush_cache``)."""
@@ -63,7 +63,7 @@ def engine_message(body: Any) -> str:
     return "" if body is None else _clip(json.dumps(body, default=str))
 
 
-def _status_text(status: int, body: Any) -> str:
+def _status_text(status: int, body: object) -> str:
     said = engine_message(body)
     if said:
         return f"{status}: {said}"
@@ -105,7 +105,7 @@ def _check_url(base_url: object) -> str:
     return base_url.rstrip("/")
 
 
-def _json_text(body: Any, what: str) -> str:
+def _json_text(body: object, what: str) -> str:
     try:
         return json.dumps(body, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -121,6 +121,23 @@ class ClientOptions(TypedDict, total=False):
     require_patch: bool
     api_key: str | None
     admin_api_key: str | None
+
+
+class EngineState(TypedDict):
+    """The state route's answer (lorapub's SGLang patch: ``lorapub.sglang_patch.routes.state_of``), as
+    :meth:`SGLangHTTP.state` checks it: ``incarnation`` always; the rest as the patch's release sends it.
+    Each adapter's entry and the staging report are the engine's JSON, read field by field."""
+
+    incarnation: str
+    adapters: NotRequired[dict[str, dict[str, Any]]]
+    pending_unloads: NotRequired[dict[str, Any]]
+    max_loaded_loras: NotRequired[int | None]
+    managed_patch: NotRequired[bool]
+    managed_prefix: NotRequired[str | None]
+    stamps: NotRequired[bool]
+    staging: NotRequired[dict[str, Any] | None]
+    sglang: NotRequired[str]
+    patch: NotRequired[str]
 
 
 class OwnedHTTPSession:
@@ -235,7 +252,8 @@ class SGLangHTTP(OwnedHTTPSession):
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def request(
-        self, method: str, path: str, *, json_body=None, headers=None, timeout=None, admin: bool = True
+        self, method: str, path: str, *, json_body: object = None, headers: Mapping[str, str] | None = None,
+        timeout: float | None = None, admin: bool = True,
     ) -> tuple[int, Any]:
         """``(status, body)``: the body parsed as JSON, or its text when it is not JSON.
 
@@ -256,11 +274,11 @@ class SGLangHTTP(OwnedHTTPSession):
             raise OutcomeUnknown(f"{self.name} {path}: no answer from {self.base_url} ({type(e).__name__}){hint}",
                                  engine=self.name, url=self.base_url) from None
 
-    def refusal(self, path: str, status: int, body: Any) -> EngineError:
+    def refusal(self, path: str, status: int, body: object) -> EngineError:
         """The definite "no" of an engine, with its own words (clipped)."""
         return EngineError(f"{self.name} {path} answered {_status_text(status, body)}", engine=self.name, status=status)
 
-    def json_object(self, path: str, status: int, body: Any) -> dict[str, Any]:
+    def json_object(self, path: str, status: int, body: object) -> dict[str, Any]:
         """``body`` when it is a JSON object; a 200 with anything else is a definite :class:`EngineError`."""
         if isinstance(body, dict):
             return body
@@ -272,7 +290,7 @@ class SGLangHTTP(OwnedHTTPSession):
             engine=self.name, status=status,
         )
 
-    async def state(self) -> dict[str, Any]:
+    async def state(self) -> EngineState:
         """The state route of lorapub's SGLang patch: incarnation, adapters, refs, pending unloads."""
         status, body = await self.request("GET", STATE_ROUTE, timeout=self.probe_timeout)
         if status == 404 and self.require_patch:
@@ -291,7 +309,7 @@ class SGLangHTTP(OwnedHTTPSession):
             raise EngineError(f"{self.name} {STATE_ROUTE} answered a malformed state: {engine_message(body)}", engine=self.name)
         if self.require_patch and not body.get("managed_patch"):
             raise EngineError(f"{self.name} runs without lorapub's managed-adapter patch (implicit reload possible)")
-        return body
+        return cast(EngineState, body)  # its incarnation, adapters, pending unloads and limit checked above
 
     async def admin(self, path: str, body: Mapping[str, Any] | None = None, *, expect_json: bool = True) -> Any:
         """POST an admin route with the admin key; anything but 200 is a definite :class:`EngineError`,

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Unpack
 import aiohttp
 
 from lorapub.adapters.body_sender import shared_sender
-from lorapub.adapters.sglang_http import ClientOptions, SGLangHTTP, _status_text
+from lorapub.adapters.sglang_http import ClientOptions, EngineState, SGLangHTTP, _status_text, engine_message
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import RECLAIM_HEADER, AttemptToken
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRANSPORT = HTTPBytes()
 
 
-def _int_or_none(value: Any) -> int | None:
+def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -126,7 +126,7 @@ class SGLangWireEngine:
         """Close the client's own connections; the adapter stays usable (see OwnedHTTPSession.release)."""
         await self.client.release()
 
-    async def state(self) -> dict[str, Any]:
+    async def state(self) -> EngineState:
         return await self.client.state()
 
     async def incarnation(self) -> str:
@@ -203,13 +203,21 @@ class SGLangWireEngine:
                                                   timeout=timeout if timeout is not None else self.client.probe_timeout)
         return self._staged(path, status, reply)
 
-    def _staged(self, path: str, status: int, reply: Any) -> dict[str, Any]:
+    def _staged(self, path: str, status: int, reply: object) -> dict[str, Any]:
         if status == 404 and self.client.require_patch:
             raise EngineError(f"{self.name} lacks lorapub's engine-side staging ({path} is missing): update its "
                               "SGLang patch", engine=self.name, status=status)
         if status != 200:
             raise self.client.refusal(path, status, reply)
         return self.client.json_object(path, status, reply)
+
+    def _incarnation(self, path: str, reply: Mapping[str, Any]) -> str:
+        """The engine's life a staging reply names: text, or a definite :class:`EngineError`."""
+        incarnation = reply.get("incarnation")
+        if not isinstance(incarnation, str):
+            raise EngineError(f"{self.name} {path} answered without its incarnation: {engine_message(reply)}",
+                              engine=self.name)
+        return incarnation
 
     # -- publication ------------------------------------------------------------------------------
     async def begin(self, request: SendBegin) -> str:
@@ -219,8 +227,9 @@ class SGLangWireEngine:
             "transport": dict(self.transport.begin_options(request, self.name)), "load": self.transport.load,
         }
         reply = await self._stage(BEGIN_ROUTE, body)
-        self._lives[request.token] = reply["incarnation"]
-        return reply["incarnation"]
+        incarnation = self._incarnation(BEGIN_ROUTE, reply)
+        self._lives[request.token] = incarnation
+        return incarnation
 
     async def _life(self, token: AttemptToken) -> str:
         return self._lives.get(token) or await self.incarnation()
@@ -243,7 +252,7 @@ class SGLangWireEngine:
                 async with self.client.http.post(url, params=params, data=post.body, headers=headers, timeout=t) as r:
                     status, raw = r.status, await r.read()
             text = raw.decode("utf-8", errors="replace")
-            incarnation = self._staged(BUCKET_ROUTE, status, json_or_text(text))["incarnation"]
+            incarnation = self._incarnation(BUCKET_ROUTE, self._staged(BUCKET_ROUTE, status, json_or_text(text)))
             stored = True
             return incarnation
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
@@ -273,7 +282,8 @@ class SGLangWireEngine:
         await self._probe(name)
         t2 = time.monotonic()
         state = await self.client.state()
-        timings = receipt.get("timings") if isinstance(receipt.get("timings"), dict) else {}
+        found = receipt.get("timings")
+        timings = found if isinstance(found, dict) else {}
         self._end_timings[token] = EndTimings({k: v for k, v in timings.items() if isinstance(v, (int, float))},
                                               stage=t1 - t0, probe=t2 - t1, state=time.monotonic() - t2)
         while len(self._end_timings) > 16:  # a few recent ones, for reports

@@ -51,6 +51,8 @@ def _extract(root: str, rel: str, name: str) -> str:
 
 def _load_file(name: str, path: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # a .py path always has both
+        raise ImportError(f"no loader for {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -65,7 +67,7 @@ def lora_registry_module() -> types.ModuleType:
     source = "import asyncio\n" + _extract(root, "srt/utils/common.py", "ConcurrentCounter")
     exec(compile(source, "common.py", "exec"), utils.__dict__)
     rwlock = _load_file("lorapub_sglang.aio_rwlock", os.path.join(root, "srt", "utils", "aio_rwlock.py"))
-    utils.aio_rwlock = rwlock
+    setattr(utils, "aio_rwlock", rwlock)  # a module made here: mypy knows no attributes of it
     # lora_registry imports `sglang.srt.utils` and `sglang.srt.utils.aio_rwlock`: resolve them to
     # the wheel's copies while it loads, then put back whatever was there.
     names = ("sglang.srt.utils", "sglang.srt.utils.aio_rwlock")

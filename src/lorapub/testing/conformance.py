@@ -13,13 +13,15 @@ import inspect
 import itertools
 import time
 import warnings
-from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Literal, Mapping, Protocol, TypeVar
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, VersionKey, lora_name_for
+from lorapub.core.manifest import BucketPlan
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import EngineAdmin
+from lorapub.snapshot import Snapshot
 from lorapub.testing.fixtures import lora_snapshot
 
 __all__ = [
@@ -36,6 +38,9 @@ DEFAULT_DEADLINE = 60.0
 #: waits for, a few hundred ms): one call that never answers fails its check in this time, not the
 #: whole check's. Generous for a loaded machine, where one call to a local engine takes well under a second.
 DEFAULT_CALL_DEADLINE = 15.0
+
+T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 
 
 class EngineUnderTest(Protocol):
@@ -97,12 +102,12 @@ class NotCheckedWarning(UserWarning):
     """A check was not run on this engine under test: it is not passed, only not checked."""
 
 
-class ConformanceResult(list):
+class ConformanceResult(list[str]):
     """What :func:`check_engine_admin` found: the names of the checks passed, in order (the list
     itself), and ``not_checked``: each check the engine under test could not take, with why. A
     check not checked is not in the list."""
 
-    def __init__(self, passed: list[str] = (), not_checked: Mapping[str, str] | None = None) -> None:
+    def __init__(self, passed: Iterable[str] = (), not_checked: Mapping[str, str] | None = None) -> None:
         super().__init__(passed)
         self.not_checked: dict[str, str] = dict(not_checked or {})
 
@@ -125,7 +130,7 @@ def _check(ok: bool, what: str) -> None:
         raise ConformanceFailure(what)
 
 
-def _typed(op: str, value: Any, kind: type) -> Any:
+def _typed(op: str, value: object, kind: type[T]) -> T:
     if not isinstance(value, kind):
         raise ConformanceFailure(
             f"{op} returned {'None' if value is None else 'a ' + type(value).__name__}, not a {kind.__name__}: "
@@ -142,11 +147,12 @@ class _TypedAdmin:
     def __init__(self, admin: EngineAdmin, call_deadline: float = DEFAULT_CALL_DEADLINE) -> None:
         self._admin = admin
         self._deadline = call_deadline
+        self.name = admin.name  # an engine's name is stable (EngineAdmin)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._admin, name)
 
-    async def _call(self, op: str, awaitable: Awaitable[Any]) -> Any:
+    async def _call(self, op: str, awaitable: Awaitable[T]) -> T:
         return await _within(self._deadline, f"{op} on {getattr(self._admin, 'name', '?')}", awaitable,
                              "did not answer")
 
@@ -169,8 +175,9 @@ class _TypedAdmin:
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._call("reclaim", self._admin.reclaim(lora_name, reclaim_id))  # its answer is not used
 
-    async def generate(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
-        return _typed("generate", await self._call("generate", self._admin.generate(payload)), Mapping)
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]:
+        # a dict, as the protocol promises: lorapub stamps its provenance (result["lorapub"]) into it
+        return _typed("generate", await self._call("generate", self._admin.generate(payload)), dict)
 
     async def close(self) -> None:
         await self._call("close", self._admin.close())
@@ -184,7 +191,7 @@ class _UnderCheck:
 
     def __init__(self, engine: EngineUnderTest, call_deadline: float = DEFAULT_CALL_DEADLINE) -> None:
         self._engine = engine
-        self.admin = _TypedAdmin(engine.admin, call_deadline)
+        self.admin: EngineAdmin = _TypedAdmin(engine.admin, call_deadline)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -193,7 +200,8 @@ class _UnderCheck:
 _seq = itertools.count(1)
 
 
-async def _begin(engine: EngineUnderTest, epoch: int, seed: int, *, incarnation: str | None = None):
+async def _begin(engine: EngineUnderTest, epoch: int, seed: int, *,
+                 incarnation: str | None = None) -> tuple[SendBegin, Snapshot, BucketPlan, str]:
     admin = engine.admin
     snapshot = lora_snapshot(seed, layers=1, hidden=16, rank=2)
     plan = snapshot.plan(512)
@@ -212,7 +220,7 @@ async def _load(engine: EngineUnderTest, epoch: int, seed: int) -> tuple[SendBeg
     return request, await engine.admin.end(request.token)
 
 
-async def _raises(awaitable, error: type[Exception]) -> Exception | None:
+async def _raises(awaitable: Awaitable[object], error: type[E]) -> E | None:
     """The ``error`` the awaitable raised, or None if it answered. Any other exception is a contract
     break; cancellation and interrupts (not :class:`Exception`) go through untouched."""
     try:
@@ -235,7 +243,7 @@ async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return True
 
 
-async def _cancel(*tasks: asyncio.Future) -> None:
+async def _cancel(*tasks: asyncio.Future[Any]) -> None:
     """Cancel the tasks a check started and give them a moment to end (none outlives its check
     on purpose); their outcomes are read here, the check has judged what it needed."""
     for task in tasks:
@@ -287,7 +295,7 @@ async def reclaim_waits_for_native_refs(engine: EngineUnderTest, epoch: int) -> 
     request, _ = await _load(engine, epoch, 13)
     name = request.lora_name
     running = asyncio.ensure_future(admin.generate(engine.generation(name, long=True)))
-    reclaim: asyncio.Future | None = None
+    reclaim: asyncio.Future[None] | None = None
     try:
         _check(await _until(lambda: engine.native_refs(name) > 0 or running.done()), "the generation started")
         _check(not running.done(), "a long generation is still running when reclaim starts")
@@ -420,7 +428,7 @@ CHECKS: tuple[Callable[[EngineUnderTest, int], Awaitable[None]], ...] = (
 )
 
 
-async def _within(deadline: float, what: str, awaitable: Awaitable[Any], overran: str = "did not finish") -> Any:
+async def _within(deadline: float, what: str, awaitable: Awaitable[T], overran: str = "did not finish") -> T:
     """Await under the deadline; an overrun is a :class:`ConformanceFailure` saying what and how long."""
     timeout = asyncio.timeout(deadline)
     try:

@@ -7,16 +7,24 @@ See docs/testing.md, "Faults: `MemoryEngine` and `FaultyRegistry`".
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Protocol, TypeVar, runtime_checkable
 
-from lorapub.core.commands import QUERIES, Command
-from lorapub.core.registry import Result
+from lorapub.core.commands import QUERIES, Returns
+from lorapub.core.registry import RegistryState, Result
 from lorapub.errors import OutcomeUnknown
 from lorapub.ports import Registry
+
+R_ = TypeVar("R_")  # a command's reply type
 
 __all__ = ["MODES", "FaultyRegistry"]
 
 MODES = ("request", "reply")
+
+
+@runtime_checkable
+class _ShowsState(Protocol):
+    @property
+    def state(self) -> RegistryState: ...
 
 
 class FaultyRegistry:
@@ -41,7 +49,7 @@ class FaultyRegistry:
         """Drop the planned faults that have not fired yet."""
         self._planned.clear()
 
-    def _fault_for(self, command: Command) -> str | None:
+    def _fault_for(self, command: Returns[object]) -> str | None:
         if not self.enabled:
             return None
         for i, (kind, mode) in enumerate(self._planned):
@@ -52,7 +60,7 @@ class FaultyRegistry:
             return self._rng.choice(MODES)
         return None
 
-    async def handle(self, command: Command) -> Result:
+    async def handle(self, command: Returns[R_]) -> Result[R_]:
         mode = self._fault_for(command)
         if mode is not None:
             self.injected.append((type(command).__name__, mode))
@@ -64,6 +72,8 @@ class FaultyRegistry:
         return result
 
     @property
-    def state(self) -> Any:
-        """The wrapped registry's state (for assertions)."""
+    def state(self) -> RegistryState:
+        """The wrapped registry's state (for assertions; a registry that shows it, as LocalRegistry does)."""
+        if not isinstance(self.inner, _ShowsState):
+            raise AttributeError(f"{type(self.inner).__name__} shows no state")
         return self.inner.state

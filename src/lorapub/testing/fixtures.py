@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, Any, Sequence, TypedDict, Unpack
 
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
 from lorapub.snapshot import Snapshot
 
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
 __all__ = ["peft_lora_state_dict", "peft_config", "lora_snapshot", "fake_manifest", "fake_plan"]
 
 
-def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: int = 8, modules=("q_proj", "v_proj")):
+class _Shape(TypedDict, total=False):
+    layers: int
+    hidden: int
+    rank: int
+    modules: Sequence[str]
+
+
+def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: int = 8,
+                         modules: Sequence[str] = ("q_proj", "v_proj")) -> dict[str, NDArray[np.floating[Any]]]:
     """Seeded PEFT-named ``lora_A``/``lora_B`` float32 tensors (numpy), both non-zero."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tensors = {}
+    tensors: dict[str, NDArray[np.floating[Any]]] = {}
     for layer in range(layers):
         for module in modules:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
@@ -25,7 +38,7 @@ def peft_lora_state_dict(seed: int, *, layers: int = 2, hidden: int = 64, rank: 
     return tensors
 
 
-def peft_config(rank: int = 8, modules=("q_proj", "v_proj")) -> dict:
+def peft_config(rank: int = 8, modules: Sequence[str] = ("q_proj", "v_proj")) -> dict[str, Any]:
     """The ``adapter_config.json`` that goes with :func:`peft_lora_state_dict`."""
     return {
         "peft_type": "LORA",
@@ -39,7 +52,7 @@ def peft_config(rank: int = 8, modules=("q_proj", "v_proj")) -> dict:
     }
 
 
-def lora_snapshot(seed: int, **shape) -> Snapshot:
+def lora_snapshot(seed: int, **shape: Unpack[_Shape]) -> Snapshot:
     """A :class:`~lorapub.Snapshot` of :func:`peft_lora_state_dict` (same seed, same digest)."""
     rank = shape.get("rank", 8)
     return Snapshot(peft_lora_state_dict(seed, **shape), peft_config(rank))

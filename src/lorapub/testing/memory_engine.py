@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import json
 import random
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
@@ -27,6 +27,7 @@ __all__ = ["FAULTS", "OPS", "MemoryEngine", "MemoryUnderTest"]
 
 FAULTS = ("request", "reply", "error", "stall", "restart")
 OPS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
+T = TypeVar("T")
 
 
 class MemoryEngine:
@@ -126,7 +127,7 @@ class MemoryEngine:
         if token in self.stashes:
             self.driven[token] = self.clock.monotonic()
 
-    async def _call(self, op: str, fn, *args):
+    async def _call(self, op: str, fn: Callable[..., Awaitable[T]], *args: object) -> T:
         self._age()
         fault = self._fault(op)
         if fault is not None:

@@ -13,6 +13,7 @@ import datetime
 import mmap
 import os
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -21,20 +22,22 @@ from lorapub.testing.sglang_double import SGLangDouble
 __all__ = ["main"]
 
 
-def _gloo_sink(body: dict) -> int:
+def _gloo_sink(body: dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
     span = datetime.timedelta(seconds=float(body.get("timeout", 60)))
-    store = dist.TCPStore(body["host"], int(body["port"]), None, False, timeout=span)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(body.get("prefix", "raw"), store), int(body["rank"]),
-                               int(body["world_size"]), span)
+    # torch's stubs: torch.distributed re-exports TCPStore and PrefixStore from its C extension without
+    # declaring them, and give the Gloo group no broadcast (it has one)
+    store = dist.TCPStore(body["host"], int(body["port"]), None, False, timeout=span)  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(body.get("prefix", "raw"), store)  # type: ignore[attr-defined]
+    pg = dist.ProcessGroupGloo(prefixed, int(body["rank"]), int(body["world_size"]), span)
     total = 0
     for size in body["sizes"]:
         t = torch.empty(int(size), dtype=torch.uint8)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        pg.broadcast([t], opts).wait()
+        pg.broadcast([t], opts).wait()  # type: ignore[attr-defined]
         total += t.numel()
     return total
 
@@ -87,7 +90,9 @@ async def main(name: str, stash: str, shm: str | None, *, max_loras_per_batch: i
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    control = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    server = site._server
+    assert isinstance(server, asyncio.Server)  # a TCPSite's, once started
+    control = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     print(f"URL {double.url} {control}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
     await runner.cleanup()

@@ -18,6 +18,7 @@ import attrs
 
 from lorapub.adapters.sglang_http import MISSING_MARKERS, SGLangHTTP, engine_message
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, OutcomeUnknown, VersionMissing
+from lorapub.ports import RoutedSession
 
 __all__ = [
     "ROUTER_VERSION", "REQUIRED_ROUTER_FLAGS", "router_command", "normalize_url", "engine_name", "RouterWorker",
@@ -74,7 +75,7 @@ def engine_name(url: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", name)
 
 
-def _router_error(body: Any) -> tuple[str | None, str]:
+def _router_error(body: object) -> tuple[str | None, str]:
     """(the router's own error code or None, the message) of an error answer."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         code = body["error"].get("code")
@@ -134,7 +135,8 @@ class SGLangRouter:
     async def release(self) -> None:
         await self.client.release()
 
-    async def request(self, method: str, path: str, *, json_body=None, timeout: float | None) -> tuple[int, Any]:
+    async def request(self, method: str, path: str, *, json_body: object = None,
+                      timeout: float | None) -> tuple[int, Any]:
         """``(status, body)``, as :meth:`SGLangHTTP.request <lorapub.adapters.sglang_http.SGLangHTTP.request>`
         sends it; the router takes the API key (its only key) on every route."""
         return await self.client.request(method, path, json_body=json_body, timeout=timeout, admin=False)
@@ -248,11 +250,12 @@ class RouterRouting:
         self.router = router
         self._target = RoutedGeneration(router)
 
-    def pick(self, session: Any, holders: frozenset[str] | None = None) -> RoutedGeneration:
+    def pick(self, session: RoutedSession, holders: frozenset[str] | None = None) -> RoutedGeneration:
         """The router picks the worker. ``holders`` (the engines that hold the session's
         version now, None: unknown) only vetoes: with no holder at all nothing is sent."""
         if holders is not None and not holders:
-            bound = session.binding.version if getattr(session, "binding", None) else "the bound version"
+            binding = getattr(session, "binding", None)
+            bound = binding.version if binding else "the bound version"
             raise EngineUnavailable(
                 f"no engine holds {bound} right now (being re-provisioned); retry the request later",
                 session=getattr(session, "key", None),

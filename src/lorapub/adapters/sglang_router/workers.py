@@ -10,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from typing import Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Protocol
 
 import attrs
 
 from lorapub.adapters.sglang_router.client import SGLangRouter, engine_name, normalize_url
 from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, LorapubError, OutcomeUnknown
+from lorapub.ports import EngineAdmin
+
+if TYPE_CHECKING:
+    from lorapub.runtime.reconciler import Health
 
 __all__ = [
     "WorkerJoined", "WorkerLeft", "WorkerRestarted", "WorkerUnreachable", "WorkerQuarantined", "WorkerHealed",
@@ -121,10 +125,30 @@ class WorkerStatus:
     probe_failures: int = 0
 
 
-Heal = Callable[[str], Awaitable[Any]]
+Heal = Callable[[str], Awaitable[object]]
 
 
-def reconcile_heal(deployment: Any) -> Heal:
+class Reconciles(Protocol):
+    """What :func:`reconcile_heal` uses of a :class:`~lorapub.Deployment`."""
+
+    async def reconcile(self) -> Health: ...
+
+
+class ElasticFleet(Protocol):
+    """What the watcher uses of a started :class:`~lorapub.Deployment` whose engine set follows the
+    router's list (``WorkerWatcher(elastic=...)``)."""
+
+    @property
+    def engines(self) -> Mapping[str, EngineAdmin]: ...
+
+    async def add_engine(self, engine: EngineAdmin, *, timeout: float | None = ...) -> None: ...
+
+    async def drain_engine(self, name: str, *, timeout: float | None = ...) -> object: ...
+
+    async def remove_engine(self, name: str, *, timeout: float | None = ...) -> None: ...
+
+
+def reconcile_heal(deployment: Reconciles) -> Heal:
     """``heal(name)`` for a :class:`~lorapub.Deployment`: the deployment's own re-provisioning.
 
     One reconciliation pass (``deployment.reconcile()``) registers the worker's current
@@ -175,7 +199,7 @@ class WorkerWatcher:
         router: SGLangRouter,
         *,
         heal: Heal | None = None,
-        on_event: Callable[[WorkerEvent], Any] | None = None,
+        on_event: Callable[[WorkerEvent], object] | None = None,
         names: Mapping[str, str] | None = None,
         interval: float = 1.0,
         probe_failures: int = 2,
@@ -184,14 +208,14 @@ class WorkerWatcher:
         engine_factory: Callable[[str, str], SGLangWireEngine] | None = None,
         probe_timeout: float = 5.0,
         request_timeout: float | None = None,
-        elastic: Any | None = None,
+        elastic: ElasticFleet | None = None,
         drain_timeout: float | None = 300.0,
     ) -> None:
         self.router = router
         self.heal = heal
         self.elastic = elastic  # a Deployment whose engine set follows the router's list
         self.drain_timeout = drain_timeout
-        self._leaves: dict[str, asyncio.Task] = {}
+        self._leaves: dict[str, asyncio.Task[None]] = {}
         self.on_event = on_event
         self.names = {normalize_url(u): n for u, n in (names or {}).items()}
         self.interval = interval
@@ -202,13 +226,13 @@ class WorkerWatcher:
         self.engines: dict[str, SGLangWireEngine] = {}  # name -> engine, every worker ever seen
         self.workers: dict[str, WorkerStatus] = {}  # url -> status
         self.events: list[WorkerEvent] = []
-        self._handshakes: dict[str, asyncio.Task] = {}
-        self._loop_task: asyncio.Task | None = None
+        self._handshakes: dict[str, asyncio.Task[None]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
         self._discovered = False
         self.last_error: str | None = None  # the last failure to list the router's workers
 
     @staticmethod
-    def _default_factory(probe_timeout: float, request_timeout: float | None):
+    def _default_factory(probe_timeout: float, request_timeout: float | None) -> Callable[[str, str], SGLangWireEngine]:
         # the bytes' way is the deployment's transport, which it hands to these engines
         return lambda name, url: SGLangWireEngine(name, url, probe_timeout=probe_timeout, request_timeout=request_timeout)
 
@@ -293,7 +317,7 @@ class WorkerWatcher:
         for status in left:
             await self._emit(WorkerLeft(status.name, status.url))
             if self.elastic is not None:
-                self._leave(status)
+                self._leave(status, self.elastic)
         serving = [s for s in self.workers.values() if s.state == "serving" and s.url in listed]
         await asyncio.gather(*(self._probe(s) for s in serving))
 
@@ -342,7 +366,12 @@ class WorkerWatcher:
         if status.url not in self._handshakes:
             task = asyncio.get_running_loop().create_task(self._handshake(status, reason))
             self._handshakes[status.url] = task
-            task.add_done_callback(lambda _t, url=status.url: self._handshakes.pop(url, None))
+            url = status.url
+
+            def forget(_t: asyncio.Task[None]) -> None:
+                self._handshakes.pop(url, None)
+
+            task.add_done_callback(forget)
 
     async def admit(self, url: str) -> None:
         """Bring a new worker in the safe way: heal it first, then add it to the router."""
@@ -395,11 +424,16 @@ class WorkerWatcher:
             return
 
     # -- an elastic deployment: a leave drains and removes the engine -----------------------
-    def _leave(self, status: WorkerStatus) -> None:
-        if status.url not in self._leaves and status.name in self.elastic.engines:
-            task = asyncio.get_running_loop().create_task(self._remove(status))
+    def _leave(self, status: WorkerStatus, elastic: ElasticFleet) -> None:
+        if status.url not in self._leaves and status.name in elastic.engines:
+            task = asyncio.get_running_loop().create_task(self._remove(status, elastic))
             self._leaves[status.url] = task
-            task.add_done_callback(lambda _t, url=status.url: self._leaves.pop(url, None))
+            url = status.url
+
+            def forget(_t: asyncio.Task[None]) -> None:
+                self._leaves.pop(url, None)
+
+            task.add_done_callback(forget)
 
     async def _await_leave(self, url: str) -> None:
         """A worker that comes back while its removal runs joins once it is done."""
@@ -407,16 +441,16 @@ class WorkerWatcher:
         if task is not None:
             await asyncio.gather(asyncio.shield(task), return_exceptions=True)
 
-    async def _remove(self, status: WorkerStatus) -> None:
+    async def _remove(self, status: WorkerStatus, elastic: ElasticFleet) -> None:
         """Drain the engine of a worker that left the router (when it answers), then remove it."""
         name = status.name
         try:
             try:
-                await self.elastic.drain_engine(name, timeout=self.drain_timeout)
+                await elastic.drain_engine(name, timeout=self.drain_timeout)
             except LorapubError as e:
                 # unreachable, the last member that takes traffic, or its drain ran out of time: removal decides
                 log.warning("%s left the router; its drain did not finish: %s", name, getattr(e, "message", e))
-            await self.elastic.remove_engine(name)
+            await elastic.remove_engine(name)
             self.engines.pop(name, None)  # a later join builds a fresh adapter (the deployment closed this one)
             log.info("%s left the router and the deployment", name)
         except asyncio.CancelledError:

@@ -136,6 +136,7 @@ class HighWaterMark:
         self.close()
         if found is None:  # written whole, then renamed into place: never a partial mark
             folder = os.path.dirname(self.path)
+            tmp: str | None
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=".registry-mark-")
             try:
                 os.write(fd, now.encode())

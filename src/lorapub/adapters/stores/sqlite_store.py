@@ -63,13 +63,15 @@ def _create_tables(db: sqlite3.Connection) -> None:
 
 
 
-def snapshot_parts(state: RegistryState, entries: int) -> Iterator[Any]:
+def snapshot_parts(state: RegistryState, entries: int) -> Iterator[RegistryState | tuple[str, list[object]]]:
     """The state in slices: its maps emptied first, then ``entries`` map items per slice
     (the session table's items as its atoms: tuples of str/int/float, no objects to rebuild).
 
     The state is immutable, so iterating it across many later decisions is safe."""
     maps = [f.name for f in attrs.fields(type(state)) if isinstance(getattr(state, f.name), (PMap, SessionTable))]
-    yield attrs.evolve(state, **{name: pmap() for name in maps})
+    # fields picked by name at run time, each a map of its own type: Any is what fits them all
+    emptied: dict[str, Any] = {name: pmap() for name in maps}
+    yield attrs.evolve(state, **emptied)
     for name in maps:
         value = getattr(state, name)
         items = iter(value.atoms() if isinstance(value, SessionTable) else value.items())
@@ -374,16 +376,17 @@ class SQLiteStore:
         state = self._decode(f"snapshot {snap} part 0", rows[0][1], rows[0][2], key_of("part", snap, 0))
         if not isinstance(state, RegistryState):
             raise StoreCorrupted(f"registry store {self.path}: snapshot {snap} holds a {type(state).__name__}")
-        maps: dict[str, dict] = {}
+        maps: dict[str, dict[Any, Any]] = {}  # field name -> its items, as decoded
         for part, record, checksum in rows[1:]:
             name, items = self._decode(f"snapshot {snap} part {part}", record, checksum, key_of("part", snap, part))
             maps.setdefault(name, {}).update(items)
         # every field through its converter again: a snapshot an earlier release wrote holds its
         # sessions as a PMap of records, which becomes a session table here
-        state = attrs.evolve(state, **{
+        filled: dict[str, Any] = {  # fields by name, each a map of its own type (as above)
             name: SessionTable.from_atoms(items.items()) if isinstance(getattr(state, name), SessionTable)
             else pmap(items) for name, items in maps.items()
-        })
+        }
+        state = attrs.evolve(state, **filled)
         epoch = db.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
         if epoch is None or int(epoch[0]) != state.epoch:
             raise StoreCorrupted(

@@ -11,7 +11,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.errors import InvalidInput
-from lorapub.ports import BucketPost
+from lorapub.ports import BucketPost, BucketSource
 from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.routes import LOAD_FORMS
 
@@ -75,7 +75,7 @@ class HTTPBytes:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(load={self.load!r}, sender={self.sender!r})"
 
-    def _value(self) -> tuple:
+    def _value(self) -> tuple[object, ...]:
         return (type(self), self.load, self.sender)
 
     def __eq__(self, other: object) -> bool:
@@ -84,7 +84,7 @@ class HTTPBytes:
     def __hash__(self) -> int:
         return hash(self._value())
 
-    def source(self, snapshot: Snapshot, plan: BucketPlan) -> "WireBucketSource":
+    def source(self, snapshot: Snapshot, plan: BucketPlan) -> BucketSource:
         return WireBucketSource(snapshot, plan)
 
     def begin_options(self, request: SendBegin, engine: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import logging
 import os
 import queue
@@ -14,7 +15,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 from lorapub.core.identity import AttemptToken
@@ -53,7 +54,7 @@ _IOV_MAX = 1024
 #: finalizer, which the garbage collector may run inside any code, an executor's ``submit`` holding its
 #: module-wide lock included: so a queue whose ``put`` takes no lock that code can hold (a SimpleQueue),
 #: never an executor.
-_removals: queue.SimpleQueue = queue.SimpleQueue()
+_removals: queue.SimpleQueue[tuple[Callable[..., object], tuple[object, ...]]] = queue.SimpleQueue()
 _remover: threading.Thread | None = None
 _exiting = False
 
@@ -90,7 +91,7 @@ def _at_exit() -> None:
     _exiting = True
 
 
-def _off_loop(work, *args) -> None:
+def _off_loop(work: Callable[..., object], *args: object) -> None:
     """Run ``work(*args)`` (a removal) on the remover thread; while the interpreter exits, here."""
     if _exiting or _remover is None:
         work(*args)
@@ -323,7 +324,7 @@ class ShmBucketSource:
         self._files: dict[int, ShmBucket] = {}
         self._engines: dict[int, set[str]] = {}
         self._read_by: dict[int, set[str]] = {}
-        self._ahead: dict[int, asyncio.Future] = {}  # up to WRITE_AHEAD buckets, written in advance
+        self._ahead: dict[int, asyncio.Future[ShmBucket]] = {}  # up to WRITE_AHEAD buckets, written in advance
         self._aborted = False
         _start_remover()
         # a source dropped with segments left (a failed or cancelled publication) removes them off the loop
@@ -349,7 +350,7 @@ class ShmBucketSource:
             os.close(fd)
         return ShmBucket(name, bucket.nbytes, self, index)
 
-    def _start_write(self, index: int) -> asyncio.Future:
+    def _start_write(self, index: int) -> asyncio.Future[ShmBucket]:
         write = asyncio.wrap_future(_io_pool().submit(self._write, index))
         write.add_done_callback(lambda f: f.cancelled() or f.exception())  # a write ahead nobody awaits: read here
         return write
@@ -387,9 +388,9 @@ class ShmBucketSource:
             self._remove(index)
         for index, ahead in list(self._ahead.items()):
             del self._ahead[index]
-            ahead.add_done_callback(lambda f, i=index: self._drop_ahead(i, f))
+            ahead.add_done_callback(functools.partial(self._drop_ahead, index))
 
-    def _drop_ahead(self, index: int, done: asyncio.Future) -> None:
+    def _drop_ahead(self, index: int, done: asyncio.Future[ShmBucket]) -> None:
         if not done.cancelled() and done.exception() is None:
             self._files[index] = done.result()
             self._remove(index)
@@ -446,7 +447,7 @@ class SameHostIPC(HTTPBytes):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shm_dir={self.shm_dir!r}, load={self.load!r})"
 
-    def _value(self) -> tuple:
+    def _value(self) -> tuple[object, ...]:
         return (type(self), self.load, os.path.realpath(self.shm_dir))
 
     def source(self, snapshot: Snapshot, plan: BucketPlan) -> ShmBucketSource:
@@ -473,7 +474,7 @@ class SharedDir(SameHostIPC):
     or a host folder mounted into containers: the publisher removes each bucket file once every
     engine answered it)."""
 
-    def __init__(self, path: str | os.PathLike, *, load: str = "dir") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, load: str = "dir") -> None:
         super().__init__(shm_dir=_folder("path", path), load=load)
 
     @property

@@ -8,7 +8,7 @@ import datetime
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from lorapub.core.effects import SendBegin
@@ -21,6 +21,10 @@ from lorapub.wire.codec import json_bytes
 from lorapub.wire.collective import barrier, post_abort
 
 from .http_bytes import HTTPBytes
+
+if TYPE_CHECKING:  # torch is an optional extra, imported where it is used
+    import torch
+    from torch._C._distributed_c10d import Backend, PrefixStore, TCPStore
 
 __all__ = ['TorchBucketSource', 'TorchDistributed']
 
@@ -63,24 +67,26 @@ class TorchDistributed(HTTPBytes):
         self.host, self.backend, self.device, self.timeout = host, backend, device, float(timeout)
         self._sources: weakref.WeakValueDictionary[str, TorchBucketSource] = weakref.WeakValueDictionary()
         self._attempts: weakref.WeakValueDictionary[AttemptToken, TorchBucketSource] = weakref.WeakValueDictionary()
-        self._spare: concurrent.futures.Future | None = None
+        self._spare: "concurrent.futures.Future[TCPStore] | None" = None
         self._make_spare()
 
-    def _make_store(self) -> Any:
+    def _make_store(self) -> "TCPStore":
         import torch.distributed as dist
 
-        return dist.TCPStore(self.host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout),
-                             wait_for_workers=False)
+        # torch.distributed re-exports TCPStore without declaring it (no __all__ entry, no "as")
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            self.host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False)
 
     def _make_spare(self) -> None:
         """The next attempt's store, made on a thread now: a store's start (its server thread, and the
         first one's setup, 10 ms here) never runs on the caller's loop."""
         self._spare = _store_maker().submit(self._make_store)
 
-    def take_store(self) -> Any:
+    def take_store(self) -> "TCPStore":
         """A store for a new attempt: the one made ahead (waited for if it is still being made, which
         takes less than making one here), or, if that failed, one made here; the next one is started."""
-        spare, store = self._spare, None
+        spare = self._spare
+        store: "TCPStore | None" = None
         try:
             if spare is not None:
                 store = spare.result(timeout=self.timeout)
@@ -139,15 +145,16 @@ class TorchBucketSource:
         if not isinstance(snapshot, Snapshot) or not isinstance(plan, BucketPlan) or plan.digest != snapshot.digest:
             raise InvalidInput("a torch bucket source takes a Snapshot and the plan made for it")
         self.snapshot, self.plan, self.transport = snapshot, plan, transport
-        self.store = transport.take_store()
-        self.port = self.store.port
+        store = transport.take_store()
+        self.store: "TCPStore | None" = store  # None once the last bucket went (its server joined)
+        self.port = store.port
         self._rosters: dict[AttemptToken, tuple[str, ...]] = {}
         self._roster_set: dict[AttemptToken, asyncio.Event] = {}
-        self._groups: dict[AttemptToken, Any] = {}
-        self._sent: dict[tuple[AttemptToken, int], asyncio.Future] = {}
+        self._groups: "dict[AttemptToken, Backend]" = {}
+        self._sent: dict[tuple[AttemptToken, int], asyncio.Future[None]] = {}
         self.failed: str | None = None
         self.broadcasts = 0
-        self._bufs: list[Any] = [None, None]  # at most two buckets' bytes beside the snapshot
+        self._bufs: "list[torch.Tensor | None]" = [None, None]  # at most two buckets' bytes beside the snapshot
         self._ahead: dict[int, tuple[threading.Thread, int]] = {}
 
     def _event(self, token: AttemptToken) -> asyncio.Event:
@@ -165,10 +172,13 @@ class TorchBucketSource:
             raise EngineError(f"{engine} is not a target of {token} ({roster})")
         return 1 + roster.index(engine), 1 + len(roster)
 
-    def _prefixed(self, token: AttemptToken) -> Any:
+    def _prefixed(self, token: AttemptToken) -> "PrefixStore":
         import torch.distributed as dist
 
-        return dist.PrefixStore(f"lorapub/{token}", self.store)
+        store = self.store
+        if store is None:  # was a TypeError inside PrefixStore: the same failed broadcast, said plainly
+            raise EngineError(f"the store of {token}'s collective is closed: its last bucket was broadcast")
+        return dist.PrefixStore(f"lorapub/{token}", store)  # type: ignore[attr-defined]  # as TCPStore
 
     def abort(self, token: AttemptToken, reason: str) -> None:
         """Every party of ``token``'s collective stops waiting (an engine refused or did not answer)."""
@@ -176,7 +186,7 @@ class TorchBucketSource:
         if self.store is not None:
             post_abort(self._prefixed(token), f"publisher: {reason}")
 
-    def _join(self, token: AttemptToken, world: int) -> Any:
+    def _join(self, token: AttemptToken, world: int) -> "Backend":
         import torch.distributed as dist
 
         span = datetime.timedelta(seconds=self.transport.timeout)
@@ -188,15 +198,16 @@ class TorchBucketSource:
         opts._timeout = span
         return dist.ProcessGroupNCCL(store, 0, world, opts)
 
-    def _flatten(self, index: int, slot: int) -> Any:
+    def _flatten(self, index: int, slot: int) -> "torch.Tensor":
         """Bucket ``index`` into buffer ``slot`` (two buffers of the largest bucket, reused)."""
         import numpy as np
         import torch
 
-        if self._bufs[slot] is None:
-            self._bufs[slot] = torch.empty(max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8)
+        buf = self._bufs[slot]
+        if buf is None:
+            buf = self._bufs[slot] = torch.empty(max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8)
         bucket = self.plan.buckets[index]
-        flat = self._bufs[slot][: bucket.nbytes]
+        flat = buf[: bucket.nbytes]
         out, offset = flat.numpy(), 0
         for entry in bucket.entries:  # numpy copies without the GIL: the caller's loop keeps running
             view = tensor_bytes(self.snapshot.tensor(entry.name))
@@ -213,7 +224,10 @@ class TorchBucketSource:
         if ahead is not None:  # flattened while the previous bucket was broadcast
             ahead[0].join()
             slot = ahead[1]
-            flat = self._bufs[slot][: self.plan.buckets[index].nbytes]
+            buf = self._bufs[slot]
+            if buf is None:  # was a TypeError here: the same failed broadcast, said plainly
+                raise EngineError(f"bucket {index} of {token} was not flattened ahead (its thread failed)")
+            flat = buf[: self.plan.buckets[index].nbytes]
         else:
             slot = index % 2
             flat = self._flatten(index, slot)
@@ -227,7 +241,8 @@ class TorchBucketSource:
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = datetime.timedelta(seconds=self.transport.timeout)
         barrier(self._prefixed(token), f"bucket-{index}", world, self.transport.timeout)
-        self._groups[token].broadcast([flat], opts).wait()
+        # torch's stubs give Backend no broadcast; ProcessGroupGloo and ProcessGroupNCCL have it
+        self._groups[token].broadcast([flat], opts).wait()  # type: ignore[attr-defined]
         if index == len(self.plan.buckets) - 1:  # the last bucket: leave the group here, off the loop
             self._groups.pop(token, None)
             self._bufs = [None, None]

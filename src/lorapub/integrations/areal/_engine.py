@@ -23,6 +23,8 @@ from areal.infra.remote_inf_engine import RemoteInfEngine
 from areal.infra.utils.concurrent import get_executor
 from areal.utils import name_resolve, names
 
+from lorapub import PublicationReport
+
 from .config import LorapubAReaLConfig, areal_version, config_of
 from .rollout import LorapubRollout, current_episode, read_adapter
 
@@ -154,7 +156,7 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
             latency=latency, ttft=latency, tokenizer=req.tokenizer, processor=req.processor, routed_experts=routed,
         )
 
-    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future:
+    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[PublicationReport]:
         """Publish the adapter AReaL's trainer saves at ``meta.path`` as ``v<meta.version>``. The future gives
         the :class:`lorapub.PublicationReport`, or raises the typed error (the previous version stays the
         one new trajectories bind)."""
@@ -165,9 +167,10 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
             raise ValueError("Version is required for LoRA update.")
         if self.config.experiment_name is None or self.config.trial_name is None:
             raise RuntimeError("Experiment and trial names must be set for disk-based weight updates.")
-        return get_executor().submit(self._publish_from_disk, meta, self.get_version())
+        future: Future[PublicationReport] = get_executor().submit(self._publish_from_disk, meta, self.get_version())
+        return future
 
-    def _publish_from_disk(self, meta: WeightUpdateMeta, model_version: int) -> Any:
+    def _publish_from_disk(self, meta: WeightUpdateMeta, model_version: int) -> PublicationReport:
         # the trainer announces the saved adapter through name_resolve, as for AReaL's own load
         name_resolve.wait(names.update_weights_from_disk(self.config.experiment_name, self.config.trial_name,
                                                          model_version), timeout=120)
@@ -201,9 +204,9 @@ class LorapubSGLangEngine(RemoteSGLangEngine):
             if deployment_options:
                 raise ValueError("deployment options were given but rollout.lorapub is off")
             return  # AReaL's own path
-        block.check(lora_name=config.lora_name, use_lora=config.use_lora,
-                    max_head_offpolicyness=config.max_head_offpolicyness)
-        self._engine = LorapubRemoteInfEngine(config, SGLangBackend(), block, **deployment_options)
+        self.lorapub_config.check(lora_name=config.lora_name, use_lora=config.use_lora,
+                                  max_head_offpolicyness=config.max_head_offpolicyness)
+        self._engine = LorapubRemoteInfEngine(config, SGLangBackend(), self.lorapub_config, **deployment_options)
 
     @property
     def lorapub(self) -> LorapubRollout | None:

@@ -65,7 +65,7 @@ def config_of(value: Any) -> LorapubAReaLConfig | None:
     """The block from what AReaL's config loader left (a dataclass, an OmegaConf node, a dict) or None."""
     if value is None or isinstance(value, LorapubAReaLConfig):
         return value
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     elif not isinstance(value, dict):
         try:  # an OmegaConf DictConfig

@@ -19,9 +19,10 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Awaitable, Mapping, Sequence, TypeVar
+from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
-from lorapub import Deployment, PublicationFailed, Snapshot
+from lorapub import Deployment, PublicationFailed, PublicationReport, Session, Snapshot
+from lorapub.ports import EngineAdmin
 
 from .config import LorapubAReaLConfig, version_id
 
@@ -62,8 +63,8 @@ class Episode:
     one lorapub session of the group, opened at its first request and kept through every turn."""
 
     group: str
-    sessions: dict[int, Any] = dataclasses.field(default_factory=dict)
-    counter: Any = dataclasses.field(default_factory=itertools.count)
+    sessions: dict[int, Session] = dataclasses.field(default_factory=dict)
+    counter: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
 
 _EPISODE: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("lorapub_areal_episode", default=None)
@@ -76,11 +77,11 @@ def current_episode() -> Episode | None:
 class LorapubRollout:
     """The deployment behind one AReaL rollout engine, on its own loop (a daemon thread)."""
 
-    def __init__(self, config: LorapubAReaLConfig, *, max_lag: int, engines: Mapping[str, Any] | None = None,
+    def __init__(self, config: LorapubAReaLConfig, *, max_lag: int, engines: Mapping[str, EngineAdmin] | None = None,
                  **deployment_options: Any) -> None:
         self.config = config
         self.max_lag = max_lag
-        self.deployment: Any = None
+        self.deployment: Deployment | None = None
         self._given_engines = dict(engines) if engines is not None else None
         self._deployment_options = deployment_options
         self._loop = asyncio.new_event_loop()
@@ -90,17 +91,17 @@ class LorapubRollout:
         self.skipped_pauses = 0
 
     # -- calling into the loop ----------------------------------------------------------------------
-    def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
+    def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
         if self._loop.is_closed():
-            coro.close()  # type: ignore[attr-defined]
+            coro.close()
             raise RuntimeError("this rollout engine's lorapub was closed (destroy())")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """From a thread that is not the loop's (AReaL's initialize, its update thread pool)."""
         return self.submit(coro).result(timeout)
 
-    async def run_async(self, coro: Awaitable[T]) -> T:
+    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """From another event loop (AReaL's workflow executor): cancelling the await cancels the work."""
         return await asyncio.wrap_future(self.submit(coro))
 
@@ -111,6 +112,7 @@ class LorapubRollout:
     async def _start(self, addresses: list[str]) -> None:
         if self.deployment is not None:
             return
+        engines: Mapping[str, EngineAdmin]
         if self._given_engines is not None:
             engines = self._given_engines
         else:
@@ -142,8 +144,13 @@ class LorapubRollout:
             self._thread.join()
             self._loop.close()
 
+    def _started(self) -> Deployment:
+        if self.deployment is None:
+            raise RuntimeError("this rollout engine's lorapub is not started (initialize())")
+        return self.deployment
+
     # -- weight updates ----------------------------------------------------------------------------
-    def publish(self, snapshot: Snapshot, version: int, *, attempts: int = 1, delay: float = 1.0) -> Any:
+    def publish(self, snapshot: Snapshot, version: int, *, attempts: int = 1, delay: float = 1.0) -> PublicationReport:
         """Publish AReaL's weight version ``version`` on every server; the :class:`lorapub.PublicationReport`
         once every server holds it and it is the default, or the typed error (the previous version stays).
 
@@ -152,7 +159,7 @@ class LorapubRollout:
         often (``request_retries``). Nothing else is retried (an unknown outcome, a capacity refusal)."""
         for attempt in range(1, max(1, attempts) + 1):
             try:
-                return self.run(self.deployment.publish(snapshot, version_id(version), wait=self.config.publish_wait))
+                return self.run(self._started().publish(snapshot, version_id(version), wait=self.config.publish_wait))
             except PublicationFailed as e:
                 if attempt >= attempts:
                     raise
@@ -166,14 +173,14 @@ class LorapubRollout:
         """One request of the trajectory ``member`` of ``episode``, sent once, on its bound version (run on
         this loop). Outside an episode (``agenerate`` called directly) the request is a session of its own."""
         if episode is None:
-            session = self.deployment.session(f"areal-{uuid.uuid4().hex[:16]}")
+            alone = self._started().session(f"areal-{uuid.uuid4().hex[:16]}")
             try:
-                return await session.generate(payload)
+                return await alone.generate(payload)
             finally:
-                await session.close()
+                await alone.close()
         session = episode.sessions.get(member)
         if session is None:  # no await between the look-up and the insert: one session per member
-            session = self.deployment.session(f"{episode.group}.{next(episode.counter)}", group=episode.group)
+            session = self._started().session(f"{episode.group}.{next(episode.counter)}", group=episode.group)
             episode.sessions[member] = session
         return await session.generate(payload)
 
@@ -192,11 +199,11 @@ class LorapubRollout:
         return Episode(group=f"areal-{tag}-{uuid.uuid4().hex[:10]}")
 
     @staticmethod
-    def enter(episode: Episode) -> contextvars.Token:
+    def enter(episode: Episode) -> contextvars.Token[Episode | None]:
         return _EPISODE.set(episode)
 
     @staticmethod
-    def leave(token: contextvars.Token) -> None:
+    def leave(token: contextvars.Token[Episode | None]) -> None:
         _EPISODE.reset(token)
 
 

@@ -38,9 +38,9 @@ class LocalCopies:
 
 class _CopiesActor:
     def __init__(self) -> None:
-        self.copies: dict[tuple[int, str], Any] = {}
+        self.copies: dict[tuple[int, str], Snapshot] = {}
 
-    def keep(self, key: tuple[int, str], snapshot: Any) -> None:
+    def keep(self, key: tuple[int, str], snapshot: Snapshot) -> None:
         self.copies[key] = snapshot
 
     def retain(self, keys: list[tuple[int, str]]) -> None:
@@ -48,7 +48,7 @@ class _CopiesActor:
         for key in [k for k in self.copies if k not in wanted]:
             del self.copies[key]
 
-    def items(self) -> list[tuple[tuple[int, str], Any]]:
+    def items(self) -> list[tuple[tuple[int, str], Snapshot]]:
         return list(self.copies.items())
 
 
@@ -61,7 +61,8 @@ class RayCopies:
 
         self._ray = ray
         self.timeout = timeout
-        self.actor = ray.remote(num_cpus=0)(_CopiesActor).options(
+        # a Ray actor handle: ray's types give its methods no .remote (the calls below go through it)
+        self.actor: Any = ray.remote(num_cpus=0)(_CopiesActor).options(
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
         # keep() and retain() are called on the publisher's event loop: submitting a call serializes its
         # snapshot (hundreds of MB) into Ray's object store, so it happens on one thread of its own, in order

@@ -3,7 +3,7 @@ exported sample metadata."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, overload
 
 from lorapub import LorapubError
 
@@ -40,12 +40,12 @@ class RelaxChatError(Exception):
 
     def __init__(
         self,
-        message,
+        message: str,
         *,
-        code="invalid_request_error",
-        param=None,
-        status_code=400,
-        error_type="invalid_request_error",
+        code: str = "invalid_request_error",
+        param: str | None = None,
+        status_code: int = 400,
+        error_type: str = "invalid_request_error",
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -56,7 +56,13 @@ class RelaxChatError(Exception):
         self.error_type = error_type
 
 
-def chat_error(exc: LorapubError, error_type: type | None = None) -> Exception:
+@overload
+def chat_error(exc: LorapubError, error_type: None = None) -> RelaxChatError: ...
+@overload
+def chat_error(exc: LorapubError, error_type: Callable[..., Exception] | None) -> Exception: ...
+
+
+def chat_error(exc: LorapubError, error_type: Callable[..., Exception] | None = None) -> Exception:
     """A lorapub error as Relax's chat error: ``_chat`` answers it with its status and code kept (never
     a 500, never a group drop). The lorapub error is its ``__cause__`` and ``lorapub_error``."""
     cls = error_type or RelaxChatError
@@ -65,7 +71,7 @@ def chat_error(exc: LorapubError, error_type: type | None = None) -> Exception:
     )
     error.__cause__ = exc
     try:
-        error.lorapub_error = exc
+        setattr(error, "lorapub_error", exc)  # an attribute the class need not declare
     except AttributeError:  # a class with __slots__
         pass
     return error

@@ -13,6 +13,8 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
+from lorapub.ports import Transport
+
 
 __all__ = ['CONFIG_FLAG', 'DEFAULT_NAME_PREFIX', 'ENABLE_FLAG', 'LorapubConfig', 'MAX_STALENESS', 'OptionClash', 'RELAX_ADAPTER_NAME', 'RELAX_NAME_FAMILIES', 'RELAX_OPTIONS', 'TRANSPORTS', 'add_arguments', 'check_name_prefix', 'check_parser', 'config_from_args', 'engine_env', 'engine_name', 'is_enabled', 'sglang_overrides', 'topology_urls', 'validate_args', 'version_id_for']
 
@@ -218,10 +220,12 @@ class LorapubConfig:
     def resolved(self, args: Any = None) -> "LorapubConfig":
         """The settings a run uses: ``max_lag: max_staleness`` becomes Relax's ``--max-staleness`` (1, Relax's
         default, where ``args`` has none), and an unset capacity the fewest slots that serve ``max_lag``."""
-        max_lag = self.max_lag
-        if max_lag == MAX_STALENESS:
+        max_lag: int | None
+        if isinstance(self.max_lag, str):  # MAX_STALENESS: __post_init__ refuses every other str
             staleness = getattr(args, "max_staleness", None)
             max_lag = RELAX_DEFAULT_MAX_STALENESS if staleness is None else int(staleness)
+        else:
+            max_lag = self.max_lag
         capacity = self.capacity if self.capacity is not None else max(2, (max_lag or 0) + 2)
         if (max_lag, capacity) == (self.max_lag, self.capacity):
             return self
@@ -249,6 +253,7 @@ class LorapubConfig:
     def from_file(cls, path: str) -> "LorapubConfig":
         with open(path, encoding="utf-8") as f:
             text = f.read()
+        values: object
         if path.endswith(".json"):
             values = json.loads(text)
         else:
@@ -307,7 +312,10 @@ def sglang_overrides(config: LorapubConfig) -> dict[str, int]:
     """SGLang server settings a Relax run needs (Relax launches with 1 and 2: put these in ``--sglang-config``):
     ``capacity + 1`` for lorapub (SGLang keeps one batch slot unpinned), and one for Relax's fixed adapter,
     which Relax's first sync loads and which stays loaded."""
-    slots = config.resolved().capacity + 2
+    capacity = config.resolved().capacity
+    if capacity is None:  # resolved() always sets it
+        raise AssertionError("a resolved LorapubConfig has a capacity")
+    slots = capacity + 2
     return {"max_loras_per_batch": slots, "max_loaded_loras": slots}
 
 
@@ -356,7 +364,7 @@ def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
 
 
 
-def make_transport(config: LorapubConfig, args: Any) -> Any:
+def make_transport(config: LorapubConfig, args: Any) -> Transport:
     from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, TorchDistributed
 
     kind = config.transport

@@ -9,18 +9,11 @@ import inspect
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Mapping, Sequence, Union
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, Union
 
-from lorapub import (
-    BindingStale,
-    Deployment,
-    EngineError,
-    EngineUnavailable,
-    LorapubError,
-    NoPublishedVersion,
-    SessionClosed,
-    UnknownEngine,
-)
+from lorapub import (BindingStale, Deployment, EngineError, EngineUnavailable, LorapubError, NoPublishedVersion,
+                     Session, SessionClosed, UnknownEngine)
+from lorapub.ports import CopyStore, EngineAdmin, Registry, Transport
 
 from .errors import CONTEXT_MARKERS, chat_error
 from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
@@ -47,7 +40,7 @@ async def _each(coros: list[Awaitable[Any]]) -> None:
         await asyncio.gather(*coros)
 
 
-def _failed(task: asyncio.Task | None) -> bool:
+def _failed(task: asyncio.Task[None] | None) -> bool:
     return task is not None and task.done() and (task.cancelled() or task.exception() is not None)
 
 
@@ -67,7 +60,7 @@ def _metrics() -> list[Any]:
 @dataclasses.dataclass
 class _Group:
     key: str  # the lorapub group: one per start_group, so a reused Relax group id starts afresh
-    members: dict[str, Any]
+    members: dict[str, Session]
 
 
 class RelaxLorapub:
@@ -85,41 +78,50 @@ class RelaxLorapub:
         *,
         config: LorapubConfig | None = None,
         worker_urls: WorkerUrls | None = None,
-        engines: Mapping[str, Any] | None = None,
-        registry: Any = None,
+        engines: Mapping[str, EngineAdmin] | None = None,
+        registry: Registry | None = None,
         role: str = "shard",
-        copies: Any = None,
+        copies: CopyStore | None = None,
         **deployment_options: Any,
     ) -> None:
         self.args = args
         self.config = config.resolved(args) if config is not None else config_from_args(args)
         self.enabled = self.config is not None
-        if self.enabled and self.config.epoch is None:
+        if self.config is not None and self.config.epoch is None:  # enabled
             # Each actor picking its own epoch would split one run into several deployments.
             raise ValueError(f"{ENABLE_FLAG}: the epoch is unset; call validate_args(args) on the driver first")
         if role not in ("shard", "trainer"):
             raise ValueError(f"role must be 'shard' or 'trainer', got {role!r}")
         self.role = role
-        self.deployment: Any = None
+        self.deployment: Deployment | None = None
         #: Whether the deployment names versions with ``config.name_prefix`` (None until started).
         self.name_prefix_applied: bool | None = None
         self._worker_urls = worker_urls
         self._given_engines = dict(engines) if engines is not None else None
-        self._built_engines: list[Any] = []
-        self._transport: Any = None  # the built engines' transport, named on their deployment
+        self._built_engines: list[EngineAdmin] = []
+        self._transport: Transport | None = None  # the built engines' transport, named on their deployment
         self._registry = registry
         self._copies = copies  # the trainer's: where its frozen copies outlive it (copies.py)
         self._deployment_options = deployment_options
-        self._start: asyncio.Task | None = None
+        self._start: asyncio.Task[None] | None = None
         self._groups: dict[str, _Group] = {}
-        self._members: dict[str, Any] = {}
+        self._members: dict[str, Session] = {}
         self._rebinds_seen: dict[str, int] = {}  # per open member: the group rebinds its last turn carried
         self._closed = False
-        self._following: asyncio.Task | None = None  # the running look at the workers (one at a time)
+        self._following: asyncio.Task[None] | None = None  # the running look at the workers (one at a time)
         self._followed_at: float | None = None
-        self._leaving: dict[str, asyncio.Task] = {}  # engine -> its drain and removal
+        self._leaving: dict[str, asyncio.Task[None]] = {}  # engine -> its drain and removal
         #: cut trajectories since the last :meth:`metrics` reset (Relax's ``agentic_kv_metrics``)
         self._counts = {"rebound": 0, "stale": 0, "waited_first_version": 0}
+
+    @property
+    def _config(self) -> LorapubConfig:
+        assert self.config is not None, "lorapub is off"  # only reached with the switch on
+        return self.config
+
+    def _deployed(self) -> Deployment:
+        assert self.deployment is not None, "lorapub is not started"  # only reached after start()
+        return self.deployment
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> "RelaxLorapub":
@@ -144,7 +146,7 @@ class RelaxLorapub:
             raise
 
     async def _start_deployment(self) -> None:
-        if not self.config.registry and self._registry is None and self._given_engines is None:
+        if not self._config.registry and self._registry is None and self._given_engines is None:
             # Relax runs its trainer and each rollout shard in processes of their own: registries of
             # their own, under one epoch, would each take the other's versions for orphans and unload them
             raise ValueError(
@@ -154,7 +156,8 @@ class RelaxLorapub:
         engines = self._given_engines if self._given_engines is not None else await self._build_engines()
         if not engines:
             raise RuntimeError("lorapub needs at least one SGLang worker")
-        config = self.config
+        config = self._config
+        assert config.epoch is not None  # __init__ refused an unset epoch
         options: dict[str, Any] = {"capacity": config.capacity, "max_lag": config.max_lag,
                                    "on_stale": config.on_stale, "idle_ttl": config.idle_ttl}
         if self._transport is not None:
@@ -184,36 +187,37 @@ class RelaxLorapub:
             # its frozen copies outlive it, and a trainer started again takes back those kept before it: it loads
             # every live version on an engine that joins or restarts, whichever trainer process published it
             copies = self._copies
-            if copies is None and self.config.registry and self._registry is None:
+            if copies is None and config.registry and self._registry is None:
                 from .copies import RayCopies
 
-                copies = RayCopies(f"{self.config.registry}-{self.config.epoch}-copies")
+                copies = RayCopies(f"{config.registry}-{config.epoch}-copies")
             if copies is not None:
                 options.setdefault("copies", copies)
         self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
 
-    async def _build_engines(self) -> dict[str, Any]:
+    async def _build_engines(self) -> dict[str, EngineAdmin]:
         urls = await self._current_urls()
         from lorapub.adapters.sglang_wire import HTTPBytes  # aiohttp: lazily
 
-        self._transport = make_transport(self.config, self.args) if self.role == "trainer" else HTTPBytes()
-        engines = {engine_name(url): self._engine(url) for url in sorted(set(urls or ()))}
+        self._transport = make_transport(self._config, self.args) if self.role == "trainer" else HTTPBytes()
+        engines: dict[str, EngineAdmin] = {engine_name(url): self._engine(url) for url in sorted(set(urls or ()))}
         self._built_engines = list(engines.values())
         self._followed_at = time.monotonic()
         return engines
 
-    def _engine(self, url: str) -> Any:
+    def _engine(self, url: str) -> EngineAdmin:
         from lorapub.adapters.sglang_wire import SGLangWireEngine  # aiohttp: lazily
 
-        return SGLangWireEngine(engine_name(url), url, api_key=self.config.api_key,
-                                admin_api_key=self.config.admin_api_key)
+        return SGLangWireEngine(engine_name(url), url, api_key=self._config.api_key,
+                                admin_api_key=self._config.admin_api_key)
 
     async def _current_urls(self) -> list[str]:
         urls = self._worker_urls
         if callable(urls):
-            urls = urls()
-            if inspect.isawaitable(urls):
-                urls = await urls
+            found = urls()
+            if inspect.isawaitable(found):
+                return list(await found or ())
+            return list(found or ())
         return list(urls or ())
 
     # -- engines that come and go ---------------------------------------------------------------
@@ -251,16 +255,16 @@ class RelaxLorapub:
 
     async def _leave(self, name: str) -> None:
         try:
-            await self.deployment.drain_engine(name, timeout=self.config.drain_wait)
-            await self.deployment.remove_engine(name)
+            await self._deployed().drain_engine(name, timeout=self._config.drain_wait)
+            await self._deployed().remove_engine(name)
             log.info("lorapub: engine %s left the workers: drained and removed", name)
         except UnknownEngine:
             # another process of the run (the trainer, another shard) removed it from the shared registry
             # first: nothing routes there any more; this process lets go of its adapter once its own requests
             # running there end (the removal finishes here)
-            engine = self.deployment.engines.get(name)
+            engine = self._deployed().engines.get(name)
             try:
-                await self.deployment.remove_engine(name, timeout=self.config.drain_wait)
+                await self._deployed().remove_engine(name, timeout=self._config.drain_wait)
             except UnknownEngine:
                 pass
             if engine is not None and engine in self._built_engines:
@@ -274,7 +278,7 @@ class RelaxLorapub:
 
     def _maybe_follow(self) -> None:
         """A shard looks at the router's workers at most every ``worker_refresh`` s, beside its groups."""
-        every = self.config.worker_refresh
+        every = self._config.worker_refresh
         if every is None or self._given_engines is not None or self._worker_urls is None:
             return
         if self._following is not None and not self._following.done():
@@ -290,17 +294,20 @@ class RelaxLorapub:
         except Exception as e:  # noqa: BLE001 - a failed look is retried at the next one
             log.warning("lorapub: looking at the router's workers failed: %s", e)
 
-    async def _shared_registry(self, engines: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
-        if not self.config.registry:
+    async def _shared_registry(self, engines: Mapping[str, EngineAdmin], options: Mapping[str, Any]) -> Registry | None:
+        config = self._config
+        if not config.registry:
             return None  # in-process: one process publishes and serves sessions
         from lorapub.adapters.ray_registry import RayRegistry  # ray: lazily
 
+        assert config.epoch is not None  # __init__ refused an unset epoch
         incarnations = {name: await engine.incarnation() for name, engine in engines.items()}
-        extra = {"name_prefix": self.config.name_prefix} if takes_keyword(RayRegistry.create, "name_prefix") else {}
+        # keywords a RayRegistry.create of an older lorapub may lack
+        extra: dict[str, Any] = {"name_prefix": config.name_prefix} if takes_keyword(RayRegistry.create, "name_prefix") else {}
         # get-if-exists: the first process to get here creates it (with these settings), every other joins it
         return RayRegistry.create(
-            f"{self.config.registry}-{self.config.epoch}", self.config.epoch, incarnations,
-            capacity=options["capacity"], store_path=self.config.registry_store, max_lag=options["max_lag"],
+            f"{config.registry}-{config.epoch}", config.epoch, incarnations,
+            capacity=options["capacity"], store_path=config.registry_store, max_lag=options["max_lag"],
             on_stale=options["on_stale"], **extra,
         )
 
@@ -338,12 +345,12 @@ class RelaxLorapub:
                      "left open (%d member(s))", group_id, sum(self._members.get(s) is m for s, m in ended.members.items()))
             await self._release_members(ended)
         key = f"{safe_id(group_id, 'group', 100)}.{uuid.uuid4().hex[:8]}"  # a closed lorapub group never reopens
-        members = {sid: self.deployment.session(safe_id(sid, "session"), group=key) for sid in session_ids}
+        members = {sid: self._deployed().session(safe_id(sid, "session"), group=key) for sid in session_ids}
         self._groups[group_id] = _Group(key, members)
         self._members.update(members)
         await _each([member.open() for member in members.values()])
 
-    def member(self, session_id: str) -> Any:
+    def member(self, session_id: str) -> Session | None:
         """The lorapub session of a Relax session record (None when none is open)."""
         return self._members.get(session_id)
 
@@ -404,7 +411,7 @@ class RelaxLorapub:
         # only this group's own records: a member id of an ended group may be live again in a new one
         await _each([self._close(sid, member) for sid, member in group.members.items()])
 
-    async def _close(self, session_id: str, member: Any = None) -> None:
+    async def _close(self, session_id: str, member: Session | None = None) -> None:
         if member is not None and self._members.get(session_id) is not member:
             return  # released already (its own finish), or the id now belongs to a newer group
         member = self._members.pop(session_id, None)
@@ -482,14 +489,14 @@ class LorapubGenerationBackend:
     async def generate(
         self,
         *,
-        input_ids,
-        sampling_params,
-        session_id,
-        request_id,
-        image_data=None,
-        audio_data=None,
-        video_data=None,
-        return_logprob=True,
+        input_ids: Iterable[int],
+        sampling_params: Mapping[str, Any],
+        session_id: str,
+        request_id: str,
+        image_data: object = None,  # Relax's multimodal inputs: sent to SGLang as they are
+        audio_data: Iterable[object] | None = None,
+        video_data: object = None,
+        return_logprob: bool = True,
     ) -> Any:
         args = self.lorapub.args
         payload: dict[str, Any] = {
@@ -524,7 +531,7 @@ class LorapubGenerationBackend:
         """Send on the session's binding. Before the trainer's first version the request waits for it (up to
         ``first_version_wait`` s: nothing was sent, so asking again is safe); Relax's ``abort_request`` of a
         waiting request (a pause) answers it as an aborted one, which Relax requeues and resumes."""
-        limit = self.lorapub.config.first_version_wait
+        limit = self.lorapub._config.first_version_wait
         deadline: float | None = None
         try:
             while True:

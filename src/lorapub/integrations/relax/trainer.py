@@ -10,9 +10,9 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
-from lorapub import CapacityError, PublicationBlocked, PublicationSuperseded, Snapshot
+from lorapub import CapacityError, Deployment, PublicationBlocked, PublicationReport, PublicationSuperseded, Snapshot
 
 from .options import config_from_args, is_enabled, topology_urls, version_id_for
 from .shard import RelaxLorapub
@@ -21,6 +21,7 @@ __all__ = ['LorapubPublisher', 'LorapubWeightPath', 'PublishOutcome', 'WeightPub
 
 log = logging.getLogger("lorapub.integrations.relax")  # one logger for the whole integration
 _STEP_RE = re.compile(r"step(\d+)")  # version_id_for's ids
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------------------------
 # The trainer side
@@ -48,37 +49,37 @@ class LorapubPublisher:
         self._thread.start()
 
     @property
-    def deployment(self) -> Any:
+    def deployment(self) -> Deployment | None:
         return self.lorapub.deployment
 
-    def _run(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return self._submit(coro).result(timeout)
 
-    def _submit(self, coro: Awaitable[Any]) -> concurrent.futures.Future:
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._loop.is_closed():
             coro.close()
             raise RuntimeError("this publisher was closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    async def _publish(self, snapshot: Snapshot, version_id: str) -> Any:
+    async def _publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
         await self.lorapub.start()
-        return await self.lorapub.deployment.publish(snapshot, version_id, wait=self.lorapub.config.publish_wait)
+        return await self.lorapub._deployed().publish(snapshot, version_id, wait=self.lorapub._config.publish_wait)
 
-    def submit(self, snapshot: Snapshot, version_id: str) -> concurrent.futures.Future:
+    def submit(self, snapshot: Snapshot, version_id: str) -> concurrent.futures.Future[PublicationReport]:
         """Start publishing; the future gives the :class:`lorapub.PublicationReport` or the typed error."""
         return self._submit(self._publish(snapshot, version_id))
 
-    def publish(self, snapshot: Snapshot, version_id: str, timeout: float | None = None) -> Any:
+    def publish(self, snapshot: Snapshot, version_id: str, timeout: float | None = None) -> PublicationReport:
         return self.submit(snapshot, version_id).result(timeout)
 
-    def follow(self, urls: list[str]) -> concurrent.futures.Future:
+    def follow(self, urls: list[str]) -> concurrent.futures.Future[dict[str, list[str]]]:
         """Bring the engines to ``urls`` in the background (``RelaxLorapub.follow_workers``): this process
         published the versions, so it is the one that loads them on an engine that joins."""
         return self._submit(self.lorapub.follow_workers(urls))
 
     async def _resume_point(self) -> int | None:
         await self.lorapub.start()
-        state = await self.lorapub.deployment.state()
+        state = await self.lorapub._deployed().state()
         if state.default is None:
             return None  # nothing published in this epoch: the run starts here
         steps = [int(m.group(1)) for key in state.versions if (m := _STEP_RE.fullmatch(key.version_id))]
@@ -115,7 +116,7 @@ class PublishOutcome:
     version_id: str
     digest: str
     status: str = "pending"  # pending, published, superseded, deferred, failed
-    report: Any = None
+    report: PublicationReport | None = None
     error: BaseException | None = None
 
 
@@ -189,11 +190,14 @@ class LorapubWeightPath:
         self._share_verdict = share_verdict
         self._params = params or _default_params
         config = config_from_args(backend.args)
-        self.background = config.background_publish if background is None else background
+        if background is None:
+            assert config is not None, "lorapub is off"  # this path is installed only with it on
+            background = config.background_publish
+        self.background = background
         self.outcomes: list[PublishOutcome] = []
         self._published_once = False
         self._resume_checked = False
-        self._following: concurrent.futures.Future | None = None  # the last look at the rollout engines
+        self._following: concurrent.futures.Future[dict[str, list[str]]] | None = None  # the last look at the rollout engines
         #: True when this trainer found a run under way at its first update (a restart): no base sync then
         self.resumed = False
         self._unreported: list[PublishOutcome] = []
@@ -209,7 +213,8 @@ class LorapubWeightPath:
                 self._publisher = LorapubPublisher(self.backend.args, worker_urls=lambda: topology_urls(self.backend))
         return self._publisher
 
-    def update_weights_for_rollout(self, rollout_only=False, actor_fwd_only=False, *, rollout_id=None) -> None:
+    def update_weights_for_rollout(self, rollout_only: bool = False, actor_fwd_only: bool = False, *,
+                                   rollout_id: int | str | None = None) -> None:
         backend = self.backend
         if not actor_fwd_only and not backend._lora_sync.base_sync_done and not self._resume_checked:
             self._resume()
@@ -246,7 +251,7 @@ class LorapubWeightPath:
                      "(no pause, no flush); this update publishes through lorapub from step %s on",
                      self.backend.weight_version + 1)
 
-    def _publish(self, rollout_id: Any) -> None:
+    def _publish(self, rollout_id: int | str | None) -> None:
         backend = self.backend
         sync = backend._lora_sync
         all_params = self._params(backend)
@@ -305,11 +310,12 @@ class LorapubWeightPath:
         self._settled(outcome, future, background=False)
         return int(outcome.status == "failed")
 
-    def _settled(self, outcome: PublishOutcome, future: concurrent.futures.Future, *, background: bool) -> None:
+    def _settled(self, outcome: PublishOutcome, future: concurrent.futures.Future[PublicationReport], *,
+                 background: bool) -> None:
         try:
-            outcome.report = future.result()
+            outcome.report = report = future.result()
             outcome.status = "published"
-            log.info("lorapub: published %s as %s", outcome.version_id, outcome.report.lora_name)
+            log.info("lorapub: published %s as %s", outcome.version_id, report.lora_name)
             return
         except PublicationSuperseded as e:
             outcome.status, outcome.error = "superseded", e

@@ -10,7 +10,7 @@ import functools
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from lorapub.core.identity import STATE_ROUTE
 from lorapub.testing._sglang_registry import registry_root
@@ -74,7 +74,7 @@ def decide_request_auth(*, method: str, path: str, authorization_header: str | N
 
 
 @functools.lru_cache(maxsize=1)
-def sglang_decide():
+def sglang_decide() -> Callable[..., tuple[bool, int]] | None:
     """SGLang's own ``decide_request_auth`` (the installed tree's ``srt/utils/auth.py``, which
     imports nothing beyond the standard library), adapted to this module's levels; None where
     SGLang is not installed."""
@@ -83,6 +83,8 @@ def sglang_decide():
         return None
     name = "lorapub_sglang.auth"  # a private name: the ``sglang`` namespace is left alone
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # a .py path always has both
+        raise ImportError(f"no loader for {path}")
     auth = importlib.util.module_from_spec(spec)
     sys.modules[name] = auth  # its dataclasses look their module up while the class is built
     spec.loader.exec_module(auth)

@@ -13,7 +13,7 @@ import json
 import mmap
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lorapub.core.identity import MANAGED_PREFIX
@@ -73,13 +73,15 @@ def _dir_stat(path: str) -> float | None:
     return numeric.adapter_stat(tensors, config)
 
 
-class _Float64View(Mapping):
+class _Float64View(Mapping[str, Any]):
     """Torch tensors read as float64 numpy arrays one at a time, with the test-only scale switch applied as
     :func:`numeric.apply_scale` applies it (to the first name, in sorted order, that holds its substring)."""
 
     def __init__(self, tensors: Mapping[str, Any], setting: tuple[str, float] | None) -> None:
         self.tensors = tensors
         hit = sorted(n for n in tensors if setting is not None and setting[0] in n)
+        self.scaled: str | None
+        self.factor: float
         self.scaled, self.factor = (hit[0], setting[1]) if hit and setting is not None else (None, 1.0)
 
     def __getitem__(self, name: str) -> Any:
@@ -88,7 +90,7 @@ class _Float64View(Mapping):
         values = self.tensors[name].to(dtype=torch.float64).numpy()
         return values * self.factor if name == self.scaled else values
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
 
     def __len__(self) -> int:
@@ -103,6 +105,11 @@ class Fault:
 class DoubleEngine:
     """The engine behind :class:`~lorapub.testing.sglang_double.SGLangDouble`, which adds its HTTP
     server; its options are described there."""
+
+    # Unset unless a test sets them before the first staging call (see ``staging``; read from __dict__).
+    stash_root: str | None
+    shm_dir: str | None
+    stage_idle_s: float | None
 
     def __init__(
         self,
@@ -295,7 +302,8 @@ class DoubleEngine:
                 except OSError as e:  # live SGLang answers 400 when the adapter's files are gone
                     raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {e}") from None
             self.events.append(("implicit_reload", name))
-        return await self.lora_registry.acquire(name)
+        lora_id: str = await self.lora_registry.acquire(name)  # SGLang's own registry: Any to mypy
+        return lora_id
 
     def _cached_tokens(self, lora_id: str | None, ids: list[int]) -> int:
         best = 0
@@ -341,7 +349,8 @@ class DoubleEngine:
         ref = self.lora_registry.get_all_adapters().get(name)
         if ref is None:
             return None
-        return self.lora_registry._counters[ref.lora_id].value()
+        count: int = self.lora_registry._counters[ref.lora_id].value()  # SGLang's ConcurrentCounter
+        return count
 
     def registered(self) -> list[str]:
         return list(self.lora_registry.get_all_adapters())

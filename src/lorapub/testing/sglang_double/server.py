@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.sglang_patch import provenance
@@ -63,7 +64,7 @@ class SGLangDouble(DoubleEngine):
     """
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """SGLang's ``add_api_key_middleware``: unknown routes are NORMAL, as there."""
         level = ROUTE_AUTH_LEVELS.get((request.method, request.path), NORMAL)
         if request.method == "HEAD":
@@ -76,6 +77,7 @@ class SGLangDouble(DoubleEngine):
             self.refused.append((request.method, request.path, status))
             return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
         task = asyncio.current_task()
+        assert task is not None  # a handler runs in a task of its own
         self._in_flight[task] = request
         try:
             return await handler(request)
@@ -100,7 +102,7 @@ class SGLangDouble(DoubleEngine):
         super().restart()
 
     async def start(self) -> "SGLangDouble":
-        self._in_flight: dict[asyncio.Task, web.Request] = {}  # handler task -> its request
+        self._in_flight: dict[asyncio.Task[Any], web.Request] = {}  # handler task -> its request
         app = web.Application(middlewares=[self._auth], client_max_size=BODY_LIMIT)
         r = app.router
         r.add_post("/load_lora_adapter", self.h_load)
@@ -122,7 +124,9 @@ class SGLangDouble(DoubleEngine):
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        server = site._server
+        assert isinstance(server, asyncio.Server)  # a TCPSite's, once started
+        port = server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self
 
@@ -354,11 +358,11 @@ class SGLangDouble(DoubleEngine):
                 await self.not_loading.wait()
                 await asyncio.sleep(self.prefill_per_token * (len(ids) - cached))
             seq = list(ids)
-            logprobs = []
+            logprobs: list[float] = []
             # "stream": SGLang's server-sent events, one "data: {...}" per token, then "data: [DONE]"
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"}) if body.get("stream") else None
 
-            async def ended(out: dict, status: int = 200) -> web.StreamResponse:
+            async def ended(out: dict[str, Any], status: int = 200) -> web.StreamResponse:
                 if stream is None:
                     return web.json_response(out, status=status)
                 await stream.write(_event(out) + b"data: [DONE]\n\n")
@@ -400,7 +404,7 @@ class SGLangDouble(DoubleEngine):
             prompt_scores = [token_logprob(signature, ids[:i], ids[i]) for i in range(1, len(ids))]
             self.prefix_cache.setdefault(lora_id or "<base>", []).append(tuple(seq))
             self.generations += 1
-            out = {
+            out: dict[str, Any] = {  # SGLang's /generate answer (JSON)
                 "text": " ".join(map(str, seq[len(ids):])),
                 "output_ids": seq[len(ids):],
                 "meta_info": {
@@ -437,7 +441,7 @@ class SGLangDouble(DoubleEngine):
             except ValueError:
                 return None
 
-        def answer(status_body: tuple[int, dict]) -> web.Response:
+        def answer(status_body: tuple[int, dict[str, Any]]) -> web.Response:
             return web.json_response(status_body[1], status=status_body[0])
 
         async def begin(request: web.Request) -> web.Response:
@@ -474,6 +478,6 @@ class SGLangDouble(DoubleEngine):
             r.add_post(path, handler)
 
 
-def _event(obj: dict) -> bytes:
+def _event(obj: dict[str, Any]) -> bytes:
     """One server-sent event of a streamed /generate, as SGLang frames it."""
     return b"data: " + json.dumps(obj).encode() + b"\n\n"

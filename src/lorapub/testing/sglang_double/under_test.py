@@ -5,9 +5,13 @@ See docs/testing.md, "`check_engine_admin`: the conformance suite".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lorapub.ports import Transport
 from lorapub.testing.sglang_double.server import SGLangDouble
+
+if TYPE_CHECKING:
+    from lorapub.adapters.sglang_wire import SGLangWireEngine  # aiohttp: imported when started
 
 __all__ = ["SGLangUnderTest", "DEFAULT_TIMEOUT", "LOST_REPLY_AFTER"]
 
@@ -24,14 +28,14 @@ class SGLangUnderTest:
     against a fresh :class:`SGLangDouble`, as the conformance suite sees it
     (:class:`~lorapub.testing.conformance.EngineUnderTest`)."""
 
-    def __init__(self, double: SGLangDouble, admin: Any) -> None:
+    def __init__(self, double: SGLangDouble, admin: SGLangWireEngine) -> None:
         self.double = double
         self.admin = admin
 
     @classmethod
     async def start(
-        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = DEFAULT_TIMEOUT, transport: Any = None,
-        api_key: str | None = None, admin_api_key: str | None = None,
+        cls, stash_dir: str, name: str = "e0", *, request_timeout: float = DEFAULT_TIMEOUT,
+        transport: Transport | None = None, api_key: str | None = None, admin_api_key: str | None = None,
     ) -> "SGLangUnderTest":
         """A fresh double staging on its own disk ``stash_dir`` and the adapter on it, sending buckets
         ``transport``'s way (None: HTTP bodies; a shared-memory or shared-folder transport's folder
@@ -77,7 +81,7 @@ class SGLangUnderTest:
             self.double.inject(op, "drop")
             self._next_call_waits("end", self.admin, "load_timeout")
 
-    def _next_call_waits(self, method: str, owner: Any, timeout: str) -> None:
+    def _next_call_waits(self, method: str, owner: object, timeout: str) -> None:
         """The adapter's next ``method`` call gives up after LOST_REPLY_AFTER (``owner.timeout``, for that call only)."""
         call = getattr(self.admin, method)
 
