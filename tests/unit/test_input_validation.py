@@ -334,3 +334,14 @@ def test_reclaim_settings_are_refused_naming_the_argument_and_the_value_given(na
         Deployment(_engines(), epoch=1, **{name: bad})
     assert e.value.message.startswith(f"{name} must be") and f"got {bad!r}" in e.value.message
     assert "RetryPolicy" not in e.value.message
+
+
+@pytest.mark.parametrize("epoch", ["1", "run-7", -1, True, 1.0])
+def test_a_local_registry_refuses_an_epoch_that_is_not_an_int(epoch):
+    """As Deployment(epoch=) does: a run id string would name every version after it and break later reads
+    (lorapub status --store among them)."""
+    from lorapub.runtime.registry import LocalRegistry
+
+    with pytest.raises(InvalidInput) as e:
+        LocalRegistry(epoch, {"e0": "e0-life0"})
+    assert "epoch=" in e.value.message

@@ -21,6 +21,7 @@ from lorapub.core.registry import RegistryState, Result
 from lorapub.core.session_table import SessionTable
 from lorapub.errors import EpochMismatch, InvalidInput, LorapubError, StoreCorrupted, StoreError
 from lorapub.ports import RegistryStore
+from lorapub.runtime.admission import check_epoch
 from lorapub.runtime.clock import RegistryClock
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class LocalRegistry:
         avoid_suspect: bool = False,
     ) -> None:
         # the settings are checked before the store is opened: a refused registry creates no store file
+        check_epoch(epoch)  # a run id string would name versions "run-7-v1" and break every later read
         fresh = R.new_registry(epoch, engines, capacity, lease_ttl, tombstone_window, max_lag, on_stale,
                                name_prefix, avoid_suspect=avoid_suspect)
         self._store = store if store is not None else MemoryStore()
