@@ -13,10 +13,19 @@ import signal
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from lorapub.cli.logs import add_logging_options, configure_logging
 from lorapub.cli.progress import PublishProgressBar
 from lorapub.cli.status import add_status_parser, run_status
+
+if TYPE_CHECKING:  # for the annotations only: the functions below import what they use when they run
+    from lorapub import Deployment
+    from lorapub.adapters.sglang_wire import SGLangWireEngine
+    from lorapub.core.identity import VersionKey
+    from lorapub.demo.workload import RequestRecord, WorkloadResult
+    from lorapub.ports import Transport
+    from lorapub.testing import SGLangDouble
 
 PROG = "lorapub"
 #: Seconds an engine given by ``--engine-url`` has to answer lorapub's state route at start.
@@ -27,7 +36,7 @@ class DemoError(Exception):
     """Why the demo cannot run (a bad argument, an engine it cannot reach or use): exit status 2."""
 
 
-def _row(*cells, widths):
+def _row(*cells: object, widths: Sequence[int]) -> str:
     return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
 
 
@@ -41,14 +50,14 @@ def _version() -> str:
     return version
 
 
-async def demo(args) -> int:
+async def demo(args: argparse.Namespace) -> int:
     if args.stash_dir:
         return await _demo(args, args.stash_dir)
     with tempfile.TemporaryDirectory(prefix="lorapub-demo-") as stash:  # removed however the demo ends
         return await _demo(args, stash)
 
 
-async def _reach(engines) -> None:
+async def _reach(engines: Mapping[str, SGLangWireEngine]) -> None:
     """Each engine given by URL answers lorapub's state route, or the demo stops before it starts."""
     from lorapub import LorapubError
 
@@ -62,7 +71,7 @@ async def _reach(engines) -> None:
             raise DemoError(f"cannot use engine {name} at {engine.base_url}: {e}") from None
 
 
-def _transport(args, folder: str):
+def _transport(args: argparse.Namespace, folder: str) -> Transport:
     """The deployment's transport, as ``--transport`` names it."""
     from lorapub.adapters.sglang_wire import HTTPBytes, SameHostIPC, SharedDir
     from lorapub.errors import InvalidInput
@@ -86,14 +95,14 @@ def _transport(args, folder: str):
     return SharedDir(shared)
 
 
-async def _demo(args, stash: str) -> int:
+async def _demo(args: argparse.Namespace, stash: str) -> int:
     from lorapub import Deadlines, Deployment
     from lorapub.errors import InvalidInput
     from lorapub.adapters.sglang_wire import SGLangWireEngine
 
-    doubles = []
-    engines: dict = {}
-    dep = None
+    doubles: list[SGLangDouble] = []
+    engines: dict[str, SGLangWireEngine] = {}
+    dep: Deployment | None = None
     try:
         transport = _transport(args, stash)
         if args.engine_url:
@@ -121,30 +130,34 @@ async def _demo(args, stash: str) -> int:
     finally:
         if dep is not None:
             await dep.close()  # first: its reconciler and reclaims still call the engines
-        for e in engines.values():
-            await e.close()
+        for engine in engines.values():
+            await engine.close()
         for dbl in doubles:
             await dbl.stop()
 
 
-async def _lifecycle(args, dep, engines, doubles) -> int:
+async def _lifecycle(args: argparse.Namespace, dep: Deployment, engines: Mapping[str, SGLangWireEngine],
+                     doubles: Sequence[SGLangDouble]) -> int:
     from lorapub import CapacityError, LorapubError, NoPublishedVersion
     from lorapub.demo.workload import WorkloadSpec, run_workload, until
     from lorapub.testing import lora_snapshot
 
     t0 = time.monotonic()
-    say = lambda msg: print(f"[{time.monotonic() - t0:7.3f}s] {msg}", flush=True)  # noqa: E731
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:7.3f}s] {msg}", flush=True)
+
     bar = PublishProgressBar()  # drawn for publications over 100 MB (the demo's are smaller)
     occupancy: list[int] = []
-    pubs: list[tuple[str, str, float, dict]] = []
+    pubs: list[tuple[str, str, float, dict[str, float]]] = []
 
-    async def sample_slots():
+    async def sample_slots() -> None:
         while True:
             occupancy.append((await dep.state()).slots_held)
             await asyncio.sleep(0.01)
 
     sampler = asyncio.create_task(sample_slots())
-    workload = None
+    workload: asyncio.Task[WorkloadResult] | None = None
     try:
         say(f"engines: {', '.join(f'{n}={e.base_url}' for n, e in engines.items())}; buckets travel {dep.transport!r}")
         probe = dep.session("before-any-version")
@@ -160,7 +173,7 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
 
         done = 0
 
-        def progress(rec):
+        def progress(rec: RequestRecord) -> None:
             nonlocal done
             done += 1
             if done % 20 == 0:
@@ -195,6 +208,7 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
                 state = await dep.state()
                 c = [v for v in state.versions.values() if v.key.version_id == "C"][0]
                 pubs.append(("C", c.state.value, 0.0, {}))
+                assert state.default is not None  # B, published above: a failed publication leaves it
                 say(f"C failed on e1 -> {e.code}; C is {c.state.value}, default still {state.default.version_id}")
         d = await dep.publish(lora_snapshot(404), "D", progress=bar)
         pubs.append(("D", "PUBLISHED", d.seconds, dict(d.phases)))
@@ -220,7 +234,7 @@ async def _lifecycle(args, dep, engines, doubles) -> int:
 
     state = await dep.state()
     print("\nversions")
-    bindings: dict = {}
+    bindings: dict[VersionKey, int] = {}
     for record in state.sessions.values():  # CLOSED tombstones keep the version they bound
         if record.version is not None:
             bindings[record.version] = bindings.get(record.version, 0) + 1
@@ -286,7 +300,7 @@ def _error(command: str, message: str) -> int:
     return 2
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``lorapub demo``. A bad argument, or an engine the demo cannot reach or use, is one line on
     stderr and exit status 2, as argparse does; the folder the demo makes for itself is removed on
     every way out."""
@@ -315,10 +329,11 @@ class _Terminated(Exception):
     """The demo was stopped by SIGTERM (and cleaned up)."""
 
 
-async def _main_task(args) -> int:
+async def _main_task(args: argparse.Namespace) -> int:
     """The demo; a SIGTERM cancels it as Ctrl-C does, so every way out cleans up."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    assert task is not None  # asyncio.run runs this coroutine as its task
     terminated = False
 
     def terminate() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 
 import attrs
 
@@ -103,7 +103,7 @@ class WorkloadResult:
 
     def mixed_version_sessions(self) -> int:
         """Sessions served by more than one version, beyond the rebinds they were told of."""
-        seen: dict[str, set] = {}
+        seen: dict[str, set[tuple[str | None, str | None]]] = {}
         rebinds: dict[str, int] = {}
         for r in self.ok:
             seen.setdefault(r.session, set()).add((r.engine, r.lora_id))
@@ -116,7 +116,7 @@ class WorkloadResult:
     def mixed_version_groups(self) -> int:
         """Groups whose members were served by more than one version, beyond the group's rebinds
         (``on_stale="rebind"`` moves a whole group on purpose; its members follow turn by turn)."""
-        seen: dict[str, set] = {}
+        seen: dict[str, set[str | None]] = {}
         rebinds: dict[str, int] = {}
         for r in self.ok:
             if r.group is not None:
@@ -135,16 +135,33 @@ class WorkloadResult:
         return sum(r.cached_tokens for r in recs) / total if total else float("nan")
 
 
-SessionFactory = Callable[[str], Any]
+class WorkloadSession(Protocol):
+    """What the workload drives: a :class:`lorapub.Session`, an overwrite deployment's session, or a
+    benchmark's own (an ``engine`` attribute with a ``name``, where it has one, names the engine that served)."""
+
+    async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=WorkloadSession)
+S_co = TypeVar("S_co", bound=WorkloadSession, covariant=True)
+
+
+class SessionFactory(Protocol[S_co]):
+    """``session_factory(name)``, or ``session_factory(name, group=...)`` for a group's member
+    (``Deployment.session`` is one)."""
+
+    def __call__(self, session_id: str, /, *, group: str | None = ...) -> S_co: ...
 
 
 async def run_workload(
     spec: WorkloadSpec,
-    session_factory: SessionFactory,
+    session_factory: SessionFactory[S],
     *,
     on_record: Callable[[RequestRecord], None] | None = None,
     stop: asyncio.Event | None = None,
-    version_of: Callable[[Any], Any] | None = None,
+    version_of: Callable[[S], Any] | None = None,
 ) -> WorkloadResult:
     """``version_of(session)`` names the version that served a turn when the engine's reply
     does not (live SGLang reports no ``lora_id``)."""
@@ -197,7 +214,7 @@ async def run_workload(
         finally:
             await session.close()
 
-    tasks = []
+    tasks: list[asyncio.Task[None]] = []
     for i, (name, prompt, tools) in enumerate(plans):
         if stop is not None and stop.is_set():
             break

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Iterable, Literal, Mapping, TypedDict, Unpack, cast, overload
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping, TypedDict, Unpack, cast, overload
 
 from lorapub.core.identity import (
     MANAGED_PREFIX,
@@ -45,7 +45,7 @@ from lorapub.ports import (
     Routing,
     Transport,
 )
-from lorapub.events import Observer
+from lorapub.events import Observer, PublishProgress
 from lorapub.runtime.decision_log import DecisionLog
 from lorapub.runtime.observers import ObservedRegistry, Observers, exposition_of
 from lorapub.runtime.admission import (
@@ -447,7 +447,7 @@ class Deployment:
         return found
 
     async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0,
-                      progress: Observer | None = None) -> PublicationReport:
+                      progress: Callable[[PublishProgress], None] | None = None) -> PublicationReport:
         """Publish ``snapshot`` as ``version_id`` on every engine, then make it the default.
 
         ``wait``: seconds to wait for a free slot (or for a running attempt to end) instead of

@@ -15,8 +15,9 @@ __all__ = ["progress_listener"]
 log = logging.getLogger("lorapub.runtime.publisher")
 
 
-def progress_listener(key: VersionKey, plan: BucketPlan, engines: Mapping[str, object], progress: list[Observer],
-                      events: Observer, transport_name: str) -> Callable[[str, str | None, int | None], None]:
+def progress_listener(key: VersionKey, plan: BucketPlan, engines: Mapping[str, object],
+                      progress: list[Callable[[PublishProgress], None]], events: Observer,
+                      transport_name: str) -> Callable[[str, str | None, int | None], None]:
     """The run log's listener: each phase boundary and each confirmed bucket, as PublishProgress. A callback
     that raises is logged and dropped: a caller's progress bar never breaks the publication."""
     sent: dict[str, int] = {}

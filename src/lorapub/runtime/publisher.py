@@ -49,6 +49,7 @@ from lorapub.events import (
     PublishCommitted,
     PublishFailed,
     PublishNumericMismatch,
+    PublishProgress,
     PublishSuperseded,
     PublishWaiting,
 )
@@ -76,7 +77,7 @@ class _Call:
     digest: str
     task: asyncio.Future[PublicationReport]
     callers: int = 0
-    progress: list[Observer] = attrs.field(factory=list)  # each caller's progress callback
+    progress: list[Callable[[PublishProgress], None]] = attrs.field(factory=list)  # each caller's progress callback
     closed_while: str | None = None  # "waiting" or "running": close() cancelled it then
     withdrawn: bool = False  # its last caller cancelled it: it only cleans up now, nobody joins it
 
@@ -156,7 +157,7 @@ class Publisher:
     WAIT_POLL = 0.1
 
     async def publish(self, snapshot: Snapshot, version_id: str, *, wait: float = 0.0,
-                      progress: Observer | None = None) -> PublicationReport:
+                      progress: Callable[[PublishProgress], None] | None = None) -> PublicationReport:
         """Publish ``snapshot`` as ``version_id``. With ``wait`` seconds, a call that finds every
         slot held (or another attempt running) waits for one; a newer publication supersedes it
         meanwhile (:class:`~lorapub.errors.PublicationSuperseded`). A second call for a version this
@@ -183,7 +184,7 @@ class Publisher:
         if call is None or call.digest != snapshot.digest:  # another digest: the registry says VERSION_CONFLICT
             # owned by the deployment's tasks (its outcome goes to its callers, so a failure is not logged
             # there): a cancelled one still cleaning its attempt is joined at close
-            callbacks: list[Observer] = []
+            callbacks: list[Callable[[PublishProgress], None]] = []
             call = _Call(snapshot.digest, self.tasks.spawn(self._publish(snapshot, key, wait, callbacks),
                                                            name=f"publish-{key}", quiet=True), progress=callbacks)
             self._running[key] = call
@@ -226,7 +227,7 @@ class Publisher:
                                 waiting=closed_while == "waiting")
 
     async def _publish(self, snapshot: Snapshot, key: VersionKey, wait: float,
-                       progress: list[Observer]) -> PublicationReport:
+                       progress: list[Callable[[PublishProgress], None]]) -> PublicationReport:
         """One publication, told as events: begun (and waiting), then committed, failed or superseded."""
         started = self.clock.monotonic()
         try:
@@ -245,7 +246,8 @@ class Publisher:
                                       "and cleaned", self.clock.monotonic() - started))
             raise
 
-    async def _publish_once(self, snapshot: Snapshot, key: VersionKey, wait: float, progress: list[Observer],
+    async def _publish_once(self, snapshot: Snapshot, key: VersionKey, wait: float,
+                            progress: list[Callable[[PublishProgress], None]],
                             started: float) -> PublicationReport:
         plan = snapshot.plan(self.bucket_cap_bytes)
         try:
