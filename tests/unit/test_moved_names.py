@@ -81,3 +81,8 @@ def test_the_keyword_check_keeps_deployments_signature():
 
     parameters = inspect.signature(Deployment).parameters
     assert {"epoch", "name_prefix", "transport", "capacity"} <= set(parameters) and "stash_dir" not in parameters
+
+
+def test_the_relax_frozen_copies_wrapper_names_the_deployments_copy_store():
+    with pytest.raises(ImportError, match=r"Deployment\(copies=\.\.\.\)"):
+        exec("from lorapub.integrations.relax.copies import SharedFrozenCopies", {})

@@ -90,8 +90,8 @@ class RayCopies:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SharedFrozenCopies":
-        raise AttributeError("SharedFrozenCopies is gone: pass the store as Deployment(copies=...) (a "
+    if name == "SharedFrozenCopies":  # ImportError: `from ... import` keeps its message (an AttributeError's is lost)
+        raise ImportError("SharedFrozenCopies is gone: pass the store as Deployment(copies=...) (a "
                              "lorapub.ports.CopyStore, e.g. RayCopies or LocalCopies); the deployment keeps each "
                              "frozen copy there and takes them back at start")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
