@@ -14,7 +14,7 @@ import re
 import shutil
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Protocol
 
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
@@ -35,9 +35,6 @@ from lorapub.sglang_patch.staging.receivers import (
 from lorapub.wire.codec import manifest_digest, token_from_json, token_to_json
 from lorapub.wire.refusal import Refused, bad, refuse
 
-if TYPE_CHECKING:
-    from lorapub.sglang_patch.metrics import EngineMetrics
-
 __all__ = ["DEFAULT_IDLE_S", "IDLE_ENV", "EngineHooks", "EngineStaging", "idle_timeout_setting", "managed_prefix_of"]
 
 #: Seconds an attempt may go undriven before the engine frees and tombstones it (see the package docs).
@@ -53,6 +50,12 @@ def idle_timeout_setting() -> float:
     seconds = env_number(IDLE_ENV, float, lambda s: s > 0, "a positive number of seconds",
                          f"using {DEFAULT_IDLE_S:g}", logger)
     return DEFAULT_IDLE_S if seconds is None else seconds
+
+
+class StagingObserver(Protocol):
+    """What sees each command the machine handles (lorapub's engine series, sglang_patch.metrics)."""
+
+    def observe(self, before: machine.StagingState, command: Any, out: machine.Outcome) -> None: ...
 
 
 class EngineHooks(Protocol):
@@ -121,7 +124,7 @@ class EngineStaging:
         self.idle_timeout = float(idle_timeout)
         self._state = machine.new_state(incarnation, max_stash_bytes, self.idle_timeout)
         #: lorapub's engine series (:mod:`lorapub.sglang_patch.metrics`) shown each command; None: none
-        self.metrics: EngineMetrics | None = None
+        self.metrics: StagingObserver | None = None
         self._stashes: dict[AttemptToken, Stash] = {}  # the I/O side of every attempt the machine stages
         #: bytes the machine decides on: (buffer, its tensors' spans)
         self._landed: dict[tuple[AttemptToken, int], tuple[Buffer, list[tuple[int, int]]]] = {}
