@@ -1,7 +1,8 @@
 """The typed public face and the runtime behind it: the core, the staging protocol, the ports, the errors,
 the events, the runtime, the snapshot, the probe and the adapters pass ``mypy --strict``, and so do the Relax
-and AReaL integrations and the test kit (``lorapub.testing``, but for its verbatim copy of SGLang's files, which
-pyproject's ``exclude`` keeps out of the directories mypy walks).
+and AReaL integrations, the test kit (``lorapub.testing``, but for its verbatim copy of SGLang's files, which
+pyproject's ``exclude`` keeps out of the directories mypy walks) and the SGLang patch (``lorapub.sglang_patch``;
+SGLang's own objects it patches are ``Any`` there).
 
 The configuration is pyproject.toml's ``[tool.mypy]`` (strict for these paths; what they import is
 read for its types, not checked). .ci/install installs the pinned mypy, so CI always runs this.
@@ -21,7 +22,7 @@ SRC = pathlib.Path(lorapub.__file__).parent
 ROOT = SRC.parent.parent
 STRICT = [SRC / "core", SRC / "wire", SRC / "ports.py", SRC / "errors.py", SRC / "events.py",
           SRC / "runtime", SRC / "snapshot.py", SRC / "probe.py", SRC / "adapters",
-          SRC / "integrations", SRC / "testing"]
+          SRC / "integrations", SRC / "testing", SRC / "sglang_patch"]
 
 
 def test_strict_set_passes_mypy_strict():
