@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER
 from lorapub.sglang_patch import provenance as _provenance
 from lorapub.sglang_patch import release_0517, release_0523
 from lorapub.sglang_patch.edits import edited_source, install_method, install_methods
@@ -17,8 +18,6 @@ from lorapub.sglang_patch.routes import INCARNATION, state_of
 from lorapub.sglang_patch.routes import add_staging_routes as _add_staging_routes
 from lorapub.sglang_patch.routes import add_state_route as _add_state_route
 from lorapub.sglang_patch.targets import (
-    MANAGED_PREFIX,
-    RECLAIM_HEADER,
     RELEASES,
     SUPPORTED,
     PatchMismatch,
@@ -81,7 +80,9 @@ def apply(
     """
     release = detect(root)
     if tokenizer_manager_cls is None:
-        from sglang.srt.managers.tokenizer_manager import TokenizerManager as tokenizer_manager_cls
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+        tokenizer_manager_cls = TokenizerManager
 
         if prepare_loads:
             from lorapub.sglang_patch.prepared_load import route_schedulers

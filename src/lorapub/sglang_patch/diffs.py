@@ -33,7 +33,7 @@ def already_applied(root: str) -> bool:
     return False
 
 
-def _patch(root: str, diff: str, dry: bool = False) -> subprocess.CompletedProcess:
+def _patch(root: str, diff: str, dry: bool = False) -> subprocess.CompletedProcess[str]:
     if shutil.which("patch") is None:
         raise PatchMismatch("GNU patch is needed to apply the diffs (apt-get install patch)")
     # the diffs name a/sglang/<file>: strip two levels and patch inside the package folder

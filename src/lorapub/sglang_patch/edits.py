@@ -9,12 +9,15 @@ from __future__ import annotations
 import __future__
 import os
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lorapub.sglang_patch.targets import PatchMismatch, function_source
 
+if TYPE_CHECKING:
+    from lorapub.sglang_patch.release_0517 import FunctionEdit
 
-def edited_source(fe: Any, root: str | None = None) -> tuple[str, str]:
+
+def edited_source(fe: FunctionEdit, root: str | None = None) -> tuple[str, str]:
     """(verbatim source of the method, the same with every edit applied)."""
     original = function_source(fe.rel, fe.cls, fe.name, root)
     src = original
@@ -32,21 +35,21 @@ def _method_text(segment: str) -> str:
     return "\n".join([lines[0]] + [line[4:] if line.startswith("    ") else line for line in lines[1:]]) + "\n"
 
 
-def _define(text: str, fn_globals: dict, where: str) -> dict[str, Any]:
+def _define(text: str, fn_globals: dict[str, Any], where: str) -> dict[str, Any]:
     flags = __future__.annotations.compiler_flag  # SGLang's modules use postponed annotations too
     namespace: dict[str, Any] = {}
     exec(compile(text, f"<lorapub patch: {where}>", "exec", flags=flags, dont_inherit=True), fn_globals, namespace)
     return namespace
 
 
-def install_method(cls: type, name: str, segment: str, fn_globals: dict) -> None:
+def install_method(cls: type, name: str, segment: str, fn_globals: dict[str, Any]) -> None:
     fn = _define(_method_text(segment), fn_globals, f"{cls.__name__}.{name}")[name]
     fn.__qualname__ = f"{cls.__name__}.{name}"
     fn.__lorapub_source__ = segment  # what was compiled, for inspection and tests
     setattr(cls, name, fn)
 
 
-def install_methods(cls: type, class_body: str, fn_globals: dict) -> list[str]:
+def install_methods(cls: type, class_body: str, fn_globals: dict[str, Any]) -> list[str]:
     defined = _define(textwrap.dedent(class_body), fn_globals, cls.__name__)
     for name, fn in defined.items():
         fn.__qualname__ = f"{cls.__name__}.{name}"

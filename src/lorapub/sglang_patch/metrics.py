@@ -232,8 +232,8 @@ def serve_engine_series(stock: Callable[[Any], None], staging: Any) -> Callable[
         except Exception as e:  # noqa: BLE001 - SGLang's own /metrics stays as it is
             logger.warning("lorapub: the engine series are not on /metrics: %r", e)
 
-    add_prometheus_middleware.__wrapped__ = stock  # type: ignore[attr-defined]
-    add_prometheus_middleware.__lorapub_engine_series__ = True  # type: ignore[attr-defined]
+    setattr(add_prometheus_middleware, "__wrapped__", stock)
+    setattr(add_prometheus_middleware, "__lorapub_engine_series__", True)
     add_prometheus_middleware.__doc__ = stock.__doc__
     return add_prometheus_middleware
 
@@ -250,7 +250,7 @@ def _serve(app: Any, staging: Any) -> EngineMetrics | None:
     # What SGLang mounts (every process's series from the multiprocess folder) and the staging's gauges,
     # read from this process at scrape time.
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # prometheus_client: unannotated
     registry.register(metrics.live)
     mount.app = mount._base_app = make_asgi_app(registry=registry)
     return metrics

@@ -85,7 +85,7 @@ def install(cls: Any) -> None:
     def _wait_one_response(self: Any, obj: Any, request: Any = None) -> AsyncIterator[Any]:
         return _stamped(self, obj, original(self, obj, request))
 
-    _wait_one_response.__lorapub_stamps__ = True  # type: ignore[attr-defined]
-    _wait_one_response.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(_wait_one_response, "__lorapub_stamps__", True)
+    setattr(_wait_one_response, "__wrapped__", original)
     cls._wait_one_response = _wait_one_response
     cls.lorapub_stamps = True

@@ -8,20 +8,24 @@ See docs/sglang-patch.md, "Engine-side staging routes (both releases)".
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
+from lorapub.core.identity import STATE_ROUTE
 from lorapub.sglang_patch import staging as _staging
 from lorapub.sglang_patch.metrics import serve_engine_series
 from lorapub.sglang_patch.staging import max_loaded_loras as _max_loaded_loras
-from lorapub.sglang_patch.targets import STATE_ROUTE, PatchMismatch
+from lorapub.sglang_patch.targets import PatchMismatch
 from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
 #: The engine-side staging of this server life (set when the staging routes are added).
 STAGING: _staging.EngineStaging | None = None
 
+#: A staging route's handler: the request (Starlette's, SGLang's server) or its JSON body to (status, reply).
+Handler = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
 
-def _pending_unloads(tm: Any) -> dict:
+
+def _pending_unloads(tm: Any) -> dict[str, Any]:
     pending = getattr(tm, "pending_lora_unloads", None)
     if pending is None:  # 0.5.17: lorapub's backport (absent on an observed, unpatched server)
         backport = getattr(tm, "_lorapub_pending_unloads", None)
@@ -90,7 +94,7 @@ def _server_app(app: Any) -> tuple[Any, Any]:
     return app, lambda: app.state.tokenizer_manager
 
 
-def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime") -> Any:
+def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime") -> _staging.EngineStaging | None:
     """Add ``POST /lorapub/stage/{begin,bucket,end,cleanup,release}`` at SGLang's LoRA admin level.
     Returns the server's :class:`~lorapub.sglang_patch.staging.EngineStaging` (None without a server)."""
     global STAGING
@@ -109,13 +113,13 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
 
         http_server.add_prometheus_middleware = serve_engine_series(http_server.add_prometheus_middleware, staging)
 
-    def route(path, handler):
-        async def endpoint(request):  # a Starlette request: the bucket body is streamed
+    def route(path: str, handler: Handler) -> None:
+        async def endpoint(request: Any) -> JSONResponse:  # a Starlette request: the bucket body is streamed
             status, body = await handler(request)
             return JSONResponse(body, status_code=status)
 
         endpoint.__name__ = "lorapub_" + path.rsplit("/", 1)[-1]
-        endpoint._auth_level = level
+        setattr(endpoint, "_auth_level", level)  # what SGLang's @auth_level decorator sets
         from starlette.requests import Request
 
         endpoint.__annotations__ = {"request": Request}
@@ -129,7 +133,7 @@ def add_staging_routes(app: Any = None, release: str = "", form: str = "runtime"
     return staging
 
 
-async def _with_json(request: Any, handler: Any) -> tuple[int, dict]:
+async def _with_json(request: Any, handler: Handler) -> tuple[int, dict[str, Any]]:  # handler: of the JSON body
     return await handler(await _staging.starlette_json(request))
 
 
@@ -141,19 +145,19 @@ def add_state_route(app: Any, release: str, form: str = "runtime") -> None:
             return  # no HTTP server in this process (tests, offline engine)
         app = http_server.app
 
-        def tokenizer_manager():
+        def tokenizer_manager() -> Any:
             return http_server._global_state.tokenizer_manager
     else:
-        def tokenizer_manager():
+        def tokenizer_manager() -> Any:
             return app.state.tokenizer_manager
     if any(getattr(r, "path", None) == STATE_ROUTE for r in app.routes):
         return
 
-    async def lorapub_state():
+    async def lorapub_state() -> dict[str, Any]:
         return state_of(tokenizer_manager(), release, form)
 
     # What SGLang's @auth_level decorator does; its middleware reads it from the matched endpoint.
-    lorapub_state._auth_level = _admin_level(app)
+    setattr(lorapub_state, "_auth_level", _admin_level(app))
     app.add_api_route(STATE_ROUTE, lorapub_state, methods=["GET"])
 
 

@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from .gate import PrefillGate
 from .preparer import CHUNK_BYTES, Preparer, is_extend
@@ -27,10 +27,13 @@ __all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ATTR", "I
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
+# The classes patched here and what their methods take (a scheduler, its requests and batches, the LoRA
+# manager and its adapters) are SGLang's own objects: Any to this module.
+
 
 def preparer_of(scheduler: Any) -> Preparer | None:
     """This scheduler's preparer, or None where the stock load must run."""
-    found = scheduler.__dict__.get("_lorapub_preparer", False)
+    found: Preparer | None | Literal[False] = scheduler.__dict__.get("_lorapub_preparer", False)
     if found is not False:
         return found
     preparer = None
@@ -52,11 +55,17 @@ def preparer_of(scheduler: Any) -> Preparer | None:
 def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = None) -> None:
     """Patch SGLang's Scheduler, LoRAManager and LoRAMemoryPool classes in this process. Idempotent."""
     if scheduler_cls is None:
-        from sglang.srt.managers.scheduler import Scheduler as scheduler_cls
+        from sglang.srt.managers.scheduler import Scheduler
+
+        scheduler_cls = Scheduler
     if manager_cls is None:
-        from sglang.srt.lora.lora_manager import LoRAManager as manager_cls
+        from sglang.srt.lora.lora_manager import LoRAManager
+
+        manager_cls = LoRAManager
     if pool_cls is None:
-        from sglang.srt.lora.mem_pool import LoRAMemoryPool as pool_cls
+        from sglang.srt.lora.mem_pool import LoRAMemoryPool
+
+        pool_cls = LoRAMemoryPool
     if not getattr(pool_cls, MARK, False):  # opt-in: otherwise SGLang's own method, untouched
         if os.environ.get(IMAGE_ENV) == "1":
             install_slot_fill(pool_cls)
@@ -70,13 +79,13 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
     stock_load = scheduler_cls.load_lora_adapter
     stock_process = scheduler_cls.process_input_requests
 
-    def load_lora_adapter(self, recv_req):
+    def load_lora_adapter(self: Any, recv_req: Any) -> Any:
         preparer = preparer_of(self)
         if preparer is not None and preparer.submit(recv_req, stock_load):
             return None  # answered by poll() once the adapter is ready
         return stock_load(self, recv_req)
 
-    def process_input_requests(self, recv_reqs):
+    def process_input_requests(self: Any, recv_reqs: Any) -> Any:
         result = stock_process(self, recv_reqs)
         preparer = preparer_of(self)  # made on the first loop iteration, before any batch runs
         if preparer:
@@ -86,7 +95,7 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
         return result
 
     for fn, stock in ((load_lora_adapter, stock_load), (process_input_requests, stock_process)):
-        fn.__wrapped__ = stock
+        setattr(fn, "__wrapped__", stock)
         fn.__doc__ = stock.__doc__
         setattr(scheduler_cls, fn.__name__, fn)
     _wrap_run_batch(scheduler_cls)
@@ -97,7 +106,7 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
 def _install_weights(manager_cls: Any) -> None:
     stock_weights = manager_cls.load_lora_weights
 
-    def load_lora_weights(self, lora_ref):
+    def load_lora_weights(self: Any, lora_ref: Any) -> Any:
         """SGLang's weight read, served by a prepared adapter of the same id and config when there is one."""
         adapter = self.__dict__.get("_lorapub_prepared", {}).pop(lora_ref.lora_id, None)
         config = self.configs.get(lora_ref.lora_id)
@@ -107,7 +116,7 @@ def _install_weights(manager_cls: Any) -> None:
         self.loras[lora_ref.lora_id] = adapter
         return None
 
-    load_lora_weights.__wrapped__ = stock_weights
+    setattr(load_lora_weights, "__wrapped__", stock_weights)
     manager_cls.load_lora_weights = load_lora_weights
     setattr(manager_cls, MARK, True)
 
@@ -118,7 +127,7 @@ def _wrap_run_batch(scheduler_cls: Any) -> None:
     if stock_run is None:  # pragma: no cover - both supported releases have it
         return
 
-    def run_batch(self, batch, *args, **kwargs):
+    def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         preparer = self.__dict__.get("_lorapub_preparer")
         if not preparer:
             return stock_run(self, batch, *args, **kwargs)
@@ -131,7 +140,7 @@ def _wrap_run_batch(scheduler_cls: Any) -> None:
             if preparer.iterations is not None:
                 preparer.iterations.add("prefill" if is_extend(batch) else "decode", time.perf_counter() - t0)
 
-    run_batch.__wrapped__ = stock_run
+    setattr(run_batch, "__wrapped__", stock_run)
     run_batch.__doc__ = stock_run.__doc__
     scheduler_cls.run_batch = run_batch
 
@@ -142,14 +151,14 @@ def _wrap_idle_sleep(scheduler_cls: Any) -> None:
     if stock_sleep is None:  # pragma: no cover - both supported releases have it
         return
 
-    def maybe_sleep_on_idle(self):
+    def maybe_sleep_on_idle(self: Any) -> Any:
         preparer = self.__dict__.get("_lorapub_preparer")
         if preparer and preparer.pending:  # wake as soon as the oldest preparation ends
             concurrent.futures.wait([preparer.pending[0][1]], timeout=0.005)
             return None
         return stock_sleep(self)
 
-    maybe_sleep_on_idle.__wrapped__ = stock_sleep
+    setattr(maybe_sleep_on_idle, "__wrapped__", stock_sleep)
     scheduler_cls.maybe_sleep_on_idle = maybe_sleep_on_idle
 
 
@@ -165,15 +174,19 @@ def route_schedulers(engine_cls: Any = None, stock_entry: Any = None) -> None:
     """Runtime form, in the server process: start SGLang's schedulers through
     :func:`run_scheduler_process` (SGLang's own entry, unless a caller passed its own)."""
     if engine_cls is None:
-        from sglang.srt.entrypoints.engine import Engine as engine_cls
+        from sglang.srt.entrypoints.engine import Engine
+
+        engine_cls = Engine
     if getattr(engine_cls, MARK, False):
         return
     if stock_entry is None:
-        from sglang.srt.managers.scheduler import run_scheduler_process as stock_entry
+        from sglang.srt.managers.scheduler import run_scheduler_process as sglang_entry
+
+        stock_entry = sglang_entry
 
     stock = engine_cls.__dict__["_launch_subprocesses"].__func__
 
-    def _launch_subprocesses(cls, *args, **kwargs):
+    def _launch_subprocesses(cls: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("run_scheduler_process_func", stock_entry) is stock_entry:
             kwargs["run_scheduler_process_func"] = run_scheduler_process
         return stock(cls, *args, **kwargs)

@@ -107,6 +107,7 @@ def parse_line(line: str) -> dict[str, Any] | None:
     if at < 0:
         return None
     try:
-        return json.loads(line[at + len("lorapub iteration "):])
+        record = json.loads(line[at + len("lorapub iteration "):])
     except ValueError:
         return None
+    return record if isinstance(record, dict) else None  # a "{...}" that parsed is an object

@@ -37,7 +37,8 @@ class Preparer:
         self.manager = manager
         self.device = manager.device
         self.on_cuda = getattr(self.device, "type", self.device) == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        # torch's stubs leave the CUDA stream and event constructors unannotated
+        self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
         trace = trace_setting()
         self.trace = trace is not None
         # what each scheduler iteration spent, around every load or always (trace only; docs/sglang-patch.md)
@@ -47,11 +48,11 @@ class Preparer:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorapub-prepare",
                                                           initializer=self._preparing_thread_started)
         # (request, its preparation, the stock load, when it was submitted)
-        self.pending: list[tuple[Any, concurrent.futures.Future, Callable[..., Any], float]] = []
+        self.pending: list[tuple[Any, concurrent.futures.Future[Any], Callable[..., Any], float]] = []
         self.chunks: list[Any] | None = None
         if self.on_cuda:  # before any batch runs (see _chunks)
             self._chunks()
-        self.ticks: collections.deque = collections.deque(maxlen=8192)  # perf_counter at each iteration's end
+        self.ticks: collections.deque[float] = collections.deque(maxlen=8192)  # perf_counter at each iteration's end
         if self.trace:
             _trace_gc()
         self.switch_s = switch_interval()
@@ -226,12 +227,15 @@ class Preparer:
                 total += -(-size // _ALIGN) * _ALIGN
         if total == 0:
             return 0, 0.0
+        stream = self.stream
+        if stream is None:  # preparer_of makes preparers on a CUDA device only, each with its stream
+            raise RuntimeError("lorapub: a preparation copies to the device on a CUDA stream; this preparer has none")
         # Device blocks freed by an earlier unload return to this stream's pool: wait for every
         # kernel queued before this preparation, so none can still read what this copy overwrites.
         t_queued = time.perf_counter()
         torch.cuda.synchronize(self.device)
         queued_s = time.perf_counter() - t_queued
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             dev = torch.empty(total, dtype=torch.uint8, device=self.device)
         chunks = self._chunks()
         pending: list[Any] = [None] * len(chunks)
@@ -251,12 +255,12 @@ class Preparer:
                 if start + size > end:
                     break  # the rest of this tensor goes into the next chunk
                 i += 1
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(stream):
                 dev[base:end].copy_(chunk[:end - base], non_blocking=True)
-                pending[k] = torch.cuda.Event()
-                pending[k].record(self.stream)
+                pending[k] = torch.cuda.Event()  # type: ignore[no-untyped-call]  # as Stream
+                pending[k].record(stream)
             k = (k + 1) % len(chunks)
-        self.stream.synchronize()
+        stream.synchronize()
         for (d, name, t), (start, size) in zip(slots, spans):
             d[name] = dev[start:start + size].view(t.dtype).view(t.shape)
         return total, queued_s
@@ -291,7 +295,7 @@ def _trace_gc() -> None:
 
     started: list[float] = []
 
-    def callback(phase: str, info: dict) -> None:
+    def callback(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started[:] = [time.perf_counter()]
         elif started:

@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 
 __all__ = ["SAFETENSORS_CODES", "Stepped", "read_peft_folder", "weight_dicts"]
 
 
-class Stepped(dict):
+class Stepped(dict[str, Any]):
     """The tensors handed to SGLang's ``initialize_weights_from_tensors``, which walks ``items()``:
     each tensor is handed over after one step of the gate."""
 
-    def __init__(self, tensors: dict, step: Callable[[], None]) -> None:
+    def __init__(self, tensors: dict[str, Any], step: Callable[[], None]) -> None:
         super().__init__(tensors)
         self._step = step
 
-    def items(self):  # type: ignore[override]
+    # a generator, not a view: SGLang only iterates it (dict's items() is typed as an ItemsView)
+    def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
         for item in super().items():
             self._step()
             yield item
@@ -89,7 +90,7 @@ def read_peft_folder(path: Any, step: Callable[[], None] | None = None) -> dict[
 
 
 
-def weight_dicts(adapter: Any) -> list[dict]:
+def weight_dicts(adapter: Any) -> list[dict[str, Any]]:
     return [layer.weights for layer in adapter.layers] + [
         d for d in (getattr(adapter, "embedding_layers", None), getattr(adapter, "added_tokens_embeddings", None))
         if d]

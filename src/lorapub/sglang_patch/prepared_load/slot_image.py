@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import iterations
 from .settings import MARK
@@ -72,7 +72,7 @@ class SlotImage:
                 flat.record_stream(stream)
 
 
-class _SteppedLayers(list):
+class _SteppedLayers(list[Any]):
     """An adapter's layers as SGLang's slot fill walks them: one gate step per layer it takes."""
 
     def __init__(self, layers: Any, step: Callable[[], None]) -> None:
@@ -83,7 +83,7 @@ class _SteppedLayers(list):
         self._step()
         return super().__getitem__(index)
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[Any]:
         for layer in super().__iter__():
             self._step()
             yield layer
@@ -110,7 +110,7 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
 
     import torch
 
-    pool = getattr(manager, "memory_pool", None)
+    pool: Any = getattr(manager, "memory_pool", None)  # SGLang's LoRAMemoryPool
     buffers = slot_buffers(pool) if pool is not None else None
     if not buffers:
         return None
@@ -187,14 +187,15 @@ def make_resident(manager: Any, uid: str) -> int | None:
 def install_slot_fill(pool_cls: Any) -> None:
     stock = pool_cls.load_lora_weight_to_buffer
 
-    def load_lora_weight_to_buffer(self, uid, buffer_id, lora_adapter, *args, **kwargs):
+    def load_lora_weight_to_buffer(self: Any, uid: Any, buffer_id: Any, lora_adapter: Any, *args: Any,
+                                   **kwargs: Any) -> Any:
         """SGLang's slot fill, served by the adapter's slot image when it has one for this pool."""
         image = getattr(lora_adapter, "__dict__", {}).get(IMAGE_ATTR) if lora_adapter is not None else None
         if image is not None and image.fits(self, buffer_id):
             return image.fill(buffer_id)
         return stock(self, uid, buffer_id, lora_adapter, *args, **kwargs)
 
-    load_lora_weight_to_buffer.__wrapped__ = stock
+    setattr(load_lora_weight_to_buffer, "__wrapped__", stock)
     setattr(load_lora_weight_to_buffer, MARK, True)
     pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
 
@@ -203,7 +204,7 @@ def trace_slot_fills(pool_cls: Any) -> None:
     """Log how long the scheduler thread spends filling a memory-pool slot (an adapter's first batch)."""
     stock = pool_cls.load_lora_weight_to_buffer
 
-    def load_lora_weight_to_buffer(self, uid, buffer_id, *args, **kwargs):
+    def load_lora_weight_to_buffer(self: Any, uid: Any, buffer_id: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return stock(self, uid, buffer_id, *args, **kwargs)
@@ -212,7 +213,7 @@ def trace_slot_fills(pool_cls: Any) -> None:
             logger.info("lorapub trace: slot %s filled with %s in %.1f ms at %.3f", buffer_id, uid,
                         1e3 * (time.perf_counter() - t0), time.time())
 
-    load_lora_weight_to_buffer.__wrapped__ = stock
+    setattr(load_lora_weight_to_buffer, "__wrapped__", stock)
     setattr(load_lora_weight_to_buffer, MARK, True)
     pool_cls.load_lora_weight_to_buffer = load_lora_weight_to_buffer
 

@@ -42,7 +42,8 @@ class Buffer:
         elif shared:
             import torch
 
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            # torch's stubs leave Tensor.share_memory_ unannotated
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
             self.view = memoryview(self.tensor.numpy()).cast("B")
         elif nbytes:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
@@ -97,8 +98,12 @@ class Buffer:
 
 def close_all(buffers: list[Buffer]) -> None:
     """Unmap many buckets (hundreds of MB: the kernel frees every page) off the event loop."""
+    def free() -> None:
+        for b in buffers:
+            b.close()
+
     if buffers:
-        threading.Thread(target=lambda: [b.close() for b in buffers], name="lorapub-stash-free", daemon=True).start()
+        threading.Thread(target=free, name="lorapub-stash-free", daemon=True).start()
 
 
 def verify_and_keep(buf: memoryview, spans: list[tuple[int, int]], bucket: Bucket,

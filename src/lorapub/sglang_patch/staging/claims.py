@@ -31,7 +31,7 @@ def claim_tag() -> str:
     return f"lorapub-claim v1\n{running_kernel()}\n"
 
 
-def take_claim(owner: Any, root: str, stash_root: str, tag: str) -> weakref.finalize | None:
+def take_claim(owner: Any, root: str, stash_root: str, tag: str) -> weakref.finalize[[int], None] | None:
     """Claim the stash folder ``stash_root`` (under ``root``) for ``owner``'s life: its claim file,
     locked as long as this process runs and naming the running kernel. Answers what closes the
     claim's descriptor (its lock goes with it; also when ``owner`` is collected unclosed), or None
@@ -61,7 +61,7 @@ def take_claim(owner: Any, root: str, stash_root: str, tag: str) -> weakref.fina
     return weakref.finalize(owner, os.close, fd)
 
 
-def release_claim(stash_root: str, claim: weakref.finalize) -> None:
+def release_claim(stash_root: str, claim: weakref.finalize[[int], None]) -> None:
     """The life is over: its claim file goes, then its lock (the descriptor closes)."""
     try:
         os.unlink(stash_root + CLAIM_SUFFIX)

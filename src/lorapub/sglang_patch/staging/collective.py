@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from lorapub.core.manifest import Bucket
 from lorapub.sglang_patch.staging.buffers import Buffer
-from lorapub.sglang_patch.staging.landing import Stash
+from lorapub.sglang_patch.staging.landing import Group, Stash
 from lorapub.wire.collective import barrier, post_abort
 from lorapub.wire.refusal import Refused, bad, refuse
 from lorapub.wire.safetensors import raw_spans
@@ -43,13 +43,16 @@ def start_join(stash: Stash) -> None:
     """Connect to the attempt's group store in the background (its parameters were checked at begin)."""
     host, port, timeout, _ = _settings(stash.transport)
     done = threading.Event()
-    group = stash.group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
+    group: Group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
+    stash.group = group
 
     def connect() -> None:
         try:
             import torch.distributed as dist
 
-            group["store"] = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+            # torch.distributed re-exports TCPStore without declaring it (no __all__ entry, no "as")
+            group["store"] = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - reported at the first bucket
             group["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -75,8 +78,8 @@ def ranks_of(stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> tuple[
     return rank, world, src
 
 
-def receive(stash: Stash, group: dict, bucket: Bucket, ranks: tuple[int, int, int],
-            land: Callable[[Stash, Bucket], Buffer]) -> tuple[Buffer, list]:
+def receive(stash: Stash, group: Group, bucket: Bucket, ranks: tuple[int, int, int],
+            land: Callable[[Stash, Bucket], Buffer]) -> tuple[Buffer, list[tuple[int, int]]]:
     """Join the broadcast of ``bucket`` (blocking: run off the event loop), into ``land``'s buffer."""
     import torch
     import torch.distributed as dist
@@ -87,19 +90,21 @@ def receive(stash: Stash, group: dict, bucket: Bucket, ranks: tuple[int, int, in
     device = t.get("device", "cpu")
     if not group["done"].wait(timeout):
         raise TimeoutError(f"the group store was not reached within {timeout:g}s")
-    if group["error"]:
+    tcp_store = group["store"]
+    if group["error"] or tcp_store is None:  # done is set once the store was reached or its error kept
         raise RuntimeError(f"reaching the group store failed: {group['error']}")
     span = datetime.timedelta(seconds=timeout)
-    store = dist.PrefixStore(f"lorapub/{stash.token}", group["store"])
+    store = dist.PrefixStore(f"lorapub/{stash.token}", tcp_store)  # type: ignore[attr-defined]  # as TCPStore
     group["prefixed"] = store
-    if group["pg"] is None:  # the group forms once, at the first bucket, with every party there
+    pg = group["pg"]
+    if pg is None:  # the group forms once, at the first bucket, with every party there
         barrier(store, "join", world, timeout)
         if t.get("backend", "gloo") == "gloo":
-            group["pg"] = dist.ProcessGroupGloo(store, rank, world, span)
+            pg = group["pg"] = dist.ProcessGroupGloo(store, rank, world, span)
         else:  # pragma: no cover - needs GPUs
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = span
-            group["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = span
+            pg = group["pg"] = dist.ProcessGroupNCCL(store, rank, world, nccl_opts)
         group["ranks"] = (rank, world, src)
     buf = land(stash, bucket)
     target = buf.tensor if buf.tensor is not None else torch.frombuffer(buf.view, dtype=torch.uint8)
@@ -109,9 +114,10 @@ def receive(stash: Stash, group: dict, bucket: Bucket, ranks: tuple[int, int, in
     opts.rootRank, opts.rootTensor = src, 0
     opts.timeout = span
     barrier(store, f"bucket-{bucket.index}", world, timeout)
-    group["pg"].broadcast([target], opts).wait()
+    # torch's stubs give Backend no broadcast; ProcessGroupGloo and ProcessGroupNCCL have it
+    pg.broadcast([target], opts).wait()  # type: ignore[attr-defined]
     if device != "cpu":  # pragma: no cover
-        buf.view[:] = memoryview(target.cpu().numpy()).cast("B")
+        buf.view[:] = target.cpu().numpy().data.cast("B")  # the array's memoryview
     return buf, raw_spans(bucket)
 
 
@@ -121,4 +127,11 @@ def drop_group(stash: Stash, reason: str | None = None) -> None:
     if group and reason and group.get("prefixed") is not None:
         post_abort(group["prefixed"], reason)
     if group:  # a process group's teardown joins its threads: never on the server's event loop
-        threading.Thread(target=group.clear, name="lorapub-group-teardown", daemon=True).start()
+        held = group
+
+        def teardown() -> None:  # the group's last references go on this thread
+            held["pg"] = None
+            held.pop("prefixed", None)
+            held["store"] = None
+
+        threading.Thread(target=teardown, name="lorapub-group-teardown", daemon=True).start()

@@ -14,7 +14,7 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Protocol
 
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
@@ -50,6 +50,12 @@ def idle_timeout_setting() -> float:
     seconds = env_number(IDLE_ENV, float, lambda s: s > 0, "a positive number of seconds",
                          f"using {DEFAULT_IDLE_S:g}", logger)
     return DEFAULT_IDLE_S if seconds is None else seconds
+
+
+class StagingObserver(Protocol):
+    """What sees each command the machine handles (lorapub's engine series, sglang_patch.metrics)."""
+
+    def observe(self, before: machine.StagingState, command: Any, out: machine.Outcome) -> None: ...
 
 
 class EngineHooks(Protocol):
@@ -118,9 +124,10 @@ class EngineStaging:
         self.idle_timeout = float(idle_timeout)
         self._state = machine.new_state(incarnation, max_stash_bytes, self.idle_timeout)
         #: lorapub's engine series (:mod:`lorapub.sglang_patch.metrics`) shown each command; None: none
-        self.metrics: Any = None
+        self.metrics: StagingObserver | None = None
         self._stashes: dict[AttemptToken, Stash] = {}  # the I/O side of every attempt the machine stages
-        self._landed: dict[tuple[AttemptToken, int], tuple[Buffer, list]] = {}  # bytes the machine decides on
+        #: bytes the machine decides on: (buffer, its tensors' spans)
+        self._landed: dict[tuple[AttemptToken, int], tuple[Buffer, list[tuple[int, int]]]] = {}
         self.collectives = 0  # broadcasts this life joined (a duplicate receive joins none)
         #: name -> digest of what this life loaded under that name (the provenance stamps read it)
         self.digests: dict[str, str] = {}
@@ -129,7 +136,7 @@ class EngineStaging:
         self._swap: swap.Kept | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next sweep, on the loop the routes run on
         self._timer_loop: asyncio.AbstractEventLoop | None = None
-        self._sweeping: asyncio.Task | None = None
+        self._sweeping: asyncio.Task[list[str]] | None = None
         self._pid = os.getpid()
         tag = claims.claim_tag()
         # Closes the claim's descriptor (its lock goes with it); also when a staging is never closed.
@@ -157,15 +164,15 @@ class EngineStaging:
             self.metrics.observe(before, command, out)
         return out
 
-    def _do(self, command: Any) -> tuple[Any, list]:
+    def _do(self, command: Any) -> tuple[Any, list[m.Effect]]:
         """Send the machine ``command``; run the bookkeeping effects it answers with now. Answers the
         reply and the effects left for the operation that sent it (landing bytes, a collective, the
         load, a folder)."""
         out = self._handle(command)
         return out.reply, self._run(out.effects)
 
-    def _run(self, effects: Any) -> list:
-        later = []
+    def _run(self, effects: Iterable[m.Effect]) -> list[m.Effect]:
+        later: list[m.Effect] = []
         for effect in effects:
             if isinstance(effect, m.Verify):
                 self._verify(effect.token, effect.index)
@@ -211,7 +218,7 @@ class EngineStaging:
         version = token.version
         return os.path.join(self.stash_root, f"{version.deployment_epoch}-{version.version_id}-a{token.seq}")
 
-    async def _answer(self, work) -> tuple[int, dict[str, Any]]:
+    async def _answer(self, work: Awaitable[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         try:
             return 200, await work
         except Refused as e:
@@ -321,7 +328,7 @@ class EngineStaging:
         self._arm()
 
     @staticmethod
-    def _swept(task: asyncio.Task) -> None:
+    def _swept(task: asyncio.Task[list[str]]) -> None:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("lorapub: staging sweep failed: %r", task.exception())
 
@@ -344,6 +351,8 @@ class EngineStaging:
             request.kind, request.problem, request.late_problem, frozenset(adapters), limit, _now()))
         if _raise(out.reply).duplicate:  # the same answer, nothing set up twice
             return {"incarnation": self.incarnation, "duplicate": True}
+        if request.plan is None:  # only a begin with a problem has none, and the machine refused it above
+            raise machine.ProtocolError(f"begin of {token} accepted without a bucket plan")
         stash = self._stashes[token] = Stash(token, request.plan, request.transport, request.load)
         for effect in self._run(out.effects):
             if isinstance(effect, m.PrepareFolder):
@@ -364,7 +373,8 @@ class EngineStaging:
             await drain(chunks)  # the caller's stream is read to its end whatever the answer
         return status, body
 
-    async def _receive(self, params: Mapping[str, str], chunks, length) -> dict[str, Any]:
+    async def _receive(self, params: Mapping[str, str], chunks: AsyncIterator[bytes] | None,
+                       length: int | None) -> dict[str, Any]:
         token = token_from_json(params)
         index, fmt, problem = bucket_request(params)
         _raise(self._do(m.Receive(token, params.get("incarnation"), problem, _now()))[0])
@@ -373,7 +383,8 @@ class EngineStaging:
         finally:
             self._do(m.Leave(token, _now()))
 
-    async def _receive_into(self, stash: Stash, index: int, fmt: str, chunks, length) -> dict[str, Any]:
+    async def _receive_into(self, stash: Stash, index: int, fmt: str, chunks: AsyncIterator[bytes] | None,
+                            length: int | None) -> dict[str, Any]:
         token = stash.token
         async with stash.lock:
             reply, later = self._do(m.Arrive(token, index, fmt, length, _now()))
@@ -403,7 +414,7 @@ class EngineStaging:
         answer = await asyncio.shield(running)  # it runs on even if this caller goes away
         return {**answer, "duplicate": True} if duplicate else answer
 
-    def _store(self, token: AttemptToken, index: int, buf: Buffer, spans: list) -> dict[str, Any]:
+    def _store(self, token: AttemptToken, index: int, buf: Buffer, spans: list[tuple[int, int]]) -> dict[str, Any]:
         self._landed[(token, index)] = (buf, spans)  # kept and checked, or closed (cleaned up meanwhile)
         _raise(self._do(m.Stored(token, index, buf.nbytes, _now()))[0])
         return {"incarnation": self.incarnation, "duplicate": False}
@@ -413,10 +424,12 @@ class EngineStaging:
         try:
             try:
                 ranks = collective.ranks_of(stash, bucket, control)
+                group = stash.group
+                if group is None:  # ranks_of refuses an attempt without its group
+                    raise refuse(f"attempt {token} has no process group here (it failed or ended)", "STAGE_FAILED")
             except BaseException:
                 self._do(m.Lost(token, index, _now()))
                 raise
-            group = stash.group
             self.collectives += 1
             try:
                 buf, spans = await asyncio.to_thread(collective.receive, stash, group, bucket, ranks, landing.landing)

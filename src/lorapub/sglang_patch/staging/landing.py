@@ -9,7 +9,8 @@ import asyncio
 import mmap
 import os
 import shutil
-from typing import Any, Mapping
+import threading
+from typing import TYPE_CHECKING, Any, Mapping, NotRequired, TypedDict
 
 from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
@@ -19,7 +20,24 @@ from lorapub.wire.refusal import bad, refuse
 from lorapub.wire.routes import SHM_NAME
 from lorapub.wire.safetensors import raw_spans
 
-__all__ = ["Stash", "finish_peft_dir", "from_shm", "landing", "prepare_peft_file", "release_buckets", "tensors"]
+if TYPE_CHECKING:  # torch is imported only where a torch transport is used
+    from torch._C._distributed_c10d import Backend, PrefixStore, TCPStore
+
+__all__ = ["Group", "Stash", "finish_peft_dir", "from_shm", "landing", "prepare_peft_file", "release_buckets",
+           "tensors"]
+
+
+class Group(TypedDict):
+    """An attempt's torch process group (the torch transport): ``done`` is set once its ``store`` was
+    reached, or not (``error``); ``pg`` forms at the first bucket, with ``ranks`` (rank, world, src);
+    ``prefixed``: the attempt's keys on the store."""
+
+    done: threading.Event
+    store: TCPStore | None
+    pg: Backend | None
+    error: str | None
+    ranks: tuple[int, int, int] | None
+    prefixed: NotRequired[PrefixStore]
 
 
 class Stash:
@@ -38,11 +56,11 @@ class Stash:
         self.token, self.plan, self.transport, self.load = token, plan, dict(transport), load
         self.lock = asyncio.Lock()
         self.buckets: dict[int, tuple[Buffer, list[tuple[int, int]]]] = {}
-        self.verifying: dict[int, asyncio.Future] = {}
-        self.inflight: dict[int, asyncio.Future] = {}
+        self.verifying: dict[int, asyncio.Future[None]] = {}
+        self.inflight: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.folder: str | None = None
         self.peft: tuple[str, dict[int, int]] | None = None
-        self.group: Any = None
+        self.group: Group | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -89,7 +107,8 @@ def landing(stash: Stash, bucket: Bucket) -> Buffer:
     return Buffer(bucket.nbytes, stash.load == "tensors", populate=True)
 
 
-def from_shm(stash: Stash, bucket: Bucket, control: Mapping[str, Any], shm_dir: str) -> tuple[Buffer, list]:
+def from_shm(stash: Stash, bucket: Bucket, control: Mapping[str, Any],
+             shm_dir: str) -> tuple[Buffer, list[tuple[int, int]]]:
     """A bucket the publisher wrote once, for every engine on its host, into a shared-memory file."""
     shared = stash.load == "tensors"
     name = control.get("name")

@@ -38,10 +38,10 @@ class BeginRequest:
     """A begin's body, parsed: ``problem`` / ``late_problem`` as the machine's ``Begin`` takes them;
     ``header``: a dir load's safetensors header."""
 
-    lora_name: Any
+    lora_name: Any  # as the body gave them (checked unless there is a problem)
     digest: Any
     plan: BucketPlan | None = None
-    transport: dict = attrs.field(factory=dict)
+    transport: dict[str, Any] = attrs.field(factory=dict)
     load: Any = "dir"
     header: bytes = b""
     problem: Refusal | None = None
@@ -49,15 +49,16 @@ class BeginRequest:
 
     @property
     def kind(self) -> str:
-        return self.transport.get("kind", "http")
+        return str(self.transport.get("kind", "http"))  # one of http, shm, torch (checked)
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(b.nbytes for b in self.plan.buckets) if self.plan is not None else ()
 
 
-def _checked(body: Mapping[str, Any], token: AttemptToken, prefix: str) -> tuple[BucketPlan, dict, str]:
-    digest, lora_name = body.get("digest"), body.get("lora_name")
+def _checked(body: Mapping[str, Any], token: AttemptToken, prefix: str) -> tuple[BucketPlan, dict[str, Any], str]:
+    digest: Any = body.get("digest")  # a JSON value: the checks below say what it is
+    lora_name = body.get("lora_name")
     plan = plan_from_json(body.get("plan"))
     try:
         expected_name = lora_name_for(token.version, digest, prefix)
@@ -172,6 +173,8 @@ async def receive_bytes(stash: Stash, bucket: Bucket, fmt: str, chunks: AsyncIte
     if fmt == "raw":
         buf = await asyncio.to_thread(landing, stash, bucket)
     else:
+        if length is None:  # the machine admits a safetensors bucket only with its Content-Length
+            raise bad("a safetensors bucket needs a Content-Length within its plan's size")
         buf = await asyncio.to_thread(Buffer, length, stash.load == "tensors", populate=True)
     try:
         await fill(buf.view, chunks, f"bucket {bucket.index}")

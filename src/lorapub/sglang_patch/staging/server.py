@@ -68,11 +68,15 @@ class SGLangHooks:
         return None if result.success else str(result.error_message)
 
 
-def max_loaded_loras(tm: Any) -> Any:
+def max_loaded_loras(tm: Any) -> int | None:
+    """SGLang's ``--max-loaded-loras`` (None: no limit) of the server of ``tm`` (SGLang's TokenizerManager)."""
     get_lora = type(tm)._resolve_lora_path.__globals__.get("get_lora")
+    limit: int | None
     if get_lora is not None:  # 0.5.23 keeps LoRA settings in their own config
-        return get_lora().max_loaded_loras
-    return tm.server_args.max_loaded_loras
+        limit = get_lora().max_loaded_loras
+    else:
+        limit = tm.server_args.max_loaded_loras
+    return limit
 
 
 def for_server(tokenizer_manager: Callable[[], Any], incarnation: str) -> EngineStaging:
