@@ -75,6 +75,22 @@ async def test_a_whole_cycle_is_told_as_events_in_order():
     assert {"Reserve", "Commit", "BindFirst", "ClaimReclaim", "RecordUnloaded"} <= decided
 
 
+async def test_a_replayed_unload_receipt_tells_nothing_twice():
+    """A receipt whose reply was lost is sent again: the registry changes nothing, and neither an unload nor
+    the version's reclaim is told a second time (the metrics would count the version reclaimed twice)."""
+    from lorapub.core.commands import RecordUnloaded
+
+    seen = []
+    dep = await Deployment(_engines(), epoch=1, reconcile_interval=None, observers=[seen.append]).start()
+    await _cycle(dep)
+    a = next(v for k, v in dep.registry.state.versions.items() if k.version_id == "A")
+    before = [e for e in seen if isinstance(e, (VersionUnloaded, VersionReclaimed))]
+    assert len(before) == 3
+    await dep.publisher.registry.handle(RecordUnloaded(a.key, a.reclaim_id, "e0"))  # the replay, through the door
+    assert [e for e in seen if isinstance(e, (VersionUnloaded, VersionReclaimed))] == before
+    await dep.close()
+
+
 async def test_each_decision_is_one_info_line_with_stable_keys(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     dep = await Deployment(_engines(), epoch=1, reconcile_interval=None).start()

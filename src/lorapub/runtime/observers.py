@@ -128,6 +128,8 @@ class ObservedRegistry:
                 self._claims[command.key] = (reply, time.monotonic())
                 emit(ReclaimClaimed(command.key, reply))
         elif isinstance(command, RecordUnloaded):
+            if any(isinstance(fx, Ignored) for fx in result.effects):  # a late or replayed receipt changes nothing
+                return
             emit(VersionUnloaded(command.key, command.engine))
             if reply is VersionState.RECLAIMED:
                 claimed = self._claims.pop(command.key, None)
