@@ -346,3 +346,42 @@ async def test_a_cleanup_of_another_attempt_never_unloads_the_version_an_attempt
     finally:
         await engine.close()
         await d.stop()
+
+
+def test_a_bucket_whose_flattening_ahead_failed_is_refused_naming_why_never_sent_half_written(monkeypatch):
+    """The next bucket is flattened on a thread while this one is broadcast: if that thread fails, the next
+    broadcast raises a typed error naming the cause, instead of sending the half-written buffer."""
+    from lorapub.adapters.transports import torch_dist
+    from lorapub.core.identity import AttemptToken, VersionKey
+    from lorapub.errors import EngineError
+
+    snapshot = lora_snapshot(8, layers=1, hidden=16, rank=2)
+    plan = snapshot.plan(256)
+    assert len(plan.buckets) >= 2
+    source = TorchDistributed(timeout=10.0).source(snapshot, plan)
+    second = {e.name for e in plan.buckets[1].entries}
+
+    class Broken:  # the snapshot, but reading a tensor of bucket 1 fails
+        def tensor(self, name):
+            if name in second:
+                raise OSError("the snapshot's memory went away")
+            return snapshot.tensor(name)
+
+    class Group:
+        sent = []
+
+        def broadcast(self, tensors, opts):
+            Group.sent.append(bytes(tensors[0].numpy()))
+            return self
+
+        def wait(self):
+            return True
+
+    token = AttemptToken(VersionKey(1, "T"), 1)
+    source.snapshot = Broken()
+    source._groups[token] = Group()
+    monkeypatch.setattr(torch_dist, "barrier", lambda *a, **k: None)
+    source._broadcast(token, 0, 2)  # bucket 0 goes; bucket 1 is flattened meanwhile, and that fails
+    with pytest.raises(EngineError, match="bucket 1 .*could not be flattened: OSError: the snapshot's memory went away"):
+        source._broadcast(token, 1, 2)
+    assert len(Group.sent) == 1  # nothing of bucket 1 was sent

@@ -155,7 +155,8 @@ class TorchBucketSource:
         self.failed: str | None = None
         self.broadcasts = 0
         self._bufs: "list[torch.Tensor | None]" = [None, None]  # at most two buckets' bytes beside the snapshot
-        self._ahead: dict[int, tuple[threading.Thread, int]] = {}
+        # the next bucket, flattened on a thread of its own while this one is broadcast: its outcome and buffer
+        self._ahead: "dict[int, tuple[concurrent.futures.Future[torch.Tensor], int]]" = {}
 
     def _event(self, token: AttemptToken) -> asyncio.Event:
         return self._roster_set.setdefault(token, asyncio.Event())
@@ -215,6 +216,19 @@ class TorchBucketSource:
             offset += len(view)
         return flat
 
+    def _flatten_ahead(self, index: int, slot: int) -> "concurrent.futures.Future[torch.Tensor]":
+        """:meth:`_flatten` on a thread of its own; its outcome (the bytes, or what failed) in the future."""
+        done: "concurrent.futures.Future[torch.Tensor]" = concurrent.futures.Future()
+
+        def flatten() -> None:
+            try:
+                done.set_result(self._flatten(index, slot))
+            except BaseException as e:  # noqa: BLE001 - handed to the broadcast that waits for it
+                done.set_exception(e)
+
+        threading.Thread(target=flatten, daemon=True, name="lorapub-flatten").start()
+        return done
+
     def _broadcast(self, token: AttemptToken, index: int, world: int) -> None:
         import torch.distributed as dist
 
@@ -222,19 +236,16 @@ class TorchBucketSource:
             self._groups[token] = self._join(token, world)
         ahead = self._ahead.pop(index, None)
         if ahead is not None:  # flattened while the previous bucket was broadcast
-            ahead[0].join()
             slot = ahead[1]
-            buf = self._bufs[slot]
-            if buf is None:  # was a TypeError here: the same failed broadcast, said plainly
-                raise EngineError(f"bucket {index} of {token} was not flattened ahead (its thread failed)")
-            flat = buf[: self.plan.buckets[index].nbytes]
+            try:
+                flat = ahead[0].result()
+            except Exception as e:  # its thread failed: the broadcast says why, never sends a half-written buffer
+                raise EngineError(f"bucket {index} of {token} could not be flattened: {type(e).__name__}: {e}") from e
         else:
             slot = index % 2
             flat = self._flatten(index, slot)
         if index + 1 < len(self.plan.buckets):  # the next bucket goes into the other buffer meanwhile
-            worker = threading.Thread(target=self._flatten, args=(index + 1, 1 - slot), daemon=True)
-            worker.start()
-            self._ahead[index + 1] = (worker, 1 - slot)
+            self._ahead[index + 1] = (self._flatten_ahead(index + 1, 1 - slot), 1 - slot)
         if self.transport.device != "cpu":  # pragma: no cover - NCCL sends from the GPU
             flat = flat.to(self.transport.device)
         opts = dist.BroadcastOptions()
