@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import attrs
 
+from lorapub.core.attempt import Phase
 from lorapub.core.commands import AddEngine, DrainEngine, RemoveEngine, Returns
 from lorapub.core.registry import Fleet, Membership, Result
 from lorapub.errors import (
@@ -258,6 +259,7 @@ class FleetMembership:
         not draining is EngineNotDrained; an unknown name UnknownEngine."""
         started = time.monotonic()
         while True:
+            cleaning = False  # what blocks the removal is an aborted attempt whose cleanup there is unconfirmed
             async with self._lock:
                 fleet = await self._fleet()
                 if name not in fleet.engines and name in self.engines:
@@ -278,10 +280,11 @@ class FleetMembership:
                     result = await self._replayed(
                         RemoveEngine(name, force=not reachable), name, f"remove_engine {name}",
                         "it may have left the fleet already — call remove_engine again (removing is idempotent)")
-                except PublicationBlocked:
+                except PublicationBlocked as e:
                     if timeout is not None and time.monotonic() - started > timeout:
                         raise
-                    result = None  # an attempt still needs it: its cleanup is retried now, below
+                    result = None  # an attempt still needs it: it ends, or its cleanup is retried now (below)
+                    cleaning = e.details.get("phase") == Phase.ABORTED.value
                 except UnknownEngine:
                     # a replay after a lost reply: our removal landed, and what it started the reconciler finds
                     engine = self._forget(name, reachable)
@@ -290,9 +293,8 @@ class FleetMembership:
                     engine = self._forget(name, reachable)
                     await self.control.run(result.effects)
                     break
-            # what blocks the removal is a publication still running there or an aborted one whose cleanup is
-            # unconfirmed there: that cleanup is retried now
-            await self.reconciler.repair_soon()
+            if cleaning:  # with no background reconciler nobody else retries that cleanup
+                await self.reconciler.repair_soon()
             await asyncio.sleep(POLL)
         await self._fleet()
         self.reconciler.kick()  # a reclaim that waited for it may finish now

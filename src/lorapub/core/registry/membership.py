@@ -97,7 +97,7 @@ def remove_engine(state: RegistryState, engine: str, force: bool = False) -> Out
             and t.state is not att.TargetState.CLEANED):
         raise PublicationBlocked(
             f"attempt {running.token} ({running.phase.value}) still needs {engine}; remove it once that attempt "
-            "ends (or is cleaned)", attempt=running.token, engine=engine,
+            "ends (or is cleaned)", attempt=running.token, engine=engine, phase=running.phase.value,
         )
     effects: list[Effect] = []
     # versions: no longer held there; a reclaim has nothing left to wait for there
