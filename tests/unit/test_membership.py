@@ -222,8 +222,9 @@ def test_remove_during_a_publication_is_refused_unless_forced_then_the_attempt_a
     net = Net({"e0": "a", "e1": "b", "e2": "c"})
     token = net.publish("A", skip={"e2"})  # e2 never answers its begin
     net.do(R.DrainEngine("e2"))
-    with pytest.raises(PublicationBlocked):
+    with pytest.raises(PublicationBlocked) as e:
         net.do(R.RemoveEngine("e2"))
+    assert e.value.details["attempt"] == token and e.value.details["phase"] == "BEGINNING"  # what blocks it, named
     net.do(R.RemoveEngine("e2", force=True))
     a = net.state.attempts[token]
     assert a.phase is Phase.CLEAN and net.state.versions[key("A")].state is VersionState.FAILED_CLEAN
