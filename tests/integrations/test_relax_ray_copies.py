@@ -21,6 +21,8 @@ def test_copies_outlive_the_handle_that_kept_them_and_keep_only_what_is_retained
         before.keep(VersionKey(1, "step1"), lora_snapshot(1))
         before.keep(VersionKey(1, "step2"), lora_snapshot(2))
         before.retain([VersionKey(1, "step2")])  # the registry no longer needs step1
+        before.close()  # the trainer ends: what it sent is in the actor, and its sending thread is gone
+        assert before._sender._shutdown and not any(t.is_alive() for t in before._sender._threads)
         after = RayCopies("relax-copies-test-1-copies")  # the restarted trainer's handle
         (key, snapshot), = after.items()
         assert key == VersionKey(1, "step2") and snapshot.digest == lora_snapshot(2).digest

@@ -83,6 +83,10 @@ class RayCopies:
     def retain(self, keys: Iterable[VersionKey]) -> None:
         self._send(self.actor.retain, [(k.deployment_epoch, k.version_id) for k in keys])
 
+    def close(self) -> None:
+        """What this process sent is in the actor (the actor itself, detached, stays); the sending thread ends."""
+        self._sender.shutdown(wait=True)
+
     def items(self) -> list[tuple[VersionKey, Snapshot]]:
         self._sender.submit(lambda: None).result()  # what this process sent before is there first
         found = self._ray.get(self.actor.items.remote(), timeout=self.timeout)

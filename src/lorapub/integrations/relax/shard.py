@@ -9,7 +9,7 @@ import inspect
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence, Union
 
 from lorapub import (BindingStale, Deployment, EngineError, EngineUnavailable, LorapubError, NoPublishedVersion,
                      Session, SessionClosed, UnknownEngine)
@@ -17,6 +17,9 @@ from lorapub.ports import CopyStore, EngineAdmin, Registry, Transport
 
 from .errors import CONTEXT_MARKERS, chat_error
 from .options import ENABLE_FLAG, LorapubConfig, config_from_args, engine_name, make_transport, safe_id, takes_keyword
+
+if TYPE_CHECKING:
+    from .copies import RayCopies
 
 __all__ = ['GenerateResult', 'LorapubGenerationBackend', 'RelaxLorapub']
 
@@ -102,6 +105,7 @@ class RelaxLorapub:
         self._transport: Transport | None = None  # the built engines' transport, named on their deployment
         self._registry = registry
         self._copies = copies  # the trainer's: where its frozen copies outlive it (copies.py)
+        self._own_copies: RayCopies | None = None  # the store this object made (and ends at aclose)
         self._deployment_options = deployment_options
         self._start: asyncio.Task[None] | None = None
         self._groups: dict[str, _Group] = {}
@@ -190,7 +194,7 @@ class RelaxLorapub:
             if copies is None and config.registry and self._registry is None:
                 from .copies import RayCopies
 
-                copies = RayCopies(f"{config.registry}-{config.epoch}-copies")
+                copies = self._own_copies = RayCopies(f"{config.registry}-{config.epoch}-copies")
             if copies is not None:
                 options.setdefault("copies", copies)
         self.deployment = await Deployment(engines, epoch=config.epoch, **options).start()
@@ -323,6 +327,9 @@ class RelaxLorapub:
         self._groups.clear()
         if self.deployment is not None:
             await self.deployment.close()
+        if self._own_copies is not None:  # its last copies sent, its sending thread ends
+            await asyncio.to_thread(self._own_copies.close)
+            self._own_copies = None
         for engine in self._built_engines:
             await engine.close()
         self._built_engines = []
