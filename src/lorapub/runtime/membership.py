@@ -309,10 +309,10 @@ class FleetMembership:
 
     async def _requests_end(self, name: str, deadline: float | None) -> None:
         """Wait (up to ``deadline``) until no request of this process runs on ``name``."""
-        while self._sessions_on(name)[1]:
+        while running := self._sessions_on(name)[1]:
             if deadline is not None and time.monotonic() > deadline:
                 log.warning("remove_engine %s: %d request(s) of this process still run there; its connection "
-                            "closes under them", name, self._sessions_on(name)[1])
+                            "closes under them", name, running)
                 return
             await asyncio.sleep(POLL / 5)
 
