@@ -345,6 +345,12 @@ class CopyStore(Protocol):
 
 
 class Clock(Protocol):
+    """The one time source a deployment hands every part: lease renewals and the registry's lease
+    deadlines, session idleness, the reconcile interval, retries' backoff, a stalled attempt's age.
+    ``monotonic()`` is now, in seconds; ``sleep(seconds)`` returns once this clock has moved on by
+    that much. The default reads ``time.monotonic`` and sleeps with asyncio; a test's
+    ``lorapub.testing.ManualClock`` moves only when the test advances it."""
+
     def monotonic(self) -> float: ...
 
     async def sleep(self, seconds: float) -> None: ...

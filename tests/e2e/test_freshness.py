@@ -612,8 +612,8 @@ async def test_a_member_refused_by_a_closed_group_is_not_left_open():
 
 
 async def test_a_manual_clock_drives_reclaim_retries_without_sleeping():
-    """Deployment(clock=) reaches the reclaimer: a reclaim whose unload fails twice is retried after its
-    backoff on that clock (30 s, then 60 s of it), so a test waits for none of it."""
+    """Deployment(clock=) reaches the reclaimer: a reclaim whose unload fails is retried after its
+    backoff on that clock (30 s of it, once the test advances it), so a test waits for none of it."""
     import time
 
     from lorapub.testing import ManualClock
@@ -623,11 +623,13 @@ async def test_a_manual_clock_drives_reclaim_retries_without_sleeping():
     a = await dep.publish(lora_snapshot(1), "A")
     for engine in dep.engines.values():
         engine.fail_next("reclaim", "request", count=1)  # each engine's first unload gets no answer
-    started, before = time.monotonic(), clock.monotonic()
+    started, asleep = time.monotonic(), clock.sleeping  # the lease renewals' loop sleeps on it too
     await dep.publish(lora_snapshot(2), "B")  # A retires unused: its reclaim starts
+    await _until(lambda: clock.sleeping > asleep, what="the reclaim's retry asleep on the manual clock")
+    assert version(dep, "A").state is VersionState.RECLAIMING  # it waits for the clock, not for real time
+    clock.advance(30.0)  # the backoff runs on the manual clock
     await dep.settle(10)
     assert version(dep, "A").state is VersionState.RECLAIMED
-    assert clock.monotonic() - before >= 30.0  # the backoff ran on the manual clock
     assert time.monotonic() - started < 5.0  # and took no real time
     assert not any(e.serves(a.lora_name) for e in dep.engines.values())
     await dep.close()
