@@ -68,7 +68,7 @@ class _Worker:
             if transport is not None and getattr(transport, "_loop", None) is not None:
                 transport.abort()
         for _ in range(3):  # the aborts' connection_lost callbacks run in the next iterations
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # a scheduling point, no timer
         await self.loop.shutdown_asyncgens()
 
     async def post(self, url: str, params: Mapping[str, str], headers: Mapping[str, str], body: Any,

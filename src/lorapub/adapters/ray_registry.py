@@ -65,6 +65,8 @@ class _RunningClock:
     holds the interpreter that long counts as one too: a lease may outlive its TTL by that much,
     never the other way."""
 
+    # time.monotonic and time.time by default: it runs in the actor's own process, which no deployment's clock
+    # reaches (a test passes its own readings)
     def __init__(self, tick: float = 0.25, slack: float = 2.0, *, monotonic: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, beat: bool = True) -> None:
         self._monotonic, self._wall = monotonic, wall
@@ -369,7 +371,7 @@ class RayRegistry:
         is safe to replay, and a close in flight then lands once the actor is back instead of
         holding its slot until the caller's next lease round."""
         loop = asyncio.get_running_loop()
-        deadline, pause = loop.time() + self.call_timeout, 0.05
+        deadline, pause = loop.time() + self.call_timeout, 0.05  # bounds a call to the actor (I/O): real time
         while True:
             self.calls += 1
             actor = self.actor
@@ -387,7 +389,7 @@ class RayRegistry:
                 raise _Unread(e.cause) from None
             except ray.exceptions.RayError as e:  # the reply's object lost, a system error: it may have run
                 raise errors.OutcomeUnknown(f"registry {what}: no reply ({type(e).__name__}: {e})") from None
-            await asyncio.sleep(pause)
+            await asyncio.sleep(pause)  # waits for the actor to restart (I/O): real time
             pause = min(2 * pause, 1.0)
             ref = getattr(actor, method).remote(argument)
 

@@ -58,7 +58,7 @@ class SGLangOverwriteAdmin:
             except EngineError as e:
                 if e.details.get("status") in (401, 403):
                     raise
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # a retry of an engine call (I/O) on the old path: real time
         await self.client.admin("/flush_cache", expect_json=False)
 
     async def loaded_adapters(self) -> list[str]:

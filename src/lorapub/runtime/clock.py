@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lorapub.ports import Clock
 
 __all__ = ["SystemClock", "RegistryClock", "Elapsed"]
 
 
 class SystemClock:
+    """The default :class:`~lorapub.ports.Clock`: the monotonic clock, and asyncio's sleep."""
+
     def monotonic(self) -> float:
         return time.monotonic()
 
@@ -23,29 +29,33 @@ class RegistryClock:
 
     Leases are deadlines on this clock, judged when the registry receives a renewal: a step of the
     host's wall clock after start changes nothing, and a timestamp another machine wrote is never
-    compared with it."""
+    compared with it. ``clock``: what advances it (a deployment's own, so a test's manual clock
+    drives lease expiry too; default: the monotonic clock)."""
 
-    def __init__(self) -> None:
-        self._offset = time.time() - time.monotonic()
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock or SystemClock()
+        self._offset = time.time() - self._clock.monotonic()  # the wall clock, read once: an anchor
 
     def __call__(self) -> float:
-        return self._offset + time.monotonic()
+        return self._offset + self._clock.monotonic()
 
 
 class Elapsed:
     """A remote clock carried forward locally: a reading ``at`` received from it, advanced by this
-    process's monotonic clock (what a worker uses where it must speak in the registry's time)."""
+    process's clock (what a worker uses where it must speak in the registry's time; default: the
+    monotonic clock)."""
 
-    def __init__(self, at: float | None = None) -> None:
+    def __init__(self, at: float | None = None, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock or SystemClock()
         self._base: float | None = None
         self._mono = 0.0
         if at is not None:
             self.set(at)
 
     def set(self, at: float) -> None:
-        self._base, self._mono = at, time.monotonic()
+        self._base, self._mono = at, self._clock.monotonic()
 
     def __call__(self) -> float:
         if self._base is None:
             return time.time()  # nothing heard from the registry yet: the host's own wall time
-        return self._base + (time.monotonic() - self._mono)
+        return self._base + (self._clock.monotonic() - self._mono)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping, TypedDict, Unpack, cast, overload
 
 from lorapub.core.identity import (
@@ -69,6 +68,7 @@ from lorapub.runtime.publisher import Publisher
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.tasks import TaskOwner
 from lorapub.runtime.reconciler import Health, Reconciler
+from lorapub.runtime.clock import RegistryClock, SystemClock
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService
@@ -95,9 +95,10 @@ class Deployment:
     a session on its version for life. It needs ``capacity >= max_lag + 2``
     (the default and the ``max_lag`` versions behind it, plus one loading): less is ``INVALID_INPUT``.
     ``idle_ttl``: a session with no generation for that long expires, even in a live worker.
-    ``clock``: what session idle and lease ages, reclaim retries' backoff and a stalled attempt's age are
-    read from (default: the monotonic clock); a test's ``lorapub.testing.ManualClock`` drives ``idle_ttl``
-    and the reclaim retries without sleeping (``reconcile()`` then expires the sessions idle by it).
+    ``clock``: the one :class:`~lorapub.ports.Clock` ``start()`` hands every part: lease renewals and the
+    lease deadlines of the registry made here, session idle ages, the reconcile interval, retries' backoff,
+    a stalled attempt's age (default: the monotonic clock). A test's ``lorapub.testing.ManualClock`` drives
+    them all without sleeping; what bounds a caller's wait on I/O (``deadlines``, ``timeout=``) stays real time.
     ``transport``: how bucket bytes reach the engines' own staging (a :class:`~lorapub.ports.Transport`,
     e.g. ``lorapub.adapters.sglang_wire``'s ``HTTPBytes()``, ``SameHostIPC()``, ``SharedDir(path)``,
     ``TorchDistributed()``), named once here and handed to every engine (None: the one they already
@@ -177,7 +178,8 @@ class Deployment:
         self.canary_interval = canary_interval  # the canary (docs/provenance.md, "Canary"); None: off
         self.avoid_suspect = avoid_suspect
         self.idle_ttl = idle_ttl
-        self.clock = clock
+        #: the one clock every part reads and sleeps on (start() hands it to each)
+        self.clock: Clock = clock or SystemClock()
         self.own_engines = own_engines  # close() closes the engine adapters too
         self.name_prefix = name_prefix  # how versions are named on the engines (None: lorapub's default)
         # How generations reach engines: lorapub's sticky router by default, or e.g.
@@ -220,8 +222,8 @@ class Deployment:
         # registry as the parts see it (every decision timed and told to the observers).
         self.tasks = TaskOwner("lorapub")
         self.engines = Engines(self.engines)  # one live engine set, shared by every part (add/remove_engine)
-        registry = ObservedRegistry(base, self.observers)
-        self.fleet = FleetView(registry, self.engines, deadline=self.deadlines.begin)
+        registry = ObservedRegistry(base, self.observers, clock=self.clock)
+        self.fleet = FleetView(registry, self.engines, deadline=self.deadlines.begin, clock=self.clock)
         self.reclaimer = Reclaimer(
             registry, self.engines, self.deadlines, auto=self.auto_reclaim, retries=self.reclaim_retries,
             backoff=self.reclaim_backoff, fleet=self.fleet, tasks=self.tasks, clock=self.clock,
@@ -231,7 +233,7 @@ class Deployment:
             bucket_cap_bytes=self.bucket_cap_bytes, on_eligible=self.reclaimer.on_eligible,
             source_factory=None if self.transport is None else self.transport.source, fleet=self.fleet,
             tasks=self.tasks, events=self.observers, transport_name=transport_name(self.transport),
-            copies=self.copies,
+            copies=self.copies, clock=self.clock,
         )
         self.sessions = SessionService(
             registry, self.engines, epoch=self.epoch, on_eligible=self.reclaimer.on_eligible,
@@ -247,7 +249,7 @@ class Deployment:
         self.membership = FleetMembership(
             registry, self.engines, fleet=self.fleet, reconciler=self.reconciler, sessions=self.sessions,
             deadlines=self.deadlines, transport=self.transport, own_engines=self.own_engines,
-            on_eligible=self.reclaimer.on_eligible, events=self.observers,
+            on_eligible=self.reclaimer.on_eligible, events=self.observers, clock=self.clock,
         )
         if self.copies is not None:  # what a publishing process before this one kept (a restart)
             try:
@@ -276,6 +278,7 @@ class Deployment:
                 self.epoch, incarnations, self.capacity or DEFAULT_CAPACITY, lease_ttl=self.lease_ttl,
                 tombstone_window=self.tombstone_window, max_lag=self.max_lag, on_stale=self.on_stale,
                 name_prefix=self.name_prefix or MANAGED_PREFIX, avoid_suspect=self.avoid_suspect,
+                clock=RegistryClock(self.clock),  # its leases' deadlines move with the deployment's clock
             )
         fleet: Fleet = (await self.registry.handle(ReadFleet())).reply
         self._check_shared_settings(fleet)
@@ -396,13 +399,13 @@ class Deployment:
             inventories = {name: life.error if life.error is not None else
                            (life.inventory if life.inventory is not None else life.incarnation or "?")
                            for name, life in lives.items()}
-        idle_now = self.sessions.clock.monotonic()  # the clock session ages are read from
+        idle_now = self.clock.monotonic()  # the clock session ages and first_seen are read from
         local = {s.key.session_id: LocalSession(s.key.session_id, str(s.binding.version) if s.binding else None,
                                                 s.state.value, idle_now - s.last_active, s.group)
                  for s in list(self.sessions.sessions.values()) if s.state in LIVE}
         return build_status(fleet, source="deployment", sessions_of=sessions_of, inventories=inventories,
                             health=self.reconciler.health, local=local, first_seen=self.reconciler.first_seen(),
-                            monotonic=time.monotonic())
+                            monotonic=idle_now)
 
     async def recover(self) -> list[str]:
         """Abort an attempt whose publisher is known to be dead, and drive its cleanup."""

@@ -16,9 +16,9 @@ from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Fleet
 from lorapub.core.session import Binding
 from lorapub.errors import LorapubError, OutcomeUnknown, UnknownEngine
-from lorapub.ports import EngineAdmin, Inventory, Registry, ReportsInventory
+from lorapub.ports import Clock, EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.admission import answer_within
-from lorapub.runtime.clock import Elapsed
+from lorapub.runtime.clock import Elapsed, SystemClock
 from lorapub.runtime.engines import shared
 from lorapub.runtime.lives import LivesSeen
 
@@ -51,8 +51,11 @@ async def incarnation_of(name: str, engine: EngineAdmin, deadline: float) -> str
 
 
 class FleetView:
-    def __init__(self, registry: Registry, engines: Mapping[str, EngineAdmin], *, deadline: float) -> None:
+    def __init__(self, registry: Registry, engines: Mapping[str, EngineAdmin], *, deadline: float,
+                 clock: Clock | None = None) -> None:
         self.registry = registry
+        #: the deployment's one clock: the reconcile interval is slept on it, the registry's time carried by it
+        self.clock: Clock = clock or SystemClock()
         self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.deadline = deadline  # how long one engine may take to say its life
         # the registry's latest view (None: not read yet, every engine is a candidate)
@@ -66,7 +69,7 @@ class FleetView:
         self.joining: frozenset[str] = frozenset()  # members that take no traffic yet
         self.draining: frozenset[str] = frozenset()  # members that take no new binding
         # the registry's time, carried forward here (a session's nonce is judged in it)
-        self.registry_time = Elapsed()
+        self.registry_time = Elapsed(clock=self.clock)
         #: engine -> (whether it declares provenance stamps, the incarnation it said), from its last answer
         self.attests: dict[str, tuple[bool, str]] = {}
         self._left: dict[str, asyncio.Event] = {}  # engine -> set once it is removed from the fleet
@@ -85,7 +88,7 @@ class FleetView:
                 f"the registry names engine {name!r}, which this process has no adapter for: "
                 f"deployment.add_engine(<its adapter>) gives it one", engine=name))
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(limit):  # bounds an engine's answer: I/O hangs in real time, not on the clock
                 if inventory and isinstance(engine, ReportsInventory):
                     found = await engine.inventory()
                     self.attests[name] = (found.stamps, found.incarnation)
@@ -228,11 +231,17 @@ class FleetView:
         self._repair.set()
 
     async def wait_for_kick(self, timeout: float | None) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                await self._repair.wait()
-        except TimeoutError:
-            pass
+        """Return once kicked, or once ``timeout`` s have passed on the deployment's clock (None: kicked only)."""
+        if timeout is None:
+            await self._repair.wait()
+        elif not self._repair.is_set():
+            kicked = asyncio.ensure_future(self._repair.wait())
+            slept = asyncio.ensure_future(self.clock.sleep(timeout))
+            try:
+                await asyncio.wait((kicked, slept), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                kicked.cancel()
+                slept.cancel()
         self._repair.clear()
 
     def changed(self) -> None:

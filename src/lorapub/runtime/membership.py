@@ -27,7 +27,7 @@ from lorapub.errors import (
     PublicationBlocked,
     UnknownEngine,
 )
-from lorapub.ports import EngineAdmin, Registry, ReportsInventory, TakesTransport, Transport
+from lorapub.ports import Clock, EngineAdmin, Registry, ReportsInventory, TakesTransport, Transport
 from lorapub.runtime.engines import Engines
 from lorapub.events import EngineDrained, EngineDraining, EngineJoining, EngineRemoved, Observer
 from lorapub.runtime.admission import (
@@ -52,7 +52,9 @@ __all__ = ["Drained", "FleetMembership"]
 
 log = logging.getLogger(__name__)
 
-#: How often a join, a drain or a removal looks again at what it waits for.
+#: How often a join, a drain or a removal looks again at what it waits for. These waits and their
+#: ``timeout=`` are on real time, not the deployment's clock: they bound how long a caller waits for
+#: engines and requests to move (I/O), which no manual clock makes faster.
 POLL = 0.05
 
 
@@ -84,6 +86,7 @@ class FleetMembership:
         own_engines: bool = True,
         on_eligible: OnEligible | None = None,
         events: Observer | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.events: Observer = events or (lambda event: None)
         self.registry = registry
@@ -98,7 +101,7 @@ class FleetMembership:
         self._lock = asyncio.Lock()  # one change of the engine set at a time in this process
         # a lost membership reply is replayed: waits of 50 ms, doubling, at most 1 s
         self.retry_policy = RetryPolicy(tries=5, first=0.05, factor=2.0, cap=1.0)
-        self.clock = SystemClock()
+        self.clock: Clock = clock or SystemClock()  # the deployment's: a replayed command's backoff is slept on it
 
     async def _fleet(self) -> Fleet:
         return await self.fleet.refresh()
@@ -171,7 +174,7 @@ class FleetMembership:
             "again (adding a member again is idempotent)")
 
     async def _wait_joined(self, name: str, timeout: float | None) -> Membership:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout  # real time: a caller's wait and its polls (see POLL)
         while True:
             fleet = await self._fleet()
             if name not in fleet.engines:
@@ -182,7 +185,7 @@ class FleetMembership:
             # the reconciler loads what it lacks (as on an engine that restarted), in the background
             await self.reconciler.run_once()
             await self.reconciler.settle(POLL * 10)
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:  # real time: a caller's wait and its polls (see POLL)
                 fleet = await self._fleet()
                 if name not in fleet.joining:
                     continue
@@ -192,7 +195,7 @@ class FleetMembership:
                     f" (health: {self.reconciler.health.describe()}); it keeps joining in the background — only the "
                     "process that published a version keeps the frozen copy it is loaded from", engine=name,
                 )
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(POLL)  # a poll on real time (see POLL)
 
     # -- drain -----------------------------------------------------------------------------
     def _sessions_on(self, name: str) -> tuple[list[str], int]:
@@ -227,7 +230,7 @@ class FleetMembership:
         at their next turn boundary. Returns when no request of this deployment runs there and no session
         of this process would go back; DrainTimeout after ``timeout`` s naming the sessions still there
         (it stays draining)."""
-        started = time.monotonic()
+        started = time.monotonic()  # real time: a caller's wait and its polls (see POLL)
         async with self._lock:
             await self._replayed(DrainEngine(name), name, f"drain_engine {name}",
                                  "it may be draining already — call drain_engine again (draining is idempotent)")
@@ -240,16 +243,16 @@ class FleetMembership:
             if not staying and not running and not refs:
                 moved = sum(1 for s in self.sessions.sessions.values()
                             if s.key in before and s.engine is not None and s.engine.name != name)
-                self.events(EngineDrained(name, time.monotonic() - started, moved))
-                return Drained(name, time.monotonic() - started, moved)
-            if timeout is not None and time.monotonic() - started > timeout:
+                self.events(EngineDrained(name, time.monotonic() - started, moved))  # real time (see POLL)
+                return Drained(name, time.monotonic() - started, moved)  # real time: a caller's wait and its polls (see POLL)
+            if timeout is not None and time.monotonic() - started > timeout:  # real time (see POLL)
                 raise DrainTimeout(
                     f"engine {name} still serves {len(staying)} session(s) ({', '.join(staying[:8]) or '-'}) and "
                     f"{running + refs} running request(s) after {timeout:g}s: their version has no other holder yet, or "
                     "their turns are long; it stays draining (no new binding goes there) — drain again to wait more",
                     engine=name, sessions=staying, requests=running + refs,
                 )
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(POLL)  # a poll on real time (see POLL)
             fleet = await self._fleet()
 
     # -- removal ---------------------------------------------------------------------------
@@ -257,7 +260,7 @@ class FleetMembership:
         """Remove ``name``: a draining member (once no running publication still needs it), or an
         unreachable one (forced: a publication that still needs it aborts). A reachable member that is
         not draining is EngineNotDrained; an unknown name UnknownEngine."""
-        started = time.monotonic()
+        started = time.monotonic()  # real time: a caller's wait and its polls (see POLL)
         while True:
             cleaning = False  # what blocks the removal is an aborted attempt whose cleanup there is unconfirmed
             async with self._lock:
@@ -272,7 +275,7 @@ class FleetMembership:
                     raise UnknownEngine(f"engine {name} is not a member of this fleet "
                                         f"(members: {', '.join(sorted(fleet.engines))})", engine=name)
                 # a silent engine is told within the removal's own timeout, not the begin deadline
-                remaining = None if timeout is None else max(0.05, started + timeout - time.monotonic())
+                remaining = None if timeout is None else max(0.05, started + timeout - time.monotonic())  # real time (see POLL)
                 ask = self.deadlines.begin if remaining is None else min(self.deadlines.begin, remaining / 2)
                 reachable = name in self.engines and (await self.fleet.life(name, inventory=False,
                                                                             deadline=ask)).answered
@@ -281,7 +284,7 @@ class FleetMembership:
                         RemoveEngine(name, force=not reachable), name, f"remove_engine {name}",
                         "it may have left the fleet already — call remove_engine again (removing is idempotent)")
                 except PublicationBlocked as e:
-                    if timeout is not None and time.monotonic() - started > timeout:
+                    if timeout is not None and time.monotonic() - started > timeout:  # real time (see POLL)
                         raise
                     result = None  # an attempt still needs it: it ends, or its cleanup is retried now (below)
                     cleaning = e.details.get("phase") == Phase.ABORTED.value
@@ -295,7 +298,7 @@ class FleetMembership:
                     break
             if cleaning:  # with no background reconciler nobody else retries that cleanup
                 await self.reconciler.repair_soon()
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(POLL)  # a poll on real time (see POLL)
         await self._fleet()
         self.reconciler.kick()  # a reclaim that waited for it may finish now
         if engine is not None:
@@ -310,11 +313,11 @@ class FleetMembership:
     async def _requests_end(self, name: str, deadline: float | None) -> None:
         """Wait (up to ``deadline``) until no request of this process runs on ``name``."""
         while running := self._sessions_on(name)[1]:
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:  # real time: a caller's wait and its polls (see POLL)
                 log.warning("remove_engine %s: %d request(s) of this process still run there; its connection "
                             "closes under them", name, running)
                 return
-            await asyncio.sleep(POLL / 5)
+            await asyncio.sleep(POLL / 5)  # a poll on real time (see POLL)
 
     def _forget(self, name: str, reachable: bool) -> EngineAdmin | None:
         """The registry no longer counts ``name``: its adapter leaves this process's engine set, and every

@@ -26,7 +26,8 @@ from lorapub.events import (
     VersionRetired,
     VersionUnloaded,
 )
-from lorapub.ports import Registry
+from lorapub.ports import Clock, Registry
+from lorapub.runtime.clock import SystemClock
 
 R_ = TypeVar("R_")  # a command's reply type
 
@@ -86,16 +87,19 @@ class ObservedRegistry:
     """A :class:`~lorapub.ports.Registry` whose every answer is also a
     :class:`~lorapub.events.RegistryDecided` (command, seconds, ok or the error's code), and whose
     answers that record a decision become its event: an engine READY, a retirement, a reclaim
-    claimed, an unload, a version reclaimed. A replayed command's answer is not a second event."""
+    claimed, an unload, a version reclaimed. A replayed command's answer is not a second event.
+    ``clock``: the deployment's, which a reclaim's age (claimed to reclaimed, its retries' backoff
+    included) is read from."""
 
-    def __init__(self, inner: Registry, observers: Observers) -> None:
+    def __init__(self, inner: Registry, observers: Observers, clock: Clock | None = None) -> None:
         self.inner = inner
         self.observers = observers
+        self.clock: Clock = clock or SystemClock()
         self._claims: dict[VersionKey, tuple[str, float]] = {}  # reclaim claimed here -> (id, when)
         self._retired: dict[VersionKey, None] = {}  # retirements told (the newest few)
 
     async def handle(self, command: Returns[R_]) -> Result[R_]:
-        started = time.perf_counter()
+        started = time.perf_counter()  # how long the registry took to decide, for the event: a duration, no timer
         outcome = "ok"
         try:
             result = await self.inner.handle(command)
@@ -125,7 +129,7 @@ class ObservedRegistry:
                 emit(VersionRetired(reply.retired, reply.version))
         elif isinstance(command, ClaimReclaim) and isinstance(reply, str):
             if self._claims.get(command.key, ("",))[0] != reply:
-                self._claims[command.key] = (reply, time.monotonic())
+                self._claims[command.key] = (reply, self.clock.monotonic())
                 emit(ReclaimClaimed(command.key, reply))
         elif isinstance(command, RecordUnloaded):
             if any(isinstance(fx, Ignored) for fx in result.effects):  # a late or replayed receipt changes nothing
@@ -133,7 +137,7 @@ class ObservedRegistry:
             emit(VersionUnloaded(command.key, command.engine))
             if reply is VersionState.RECLAIMED:
                 claimed = self._claims.pop(command.key, None)
-                emit(VersionReclaimed(command.key, time.monotonic() - claimed[1] if claimed else 0.0))
+                emit(VersionReclaimed(command.key, self.clock.monotonic() - claimed[1] if claimed else 0.0))
 
     def __getattr__(self, name: str) -> object:  # the inner registry's own reads (e.g. a store's state)
         return getattr(self.inner, name)

@@ -94,7 +94,7 @@ class OverwritePublisher:
             await asyncio.to_thread(snapshot.save_peft_dir, path)
         except OSError as e:  # before anything is sent: no engine was paused
             raise InvalidInput(f"the adapter cannot be written under stash_dir {self.stash_dir!r}: {e}") from None
-        started = time.monotonic()
+        started = time.perf_counter()  # the update's duration, returned to the caller: measured, no timer
         failure: BaseException | None = None
         try:
             failures = await self._each("pause_generation", lambda e: e.pause_generation())
@@ -118,7 +118,7 @@ class OverwritePublisher:
                     raise EngineError(why)
                 failure.add_note(why)
         self.updates += 1
-        return time.monotonic() - started
+        return time.perf_counter() - started
 
 
 class OverwriteSession:
@@ -147,7 +147,7 @@ class OverwriteSession:
                 if ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type") != "abort":
                     return out
             self.resumed += 1
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # the old path's resume pause (its own, no deployment or clock): real time
         return await self.engine.generate({**payload, "lora_path": self.lora_name})
 
     async def close(self) -> None:

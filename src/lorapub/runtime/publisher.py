@@ -115,7 +115,7 @@ class Publisher:
         self.commit_retries = commit_retries
         # a lost reserve or commit reply is replayed: waits of 50 ms, doubling, at most 1 s
         self.retry_policy = RetryPolicy(tries=commit_retries, first=0.05, factor=2.0, cap=1.0)
-        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.deadlines.begin)
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.deadlines.begin, clock=self.clock)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-publisher")
         self.on_eligible = on_eligible
         self.publisher_id = uuid.uuid4().hex[:16]  # a replay of our own lost reserve resumes it
@@ -441,7 +441,7 @@ class Publisher:
                 continue  # one last ask without waiting: a slot, or the typed refusal with the wait report
             wakeup = self.fleet.change()
             try:
-                async with asyncio.timeout(min(self.WAIT_POLL, max(0.0, deadline - now))):
+                async with asyncio.timeout(min(self.WAIT_POLL, max(0.0, deadline - now))):  # a poll; the deadline is the clock's
                     await wakeup.wait()
             except TimeoutError:
                 pass
@@ -527,7 +527,7 @@ class Publisher:
         # Another publisher runs this very version (same id and digest): join it.
         waited, pause = 0.0, 0.02
         while status.phase in (Phase.BEGINNING, Phase.TRANSFERRING, Phase.ENDING) and waited < self.join_timeout:
-            await self.clock.sleep(pause)
+            await asyncio.sleep(pause)  # a poll of another publisher's engine I/O: real time, like its deadlines
             waited += pause
             pause = min(pause * 2, 0.5)
             status = (await self.registry.handle(QueryAttempt(reply.token))).reply

@@ -53,9 +53,10 @@ class Reclaimer:
         self.auto = auto
         # the first claim, then up to ``retries`` retries of the unloads, waiting backoff * 2**n between them
         self.retry_policy = RetryPolicy(tries=retries + 1, first=backoff, factor=2.0, cap=backoff * 2.0 ** max(retries, 0))
-        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.deadlines.begin)
+        self.clock: Clock = clock or SystemClock()  # the deployment's: retries' backoff is slept on it
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.deadlines.begin,
+                                                               clock=self.clock)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-reclaims")
-        self.clock = clock or SystemClock()
         self._in_flight: dict[VersionKey, int] = {}
 
     @property

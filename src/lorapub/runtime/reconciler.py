@@ -137,7 +137,8 @@ class Reconciler:
         self.backoff = RetryPolicy(first=0.1, factor=2.0, cap=max_backoff)
         #: how long a pass waits for one engine's inventory or incarnation
         self.probe_deadline = probe_deadline or min(5.0, deadlines.begin)
-        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.probe_deadline)
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=self.probe_deadline,
+                                                               clock=self.clock)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-reconciler")
         self.control = EffectRunner(registry, self.engines, None, deadlines, on_eligible=self._eligible,
                                     left=self.fleet.left)
@@ -185,7 +186,7 @@ class Reconciler:
         task, self._task = self._task, None
         if task is not None:
             try:
-                async with asyncio.timeout(grace):
+                async with asyncio.timeout(grace):  # how long close() waits for a pass: real time, as its caller's
                     async with self._lock:
                         task.cancel()
             except TimeoutError:
@@ -232,7 +233,7 @@ class Reconciler:
         """One whole pass; never raises (what failed is reported in :attr:`health`)."""
         async with self._lock:
             self._passes += 1
-            started = time.perf_counter()
+            started = time.perf_counter()  # the pass's duration, for its event: measured, never waited on
             try:
                 health = await self._pass()
             except Exception as e:  # a registry that is down, an adapter bug: retried with backoff

@@ -457,7 +457,7 @@ class SessionService:
         self.registry = registry
         self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.epoch = epoch
-        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=5.0)
+        self.fleet = fleet if fleet is not None else FleetView(registry, self.engines, deadline=5.0, clock=self.clock)
         self.tasks = tasks if tasks is not None else TaskOwner("lorapub-sessions")
         self.router: Routing = router or StickyRouter(self.engines)
         self.control = EffectRunner(registry, self.engines, on_eligible=on_eligible)
@@ -497,7 +497,7 @@ class SessionService:
 
     async def _renew_loop(self, every: float) -> None:
         while True:
-            await asyncio.sleep(every)
+            await self.clock.sleep(every)  # the deployment's clock: a test's manual clock drives renewals
             try:
                 await self.renew_leases()
             except LorapubError as e:  # the registry is away: the next round tries again

@@ -168,8 +168,8 @@ def build_status(
 ) -> Status:
     """One :class:`Status` from what was read: the registry's fleet view, who holds refs on each
     version that still holds a slot, what each engine said (None: not asked), the last health."""
-    now = time.time() if now is None else now
-    monotonic = time.monotonic() if monotonic is None else monotonic
+    now = time.time() if now is None else now  # the report's wall-clock stamp (``at``), no timer
+    monotonic = time.monotonic() if monotonic is None else monotonic  # a caller without a deployment's clock
     held: dict[str, dict[str, int]] = {}  # version name -> engine -> running requests
     answers: dict[str, Any] = dict(inventories or {})
     for engine, inv in answers.items():

@@ -172,13 +172,13 @@ class SGLangRouter:
             status, body = await self.request("POST", "/workers", json_body={"url": url}, timeout=self.admin_timeout)
             if status not in (200, 201, 202):
                 raise EngineError(f"router refused to add {url} ({status}): {_router_error(body)[1]}", status=status)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # real time: how long a caller waits for the router (I/O)
         while True:
             found = await self._find(url)
             if found is not None and found.healthy:
                 log.info("router: %s is in rotation", url)
                 return
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:  # the deadline above
                 raise EngineError(f"router did not list {url} as a healthy worker within {timeout}s")
             await asyncio.sleep(poll)
 
@@ -188,7 +188,7 @@ class SGLangRouter:
         Idempotent: an unlisted worker is already out. Requests already running on it finish.
         """
         url = normalize_url(url)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # real time: how long a caller waits for the router (I/O)
         while True:
             found = await self._find(url)
             if found is None:
@@ -197,7 +197,7 @@ class SGLangRouter:
             status, body = await self.request("DELETE", f"/workers/{found.id}", timeout=self.admin_timeout)
             if status not in (200, 202, 204, 404):
                 raise EngineError(f"router refused to remove {url} ({status}): {_router_error(body)[1]}", status=status)
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:  # the deadline above
                 raise EngineError(f"router still lists {url} {timeout}s after its removal")
             await asyncio.sleep(poll)
 

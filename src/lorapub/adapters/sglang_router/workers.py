@@ -285,7 +285,7 @@ class WorkerWatcher:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.interval)  # the router-side watcher polls the router (I/O) on its own, real time
             try:
                 await self.poll_once()
             except asyncio.CancelledError:
@@ -415,7 +415,7 @@ class WorkerWatcher:
                 retry_in = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
                 log.warning("%s stays out of rotation: handshake attempt %d failed: %s", status.name, attempt, message)
                 await self._emit(HealFailed(status.name, status.url, message, attempt, retry_in))
-                await asyncio.sleep(retry_in)
+                await asyncio.sleep(retry_in)  # a handshake with a live worker retried: I/O, real time
                 continue
             status.state = "serving"
             status.probe_failures = 0

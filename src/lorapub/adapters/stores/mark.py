@@ -160,7 +160,7 @@ class HighWaterMark:
         except BaseException:
             os.close(fd)
             raise
-        self.fd, self.synced, self.failed = fd, time.monotonic(), None
+        self.fd, self.synced, self.failed = fd, time.monotonic(), None  # fsync pacing: disk I/O, real time
 
     def put(self, now: Mark, sync: bool = False) -> None:
         """After a commit: the mark says ``now`` is committed. A failure cannot undo the commit
@@ -170,7 +170,7 @@ class HighWaterMark:
             if self.fd is None:
                 raise OSError("the mark is not open")
             os.pwrite(self.fd, now.encode(), 0)
-            t = time.monotonic()
+            t = time.monotonic()  # fsync pacing: disk I/O, real time
             if sync or t - self.synced >= self.sync_every:
                 records.fdatasync(self.fd)
                 self.synced = t

@@ -45,7 +45,7 @@ class RawBucket:
             yield view
             # A socket that takes every write at once would let the whole bucket go out in one step
             # of the event loop; yield after each slice so the caller's loop keeps running.
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # a scheduling point, no timer
 
 
 class HTTPBytes:

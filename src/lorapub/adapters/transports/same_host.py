@@ -257,7 +257,7 @@ def sweep_shm(shm_dir: str, *, stale_after: float = SHM_STALE_S) -> list[str]:
         m = SHM_BUCKET.fullmatch(name)
         if m:
             buckets.setdefault(m.group(1), []).append(name)
-    tag, now, removed = _owner_tag(), time.time(), []
+    tag, now, removed = _owner_tag(), time.time(), []  # compared with files' mtimes: wall time
     for owner in sorted(owners):
         path = os.path.join(shm_dir, f"lorapub-{owner}.owner")
         if path in LIVE_OWNERS:
