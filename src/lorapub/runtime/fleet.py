@@ -12,6 +12,7 @@ import attrs
 
 from lorapub.core.commands import ReadFleet, ReadVersion, RecordLost, RegisterEngine
 from lorapub.core.effects import Effect
+from lorapub.core.fleet_view import FleetFacts
 from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Fleet
 from lorapub.core.session import Binding
@@ -58,16 +59,8 @@ class FleetView:
         self.clock: Clock = clock or SystemClock()
         self.engines = shared(engines)  # the deployment's live set: membership changes it
         self.deadline = deadline  # how long one engine may take to say its life
-        # the registry's latest view (None: not read yet, every engine is a candidate)
-        self._holders: dict[VersionKey, frozenset[str]] | None = None
-        self.default_revision = 0
-        self.default: VersionKey | None = None  # the version at default_revision, where known
-        self._view_revision = -1  # the default revision of the last view
-        self.retiring: frozenset[VersionKey] = frozenset()
-        self.max_lag: int | None = None  # the registry's, as its last view said
-        self.on_stale = "error"
-        self.joining: frozenset[str] = frozenset()  # members that take no traffic yet
-        self.draining: frozenset[str] = frozenset()  # members that take no new binding
+        #: what this process knows of the fleet, and decides from it alone (the core's pure half of this view)
+        self.facts = FleetFacts()
         # the registry's time, carried forward here (a session's nonce is judged in it)
         self.registry_time = Elapsed(clock=self.clock)
         #: engine -> (whether it declares provenance stamps, the incarnation it said), from its last answer
@@ -172,49 +165,62 @@ class FleetView:
     def update(self, fleet: Fleet) -> None:
         """The registry's latest view: who holds what (where sessions may go: never a joining member,
         a draining one only for a version no other member holds), the default revision, what is retiring."""
-        self._holders = fleet.routing()
         for name, incarnation in fleet.engines.items():
             self.lives_seen.saw(name, incarnation)
-        self.joining, self.draining = frozenset(fleet.joining), frozenset(fleet.draining)
         if fleet.now is not None:
             self.registry_time.set(fleet.now)
-        self._view_revision = fleet.default_revision
-        if fleet.default_revision >= self.default_revision:
-            self.default = fleet.default
-        self.default_revision = max(self.default_revision, fleet.default_revision)
-        self.retiring = frozenset(fleet.retiring)
-        self.max_lag = fleet.max_lag
-        self.on_stale = fleet.on_stale
+        self.facts = self.facts.seen(fleet)
         self.changed()
 
     def update_holders(self, holders: Mapping[VersionKey, frozenset[str]]) -> None:
-        self._holders = dict(holders)
+        self.facts = self.facts.with_routes(holders)
 
     def note_binding(self, binding: Binding) -> None:
-        if binding.revision > self.default_revision:  # a bind lands on the default of its moment
-            self.default = binding.version
-        self.default_revision = max(self.default_revision, binding.revision)
+        self.facts = self.facts.bound(binding)
+
+    # the facts, read where the runtime reads them (each is FleetFacts')
+    @property
+    def default_revision(self) -> int:
+        return self.facts.default_revision
+
+    @property
+    def default(self) -> VersionKey | None:
+        """The version at ``default_revision``, where known."""
+        return self.facts.default
+
+    @property
+    def retiring(self) -> frozenset[VersionKey]:
+        return self.facts.retiring
+
+    @property
+    def max_lag(self) -> int | None:
+        """The registry's, as its last view said."""
+        return self.facts.max_lag
+
+    @property
+    def on_stale(self) -> str:
+        return self.facts.on_stale
+
+    @property
+    def joining(self) -> frozenset[str]:
+        return self.facts.joining
+
+    @property
+    def draining(self) -> frozenset[str]:
+        return self.facts.draining
 
     def holders(self, version: VersionKey) -> frozenset[str] | None:
         """Engines holding ``version`` as last seen; None when not known (every engine)."""
-        if self._holders is None:
-            return None
-        return self._holders.get(version)
+        return self.facts.holders(version)
 
     def is_stale(self, binding: Binding) -> bool:
-        """Its version is retiring: the last view said so, or this process has since seen a default
-        more than max_lag commits past it (a bind's reply can outrun the view). The registry retires
-        a version exactly then, so this only learns it sooner, never wrongly."""
-        return binding.version in self.retiring or (self.max_lag is not None and self.lag(binding) > self.max_lag)
+        return self.facts.is_stale(binding)
 
     def gone(self, binding: Binding) -> bool:
-        """The last view (newer than the binding) no longer serves its version: it is being reclaimed."""
-        return (self._holders is not None and binding.revision <= self._view_revision
-                and binding.version not in self._holders)
+        return self.facts.gone(binding)
 
     def lag(self, binding: Binding) -> int:
-        """Commits behind the default, as this process last saw the default."""
-        return max(0, self.default_revision - binding.revision)
+        return self.facts.lag(binding)
 
     # -- membership --------------------------------------------------------------------------
     def left(self, name: str) -> asyncio.Event:
