@@ -47,7 +47,7 @@ from lorapub.errors import (
     VersionReclaiming,
     VersionSuspect,
 )
-from lorapub.runtime.deployment import Deployment, deploy
+from lorapub.runtime.deployment import Deployment, DeploymentSettings, deploy
 from lorapub.runtime.overwrite import OverwriteDeployment
 from lorapub.runtime.publication_report import PublicationReport, WaitReport
 from lorapub.runtime.runner import Deadlines
@@ -70,6 +70,6 @@ __all__ = [
     "UnknownEngine", "UnknownVersion", "VersionConflict", "VersionMissing", "VersionReclaiming",
     "DeploymentClosed", "DrainTimeout", "EngineNotDrained", "NumericMismatch", "VersionSuspect",
     "ProvenanceMismatch",
-    "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "Probe", "PublicationReport", "Session", "SessionKey",
+    "AttemptToken", "Deadlines", "Deployment", "DeploymentSettings", "OverwriteDeployment", "Probe", "PublicationReport", "Session", "SessionKey",
     "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 ]

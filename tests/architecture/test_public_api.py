@@ -12,7 +12,7 @@ import lorapub.testing
 import lorapub.errors
 
 PUBLIC = {
-    "AttemptToken", "Deadlines", "Deployment", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
+    "AttemptToken", "Deadlines", "Deployment", "DeploymentSettings", "OverwriteDeployment", "PublicationReport", "Session", "SessionKey",
     "Snapshot", "VersionKey", "VersionState", "WaitReport", "deploy",
 } | {
     "AlreadyStarted", "BindingStale", "CapacityError", "EngineCapacityError", "EngineClosed", "EngineError",

@@ -265,33 +265,6 @@ def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Tra
     return transport
 
 
-def check_tuning(*, avoid_suspect: object, bucket_cap_bytes: object, deadlines: object, reclaim_retries: object,
-                 reclaim_backoff: object, copies: object, seconds: Mapping[str, object]) -> None:
-    """A Deployment's tuning options, each checked by the name it was passed as (``seconds``: the options that
-    are a positive number of seconds or None)."""
-    from lorapub.runtime.runner import Deadlines  # the runner imports this module
-
-    if not isinstance(avoid_suspect, bool):
-        raise InvalidInput(f"avoid_suspect must be True or False, got {avoid_suspect!r}")
-    for name, value in seconds.items():
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
-            raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
-    if not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
-        raise InvalidInput(f"bucket_cap_bytes must be a positive int, got {bucket_cap_bytes!r}")
-    if deadlines is not None and not isinstance(deadlines, Deadlines):
-        raise InvalidInput(f"deadlines must be a lorapub.Deadlines (e.g. Deadlines(begin=30, end=120)) or None, "
-                           f"got {type(deadlines).__name__} {deadlines!r:.60}")
-    # named here: the reclaimer's RetryPolicy would name its own fields, not these arguments
-    if not isinstance(reclaim_retries, int) or isinstance(reclaim_retries, bool) or reclaim_retries < 0:
-        raise InvalidInput(f"reclaim_retries must be an int >= 0 (retries of a failed reclaim), got {reclaim_retries!r}")
-    if (not isinstance(reclaim_backoff, (int, float)) or isinstance(reclaim_backoff, bool)
-            or not 0 <= reclaim_backoff < float("inf")):
-        raise InvalidInput(f"reclaim_backoff must be a finite number of seconds >= 0, got {reclaim_backoff!r}")
-    if copies is not None and not all(callable(getattr(copies, m, None)) for m in ("keep", "retain", "items")):
-        raise InvalidInput(f"copies must be a lorapub.ports.CopyStore (keep, retain and items), got "
-                           f"{type(copies).__name__}")
-
-
 def check_status_address(status: object) -> tuple[str, int] | None:
     if status is None:
         return None

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping, TypedDict, Unpack, cast, overload
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping, Unpack, cast, overload
+
+import attrs
 
 from lorapub.core.identity import (
     MANAGED_PREFIX,
     VersionKey,
-    check_name_prefix,
 )
 from lorapub.core.commands import ReadFleet, ReadSessionsOf, ReadState, RegisterEngine
 from lorapub.core.version import VersionState
@@ -25,9 +26,6 @@ from lorapub.core.registry import (
     DEFAULT_TOMBSTONE_WINDOW,
     Fleet,
     RegistryState,
-    check_capacity,
-    check_max_lag,
-    check_room_for_lag,
 )
 from lorapub.errors import (
     AlreadyStarted,
@@ -50,10 +48,7 @@ from lorapub.runtime.observers import ObservedRegistry, Observers, exposition_of
 from lorapub.runtime.admission import (
     check_engines,
     close_adapter,
-    check_epoch,
     check_admission,
-    check_status_address,
-    check_tuning,
     hand_transport,
     refuse_moved_options,
     release_adapter,
@@ -71,14 +66,18 @@ from lorapub.runtime.reconciler import Health, Reconciler
 from lorapub.runtime.clock import RegistryClock, SystemClock
 from lorapub.runtime.registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
+from lorapub.runtime.settings import DeploymentOptions, DeploymentSettings, check_copies
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService
-from lorapub.runtime.status import LocalSession, Status, build_status, check_bind
+from lorapub.runtime.status import LocalSession, Status, build_status
 from lorapub.snapshot import DEFAULT_BUCKET_CAP, Snapshot
 
 if TYPE_CHECKING:
     from lorapub.runtime.status_server import StatusServer
 
-__all__ = ["Deployment", "DeploymentOptions", "deploy"]
+__all__ = ["Deployment", "DeploymentOptions", "DeploymentSettings", "deploy"]
+
+#: The keyword options of Deployment that its settings value holds.
+_SETTINGS = frozenset(attrs.fields_dict(DeploymentSettings))
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +109,8 @@ class Deployment:
     copy of every version sessions may still need, and from which it takes back, at start, what the
     process before it kept (a trainer's restart: it can still load them on an engine that joins or
     restarts). None, the default: the copies live and die with this process.
+    ``settings``: the plain-valued options above as one :class:`DeploymentSettings`, passed whole instead
+    of as keywords (the keywords build one: ``deployment.settings``); a bad value is ``INVALID_INPUT`` either way.
     """
 
     @refuse_moved_options  # Deployment(stash_dir=): a pointer to its replacement, not a bare TypeError
@@ -117,7 +118,7 @@ class Deployment:
         self,
         engines: Mapping[str, EngineAdmin],
         *,
-        epoch: int,
+        epoch: int | None = None,
         registry: Registry | None = None,
         auto_reclaim: bool = True,
         deadlines: Deadlines | None = None,
@@ -144,54 +145,45 @@ class Deployment:
         avoid_suspect: bool = False,
         clock: Clock | None = None,
         copies: CopyStore | None = None,
+        settings: DeploymentSettings | None = None,
     ) -> None:
+        options = {name: value for name, value in locals().items() if name in _SETTINGS}
         self.engines = check_engines(engines)
-        check_epoch(epoch)
-        if capacity is not None:
-            check_capacity(capacity)
-        self._on_stale_asked = on_stale  # None: the registry's rule for its max_lag
-        on_stale = check_max_lag(max_lag, on_stale)
-        if registry is None or capacity is not None:  # a shared registry given alone was checked where it was made
-            check_room_for_lag(capacity or DEFAULT_CAPACITY, max_lag)
-        if name_prefix is not None:
-            check_name_prefix(name_prefix)
-        check_tuning(avoid_suspect=avoid_suspect, bucket_cap_bytes=bucket_cap_bytes, deadlines=deadlines,
-                     reclaim_retries=reclaim_retries, reclaim_backoff=reclaim_backoff, copies=copies,
-                     seconds={"reconcile_interval": reconcile_interval, "lease_ttl": lease_ttl,
-                              "canary_interval": canary_interval, "stale_attempt_after": stale_attempt_after,
-                              "idle_ttl": idle_ttl})
+        #: every plain-valued option, checked (each keyword builds it; ``settings=`` passes it whole)
+        self.settings = settings = DeploymentSettings.of(settings, options)
+        settings.check_room(shared_registry=registry is not None)
+        check_copies(copies)
         self.copies = copies
-        self.epoch = epoch
+        self.epoch = settings.epoch
         self.registry = registry
-        self.auto_reclaim = auto_reclaim
-        self.deadlines = deadlines or Deadlines()
-        self.bucket_cap_bytes = bucket_cap_bytes
-        self.reclaim_retries = reclaim_retries
-        self.reclaim_backoff = reclaim_backoff
-        self.lease_ttl = lease_ttl
-        self.tombstone_window = tombstone_window
-        self.reconcile_interval = reconcile_interval
-        self.stale_attempt_after = stale_attempt_after
-        self.capacity = capacity
-        self.max_lag = max_lag
-        self.on_stale = on_stale
-        self.canary_interval = canary_interval  # the canary (docs/provenance.md, "Canary"); None: off
-        self.avoid_suspect = avoid_suspect
-        self.idle_ttl = idle_ttl
+        self.auto_reclaim = settings.auto_reclaim
+        self.deadlines = settings.deadlines
+        self.bucket_cap_bytes = settings.bucket_cap_bytes
+        self.reclaim_retries = settings.reclaim_retries
+        self.reclaim_backoff = settings.reclaim_backoff
+        self.lease_ttl = settings.lease_ttl
+        self.tombstone_window = settings.tombstone_window
+        self.reconcile_interval = settings.reconcile_interval
+        self.stale_attempt_after = settings.stale_attempt_after
+        self.capacity = settings.capacity
+        self.max_lag = settings.max_lag
+        self._on_stale_asked = settings.on_stale  # None: the registry's rule for its max_lag
+        self.on_stale = settings.stale_rule
+        self.canary_interval = settings.canary_interval  # the canary (docs/provenance.md, "Canary"); None: off
+        self.avoid_suspect = settings.avoid_suspect
+        self.idle_ttl = settings.idle_ttl
         #: the one clock every part reads and sleeps on (start() hands it to each)
         self.clock: Clock = clock or SystemClock()
-        self.own_engines = own_engines  # close() closes the engine adapters too
-        self.name_prefix = name_prefix  # how versions are named on the engines (None: lorapub's default)
+        self.own_engines = settings.own_engines  # close() closes the engine adapters too
+        self.name_prefix = settings.name_prefix  # how versions are named on the engines (None: lorapub's default)
         # How generations reach engines: lorapub's sticky router by default, or e.g.
         # ``lorapub.adapters.sglang_router.RouterRouting`` behind the SGLang router.
         self.router = router
         # Every decision, as a lorapub.events value: the decision log (INFO lines on lorapub.decisions)
         # unless switched off, then the caller's observers (e.g. lorapub.adapters.prometheus.Metrics()).
-        self.observers = Observers([*([DecisionLog()] if decision_log else []), *observers])
-        self.status_address = check_status_address(status)
-        if self.status_address is not None:
-            check_bind(self.status_address[0], status_token)
-        self.status_token = status_token
+        self.observers = Observers([*([DecisionLog()] if settings.decision_log else []), *observers])
+        self.status_address = settings.status
+        self.status_token = settings.status_token
         # last: a deployment refused for any other reason leaves no engine holding its transport
         self.transport = hand_transport(self.engines, transport)
         self.status_server: StatusServer | None = None
@@ -529,38 +521,6 @@ class Deployment:
         """Remove a drained (or unreachable) engine: reclaims stop waiting for it, its adapter is closed."""
         self._require_started()
         await self.membership.remove(name, timeout=timeout)
-
-
-class DeploymentOptions(TypedDict, total=False):
-    """The keyword options of :class:`Deployment` that :func:`deploy` passes on (besides ``epoch``
-    and ``stash_dir``)."""
-
-    registry: Registry | None
-    auto_reclaim: bool
-    deadlines: Deadlines | None
-    bucket_cap_bytes: int
-    reclaim_retries: int
-    reclaim_backoff: float
-    lease_ttl: float | None
-    tombstone_window: float | None
-    reconcile_interval: float | None
-    stale_attempt_after: float | None
-    router: Routing | None
-    capacity: int | None
-    max_lag: int | None
-    on_stale: str | None
-    idle_ttl: float | None
-    own_engines: bool
-    name_prefix: str | None
-    transport: Transport | None
-    observers: Iterable[Observer]
-    decision_log: bool
-    status: tuple[str, int] | None
-    status_token: str | None
-    canary_interval: float | None
-    avoid_suspect: bool
-    clock: Clock | None
-    copies: CopyStore | None
 
 
 @overload
