@@ -327,8 +327,8 @@ def _dicts(adapter: Any) -> list[tuple[int | str, dict[str, Any]]]:
 def pack(adapter: Any, dtype: Any, device: Any, stream: Any = None,
          chunks: list[Any] | None = None) -> tuple[Any, list[Entry]]:
     """Every weight of ``adapter`` (floating ones cast to ``dtype``) in one flat ``uint8`` buffer on
-    ``device``, each at an ``ALIGN``-ed offset: on CUDA through the pinned ``chunks`` on ``stream``,
-    on the CPU in shared memory."""
+    ``device``, each at an ``ALIGN``-ed offset, with its :class:`Entry`: through the pinned ``chunks``
+    on ``stream`` where there are chunks (CUDA), else in host shared memory."""
     import torch
 
     slots, entries, total = [], [], 0
@@ -341,19 +341,18 @@ def pack(adapter: Any, dtype: Any, device: Any, stream: Any = None,
             slots.append(t)
             entries.append(Entry(where, name, str(t.dtype).removeprefix("torch."), tuple(t.shape), total, size))
             total += -(-size // ALIGN) * ALIGN
-    on_cuda = torch.device(device).type == "cuda"
-    if not on_cuda:
+    if not chunks:
         buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
         for t, e in zip(slots, entries):
             buf[e.offset:e.offset + e.nbytes].copy_(t.reshape(-1).view(torch.uint8))
         return buf, entries
     with torch.cuda.stream(stream):
         buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-    chunks = chunks or []
     pending: list[Any] = [None] * len(chunks)
     k, i = 0, 0
-    for base in range(0, total, CHUNK_BYTES):
-        end = min(base + CHUNK_BYTES, total)
+    chunk_bytes = chunks[0].numel()
+    for base in range(0, total, chunk_bytes):
+        end = min(base + chunk_bytes, total)
         if pending[k] is not None:
             pending[k].synchronize()  # the chunk's previous copy has left it
         chunk = chunks[k]
