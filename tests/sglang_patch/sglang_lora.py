@@ -9,8 +9,8 @@ through an ``__import__`` of their own.
 
 :func:`process` is the helper processor the tests name in a :class:`Kit` (it runs in the helper
 process): the release's own processing, plus two ways to misbehave, chosen by a file in the folder
-(``die``: the process ends at once; ``hang``: it never answers; ``slow``: it waits for the file
-``go`` to appear)."""
+(``die``: the process ends at once; ``hang``: it never answers; ``slow``: it writes the file
+``started``, then waits for the file ``go`` to appear)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,8 @@ def process(kit, job):
         while True:
             time.sleep(60)
     if os.path.exists(os.path.join(folder, "slow")):
+        with open(os.path.join(folder, "started"), "w") as f:
+            f.write(str(os.getpid()))
         while not os.path.exists(os.path.join(folder, "go")):
             time.sleep(0.01)
     real = release(kit.options["root"])
