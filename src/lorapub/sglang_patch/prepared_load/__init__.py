@@ -1,12 +1,9 @@
 """Adapter loads that (almost) never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
 
-A folder load is read, processed by SGLang's own code, cast and copied to the device by a helper
-process beside the scheduler (:mod:`.helper`), which ships the result as one device buffer through a
-CUDA IPC handle; a background thread of the scheduler process copies it into a buffer of its own and
-builds the adapter around it (optionally its slot image too), stepping aside for prefills
-(:class:`PrefillGate`); the scheduler installs it through SGLang's own load path. The runtime form starts the schedulers
-through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of ``scheduler.py``.
-See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)".
+A helper process beside the scheduler reads, processes (SGLang's own code), casts and copies each load
+to the device and ships one buffer through a CUDA IPC handle (:mod:`.helper`); a thread of the scheduler
+process copies it into its own buffer and builds the adapter; the scheduler installs it through SGLang's
+own load path. See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)".
 """
 
 from __future__ import annotations

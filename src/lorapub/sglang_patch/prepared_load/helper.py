@@ -1,18 +1,9 @@
-"""The preparing helper: one process beside each scheduler that prepares its adapter loads.
-
-The helper reads a load's folder, runs the release's own processing of the weights (its ``LoRAConfig``
-and ``LoRAAdapter.initialize_weights_from_tensors``), casts floating weights to the pool's dtype and
-copies every weight into ONE flat ``uint8`` buffer in device memory (through two pinned chunks on a
-stream of its own), then ships that buffer to the scheduler's process as a CUDA IPC handle made by
-torch's own reductions (``torch.multiprocessing.reductions.reduce_tensor``; SGLang ships tensors the
-same way), with each weight's place in it (:class:`Entry`). Where the manager's device is the CPU (tests)
-the buffer is host shared memory, shipped through the very same reductions.
-
-The scheduler's process only opens the handle, copies the buffer device to device into its own, and
-tells the helper it may free its buffer (:meth:`HelperClient.release`); the helper keeps a buffer only
-until then, so it holds at most the loads in flight. A helper that dies or passes its deadline is
-killed and a new one started; the load it was preparing fails (:class:`HelperDied`, :class:`HelperHung`).
-See docs/sglang-patch.md, "Prepared loads".
+"""The preparing helper: a process beside each scheduler that reads a load's folder, runs SGLang's own
+processing of its weights, casts them to the pool's dtype and copies them into ONE flat device buffer,
+shipped to the scheduler's process as a CUDA IPC handle made by torch's own reductions (a shared host
+buffer where the device is the CPU: tests), with each weight's place (:class:`Entry`). It frees a buffer
+once the scheduler copied it; one that dies or hangs is killed and restarted, failing its load.
+See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)".
 """
 
 from __future__ import annotations
