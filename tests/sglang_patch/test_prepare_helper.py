@@ -263,3 +263,16 @@ def test_the_helper_exits_when_the_scheduler_process_ends(tmp_path):
     while _running(helper_pid):
         assert time.monotonic() < end, "the helper outlived its scheduler's process"
         time.sleep(0.05)
+
+
+def test_a_helper_that_ended_between_loads_is_replaced_without_failing_a_load(tmp_path, stop):
+    scheduler, manager, preparer, _ = serving(RELEASES[-1])
+    stop(preparer)
+    scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+    assert replies(scheduler, 1)["success"]
+    idle = preparer.helper.process.pid
+    os.kill(idle, signal.SIGKILL)
+    pump(scheduler, lambda: not preparer.helper.process.is_alive(), "the idle helper's end")
+    scheduler.process_input_requests([Req("b", peft_folder(tmp_path, "next", seed=1))])
+    assert replies(scheduler, 2)["success"]  # no load was in flight: none fails
+    assert preparer.helper.process.pid != idle

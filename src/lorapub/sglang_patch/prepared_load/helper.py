@@ -152,7 +152,19 @@ class HelperClient:
                 self.process.join(5)
         self.stop()
 
+    def _restart(self) -> None:
+        """A new helper for the next load (a start that fails is logged: the next load tries again)."""
+        try:
+            self.start()
+        except Exception as e:  # noqa: BLE001 - the load that saw the old one end fails with its own error
+            logger.error("lorapub: could not start a new preparing helper process (%s); the next load tries again", e)
+            self.process, self.conn, self.ready = None, None, False
+
     def _ensure_ready(self, job: Job) -> None:
+        if self.process is not None and not self.process.is_alive():  # it ended between loads: none is lost
+            logger.warning("lorapub: the preparing helper process (pid %s) ended while idle (exit code %s); "
+                           "starting a new one", self.process.pid, self.process.exitcode)
+            self.stop()
         if self.process is None:
             self.start()
         if self.ready:
@@ -175,7 +187,10 @@ class HelperClient:
         :class:`HelperError`; one that died or hung is replaced by a new one for the next load."""
         try:
             self._ensure_ready(job)
-            self.conn.send(("prepare", job))
+            try:
+                self.conn.send(("prepare", job))
+            except OSError:
+                pass  # it died: the wait below says so
             deadline = time.monotonic() + self.deadline_s
             while True:
                 msg = self._receive(deadline, job)
@@ -198,7 +213,7 @@ class HelperClient:
             if remaining <= 0:
                 pid = process.pid
                 self.stop()
-                self.start()
+                self._restart()
                 what = "start" if starting else "prepare"
                 limit = self.start_s if starting else self.deadline_s
                 raise HelperHung(f"lorapub's preparing helper process (pid {pid}) did not {what} {job.lora_name} "
@@ -215,7 +230,7 @@ class HelperClient:
             process.join(5)
             code = process.exitcode
             self.stop()
-            self.start()
+            self._restart()
             raise HelperDied(f"lorapub's preparing helper process (pid {process.pid}) died (exit code {code}) while "
                              f"preparing {job.lora_name}; the load failed; the next load runs on a restarted helper")
 
