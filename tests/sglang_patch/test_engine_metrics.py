@@ -202,17 +202,18 @@ def test_prepared_loads_are_counted_and_timed_by_outcome():
     preparer.metrics = em.EngineMetrics(registry)
 
     def read_config(ref):
-        if ref.lora_id == "fb":
-            raise OSError("no config")  # the preparation fails: SGLang's own load runs, and succeeds
+        if ref.lora_id == "nocfg":
+            raise OSError("no config")  # the hand-over fails: so does the load (no load on the scheduler thread)
         return tp.Config(ref.lora_path)
 
     preparer.read_config = read_config
-    manager.fail_read.add("/p/bad")  # both the preparation and SGLang's own load fail
-    scheduler.process_input_requests([tp.Req("ok"), tp.Req("fb"), tp.Req("bad", "/p/bad")])
+    manager.fail_read.add("/p/bad")  # the helper's preparation fails
+    scheduler.process_input_requests([tp.Req("ok"), tp.Req("nocfg"), tp.Req("bad", "/p/bad")])
     tp.run_until(scheduler, 3)
-    assert [out["success"] for _, out in scheduler.sent] == [True, True, False]
-    for outcome in em.PREPARED_OUTCOMES:
-        assert value(registry, "lorapub_engine_prepared_loads_total", outcome=outcome) == 1, outcome
+    assert [out["success"] for _, out in scheduler.sent] == [True, False, False]
+    assert em.PREPARED_OUTCOMES == ("prepared", "failed")
+    assert value(registry, "lorapub_engine_prepared_loads_total", outcome="prepared") == 1
+    assert value(registry, "lorapub_engine_prepared_loads_total", outcome="failed") == 2
     assert value(registry, "lorapub_engine_prepared_load_seconds_count") == 3
     assert value(registry, "lorapub_engine_prepared_install_seconds_count") == 3
     total = value(registry, "lorapub_engine_prepared_load_seconds_sum")

@@ -1,12 +1,14 @@
-"""The scheduler side of lorapub's patch: an adapter load is read off the scheduler thread, installed by
+"""The scheduler side of lorapub's patch: an adapter load is prepared off the scheduler thread, installed by
 the release's own load path on a later loop iteration, and answered then; anything it cannot take keeps
 SGLang's own blocking load. The classes here follow the control flow of SGLang's Scheduler and
-LoRAManager (``load_lora_adapter`` -> ``_load_lora_adapter`` -> ``load_lora_weights``); the config is read
-by SGLang's own ``LoRAConfig`` from a real PEFT folder. On the GPU the same code is measured against
-live SGLang (``bench/live_load_gap.py``)."""
+LoRAManager (``load_lora_adapter`` -> ``_load_lora_adapter`` -> ``load_lora_weights``); the helper process
+that prepares each load is stood in for here by :class:`FakeHelper` (its interface, served on the
+preparing thread); ``test_prepare_helper.py`` runs the real helper process with SGLang's own LoRA
+processing. On the GPU the same code is measured against live SGLang (``bench/live_load_gap.py``)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import types
 import time
@@ -14,6 +16,7 @@ import time
 import pytest
 
 from lorapub.sglang_patch import prepared_load
+from lorapub.sglang_patch.prepared_load import helper as prepare_helper
 
 pytest.importorskip("torch")
 
@@ -27,6 +30,7 @@ class Config:
 class Adapter:
     def __init__(self, uid, config):
         self.uid, self.config, self.read_by = uid, config, threading.current_thread().name
+        self.layers, self.embedding_layers = [], {}
 
 
 class Manager:
@@ -39,6 +43,7 @@ class Manager:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_read = set()
+        self.reads = []  # the threads SGLang's own weight read ran on
 
     def _load_lora_adapter(self, ref):
         try:
@@ -51,6 +56,7 @@ class Manager:
         return {"success": True, "lora_id": ref.lora_id, "by": threading.current_thread().name}
 
     def load_lora_weights(self, ref):
+        self.reads.append(threading.current_thread().name)
         assert self.gate.wait(5)
         if ref.lora_path in self.fail_read:
             raise OSError(f"cannot read {ref.lora_path}")
@@ -145,12 +151,59 @@ def classes():
     return scheduler_cls, manager_cls
 
 
+class FakeHelper:
+    """The helper process's interface (``prepare_helper.HelperClient``), served on the preparing thread:
+    a preparation waits for the manager's gate, fails for a path in its ``fail_read``, and ships one
+    host buffer holding ``weights`` one-byte weights."""
+
+    process = None
+
+    def __init__(self, manager, weights=1, timings=None):
+        import torch
+
+        self.manager, self.weights, self.timings = manager, weights, timings or {}
+        self.tokens, self.wanted, self.released, self.buffers = itertools.count(1), set(), [], {}
+        self.torch = torch
+
+    def new_job(self, ref):
+        job = prepare_helper.Job(next(self.tokens), ref.lora_id, ref.lora_name, ref.lora_path)
+        self.wanted.add(job.token)
+        return job
+
+    def prepare(self, job):
+        assert self.manager.gate.wait(5)
+        if job.lora_path in self.manager.fail_read:
+            self.wanted.discard(job.token)
+            raise prepare_helper.HelperFailed(f"cannot read {job.lora_path}")
+        entries = tuple(prepare_helper.Entry("embedding_layers", f"w{i}", "uint8", (1,), 256 * i, 1)
+                        for i in range(self.weights))
+        self.buffers[job.token] = self.torch.arange(256 * max(1, self.weights), dtype=self.torch.uint8)
+        return prepare_helper.Shipped(job.token, b"", entries, 256 * max(1, self.weights), dict(self.timings))
+
+    def open(self, shipped):
+        if shipped.token not in self.wanted:
+            raise prepare_helper.StaleHandle("stale")
+        return self.buffers[shipped.token]
+
+    def release(self, token, opened):
+        self.wanted.discard(token)
+        self.released.append((token, opened))
+        self.buffers.pop(token, None)
+
+    def abandon(self, token):
+        self.wanted.discard(token)
+
+    def close(self):
+        pass
+
+
 def preparing(classes, **kw):
     scheduler_cls, manager_cls = classes
     manager = manager_cls()
     scheduler = scheduler_cls(manager, **kw)
-    preparer = prepared_load.Preparer(scheduler, manager)
+    preparer = prepared_load.Preparer(scheduler, manager, helper=FakeHelper(manager))
     preparer.read_config = lambda ref: Config(ref.lora_path)
+    preparer.new_adapter = lambda ref, config: Adapter(ref.lora_id, config)
     scheduler.__dict__["_lorapub_preparer"] = preparer
     return scheduler, manager, preparer
 
@@ -180,6 +233,9 @@ def test_the_read_runs_off_the_scheduler_thread_and_the_reply_waits_for_the_inst
     assert out["by"] == threading.current_thread().name  # SGLang's own bookkeeping on the scheduler thread
     adapter = manager.loras["a"]
     assert adapter.read_by.startswith("lorapub-prepare")  # the weights are the prepared ones
+    assert manager.reads == []  # SGLang's own weight read never ran
+    assert float(adapter.embedding_layers["w0"][0]) == 0  # a view of the buffer the helper shipped
+    assert preparer.helper.released == [(1, True)]  # copied, then released to the helper
     assert adapter.config is manager.configs["a"]  # bound to the config SGLang's load validated
     assert manager.__dict__["_lorapub_prepared"] == {} and preparer.pending == []
     slept = scheduler.slept
@@ -195,15 +251,16 @@ def test_replies_keep_the_order_loads_arrived_in(classes):
     assert all(out["success"] for _, out in scheduler.sent)
 
 
-def test_a_failed_read_falls_back_to_the_stock_load_and_its_own_error(classes):
+def test_a_failed_preparation_fails_the_load_with_its_error_and_never_loads_on_the_scheduler_thread(classes):
     scheduler, manager, _ = preparing(classes)
     manager.fail_read.add("/p/bad")
     scheduler.process_input_requests([Req("bad", "/p/bad"), Req("ok")])
     run_until(scheduler, 2)
     (bad_id, bad), (ok_id, ok) = scheduler.sent
     assert (bad_id, ok_id) == ("bad", "ok")
-    assert not bad["success"] and "cannot read /p/bad" in bad["error"]
+    assert not bad["success"] and "cannot read /p/bad" in bad["error"]  # through SGLang's own failure reply
     assert "bad" not in manager.loras and "bad" not in manager.configs
+    assert manager.reads == []  # no fallback: SGLang's weight read never ran on the scheduler thread
     assert ok["success"] and manager.loras["ok"].read_by.startswith("lorapub-prepare")
 
 
@@ -383,8 +440,9 @@ def test_schedulers_start_through_the_patched_entry_unless_the_caller_chose_one(
 
 
 def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monkeypatch):
-    """The packing of ``_to_device`` (pinned chunks -> one device buffer), run on the host: tensors of
-    several dtypes and sizes, some spanning several chunks, come back equal, cast to the pool's dtype."""
+    """The packing of the helper's ``pack`` (pinned chunks -> one device buffer), run on the host: tensors
+    of several dtypes and sizes, some spanning several chunks, come back equal from the entries it
+    ships, cast to the pool's dtype."""
     import contextlib
 
     import torch
@@ -396,8 +454,6 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
         def synchronize(self):
             pass
 
-    monkeypatch.setattr(prepared_load.preparer, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", Event)
     g = torch.Generator().manual_seed(0)
@@ -408,27 +464,22 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
         "t": torch.randn(9, 4, generator=g).to(torch.bfloat16).t(),  # not contiguous
     }) for _ in range(3)]
     adapter = types.SimpleNamespace(layers=layers, embedding_layers={"e": torch.arange(10, dtype=torch.int64)})
-    want = [{k: v.clone() for k, v in d.items()} for d in prepared_load.reading.weight_dicts(adapter)]
-    preparer = prepared_load.Preparer.__new__(prepared_load.Preparer)
-    steps = []
-    preparer.gate = types.SimpleNamespace(step=lambda: steps.append(1))
-    preparer.manager = types.SimpleNamespace(dtype=torch.bfloat16)
-    preparer.device, preparer.stream = "cpu", types.SimpleNamespace(synchronize=lambda: None)
-    preparer.chunks = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
-    total, queued_s = preparer._to_device(adapter)
-    assert 0 <= queued_s < 1  # the device sync (a no-op here) is timed apart
-    tensors = sum(len(d) for d in want)
-    # a gate step before each tensor is cast and before each part of a tensor goes into a chunk
-    assert len(steps) >= 2 * tensors
-    got = prepared_load.reading.weight_dicts(adapter)
-    assert total >= sum(t.numel() * t.element_size() for d in got for t in d.values())
-    storages = {t.untyped_storage().data_ptr() for d in got for t in d.values()}
-    assert len(storages) == 1  # one buffer holds them all
-    for before, after in zip(want, got):
-        for name, t in before.items():
-            expect = t.to(torch.bfloat16) if t.is_floating_point() else t
-            assert after[name].dtype == expect.dtype and after[name].shape == expect.shape
-            assert torch.equal(after[name], expect), name
+    want = {(i, k): v.clone() for i, layer in enumerate(layers) for k, v in layer.weights.items()}
+    want[("embedding_layers", "e")] = adapter.embedding_layers["e"].clone()
+    chunks = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
+    buf, entries = prepare_helper.pack(adapter, torch.bfloat16, "cpu", types.SimpleNamespace(synchronize=lambda: None),
+                                       chunks)
+    assert len(entries) == len(want) and buf.numel() >= sum(e.nbytes for e in entries)
+    assert all(e.offset % prepare_helper.ALIGN == 0 for e in entries)
+    for e in entries:
+        got = buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+        t = want[(e.where, e.name)]
+        expect = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert got.dtype == expect.dtype and got.shape == expect.shape and torch.equal(got, expect), e.name
+    # without chunks (a host manager: tests), the same layout in shared memory
+    shared, same = prepare_helper.pack(adapter, torch.bfloat16, "cpu")
+    assert same == entries and shared.is_shared()
+    assert all(torch.equal(shared[e.offset:e.offset + e.nbytes], buf[e.offset:e.offset + e.nbytes]) for e in entries)
 
 
 def test_slot_images_are_built_only_when_asked_for(classes, monkeypatch):
@@ -614,41 +665,28 @@ def peft_folder(tmp_path, n=6):
     return str(folder)
 
 
-def test_sglangs_processing_of_a_peft_folder_takes_each_tensor_only_through_an_open_gate(classes, tmp_path, monkeypatch):
+def test_the_hand_over_builds_the_adapter_a_weight_a_step_only_through_an_open_gate(classes, monkeypatch):
+    """The preparing thread's Python in the scheduler's process (the helper process does the rest): each
+    weight view it puts into the adapter is one gate step, and a closed gate holds it."""
     monkeypatch.setenv(prepared_load.GATE_ENV, "batch")  # the gate stays closed after the prefill's run_batch
-    class TensorManager(classes[1]):
-        def load_lora_weights_from_tensors(self, ref, tensors):
-            got = []
-            for name, t in tensors.items():  # as SGLang's initialize_weights_from_tensors walks them
-                got.append((name, t.clone()))
-            self.loras[ref.lora_id] = Adapter(ref.lora_id, self.configs[ref.lora_id])
-            self.loras[ref.lora_id].tensors = dict(got)
-
-    manager = TensorManager()
-    scheduler = classes[0](manager)
-    preparer = prepared_load.Preparer(scheduler, manager)
+    scheduler, manager, preparer = preparing(classes)
+    preparer.helper.weights = 6
     prefilling = threading.Event()
     preparer.read_config = lambda ref: (prefilling.wait(5), Config(ref.lora_path))[1]
     preparer.gate.max_wait_s = preparer.gate.budget_s = 10.0  # the budget is not what is tested here
     steps, gate_step = [], preparer.gate.step
     preparer.gate.step = lambda: (steps.append(threading.current_thread().name), gate_step())[1]
-    scheduler.__dict__["_lorapub_preparer"] = preparer
-    scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+    scheduler.process_input_requests([Req("a")])
     scheduler.run_batch(batch(True))  # the scheduler prefills: the gate is closed
     prefilling.set()
     future = preparer.pending[0][1]
-    assert not concurrent_wait(future, 0.3)  # the preparation waits at its first step
-    assert preparer.gate.waits == 0  # counted when the wait ends
+    assert not concurrent_wait(future, 0.3)  # the hand-over waits at its first step
     scheduler.process_input_requests([])  # opens it
     run_until(scheduler, 1)
     [(_, out)] = scheduler.sent
     assert out["success"]
-    import torch
-
-    assert {k: float(v[0]) for k, v in manager.loras["a"].tensors.items()} == {f"w{i}": float(i) for i in range(6)}
-    assert all(torch.equal(v, torch.full((4,), float(k[1:]))) for k, v in manager.loras["a"].tensors.items())
-    # one step per tensor read from the file and one per tensor handed to SGLang's processing
-    assert len(steps) == 12 and all(name.startswith("lorapub-prepare") for name in steps)
+    assert sorted(manager.loras["a"].embedding_layers) == [f"w{i}" for i in range(6)]
+    assert len(steps) == 6 and all(name.startswith("lorapub-prepare") for name in steps)
 
 
 def concurrent_wait(future, timeout):
@@ -688,25 +726,18 @@ def test_a_slot_image_built_in_gate_steps_is_the_same_image(monkeypatch):
     assert stepped.fits(pool, 1)
 
 
-def test_a_device_preparation_logs_where_its_copy_time_went(classes, caplog, monkeypatch):
-    """The device branch's log line (live only otherwise): the copy's time split into the GPU work
-    queued before it and the waits for prefills."""
+def test_a_preparation_logs_where_its_time_went(classes, caplog):
+    """The log line of a load: the helper's processing and copy, the hand-over, the adapter's build."""
     import logging
 
     scheduler, manager, preparer = preparing(classes)
-    preparer.on_cuda, preparer.slot_images = True, False
-
-    def to_device(adapter):  # a copy that stepped aside for a prefill for 20 ms, after 30 ms of queued work
-        preparer.gate.waited_s += 0.020
-        return 264_000_000, 0.030
-
-    monkeypatch.setattr(preparer, "_to_device", to_device)
+    preparer.helper.timings = {"process_s": 0.050, "pack_s": 0.030}
     with caplog.at_level(logging.INFO):
         scheduler.process_input_requests([Req("a")])
         run_until(scheduler, 1)
-    [line] = [r.getMessage() for r in caplog.records if "off the scheduler thread" in r.getMessage()]
-    assert "of which queued GPU work 30 ms and prefill waits 20 ms" in line and "264 MB" in line
-    assert "0 waits for prefills, 20 ms" in line  # the total, from the gate
+    [line] = [r.getMessage() for r in caplog.records if "in the helper process" in r.getMessage()]
+    assert "SGLang's processing 50 ms, cast and copy to the device 30 ms" in line
+    assert "handed over in" in line and "0 waits for prefills" in line
 
 
 def test_the_trace_records_each_iteration_of_a_publication_window_with_what_it_spent(classes, monkeypatch):

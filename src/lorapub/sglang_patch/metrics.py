@@ -30,7 +30,7 @@ TRANSPORTS = ("http", "shm", "torch")
 ENDED = {m.Discard: "cleaned_up", m.Forget: "released", m.Sweep: "aged_out", m.Abandon: "abandoned",
          m.Close: "closed"}
 #: A prepared load: installed as prepared; SGLang's own load after the preparation failed; SGLang's load failed.
-PREPARED_OUTCOMES = ("prepared", "fallback", "failed")
+PREPARED_OUTCOMES = ("prepared", "failed")
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 #: The scheduler thread's share of a prepared load: a few milliseconds when it works.
 INSTALL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 5.0)

@@ -23,6 +23,8 @@ HTTP_FILE = "srt/entrypoints/http_server.py"
 SCHEDULER_FILE = "srt/managers/scheduler.py"
 LORA_MANAGER_FILE = "srt/lora/lora_manager.py"
 MEM_POOL_FILE = "srt/lora/mem_pool.py"
+LORA_FILE = "srt/lora/lora.py"
+LORA_CONFIG_FILE = "srt/lora/lora_config.py"
 POOL = "LoRAMemoryPool"
 TM = "TokenizerManager"
 MIXIN = "TokenizerControlMixin"
@@ -86,6 +88,16 @@ _FINGERPRINTS_0517 = {
         "b09e9e460b105624e757f3f8e61d6e8ec9a6c77108d2323763a9437c54a23e30",
     (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
         "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
+    # relied on unchanged by the preparing helper (prepared_load/helper.py), which runs them in its own
+    # process: the adapter built with the manager's arguments, its config, and its weights' processing
+    (LORA_FILE, "LoRAAdapter", "__init__"):
+        "6c8b31889dc5c2d0ff89c40a4c8f90fa1048988bd4ca7ad7ed5c7c996eee4b81",
+    (LORA_FILE, "LoRAAdapter", "initialize_weights"):
+        "bc574e811d121ee35135a8138ead263b2471a031d9f52304a365b32f719bbdb1",
+    (LORA_FILE, "LoRAAdapter", "initialize_weights_from_tensors"):
+        "734c9bc5a27587dc8a94fd2d962ffb919c3df1af9d58520d1b6fc5f52bb5341f",
+    (LORA_CONFIG_FILE, "LoRAConfig", "__init__"):
+        "576bd5c617388530a801d1d59a337db163b4200e6c4b1f462a015f866d4f90d8",
 }
 
 RELEASES: dict[str, Release] = {
@@ -122,6 +134,16 @@ RELEASES: dict[str, Release] = {
                 "f8c86078e6b20444af0238b5d6b498b2e0a895a0c905134c23fe8be44b79d1f0",
             (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
                 "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
+        # relied on unchanged by the preparing helper (prepared_load/helper.py), which runs them in its own
+        # process: the adapter built with the manager's arguments, its config, and its weights' processing
+        (LORA_FILE, "LoRAAdapter", "__init__"):
+            "6c8b31889dc5c2d0ff89c40a4c8f90fa1048988bd4ca7ad7ed5c7c996eee4b81",
+        (LORA_FILE, "LoRAAdapter", "initialize_weights"):
+            "bc574e811d121ee35135a8138ead263b2471a031d9f52304a365b32f719bbdb1",
+        (LORA_FILE, "LoRAAdapter", "initialize_weights_from_tensors"):
+            "734c9bc5a27587dc8a94fd2d962ffb919c3df1af9d58520d1b6fc5f52bb5341f",
+        (LORA_CONFIG_FILE, "LoRAConfig", "__init__"):
+            "576bd5c617388530a801d1d59a337db163b4200e6c4b1f462a015f866d4f90d8",
         },
         absent=(RELAX_ROUTE,),
     ),

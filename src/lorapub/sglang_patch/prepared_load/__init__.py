@@ -1,10 +1,9 @@
 """Adapter loads that (almost) never stop decoding: SGLang's scheduler only swaps in a prepared adapter.
 
-A folder load is read, normalised and copied to the device (optionally built into a slot image) by a
-background thread of the scheduler process, which steps aside for prefills (:class:`PrefillGate`);
-the scheduler installs it through SGLang's own load path. The runtime form starts the schedulers
-through :func:`run_scheduler_process`, the diff form calls :func:`install` at the end of ``scheduler.py``.
-See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)".
+A helper process beside the scheduler reads, processes (SGLang's own code), casts and copies each load
+to the device and ships one buffer through a CUDA IPC handle (:mod:`.helper`); a thread of the scheduler
+process copies it into its own buffer and builds the adapter; the scheduler installs it through SGLang's
+own load path. See docs/sglang-patch.md, "Prepared loads: a load that barely stops decoding (both releases)".
 """
 
 from __future__ import annotations
@@ -16,14 +15,17 @@ import time
 from typing import Any, Literal
 
 from .gate import PrefillGate
-from .preparer import CHUNK_BYTES, Preparer, is_extend
+from .helper import HelperClient, HelperDied, HelperError, HelperFailed, HelperHung, StaleHandle
+from .preparer import CHUNK_BYTES, PreparationFailed, Preparer, is_extend
 from .reading import read_peft_folder
-from .settings import ENV, GATE_BUDGET_ENV, GATE_ENV, IMAGE_ENV, MARK, SWITCH_ENV, TRACE_ENV, enabled, trace_setting
+from .settings import (ENV, GATE_BUDGET_ENV, GATE_ENV, HELPER_DEADLINE_ENV, HELPER_START_ENV, IMAGE_ENV, MARK, SWITCH_ENV,
+                       TRACE_ENV, enabled, trace_setting)
 from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_slot_fills
 
-__all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ATTR", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "PrefillGate",
-           "Preparer", "build_slot_image", "enabled", "install", "preparer_of", "read_peft_folder", "route_schedulers",
-           "run_scheduler_process"]
+__all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "IMAGE_ATTR",
+           "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "HelperClient", "HelperDied", "HelperError", "HelperFailed",
+           "HelperHung", "PreparationFailed", "PrefillGate", "Preparer", "StaleHandle", "build_slot_image", "enabled",
+           "install", "preparer_of", "read_peft_folder", "route_schedulers", "run_scheduler_process"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -109,6 +111,8 @@ def _install_weights(manager_cls: Any) -> None:
     def load_lora_weights(self: Any, lora_ref: Any) -> Any:
         """SGLang's weight read, served by a prepared adapter of the same id and config when there is one."""
         adapter = self.__dict__.get("_lorapub_prepared", {}).pop(lora_ref.lora_id, None)
+        if isinstance(adapter, BaseException):  # its preparation failed: SGLang's load answers with why
+            raise adapter
         config = self.configs.get(lora_ref.lora_id)
         if adapter is None or config is None or config.hf_config != adapter.config.hf_config:
             return stock_weights(self, lora_ref)

@@ -1,11 +1,11 @@
-"""The preparer: one scheduler's adapter preparations on a background thread of its process,
-installed by SGLang's own load path at the start of a loop iteration."""
+"""The preparer: one scheduler's adapter loads, prepared by its helper process (helper.py) and handed
+over on a background thread of the scheduler's process, then installed by SGLang's own load path at
+the start of a loop iteration."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import copy
 import logging
 import os
 import sys
@@ -15,22 +15,23 @@ from typing import Any, Callable
 
 from . import iterations
 from .gate import PrefillGate
-from .reading import Stepped, read_peft_folder, weight_dicts
-from .settings import IMAGE_ENV, gate_budget, gate_scope, switch_interval, trace_setting
+from .helper import CHUNK_BYTES, HelperClient, HelperError, kit_for
+from .settings import IMAGE_ENV, gate_budget, gate_scope, helper_deadline, helper_start_deadline, switch_interval, trace_setting
 from .slot_image import IMAGE_ATTR, build_slot_image, make_resident
 
-__all__ = ["CHUNK_BYTES", "Preparer", "is_extend", "send_reply"]
+__all__ = ["CHUNK_BYTES", "PreparationFailed", "Preparer", "is_extend", "send_reply"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
-_ALIGN = 256  # every tensor's view starts on a 256-byte boundary of the shared buffers
-#: Host-to-device copies go through two pinned chunks of this size (double-buffered).
-CHUNK_BYTES = 32 << 20
+
+
+class PreparationFailed(RuntimeError):
+    """What SGLang's own load raises, for a load whose preparation failed: it answers with this message."""
 
 
 class Preparer:
     """One scheduler's preparations, in the order their loads arrived (one worker thread)."""
 
-    def __init__(self, scheduler: Any, manager: Any) -> None:
+    def __init__(self, scheduler: Any, manager: Any, helper: Any = None) -> None:
         import torch
 
         self.scheduler = scheduler
@@ -49,9 +50,14 @@ class Preparer:
                                                           initializer=self._preparing_thread_started)
         # (request, its preparation, the stock load, when it was submitted)
         self.pending: list[tuple[Any, concurrent.futures.Future[Any], Callable[..., Any], float]] = []
-        self.chunks: list[Any] | None = None
-        if self.on_cuda:  # before any batch runs (see _chunks)
-            self._chunks()
+        # the helper process that prepares each load (started now, before any batch runs: a load waits
+        # only for what is left of its start)
+        self.helper = helper if helper is not None else HelperClient(kit_for(manager), helper_deadline(),
+                                                                       helper_start_deadline())
+        if self.helper.process is None and isinstance(self.helper, HelperClient):
+            self.helper.start()
+        self.tokens: dict[str, int] = {}  # lora_id -> the helper's token of its load in flight
+        self.adapter_cls: Any = None  # SGLang's LoRAAdapter unless set (tests: a release's own, compiled)
         self.ticks: collections.deque[float] = collections.deque(maxlen=8192)  # perf_counter at each iteration's end
         if self.trace:
             _trace_gc()
@@ -115,10 +121,11 @@ class Preparer:
             outcome = "prepared"
             try:
                 prepared[recv_req.lora_id] = future.result()
-            except Exception as e:  # SGLang's own load runs instead and answers with its own error
-                outcome = "fallback"
-                logger.warning("lorapub: preparing %s failed (%s); loading it on the scheduler thread",
-                               recv_req.lora_name, e)
+            except Exception as e:  # noqa: BLE001 - SGLang's own load answers with it: success false, this message
+                outcome = "failed"
+                message = str(e) if isinstance(e, HelperError) else f"lorapub could not prepare {recv_req.lora_name}: {e}"
+                prepared[recv_req.lora_id] = PreparationFailed(message)
+                logger.error("lorapub: the load of %s failed (%s: %s)", recv_req.lora_name, type(e).__name__, e)
             t_load = time.perf_counter()
             try:
                 output = stock(self.scheduler, recv_req)
@@ -159,121 +166,121 @@ class Preparer:
         logger.info("lorapub trace: scheduler iterations while preparing %s (%.0f ms): %s; before: %s",
                     name, 1e3 * span, stats(since, now), stats(since - span, since))
 
-    # -- preparing thread --------------------------------------------------------------------------
+    # -- preparing thread: the hand-over -----------------------------------------------------------
     def read_config(self, ref: Any) -> Any:
         from sglang.srt.lora.lora_config import LoRAConfig
 
         return LoRAConfig(ref.lora_path, base_vocab_size=self.manager.base_hf_config.vocab_size)
 
+    def new_adapter(self, ref: Any, config: Any) -> Any:
+        """An empty adapter, as the manager's own load makes it (SGLang's ``LoRAAdapter`` with the
+        manager's own arguments)."""
+        manager = self.manager
+        cls = self.adapter_cls
+        if cls is None:
+            from sglang.srt.lora.lora import LoRAAdapter
+
+            cls = LoRAAdapter
+        return cls(ref.lora_id, config, manager.base_hf_config, manager.load_config, manager.lora_backend,
+                   base_model=getattr(manager, "base_model", None))
+
     def _prepare(self, ref: Any) -> Any:
+        """The load prepared by the helper process, handed over: its buffer copied device to device into
+        one of this process, and the adapter built around views of it."""
         self.gate.reset()  # a failed preparation's waits are not the next one's
         t0 = time.perf_counter()
-        manager = self.manager
-        view = copy.copy(manager)  # SGLang's own reading code, against private dicts
-        view.configs = {ref.lora_id: self.read_config(ref)}
-        view.loras = {}
-        step = self.gate.step
-        tensors = read_peft_folder(ref.lora_path, step)
-        t_bytes = time.perf_counter()
-        if tensors is None:  # not a plain PEFT folder: SGLang's own reader
-            type(manager).load_lora_weights.__wrapped__(view, ref)
-        else:  # the bytes read with the GIL released, then SGLang's own processing of them, a tensor a step
-            type(manager).load_lora_weights_from_tensors(view, ref, Stepped(tensors, step))
-        adapter = view.loras[ref.lora_id]
-        t1 = time.perf_counter()
-        if not self.on_cuda:  # host-only engines (tests): the read is what moves off the scheduler
-            logger.info("lorapub: prepared %s off the scheduler thread in %.0f ms (%s)", ref.lora_name,
-                        1e3 * (t1 - t0), self.gate.reset())
-            return adapter
-        host = [dict(d) for d in weight_dicts(adapter)] if self.slot_images else []
-        waited_reading = self.gate.waited_s
-        moved, queued_s = self._to_device(adapter)
+        helper = self.helper
+        job = helper.new_job(ref)
+        self.tokens[ref.lora_id] = job.token
+        try:
+            shipped = helper.prepare(job)  # the helper reads, processes, casts and copies; this thread waits
+            t1 = time.perf_counter()
+            try:
+                config = self.read_config(ref)
+                buffer, queued_s = self._take(shipped)
+            except BaseException:
+                helper.release(shipped.token, opened=False)
+                raise
+        finally:
+            self.tokens.pop(ref.lora_id, None)
         t2 = time.perf_counter()
-        waited_moving = self.gate.waited_s - waited_reading
-        image = build_slot_image(manager, adapter, self.stream, self.gate.step) if self.slot_images else None
-        if image is not None:  # the image serves every slot fill; the weights stay in host memory, as SGLang keeps them
-            for d, h in zip(weight_dicts(adapter), host):
-                d.update(h)
-            adapter.__dict__[IMAGE_ATTR] = image
+        adapter = self._build(ref, config, buffer, shipped.entries)
         t3 = time.perf_counter()
-        # "to device" split three ways: waiting for the GPU work queued before it (a running batch),
-        # stepping aside for prefills, and the copies themselves
-        logger.info("lorapub: prepared %s off the scheduler thread in %.0f ms (read %.0f ms of which bytes %.0f ms, "
-                    "to device %.0f ms of which queued GPU work %.0f ms and prefill waits %.0f ms, "
-                    "slot image %.0f ms, %.0f MB; %s) at %.3f", ref.lora_name, 1e3 * (t3 - t0),
-                    1e3 * (t1 - t0), 1e3 * (t_bytes - t0), 1e3 * (t2 - t1), 1e3 * queued_s, 1e3 * waited_moving,
-                    1e3 * (t3 - t2) if image is not None else float("nan"), moved / 1e6, self.gate.reset(),
+        image = None
+        if self.slot_images:  # the image serves every slot fill; the adapter keeps its device weights for the rest
+            image = build_slot_image(self.manager, adapter, self.stream, self.gate.step)
+            if image is not None:
+                adapter.__dict__[IMAGE_ATTR] = image
+        t4 = time.perf_counter()
+        timings = shipped.timings
+        logger.info("lorapub: prepared %s in the helper process in %.0f ms (SGLang's processing %.0f ms, cast and "
+                    "copy to the device %.0f ms), handed over in %.0f ms (of which queued GPU work %.0f ms), adapter "
+                    "built in %.0f ms, slot image %.0f ms, %.0f MB; %s) at %.3f", ref.lora_name, 1e3 * (t1 - t0),
+                    1e3 * timings.get("process_s", float("nan")), 1e3 * timings.get("pack_s", float("nan")),
+                    1e3 * (t2 - t1), 1e3 * queued_s, 1e3 * (t3 - t2),
+                    1e3 * (t4 - t3) if image is not None else float("nan"), shipped.total / 1e6, self.gate.reset(),
                     time.time())
         return adapter
 
-    def _to_device(self, adapter: Any) -> tuple[int, float]:
-        """Every tensor of ``adapter`` into one device buffer, through the fixed pinned chunks; returns the
-        bytes moved and the seconds spent waiting for the GPU work queued before the copy."""
+    def _take(self, shipped: Any) -> tuple[Any, float]:
+        """The shipped buffer copied into one of this process (one device-to-device copy on the side
+        stream), then released to the helper; returns it and the seconds spent waiting for the GPU
+        work queued before the copy."""
+        import contextlib
+
         import torch
 
-        pool_dtype = getattr(self.manager, "dtype", None)
-        slots, spans, total = [], [], 0
+        queued_s = 0.0
+        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        if self.on_cuda:
+            # Device blocks freed by an earlier unload return to this stream's pool: wait for every
+            # kernel queued before this copy, so none can still read what it overwrites.
+            t_queued = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            queued_s = time.perf_counter() - t_queued
+        opened = False
+        try:
+            with context:
+                source = self.helper.open(shipped)  # torch's rebuild of the handle; refused once stale
+                opened = True
+                buffer = torch.empty(shipped.total, dtype=torch.uint8, device=self.device)
+                buffer.copy_(source, non_blocking=self.on_cuda)
+            if self.stream is not None:
+                self.stream.synchronize()
+            del source  # this process's mapping of the helper's buffer ends here
+        finally:
+            if opened:
+                self.helper.release(shipped.token, opened=True)  # the helper frees its buffer
+        return buffer, queued_s
+
+    def _build(self, ref: Any, config: Any, buffer: Any, entries: Any) -> Any:
+        """SGLang's adapter object around views of ``buffer``: no copy, no cast, no processing here."""
+        import torch
+
+        adapter = self.new_adapter(ref, config)
+        dicts: dict[int | str, dict[str, Any]] = {i: layer.weights for i, layer in enumerate(adapter.layers)}
+        for attr in ("embedding_layers", "added_tokens_embeddings"):
+            found = getattr(adapter, attr, None)
+            if found is not None:
+                dicts[attr] = found
         step = self.gate.step
-        for d in weight_dicts(adapter):
-            for name, t in d.items():
-                step()
-                if isinstance(pool_dtype, torch.dtype) and t.is_floating_point() and t.dtype != pool_dtype:
-                    # the pool holds pool_dtype: cast once here, rounding to nearest even as the device cast would
-                    t = t.to(pool_dtype)
-                t = t.contiguous()
-                size = t.numel() * t.element_size()
-                slots.append((d, name, t))
-                spans.append((total, size))
-                total += -(-size // _ALIGN) * _ALIGN
-        if total == 0:
-            return 0, 0.0
-        stream = self.stream
-        if stream is None:  # preparer_of makes preparers on a CUDA device only, each with its stream
-            raise RuntimeError("lorapub: a preparation copies to the device on a CUDA stream; this preparer has none")
-        # Device blocks freed by an earlier unload return to this stream's pool: wait for every
-        # kernel queued before this preparation, so none can still read what this copy overwrites.
-        t_queued = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        queued_s = time.perf_counter() - t_queued
-        with torch.cuda.stream(stream):
-            dev = torch.empty(total, dtype=torch.uint8, device=self.device)
-        chunks = self._chunks()
-        pending: list[Any] = [None] * len(chunks)
-        k, i = 0, 0
-        for base in range(0, total, CHUNK_BYTES):
-            end = min(base + CHUNK_BYTES, total)
-            if pending[k] is not None:
-                pending[k].synchronize()  # the chunk's previous copy has left it
-            chunk = chunks[k]
-            while i < len(slots) and spans[i][0] < end:  # every tensor byte range overlapping [base, end)
-                step()
-                start, size = spans[i]
-                lo, hi = max(start, base), min(start + size, end)
-                if hi > lo:
-                    flat = slots[i][2].reshape(-1).view(torch.uint8)
-                    chunk[lo - base:hi - base].copy_(flat[lo - start:hi - start])
-                if start + size > end:
-                    break  # the rest of this tensor goes into the next chunk
-                i += 1
-            with torch.cuda.stream(stream):
-                dev[base:end].copy_(chunk[:end - base], non_blocking=True)
-                pending[k] = torch.cuda.Event()  # type: ignore[no-untyped-call]  # as Stream
-                pending[k].record(stream)
-            k = (k + 1) % len(chunks)
-        stream.synchronize()
-        for (d, name, t), (start, size) in zip(slots, spans):
-            d[name] = dev[start:start + size].view(t.dtype).view(t.shape)
-        return total, queued_s
+        for e in entries:
+            step()
+            dicts[e.where][e.name] = buffer[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+        return adapter
 
-    def _chunks(self) -> list[Any]:
-        """Two pinned chunks, allocated once per scheduler: pinning host memory stalls the whole
-        process's CUDA calls, so it must not happen while batches run."""
-        if self.chunks is None:
-            import torch
+    def abandon(self, lora_id: str) -> bool:
+        """Nobody takes ``lora_id``'s preparation any more (its request was answered, its adapter
+        unloaded): a buffer the helper ships for it is refused and freed. True if one was in flight."""
+        token = self.tokens.get(lora_id)
+        if token is None:
+            return False
+        self.helper.abandon(token)
+        return True
 
-            self.chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        return self.chunks
-
+    def close(self) -> None:
+        """Stop the helper process (the scheduler's process ends)."""
+        self.helper.close()
 
 
 def _succeeded(output: Any) -> bool:

@@ -1,33 +1,16 @@
-"""Reading an adapter folder for a preparation: the safetensors file mapped (no read, no copy: its
-pages come from the page cache where the engine's staging just wrote them, touched once by the copy to
-the device), then SGLang's own processing a tensor a step."""
+"""Reading an adapter folder for a preparation (in the helper process): the safetensors file mapped (no
+read, no copy: its pages come from the page cache where the engine's staging just wrote them, touched
+once by SGLang's processing or the copy to the device)."""
 
 from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 
-__all__ = ["SAFETENSORS_CODES", "Stepped", "read_peft_folder", "weight_dicts"]
-
-
-class Stepped(dict[str, Any]):
-    """The tensors handed to SGLang's ``initialize_weights_from_tensors``, which walks ``items()``:
-    each tensor is handed over after one step of the gate."""
-
-    def __init__(self, tensors: dict[str, Any], step: Callable[[], None]) -> None:
-        super().__init__(tensors)
-        self._step = step
-
-    # a generator, not a view: SGLang only iterates it (dict's items() is typed as an ItemsView)
-    def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
-        for item in super().items():
-            self._step()
-            yield item
-
-
+__all__ = ["SAFETENSORS_CODES", "read_peft_folder", "weight_dicts"]
 
 
 #: safetensors code -> torch dtype name, for the dtypes lorapub publishes (another folder's dtype: SGLang's reader)
@@ -91,6 +74,8 @@ def read_peft_folder(path: Any, step: Callable[[], None] | None = None) -> dict[
 
 
 def weight_dicts(adapter: Any) -> list[dict[str, Any]]:
+    """An adapter's weight dicts: each layer's, then its lm_head/embedding and added-token ones (the
+    order the helper ships them in, ``helper.Entry.where`` naming each)."""
     return [layer.weights for layer in adapter.layers] + [
         d for d in (getattr(adapter, "embedding_layers", None), getattr(adapter, "added_tokens_embeddings", None))
         if d]

@@ -7,8 +7,10 @@ import os
 
 from lorapub.sglang_patch.env import env_number
 
-__all__ = ["DEFAULT_GATE_BUDGET_S", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "enabled", "gate_budget", "gate_scope",
-           "switch_interval", "trace_setting"]
+__all__ = ["DEFAULT_GATE_BUDGET_S", "DEFAULT_HELPER_DEADLINE_S", "DEFAULT_HELPER_START_S", "ENV", "GATE_BUDGET_ENV",
+           "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV",
+           "enabled", "gate_budget", "gate_scope", "helper_deadline", "helper_start_deadline", "switch_interval",
+           "trace_setting"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -37,6 +39,15 @@ GATE_BUDGET_ENV = "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"
 #: only 150 ms brought a new version's first token under 0.75 s (1 s: 1.8 s, its loads waiting up to
 #: the whole second behind prefills).
 DEFAULT_GATE_BUDGET_S = 0.15
+#: Seconds the preparing helper process has for one load (read, SGLang's processing, cast, copy to the
+#: device) before it is killed and restarted and the load fails (default 60: a 264 MB adapter takes
+#: well under a second; the margin is for a loaded host and a cold page cache).
+HELPER_DEADLINE_ENV = "LORAPUB_SGLANG_PREPARE_HELPER_DEADLINE_S"
+DEFAULT_HELPER_DEADLINE_S = 60.0
+#: Seconds a newly started helper has to be ready (import torch and SGLang's LoRA code, make its CUDA
+#: context) before a load that waits for it fails and it is restarted (default 300).
+HELPER_START_ENV = "LORAPUB_SGLANG_PREPARE_HELPER_START_S"
+DEFAULT_HELPER_START_S = 300.0
 
 
 def enabled() -> bool:
@@ -67,6 +78,20 @@ def gate_budget(default_s: float = DEFAULT_GATE_BUDGET_S) -> float:
     ms = env_number(GATE_BUDGET_ENV, float, lambda n: n >= 0, "a number of milliseconds >= 0",
                     f"the default {1e3 * default_s:g} ms holds", logger)
     return default_s if ms is None else ms / 1e3
+
+
+def helper_deadline(default_s: float = DEFAULT_HELPER_DEADLINE_S) -> float:
+    """``HELPER_DEADLINE_ENV`` in seconds; ``default_s`` when unset or not a number > 0 (logged)."""
+    s = env_number(HELPER_DEADLINE_ENV, float, lambda n: n > 0, "a number of seconds > 0",
+                   f"the default {default_s:g} s holds", logger)
+    return default_s if s is None else s
+
+
+def helper_start_deadline(default_s: float = DEFAULT_HELPER_START_S) -> float:
+    """``HELPER_START_ENV`` in seconds; ``default_s`` when unset or not a number > 0 (logged)."""
+    s = env_number(HELPER_START_ENV, float, lambda n: n > 0, "a number of seconds > 0",
+                   f"the default {default_s:g} s holds", logger)
+    return default_s if s is None else s
 
 
 def trace_setting() -> str | None:

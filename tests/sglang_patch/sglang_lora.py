@@ -1,0 +1,96 @@
+"""One SGLang release's own LoRA weight processing, runnable on a CPU without importing sglang.
+
+``srt/lora/lora.py`` (``LoRALayer``, ``LoRAAdapter``) and ``srt/lora/lora_config.py`` (``LoRAConfig``)
+are compiled verbatim from the release's files; their sglang imports resolve to what they use of
+them, taken verbatim from the same tree (``get_layer_id``, ``get_normalized_target_modules``), or
+to empty stand-ins for what only annotations and the GPU-side paths name. Nothing is put into
+``sys.modules``: the modules' own ``import`` statements, the lazy ones inside methods included, go
+through an ``__import__`` of their own.
+
+:func:`process` is the helper processor the tests name in a :class:`Kit` (it runs in the helper
+process): the release's own processing, plus two ways to misbehave, chosen by a file in the folder
+(``die``: the process ends at once; ``hang``: it never answers; ``slow``: it writes the file
+``started``, then waits for the file ``go`` to appear)."""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import os
+import time
+import types
+
+from tests import sglang_real
+
+
+def _stub(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+@functools.lru_cache(maxsize=4)
+def release(root: str) -> types.SimpleNamespace:
+    """The LoRA classes of the SGLang tree at ``root``."""
+    ns: dict = {}
+    exec(compile("import re\n" + sglang_real.extract(root, "srt/layers/utils/common.py", "get_layer_id"),
+                 "common.py", "exec"), ns)
+    utils_ns: dict = {}
+    exec(compile("from typing import Iterable, Union\n"
+                 + sglang_real.extract(root, "srt/lora/utils.py", "get_normalized_target_modules"), "utils.py", "exec"),
+         utils_ns)
+
+    class Placeholder:  # annotations only
+        pass
+
+    def snapshot_download(*a, **k):
+        raise OSError("no hub on this machine")
+
+    modules = {
+        "huggingface_hub": _stub("huggingface_hub", snapshot_download=snapshot_download),
+        "sglang.srt.configs.load_config": _stub("load_config", LoadConfig=Placeholder),
+        "sglang.srt.layers.utils": _stub("layers_utils", get_layer_id=ns["get_layer_id"]),
+        "sglang.srt.lora.backend.base_backend": _stub("base_backend", BaseLoRABackend=Placeholder),
+        "sglang.srt.model_loader.loader": _stub("loader", DefaultModelLoader=Placeholder),
+        "sglang.srt.utils.hf_transformers_utils": _stub("hf", AutoConfig=Placeholder),
+        "sglang.srt.lora.utils": _stub("lora_utils", get_normalized_target_modules=utils_ns["get_normalized_target_modules"]),
+    }
+
+    def importer(name, globals=None, locals=None, fromlist=(), level=0):
+        if name in modules:
+            return modules[name]
+        return builtins.__import__(name, globals, locals, fromlist, level)
+
+    own_builtins = dict(builtins.__dict__, __import__=importer)
+
+    def load(rel: str, name: str) -> dict:
+        path = os.path.join(root, rel)
+        with open(path) as f:
+            src = f.read()
+        module_ns = {"__builtins__": own_builtins, "__name__": name, "__file__": path}
+        exec(compile(src, path, "exec"), module_ns)
+        return module_ns
+
+    config_ns = load("srt/lora/lora_config.py", "sglang_lora_config")
+    modules["sglang.srt.lora.lora_config"] = _stub("lora_config", LoRAConfig=config_ns["LoRAConfig"])
+    lora_ns = load("srt/lora/lora.py", "sglang_lora")
+    return types.SimpleNamespace(LoRAAdapter=lora_ns["LoRAAdapter"], LoRAConfig=config_ns["LoRAConfig"], root=root)
+
+
+def process(kit, job):
+    """The helper processor of the tests: ``kit.options["root"]``'s own processing of ``job``'s folder."""
+    from lorapub.sglang_patch.prepared_load.helper import process_with
+
+    folder = job.lora_path
+    if os.path.exists(os.path.join(folder, "die")):
+        os._exit(7)
+    if os.path.exists(os.path.join(folder, "hang")):
+        while True:
+            time.sleep(60)
+    if os.path.exists(os.path.join(folder, "slow")):
+        with open(os.path.join(folder, "started"), "w") as f:
+            f.write(str(os.getpid()))
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.01)
+    real = release(kit.options["root"])
+    return process_with(real.LoRAAdapter, real.LoRAConfig, kit, job)
