@@ -17,6 +17,8 @@ import json
 import os
 import platform
 import random
+import re
+import signal
 import tempfile
 import time
 import traceback
@@ -186,7 +188,7 @@ class Instrumented:
 
 
 def wanted(section: str) -> bool:
-    """LORAPUB_GPU_SECTIONS (comma-separated: epsilon, which brings the core sections, wire,
+    """LORAPUB_GPU_SECTIONS (comma-separated: helper, epsilon, which brings the core sections, wire,
     provenance) runs only those; unset, all of them."""
     only = os.environ.get("LORAPUB_GPU_SECTIONS")
     return not only or section in {x.strip() for x in only.split(",")}
@@ -761,6 +763,52 @@ class Run:
             "_sessions": [(r.session, r.version) for r in recs if r.ok],
         }
 
+    async def prepare_helper(self) -> dict:
+        """The preparing helper process beside E1's scheduler (docs/sglang-patch.md, "Prepared loads"): killed
+        while idle, the next load still succeeds (a new helper); killed while it prepares, that load fails
+        cleanly or lands, a retry lands, and the server serves both adapters throughout."""
+        E1, http = self.E1, self.http
+        started = re.compile(r"started the preparing helper process \(pid (\d+)\)")
+
+        def helpers() -> list[int]:
+            return [int(m.group(1)) for m in started.finditer(E1.log())]
+
+        def alive(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().split(")")[-1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        out: dict[str, Any] = {"helpers_at_start": helpers()}
+        first = out["helpers_at_start"][-1]
+        os.kill(first, signal.SIGKILL)
+        for _ in range(100):
+            if not alive(first):
+                break
+            await asyncio.sleep(0.05)
+        status, body = await http.load(E1.url, "helper-x", self.paths["B"], pinned=False)
+        out["idle_kill_then_load"] = [status, str(body)[:300]]
+        status, gen = await http.generate(E1.url, tokens(self.rng, 32), "helper-x")
+        out["idle_kill_then_generate"] = status
+        out["helper_after_idle_kill"] = helpers()[-1] if helpers() else None
+        await http.unload(E1.url, "helper-x")
+        second = helpers()[-1]
+        load = asyncio.ensure_future(http.load(E1.url, "helper-y", self.paths["B"], pinned=False))
+        await asyncio.sleep(0.01)
+        os.kill(second, signal.SIGKILL)
+        status, body = await load
+        out["kill_while_preparing"] = [status, str(body)[:300]]
+        if status != 200:  # failed cleanly: the retry lands on a new helper
+            status, body = await http.load(E1.url, "helper-y", self.paths["B"], pinned=False)
+        out["retry_load"] = [status, str(body)[:300]]
+        status, gen = await http.generate(E1.url, tokens(self.rng, 32), "helper-y")
+        out["retry_generate"] = status
+        await http.unload(E1.url, "helper-y")
+        out["helpers_at_end"] = helpers()
+        out["server_alive"] = E1.alive()
+        return out
+
     async def main(self) -> dict:
         out_dir = self.out_dir
         env = {"SGLANG_REQ_RUNNING_TIMEOUT": str(RUN_TIMEOUT_S)}
@@ -781,6 +829,8 @@ class Run:
             async with aiohttp.ClientSession() as session:
                 self.http = Http(session)
                 self.report["server_state"] = {s.name: await self.http.state(s.url) for s in all_servers}
+                if wanted("helper"):  # first: the servers hold nothing of lorapub's yet
+                    await self.section("prepare_helper", self.prepare_helper())
                 self.engines = self.fresh_engines("scenario")
                 self.dep = await Deployment(self.engines, epoch=1, transport=HTTPBytes(),
                                             deadlines=DEADLINES, bucket_cap_bytes=64 << 10).start()
@@ -956,6 +1006,15 @@ def verdicts(r: dict) -> dict[str, bool]:
             x.get("W_after") == "RECLAIMED" and x.get("W_stash_freed") for x in w.values())
     if s.get("provenance") is not None or wanted("provenance"):
         v.update(provenance_live.verdicts(s.get("provenance")))
+    if s.get("prepare_helper") is not None or wanted("helper"):
+        h = s.get("prepare_helper") or {}
+        kill = h.get("kill_while_preparing") or [None, ""]
+        v["helper: a load after the preparing helper was killed lands on a new one; a load it was preparing "
+          "fails cleanly (naming the helper) or lands; the server serves throughout"] = \
+            (h.get("idle_kill_then_load") or [None])[0] == 200 and h.get("idle_kill_then_generate") == 200 \
+            and (kill[0] == 200 or "helper" in kill[1]) and (h.get("retry_load") or [None])[0] == 200 \
+            and h.get("retry_generate") == 200 and bool(h.get("server_alive")) \
+            and len(set(h.get("helpers_at_end") or [])) >= 2
     v["no section raised"] = not r.get("errors") and not any(
         isinstance(x, dict) and "error" in x for x in (s.get("provenance") or {}).values())
     return v
