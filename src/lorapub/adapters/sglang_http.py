@@ -18,9 +18,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from lorapub.core.identity import STATE_ROUTE, check_id
+from lorapub.core.identity import check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.wire.codec import json_or_text
+from lorapub.wire.routes import STATE_ROUTE
 
 __all__ = [
     "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "ClientOptions", "OwnedHTTPSession", "SGLangHTTP",

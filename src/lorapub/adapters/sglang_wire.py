@@ -19,11 +19,11 @@ from lorapub.adapters.body_sender import shared_sender
 from lorapub.adapters.sglang_http import ClientOptions, EngineState, SGLangHTTP, _status_text, engine_message
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, AttemptToken
+from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import EndTimings, EngineLimits, HeldAdapter, Inventory, StagedAttempt, Transport
 from lorapub.wire.codec import json_or_text, plan_to_json, token_from_json, token_params, token_to_json
-from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RECLAIM_HEADER, RELEASE_ROUTE
 
 from lorapub.adapters.transports import (  # the transports, importable from here as before
     HTTPBytes,

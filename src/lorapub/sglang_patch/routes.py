@@ -10,12 +10,11 @@ from __future__ import annotations
 import uuid
 from typing import Any, Awaitable, Callable
 
-from lorapub.core.identity import STATE_ROUTE
 from lorapub.sglang_patch import staging as _staging
 from lorapub.sglang_patch.metrics import serve_engine_series
 from lorapub.sglang_patch.staging import max_loaded_loras as _max_loaded_loras
 from lorapub.sglang_patch.targets import PatchMismatch
-from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE, STATE_ROUTE
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
 #: The engine-side staging of this server life (set when the staging routes are added).

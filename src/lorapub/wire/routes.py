@@ -1,11 +1,22 @@
-"""The engine-side staging routes, the bucket formats and the load forms (docs/sglang-patch.md)."""
+"""The names both sides of the protocol share: the state route and the staging routes, the reclaim
+header, the managed-prefix environment variable, the bucket formats and the load forms.
+See docs/sglang-patch.md, "Engine-side staging routes (both releases)".
+"""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["PREFIX", "BEGIN_ROUTE", "BUCKET_ROUTE", "END_ROUTE", "CLEANUP_ROUTE", "RELEASE_ROUTE", "ROUTES",
-           "FORMATS", "LOAD_FORMS", "SHM_NAME"]
+__all__ = ["STATE_ROUTE", "RECLAIM_HEADER", "MANAGED_PREFIX_ENV", "PREFIX", "BEGIN_ROUTE", "BUCKET_ROUTE",
+           "END_ROUTE", "CLEANUP_ROUTE", "RELEASE_ROUTE", "ROUTES", "FORMATS", "LOAD_FORMS", "SHM_NAME"]
+
+#: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads, staging.
+STATE_ROUTE = "/lorapub/state"
+#: The header that authorises the unload of a managed adapter (reclaim or cleanup).
+RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
+#: The SGLang patch protects the adapter names that start with this variable's prefix
+#: (``lorapub.core.identity.MANAGED_PREFIX`` when unset); a deployment's ``name_prefix`` must match it.
+MANAGED_PREFIX_ENV = "SGLANG_LORAPUB_MANAGED_PREFIX"
 
 PREFIX = "/lorapub/stage"
 BEGIN_ROUTE, BUCKET_ROUTE, END_ROUTE = f"{PREFIX}/begin", f"{PREFIX}/bucket", f"{PREFIX}/end"

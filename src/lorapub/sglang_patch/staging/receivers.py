@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import attrs
 
-from lorapub.core.identity import MANAGED_PREFIX_ENV, AttemptToken, lora_name_for
+from lorapub.core.identity import AttemptToken, lora_name_for
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.sglang_patch.staging import collective
 from lorapub.sglang_patch.staging.buffers import Buffer
@@ -22,7 +22,7 @@ from lorapub.sglang_patch.staging.landing import Stash, from_shm, landing
 from lorapub.core.staging.messages import Refusal
 from lorapub.wire.codec import manifest_digest, plan_from_json
 from lorapub.wire.refusal import Refused, bad, refuse
-from lorapub.wire.routes import FORMATS, LOAD_FORMS
+from lorapub.wire.routes import FORMATS, LOAD_FORMS, MANAGED_PREFIX_ENV
 from lorapub.wire.safetensors import raw_spans, safetensors_header, safetensors_layout
 
 __all__ = ["BeginRequest", "begin_request", "bucket_request", "drain", "fill", "read_all", "read_control",

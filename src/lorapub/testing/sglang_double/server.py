@@ -16,12 +16,11 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.sglang_patch import provenance
 from lorapub.testing import numeric
 from lorapub.testing.sglang_double.auth import NORMAL, ROUTE_AUTH_LEVELS
 from lorapub.testing.sglang_double.engine import DoubleEngine, next_token, token_logprob
-from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RECLAIM_HEADER, RELEASE_ROUTE, STATE_ROUTE
 
 __all__ = ["BODY_LIMIT", "SGLangDouble"]
 
