@@ -1,6 +1,8 @@
-"""A definite refusal from the engine-side staging: an HTTP status and a stable code."""
+"""A definite refusal from the engine-side staging: an HTTP status and a stable code, and its body."""
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Refused", "refuse", "bad"]
 
@@ -11,6 +13,19 @@ class Refused(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+    def to_json(self) -> dict[str, Any]:
+        """The refusal's body: ``{"error": {"message": ..., "code": ...}}`` (its status is the HTTP status)."""
+        return {"error": {"message": self.message, "code": self.code}}
+
+    @classmethod
+    def from_json(cls, status: int, value: object) -> Refused:
+        """The refusal a staging route answered with ``status`` (a body of another form: refused as malformed)."""
+        error = value.get("error") if isinstance(value, dict) else None
+        if not isinstance(error, dict) or not isinstance(error.get("message"), str) or not isinstance(
+                error.get("code"), str):
+            raise bad(f"not a staging refusal: {value!r:.200}")
+        return cls(status, error["code"], error["message"])
 
 
 def refuse(message: str, code: str = "STAGE_REFUSED", status: int = 409) -> Refused:

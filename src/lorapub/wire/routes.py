@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["STATE_ROUTE", "RECLAIM_HEADER", "MANAGED_PREFIX_ENV", "PREFIX", "BEGIN_ROUTE", "BUCKET_ROUTE",
-           "END_ROUTE", "CLEANUP_ROUTE", "RELEASE_ROUTE", "ROUTES", "FORMATS", "LOAD_FORMS", "SHM_NAME"]
+           "END_ROUTE", "CLEANUP_ROUTE", "RELEASE_ROUTE", "ROUTES", "TRANSPORTS", "FORMATS", "LOAD_FORMS", "SHM_NAME"]
 
 #: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads, staging.
 STATE_ROUTE = "/lorapub/state"
@@ -24,6 +24,9 @@ CLEANUP_ROUTE, RELEASE_ROUTE = f"{PREFIX}/cleanup", f"{PREFIX}/release"
 #: (method, path) of every staging route; all are admin-level, like SGLang's LoRA admin routes.
 ROUTES = (("POST", BEGIN_ROUTE), ("POST", BUCKET_ROUTE), ("POST", END_ROUTE), ("POST", CLEANUP_ROUTE),
           ("POST", RELEASE_ROUTE))
+#: How a transport's buckets reach the engine (a begin's ``transport.kind``).
+TRANSPORTS = ("http", "shm", "torch")
+#: A bucket body's ``format``.
 FORMATS = ("raw", "safetensors", "shm", "torch")
 LOAD_FORMS = ("dir", "tensors")
 #: A shared-memory bucket file is named like this, inside the engine's allowed shm folder.

@@ -17,6 +17,7 @@ from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.sglang_patch.staging.buffers import NOFOLLOW, Buffer, close_all
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 from lorapub.wire.refusal import bad, refuse
+from lorapub.wire.messages import StageReply
 from lorapub.wire.routes import SHM_NAME
 from lorapub.wire.safetensors import raw_spans
 
@@ -57,7 +58,7 @@ class Stash:
         self.lock = asyncio.Lock()
         self.buckets: dict[int, tuple[Buffer, list[tuple[int, int]]]] = {}
         self.verifying: dict[int, asyncio.Future[None]] = {}
-        self.inflight: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.inflight: dict[int, asyncio.Future[StageReply]] = {}
         self.folder: str | None = None
         self.peft: tuple[str, dict[int, int]] | None = None
         self.group: Group | None = None

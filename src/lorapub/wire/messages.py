@@ -1,0 +1,318 @@
+"""The staging routes' bodies as typed values, each with its one codec: the begin, bucket, end, cleanup
+and release requests and their replies. The publisher's adapter, the engine-side staging and lorapub's
+SGLang double all encode and decode them here; anything malformed is refused (``Refused``, 400).
+See docs/sglang-patch.md, "Engine-side staging routes (both releases)".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from lorapub.core.identity import AttemptToken, check_digest
+from lorapub.core.manifest import BucketPlan
+from lorapub.core.staging.messages import Receipt
+from lorapub.wire.codec import plan_from_json, plan_to_json, token_from_json, token_params, token_to_json
+from lorapub.wire.refusal import Refused, bad
+from lorapub.wire.routes import FORMATS, LOAD_FORMS, TRANSPORTS
+
+__all__ = ["BeginBody", "BeginSent", "BucketParams", "BucketSent", "CleanupBody", "CleanupReply", "EndBody",
+           "EndReply", "ReleaseBody", "ReleaseReply", "StageReply", "receipt_from_json", "receipt_to_json"]
+
+
+def _object(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise bad(f"{what} takes a JSON object")
+    return value
+
+
+def _text(value: Mapping[str, Any], key: str, what: str) -> str:
+    found = value.get(key)
+    if not isinstance(found, str):
+        raise bad(f"{what} without its {key} (got {found!r:.80})")
+    return found
+
+
+def _flag(value: Mapping[str, Any], key: str) -> bool:
+    found = value.get(key, False)
+    if not isinstance(found, bool):
+        raise bad(f"{key} is true or false, got {found!r:.80}")
+    return found
+
+
+# -- requests ------------------------------------------------------------------------------------------
+def _http() -> dict[str, Any]:
+    return {"kind": "http"}
+
+
+@attrs.frozen
+class BeginBody:
+    """``POST /lorapub/stage/begin``: the attempt, the engine life it is meant for (``incarnation``,
+    compared by the engine, never parsed), its managed name and digest, the bucket plan, the transport's
+    begin options (``kind``: ``http``, ``shm`` or ``torch``) and the load form."""
+
+    token: AttemptToken
+    incarnation: Any
+    lora_name: str
+    digest: str
+    plan: BucketPlan
+    transport: Mapping[str, Any] = attrs.field(factory=_http, converter=dict, hash=False)
+    load: str = "dir"
+
+    @property
+    def kind(self) -> str:
+        return str(self.transport.get("kind", "http"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": token_to_json(self.token), "incarnation": self.incarnation, "lora_name": self.lora_name,
+                "digest": self.digest, "plan": plan_to_json(self.plan), "transport": dict(self.transport),
+                "load": self.load}
+
+    @classmethod
+    def from_json(cls, value: object) -> BeginBody:
+        return BeginSent.from_json(value).checked()
+
+
+@attrs.frozen
+class BeginSent:
+    """A begin's body as it came: its token (a body without one is refused at once), the fields the
+    staging compares as they came (the life, the name, the digest: a duplicate begin is answered
+    before the rest is looked at), and :meth:`checked`, the body or the first thing wrong with it."""
+
+    token: AttemptToken
+    incarnation: Any
+    lora_name: Any
+    digest: Any
+    fields: Mapping[str, Any] = attrs.field(eq=False, repr=False, hash=False)
+
+    @classmethod
+    def from_json(cls, value: object) -> BeginSent:
+        body = _object(value, "begin")
+        return cls(token_from_json(body.get("token")), body.get("incarnation"), body.get("lora_name"),
+                   body.get("digest"), body)
+
+    def checked(self) -> BeginBody:
+        """The body, or the first thing malformed in it refused: its plan, digest, name, transport, load form."""
+        plan = plan_from_json(self.fields.get("plan"))
+        try:
+            digest = check_digest(self.digest)
+        except Exception:  # noqa: BLE001
+            raise bad(f"digest {self.digest!r:.80} is not a SHA-256 hex digest") from None
+        if not isinstance(self.lora_name, str):
+            raise bad(f"lora_name {self.lora_name!r:.80} is not an adapter name")
+        transport = self.fields.get("transport") or _http()
+        if not isinstance(transport, Mapping):
+            raise bad(f"transport {transport!r:.80} is not a JSON object")
+        kind = transport.get("kind", "http")
+        if kind not in TRANSPORTS:
+            raise bad(f"unknown transport {kind!r}")
+        load = self.fields.get("load", "dir")
+        if load not in LOAD_FORMS:
+            raise bad(f"unknown load form {load!r}; one of {LOAD_FORMS}")
+        return BeginBody(self.token, self.incarnation, self.lora_name, digest, plan, transport, load)
+
+
+@attrs.frozen
+class BucketParams:
+    """``POST /lorapub/stage/bucket``'s query parameters (its body is the bucket's bytes, or for ``shm``
+    and ``torch`` a small JSON object): the token, the bucket's ``index``, the engine life it is meant for
+    and the body's ``format``."""
+
+    token: AttemptToken
+    index: int
+    incarnation: str | None
+    format: str = "raw"
+
+    def to_params(self) -> dict[str, str]:
+        params = {**token_params(self.token), "index": str(self.index), "format": self.format}
+        if self.incarnation is not None:
+            params["incarnation"] = self.incarnation
+        return params
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str]) -> BucketParams:
+        return BucketSent.from_params(params).checked()
+
+
+@attrs.frozen
+class BucketSent:
+    """A bucket's query parameters as they came: its token (refused at once without one), the life it
+    names, and :meth:`checked`, the parameters or the first thing wrong with them."""
+
+    token: AttemptToken
+    incarnation: str | None
+    fields: Mapping[str, str] = attrs.field(eq=False, repr=False, hash=False)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str]) -> BucketSent:
+        return cls(token_from_json(params), params.get("incarnation"), params)
+
+    def checked(self) -> BucketParams:
+        try:
+            index = int(self.fields.get("index", ""))
+        except ValueError:
+            raise bad(f"bucket index {self.fields.get('index')!r} is not an int") from None
+        fmt = self.fields.get("format", "raw")
+        if fmt not in FORMATS:
+            raise bad(f"unknown bucket format {fmt!r}")
+        return BucketParams(self.token, index, self.incarnation, fmt)
+
+
+@attrs.frozen
+class EndBody:
+    """``POST /lorapub/stage/end``: load the attempt's verified buckets in the life it names."""
+
+    token: AttemptToken
+    incarnation: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": token_to_json(self.token), "incarnation": self.incarnation}
+
+    @classmethod
+    def from_json(cls, value: object) -> EndBody:
+        body = _object(value, "end")
+        return cls(token_from_json(body.get("token")), body.get("incarnation"))
+
+
+@attrs.frozen
+class CleanupBody:
+    """``POST /lorapub/stage/cleanup``: tombstone the attempt and free what it staged (whatever life)."""
+
+    token: AttemptToken
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": token_to_json(self.token)}
+
+    @classmethod
+    def from_json(cls, value: object) -> CleanupBody:
+        return cls(token_from_json(_object(value, "cleanup").get("token")))
+
+
+@attrs.frozen
+class ReleaseBody:
+    """``POST /lorapub/stage/release``: ``lora_name`` was unloaded; free what its attempt still keeps."""
+
+    lora_name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lora_name": self.lora_name}
+
+    @classmethod
+    def from_json(cls, value: object) -> ReleaseBody:
+        name = value.get("lora_name") if isinstance(value, Mapping) else None
+        if not isinstance(name, str):
+            raise bad("release takes {\"lora_name\": ...}")
+        return cls(name)
+
+
+# -- replies -------------------------------------------------------------------------------------------
+@attrs.frozen
+class StageReply:
+    """A begin's or a bucket's answer: the engine's life, and whether it had it already (``duplicate``:
+    nothing was done twice)."""
+
+    incarnation: str
+    duplicate: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "duplicate": self.duplicate}
+
+    @classmethod
+    def from_json(cls, value: object) -> StageReply:
+        body = _object(value, "a staging reply")
+        return cls(_text(body, "incarnation", "a staging reply"), _flag(body, "duplicate"))
+
+
+def receipt_to_json(receipt: Receipt) -> dict[str, Any]:
+    """What an end loaded, as its reply and a cleanup's carry it."""
+    return {"incarnation": receipt.incarnation, "lora_name": receipt.lora_name, "digest": receipt.digest,
+            "lora_id": receipt.lora_id, "lora_path": receipt.lora_path, "load": receipt.load,
+            # where end's time went: the last SHA-256 checks, then the engine's load
+            "timings": {"verify_wait": receipt.verify_wait, "load": receipt.load_s}}
+
+
+def _seconds(timings: Mapping[str, Any], key: str) -> float:
+    found = timings.get(key, 0.0)
+    if isinstance(found, bool) or not isinstance(found, (int, float)):
+        raise bad(f"a receipt's {key} time is a number of seconds, got {found!r:.80}")
+    return float(found)
+
+
+def receipt_from_json(value: object) -> Receipt:
+    body = _object(value, "a receipt")
+    timings = body.get("timings") or {}
+    if not isinstance(timings, Mapping):
+        raise bad(f"a receipt's timings are a JSON object, got {timings!r:.80}")
+    return Receipt(_text(body, "incarnation", "a receipt"), _text(body, "lora_name", "a receipt"),
+                   _text(body, "digest", "a receipt"), body.get("lora_id"), body.get("lora_path"),
+                   _text(body, "load", "a receipt"), _seconds(timings, "verify_wait"), _seconds(timings, "load"))
+
+
+@attrs.frozen
+class EndReply:
+    """An end's answer: what it loaded (a duplicate end answers the same receipt, nothing loaded twice)."""
+
+    receipt: Receipt
+    duplicate: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {**receipt_to_json(self.receipt), "duplicate": self.duplicate}
+
+    @classmethod
+    def from_json(cls, value: object) -> EndReply:
+        return cls(receipt_from_json(value), _flag(_object(value, "an end's reply"), "duplicate"))
+
+
+@attrs.frozen
+class CleanupReply:
+    """A cleanup's answer: what the attempt loaded (None: nothing; the caller unloads it otherwise).
+    ``said`` False: the engine did not say (a staging that predates the field): unload to be safe."""
+
+    incarnation: str
+    loaded: Receipt | None
+    said: bool = attrs.field(default=True)
+
+    @said.validator
+    def _check(self, attribute: object, said: bool) -> None:
+        if not said and self.loaded is not None:
+            raise ValueError("a cleanup reply that does not say what was loaded names no receipt")
+
+    @property
+    def must_unload(self) -> bool:
+        return self.loaded is not None or not self.said
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"incarnation": self.incarnation}
+        if self.said:
+            body["loaded"] = None if self.loaded is None else receipt_to_json(self.loaded)
+        return body
+
+    @classmethod
+    def from_json(cls, value: object) -> CleanupReply:
+        body = _object(value, "a cleanup's reply")
+        incarnation = _text(body, "incarnation", "a cleanup's reply")
+        if "loaded" not in body:
+            return cls(incarnation, None, said=False)
+        loaded = body["loaded"]
+        return cls(incarnation, None if loaded is None else receipt_from_json(loaded))
+
+
+@attrs.frozen
+class ReleaseReply:
+    """A release's answer: the attempts it freed (their tokens' text)."""
+
+    incarnation: str
+    freed: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "freed": list(self.freed)}
+
+    @classmethod
+    def from_json(cls, value: object) -> ReleaseReply:
+        body = _object(value, "a release's reply")
+        freed = body.get("freed", [])
+        if not isinstance(freed, list) or not all(isinstance(t, str) for t in freed):
+            raise bad(f"a release's freed attempts are a list of tokens, got {freed!r:.80}")
+        return cls(_text(body, "incarnation", "a release's reply"), tuple(freed))
+
