@@ -17,6 +17,8 @@ from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
 from lorapub.core.staging.messages import Receipt
 from lorapub.wire.messages import (
+    AdapterEntry,
+    AttemptReport,
     BeginBody,
     BeginSent,
     BucketParams,
@@ -28,6 +30,8 @@ from lorapub.wire.messages import (
     ReleaseBody,
     ReleaseReply,
     StageReply,
+    StagingReport,
+    StateReply,
     receipt_from_json,
     receipt_to_json,
 )
@@ -57,7 +61,20 @@ transports = st.builds(lambda kind, extra: {"kind": kind, **extra}, st.sampled_f
 receipts = st.builds(Receipt, st.text(), st.text(), st.text(), scalars, scalars, st.sampled_from(LOAD_FORMS), seconds, seconds)
 begins = st.builds(BeginBody, tokens, st.text() | st.none(), st.text(), digests, plans(), transports,
                    st.sampled_from(LOAD_FORMS))
+counts = st.integers(0, 2**40)
+attempt_reports = st.builds(AttemptReport, tokens, st.text(), st.sampled_from(["receiving", "failed", "loaded"]),
+                            st.lists(st.integers(0, 99), max_size=4).map(tuple), counts, counts, st.booleans(),
+                            st.booleans(), st.sampled_from(TRANSPORTS), st.sampled_from(LOAD_FORMS), seconds,
+                            st.booleans())
+staging_reports = st.builds(StagingReport, st.dictionaries(st.text(), attempt_reports, max_size=3), counts, counts,
+                            counts, counts, seconds | st.just(float("inf")), counts)
+states = st.builds(StateReply, st.text(),
+                   st.dictionaries(st.text(), st.builds(AdapterEntry, scalars, scalars, st.booleans(), counts), max_size=3),
+                   st.dictionaries(st.text(), scalars, max_size=2), st.none() | counts, st.booleans(),
+                   st.none() | st.text(), st.booleans(), st.none() | staging_reports, st.none() | st.text(),
+                   st.none() | st.text())
 bodies = st.one_of(
+    states,
     begins,
     st.builds(EndBody, tokens, st.text() | st.none()),
     st.builds(CleanupBody, tokens),
@@ -100,6 +117,7 @@ def test_a_refusals_body_survives_its_codec(status, code, message):
 
 DECODERS = [BeginBody.from_json, EndBody.from_json, CleanupBody.from_json, ReleaseBody.from_json,
             StageReply.from_json, EndReply.from_json, CleanupReply.from_json, ReleaseReply.from_json,
+            StateReply.from_json, StagingReport.from_json, AttemptReport.from_json, AdapterEntry.from_json,
             receipt_from_json, lambda v: Refused.from_json(409, v)]
 
 
@@ -131,6 +149,8 @@ BROKEN = [
     (st.builds(EndReply, receipts), "lora_name", None), (st.builds(EndReply, receipts), "timings", {"load": "1s"}),
     (st.builds(CleanupReply, st.text(), receipts), "loaded", {"lora_name": "x"}),
     (st.builds(ReleaseReply, st.text()), "freed", "all"),
+    (states, "incarnation", None), (states, "adapters", {"a": 1}), (states, "max_loaded_loras", "8"),
+    (states, "staging", {"attempts": {"t": {"token": "t"}}}), (states, "managed_prefix", 3),
 ]
 
 
@@ -145,7 +165,7 @@ def test_a_body_with_a_broken_field_is_refused(strategy, field, value, data):
         type(body).from_json(sent)
     assert (e.value.status, e.value.code) == (400, "STAGE_INVALID")
     del sent[field]
-    if field not in ("transport", "load", "duplicate", "timings", "loaded", "freed"):  # those have defaults
+    if field in ("token", "plan", "digest", "lora_name", "incarnation"):  # the others have defaults
         with pytest.raises(Refused):
             type(body).from_json(sent)
 

@@ -22,7 +22,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import EndTimings, EngineLimits, HeldAdapter, Inventory, StagedAttempt, Transport
-from lorapub.wire.codec import json_or_text, token_from_json
+from lorapub.wire.codec import json_or_text
 from lorapub.wire.messages import (
     BeginBody,
     BucketParams,
@@ -143,29 +143,16 @@ class SGLangWireEngine:
         return await self.client.state()
 
     async def incarnation(self) -> str:
-        return (await self.client.state())["incarnation"]
+        return (await self.client.state_reply()).incarnation
 
     async def inventory(self) -> Inventory:
         """The state route, as lorapub reads it: the managed adapters with their native refs,
         and what the engine-side staging holds."""
-        state = await self.client.state()
-        adapters = {
-            name: HeldAdapter(name, int(a.get("refs") or 0), a.get("lora_id"), bool(a.get("pinned")))
-            for name, a in state.get("adapters", {}).items()
-        }
-        attempts = (state.get("staging") or {}).get("attempts") or {}
-        staged = []
-        for a in (attempts.values() if isinstance(attempts, dict) else ()):
-            if not isinstance(a, dict) or a.get("loaded"):
-                continue
-            try:
-                token = token_from_json(a.get("token"))
-            except Exception:  # noqa: BLE001 - an attempt this client cannot name: left to the engine's aging
-                continue
-            staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
-        prefix = state.get("managed_prefix")
-        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None,
-                         stamps=state.get("stamps") is True)
+        state = await self.client.state_reply()
+        adapters = {name: HeldAdapter(name, a.refs, a.lora_id, a.pinned) for name, a in state.adapters.items()}
+        attempts = state.staging.attempts.values() if state.staging is not None else ()
+        staged = tuple(StagedAttempt(a.token, a.lora_name, a.idle_s) for a in attempts if not a.loaded)
+        return Inventory(state.incarnation, adapters, staged, state.managed_prefix, stamps=state.stamps)
 
     async def limits(self) -> EngineLimits:
         """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``
@@ -177,7 +164,7 @@ class SGLangWireEngine:
                 return EngineLimits(_int_or_none(body.get("max_loaded_loras")), _int_or_none(body.get("max_loras_per_batch")))
             if status not in (404, 405):
                 raise self.client.refusal(path, status, body)
-        return EngineLimits(_int_or_none((await self.client.state()).get("max_loaded_loras")), None)
+        return EngineLimits(_int_or_none((await self.client.state_reply()).max_loaded_loras), None)
 
     async def _probe(self, lora_name: str) -> None:
         status, body = await self.client.request(
@@ -199,8 +186,8 @@ class SGLangWireEngine:
         if status in (401, 403):  # refused at the door: nothing was looked at
             raise self.client.refusal("/unload_lora_adapter", status, body)
         # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
-        state = await self.client.state()
-        if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
+        state = await self.client.state_reply()
+        if lora_name not in state.adapters and lora_name not in state.pending_unloads:
             return
         raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
 
@@ -293,18 +280,18 @@ class SGLangWireEngine:
                               engine=self.name)
         await self._probe(name)
         t2 = time.monotonic()
-        state = await self.client.state()
+        state = await self.client.state_reply()
         self._end_timings[token] = EndTimings({"verify_wait": receipt.verify_wait, "load": receipt.load_s},
                                               stage=t1 - t0, probe=t2 - t1, state=time.monotonic() - t2)
         while len(self._end_timings) > 16:  # a few recent ones, for reports
             self._end_timings.pop(next(iter(self._end_timings)))
-        if state["incarnation"] != inc:
-            raise EngineError(f"{self.name} restarted during end ({inc} -> {state['incarnation']})")
-        entry = state["adapters"].get(name)
-        if entry is None or not entry.get("pinned") or entry.get("lora_id") != receipt.lora_id:
+        if state.incarnation != inc:
+            raise EngineError(f"{self.name} restarted during end ({inc} -> {state.incarnation})")
+        entry = state.adapters.get(name)
+        if entry is None or not entry.pinned or entry.lora_id != receipt.lora_id:
             raise EngineError(f"{self.name}: {name} is not loaded pinned from this attempt")
         self._lives.pop(token, None)
-        return ReadyLocal(self.name, token, digest, inc, entry.get("lora_id"))
+        return ReadyLocal(self.name, token, digest, inc, entry.lora_id)
 
     def end_timings(self, token: AttemptToken) -> EndTimings | None:
         """Where ``end`` of ``token`` spent its time (:class:`~lorapub.ports.ReportsEndTimings`), handed
@@ -327,12 +314,11 @@ class SGLangWireEngine:
         attempt just cleaned up, which ended after the cleanup tombstoned it (the staging then
         answers ``loaded: null`` for a load that did happen). A name another attempt holds or is
         loading (a re-provisioning of the same version) is that attempt's, and stays."""
-        state = await self.client.state()
-        if lora_name not in state.get("adapters", {}):
+        state = await self.client.state_reply()
+        if lora_name not in state.adapters:
             return False
-        attempts = (state.get("staging") or {}).get("attempts") or {}
-        return not any(isinstance(a, dict) and a.get("lora_name") == lora_name
-                       for a in (attempts.values() if isinstance(attempts, dict) else ()))
+        attempts = state.staging.attempts.values() if state.staging is not None else ()
+        return not any(a.lora_name == lora_name for a in attempts)
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)

@@ -1,6 +1,7 @@
-"""The staging routes' bodies as typed values, each with its one codec: the begin, bucket, end, cleanup
-and release requests and their replies. The publisher's adapter, the engine-side staging and lorapub's
-SGLang double all encode and decode them here; anything malformed is refused (``Refused``, 400).
+"""The protocol's bodies as typed values, each with its one codec: the begin, bucket, end, cleanup and
+release requests, their replies and the state route's reply. The publisher's adapter, the engine-side
+staging and lorapub's SGLang double all encode and decode them here; anything malformed is refused
+(``Refused``, 400).
 See docs/sglang-patch.md, "Engine-side staging routes (both releases)".
 """
 
@@ -17,8 +18,9 @@ from lorapub.wire.codec import plan_from_json, plan_to_json, token_from_json, to
 from lorapub.wire.refusal import Refused, bad
 from lorapub.wire.routes import FORMATS, LOAD_FORMS, TRANSPORTS
 
-__all__ = ["BeginBody", "BeginSent", "BucketParams", "BucketSent", "CleanupBody", "CleanupReply", "EndBody",
-           "EndReply", "ReleaseBody", "ReleaseReply", "StageReply", "receipt_from_json", "receipt_to_json"]
+__all__ = ["AdapterEntry", "AttemptReport", "BeginBody", "BeginSent", "BucketParams", "BucketSent", "CleanupBody",
+           "CleanupReply", "EndBody", "EndReply", "ReleaseBody", "ReleaseReply", "StageReply", "StagingReport",
+           "StateReply", "receipt_from_json", "receipt_to_json"]
 
 
 def _object(value: object, what: str) -> Mapping[str, Any]:
@@ -42,6 +44,11 @@ def _flag(value: Mapping[str, Any], key: str) -> bool:
 
 
 # -- requests ------------------------------------------------------------------------------------------
+def _copy(value: Mapping[str, Any]) -> dict[str, Any]:
+    """A mapping field's own copy (a body's value never changes under it)."""
+    return dict(value)
+
+
 def _http() -> dict[str, Any]:
     return {"kind": "http"}
 
@@ -57,7 +64,7 @@ class BeginBody:
     lora_name: str
     digest: str
     plan: BucketPlan
-    transport: Mapping[str, Any] = attrs.field(factory=_http, converter=dict, hash=False)
+    transport: Mapping[str, Any] = attrs.field(factory=_http, converter=_copy, hash=False)
     load: str = "dir"
 
     @property
@@ -316,3 +323,158 @@ class ReleaseReply:
             raise bad(f"a release's freed attempts are a list of tokens, got {freed!r:.80}")
         return cls(_text(body, "incarnation", "a release's reply"), tuple(freed))
 
+
+
+# -- the state route's reply ---------------------------------------------------------------------------
+def _count(value: Mapping[str, Any], key: str, default: int = 0) -> int:
+    found = value.get(key, default)
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise bad(f"{key} is a whole number, got {found!r:.80}")
+    return found
+
+
+def _number(value: Mapping[str, Any], key: str) -> float:
+    found = value.get(key, 0.0)
+    if isinstance(found, bool) or not isinstance(found, (int, float)):
+        raise bad(f"{key} is a number, got {found!r:.80}")
+    return float(found)
+
+
+def _table(value: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    found = value.get(key)
+    if found is None:
+        return {}
+    if not isinstance(found, Mapping):
+        raise bad(f"{key} is a JSON object, got {found!r:.80}")
+    return found
+
+
+@attrs.frozen
+class AdapterEntry:
+    """One adapter registered in the engine: SGLang's ``lora_id`` and ``lora_path``, whether it is
+    pinned, and ``refs``, the requests in flight on it (SGLang's own count)."""
+
+    lora_id: Any
+    lora_path: Any = None
+    pinned: bool = False
+    refs: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lora_id": self.lora_id, "lora_path": self.lora_path, "pinned": self.pinned, "refs": self.refs}
+
+    @classmethod
+    def from_json(cls, value: object) -> AdapterEntry:
+        body = _object(value, "an adapter's entry")
+        return cls(body.get("lora_id"), body.get("lora_path"), _flag(body, "pinned"), _count(body, "refs"))
+
+
+@attrs.frozen
+class AttemptReport:
+    """One attempt the engine-side staging holds: its ``phase`` (``receiving``, ``failed`` or ``loaded``),
+    the ``buckets`` received of ``planned``, the ``bytes`` held, ``idle_s`` since an operation last drove
+    it (``driving``: one runs now), whether a ``folder`` holds it, its transport kind and load form."""
+
+    token: AttemptToken
+    lora_name: str
+    phase: str = "receiving"
+    buckets: tuple[int, ...] = ()
+    planned: int = 0
+    nbytes: int = 0
+    loaded: bool = False
+    folder: bool = False
+    transport: str = "http"
+    load: str = "dir"
+    idle_s: float = 0.0
+    driving: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": token_to_json(self.token), "lora_name": self.lora_name, "phase": self.phase,
+                "buckets": list(self.buckets), "planned": self.planned, "bytes": self.nbytes, "loaded": self.loaded,
+                "folder": self.folder, "transport": self.transport, "load": self.load, "idle_s": self.idle_s,
+                "driving": self.driving}
+
+    @classmethod
+    def from_json(cls, value: object) -> AttemptReport:
+        body = _object(value, "a staged attempt")
+        buckets = body.get("buckets", [])
+        if not isinstance(buckets, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in buckets):
+            raise bad(f"a staged attempt's buckets are a list of indices, got {buckets!r:.80}")
+        return cls(token_from_json(body.get("token")), _text(body, "lora_name", "a staged attempt"),
+                   str(body.get("phase", "receiving")), tuple(buckets), _count(body, "planned"), _count(body, "bytes"),
+                   _flag(body, "loaded"), _flag(body, "folder"), str(body.get("transport", "http")),
+                   str(body.get("load", "dir")), _number(body, "idle_s"), _flag(body, "driving"))
+
+
+@attrs.frozen
+class StagingReport:
+    """What the engine-side staging holds: every attempt (keyed by its token's text), the bytes held and
+    ``reserved`` (by attempts still receiving), tombstones, collectives joined, its idle timeout and the
+    attempts aged out."""
+
+    attempts: Mapping[str, AttemptReport] = attrs.field(factory=dict, converter=_copy, hash=False)
+    nbytes: int = 0
+    reserved: int = 0
+    tombstones: int = 0
+    collectives: int = 0
+    idle_timeout_s: float = float("inf")
+    aged_out: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"attempts": {key: a.to_json() for key, a in self.attempts.items()}, "bytes": self.nbytes,
+                "reserved": self.reserved, "tombstones": self.tombstones, "collectives": self.collectives,
+                "idle_timeout_s": self.idle_timeout_s, "aged_out": self.aged_out}
+
+    @classmethod
+    def from_json(cls, value: object) -> StagingReport:
+        body = _object(value, "a staging report")
+        attempts = {str(key): AttemptReport.from_json(a) for key, a in _table(body, "attempts").items()}
+        return cls(attempts, _count(body, "bytes"), _count(body, "reserved"), _count(body, "tombstones"),
+                   _count(body, "collectives"), _number(body, "idle_timeout_s") if "idle_timeout_s" in body
+                   else float("inf"), _count(body, "aged_out"))
+
+
+@attrs.frozen
+class StateReply:
+    """``GET /lorapub/state``: the engine's life (``incarnation``), its registered adapters, the unloads
+    it has begun and not finished, ``max_loaded_loras``, whether lorapub's managed-adapter patch runs
+    (and the name prefix it protects), whether its answers carry provenance stamps, what its staging
+    holds (None: no staging), and, from the patch, the SGLang release and the patch's form."""
+
+    incarnation: str
+    adapters: Mapping[str, AdapterEntry] = attrs.field(factory=dict, converter=_copy, hash=False)
+    pending_unloads: Mapping[str, Any] = attrs.field(factory=dict, converter=_copy, hash=False)
+    max_loaded_loras: int | None = None
+    managed_patch: bool = False
+    managed_prefix: str | None = None
+    stamps: bool = False
+    staging: StagingReport | None = None
+    sglang: str | None = None
+    patch: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "incarnation": self.incarnation, "max_loaded_loras": self.max_loaded_loras,
+            "managed_patch": self.managed_patch, "managed_prefix": self.managed_prefix, "stamps": self.stamps,
+            "adapters": {name: a.to_json() for name, a in self.adapters.items()},
+            "pending_unloads": dict(self.pending_unloads),
+            "staging": None if self.staging is None else self.staging.to_json()}
+        for key, value in (("sglang", self.sglang), ("patch", self.patch)):
+            if value is not None:
+                body[key] = value
+        return body
+
+    @classmethod
+    def from_json(cls, value: object) -> StateReply:
+        body = _object(value, "a state")
+        limit = body.get("max_loaded_loras")
+        if limit is not None and not isinstance(limit, int):
+            raise bad(f"max_loaded_loras is a whole number or null, got {limit!r:.80}")
+        prefix, release, form = body.get("managed_prefix"), body.get("sglang"), body.get("patch")
+        for key, found in (("managed_prefix", prefix), ("sglang", release), ("patch", form)):
+            if found is not None and not isinstance(found, str):
+                raise bad(f"{key} is text or null, got {found!r:.80}")
+        staging = body.get("staging")
+        return cls(_text(body, "incarnation", "a state"),
+                   {str(name): AdapterEntry.from_json(a) for name, a in _table(body, "adapters").items()},
+                   _table(body, "pending_unloads"), limit, _flag(body, "managed_patch"), prefix,
+                   _flag(body, "stamps"), None if staging is None else StagingReport.from_json(staging), release, form)

@@ -34,8 +34,9 @@ from lorapub.sglang_patch.staging.receivers import (
     receive_bytes,
     refusal_of,
 )
-from lorapub.wire.codec import manifest_digest, token_to_json
+from lorapub.wire.codec import manifest_digest
 from lorapub.wire.messages import (
+    AttemptReport,
     BeginSent,
     BucketSent,
     CleanupBody,
@@ -45,6 +46,7 @@ from lorapub.wire.messages import (
     ReleaseBody,
     ReleaseReply,
     StageReply,
+    StagingReport,
 )
 from lorapub.wire.refusal import Refused, refuse
 
@@ -247,25 +249,25 @@ class EngineStaging:
 
     # -- introspection (the state route reports it) ---------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """Every staged attempt (keyed by its token's text): its ``token``, ``lora_name``, ``phase``
-        (``receiving``, ``failed`` or ``loaded``), the ``buckets`` received of ``planned``, ``bytes``
-        held and ``idle_s``, the seconds since an operation last drove it (``driving``: one runs now).
-        ``reserved``: the bytes attempts still receiving will hold (the budget counts them too)."""
+        """:meth:`staging_report` as JSON (the diff form of the patch puts it in its state route's answer)."""
+        return self.staging_report().to_json()
+
+    def staging_report(self) -> StagingReport:
+        """What this staging holds, as the state route reports it: every staged attempt (keyed by its
+        token's text) with its phase, buckets, bytes and idle seconds; ``reserved``: the bytes attempts
+        still receiving will hold (the budget counts them too)."""
         self._arm()
         now, state = _now(), self._state
         attempts = {}
         for a in state.attempts.values():
             stash = self._stashes.get(a.token)
-            attempts[str(a.token)] = {
-                "token": token_to_json(a.token), "lora_name": a.lora_name,
-                "phase": "loaded" if a.receipt is not None else "failed" if a.failed else "receiving",
-                "buckets": sorted(a.held), "planned": len(a.sizes), "bytes": a.held_bytes,
-                "loaded": a.receipt is not None, "folder": stash is not None and stash.folder is not None,
-                "transport": a.transport, "load": a.load,
-                "idle_s": round(max(0.0, now - a.last_driven), 3), "driving": a.driving > 0}
-        return {"attempts": attempts, "bytes": state.held_bytes, "reserved": state.reserved_bytes,
-                "tombstones": len(state.tombstones), "collectives": self.collectives,
-                "idle_timeout_s": self.idle_timeout, "aged_out": state.aged_out}
+            attempts[str(a.token)] = AttemptReport(
+                a.token, a.lora_name, "loaded" if a.receipt is not None else "failed" if a.failed else "receiving",
+                tuple(sorted(a.held)), len(a.sizes), a.held_bytes, a.receipt is not None,
+                stash is not None and stash.folder is not None, a.transport, a.load,
+                round(max(0.0, now - a.last_driven), 3), a.driving > 0)
+        return StagingReport(attempts, state.held_bytes, state.reserved_bytes, len(state.tombstones), self.collectives,
+                             self.idle_timeout, state.aged_out)
 
     def close(self) -> None:
         """Free every stash of this life (the server is going away). Only in the process that made
