@@ -29,14 +29,16 @@ from lorapub.wire.messages import (
     EndReply,
     ReleaseBody,
     ReleaseReply,
+    ShmControl,
     StageReply,
     StagingReport,
     StateReply,
+    TorchControl,
     receipt_from_json,
     receipt_to_json,
 )
 from lorapub.wire.refusal import Refused, bad, refuse
-from lorapub.wire.routes import FORMATS, LOAD_FORMS, TRANSPORTS
+from lorapub.wire.routes import FORMATS, LOAD_FORMS, SHM_NAME, TRANSPORTS
 
 ids = st.from_regex(r"[A-Za-z0-9_.:-]{1,16}", fullmatch=True)
 tokens = st.builds(AttemptToken, st.builds(VersionKey, st.integers(0, 2**40), ids), st.integers(0, 2**40))
@@ -73,8 +75,15 @@ states = st.builds(StateReply, st.text(),
                    st.dictionaries(st.text(), scalars, max_size=2), st.none() | counts, st.booleans(),
                    st.none() | st.text(), st.booleans(), st.none() | staging_reports, st.none() | st.text(),
                    st.none() | st.text())
+@st.composite
+def torch_controls(draw: Any) -> TorchControl:
+    world = draw(st.integers(2, 64))
+    rank = draw(st.integers(1, world - 1))
+    return TorchControl(rank, world, draw(st.integers(0, world - 1).filter(lambda src: src != rank)))
+
+
 bodies = st.one_of(
-    states,
+    states, st.builds(ShmControl, st.from_regex(SHM_NAME, fullmatch=True)), torch_controls(),
     begins,
     st.builds(EndBody, tokens, st.text() | st.none()),
     st.builds(CleanupBody, tokens),
@@ -118,7 +127,7 @@ def test_a_refusals_body_survives_its_codec(status, code, message):
 DECODERS = [BeginBody.from_json, EndBody.from_json, CleanupBody.from_json, ReleaseBody.from_json,
             StageReply.from_json, EndReply.from_json, CleanupReply.from_json, ReleaseReply.from_json,
             StateReply.from_json, StagingReport.from_json, AttemptReport.from_json, AdapterEntry.from_json,
-            receipt_from_json, lambda v: Refused.from_json(409, v)]
+            ShmControl.from_json, TorchControl.from_json, receipt_from_json, lambda v: Refused.from_json(409, v)]
 
 
 @pytest.mark.parametrize("decode", DECODERS)
@@ -151,6 +160,8 @@ BROKEN = [
     (st.builds(ReleaseReply, st.text()), "freed", "all"),
     (states, "incarnation", None), (states, "adapters", {"a": 1}), (states, "max_loaded_loras", "8"),
     (states, "staging", {"attempts": {"t": {"token": "t"}}}), (states, "managed_prefix", 3),
+    (st.builds(ShmControl, st.from_regex(SHM_NAME, fullmatch=True)), "name", "../etc/passwd"),
+    (torch_controls(), "rank", 0), (torch_controls(), "world_size", 1), (torch_controls(), "src", -1),
 ]
 
 
@@ -165,7 +176,7 @@ def test_a_body_with_a_broken_field_is_refused(strategy, field, value, data):
         type(body).from_json(sent)
     assert (e.value.status, e.value.code) == (400, "STAGE_INVALID")
     del sent[field]
-    if field in ("token", "plan", "digest", "lora_name", "incarnation"):  # the others have defaults
+    if field in ("token", "plan", "digest", "lora_name", "incarnation", "name", "rank", "world_size"):  # required
         with pytest.raises(Refused):
             type(body).from_json(sent)
 

@@ -16,11 +16,11 @@ from lorapub.core.manifest import BucketPlan
 from lorapub.core.staging.messages import Receipt
 from lorapub.wire.codec import plan_from_json, plan_to_json, token_from_json, token_params, token_to_json
 from lorapub.wire.refusal import Refused, bad
-from lorapub.wire.routes import FORMATS, LOAD_FORMS, TRANSPORTS
+from lorapub.wire.routes import FORMATS, LOAD_FORMS, SHM_NAME, TRANSPORTS
 
 __all__ = ["AdapterEntry", "AttemptReport", "BeginBody", "BeginSent", "BucketParams", "BucketSent", "CleanupBody",
            "CleanupReply", "EndBody", "EndReply", "ReleaseBody", "ReleaseReply", "StageReply", "StagingReport",
-           "StateReply", "receipt_from_json", "receipt_to_json"]
+           "StateReply", "ShmControl", "TorchControl", "receipt_from_json", "receipt_to_json"]
 
 
 def _object(value: object, what: str) -> Mapping[str, Any]:
@@ -164,6 +164,48 @@ class BucketSent:
         if fmt not in FORMATS:
             raise bad(f"unknown bucket format {fmt!r}")
         return BucketParams(self.token, index, self.incarnation, fmt)
+
+
+@attrs.frozen
+class ShmControl:
+    """A ``shm`` bucket's body: the name of the shared-memory file the publisher wrote it to (in the
+    engine's shm folder)."""
+
+    name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    @classmethod
+    def from_json(cls, value: object) -> ShmControl:
+        name = _object(value, "a shared-memory bucket").get("name")
+        if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
+            raise bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
+        return cls(name)
+
+
+@attrs.frozen
+class TorchControl:
+    """A ``torch`` bucket's body: the engine's ``rank`` in the attempt's group of ``world_size``, and the
+    rank that broadcasts (``src``, the publisher)."""
+
+    rank: int
+    world_size: int
+    src: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "src": self.src}
+
+    @classmethod
+    def from_json(cls, value: object) -> TorchControl:
+        body = _object(value, "a torch bucket")
+        try:
+            rank, world, src = int(body["rank"]), int(body["world_size"]), int(body.get("src", 0))
+            if not (0 < rank < world and 0 <= src < world and src != rank):
+                raise ValueError(f"rank {rank}, world {world}, src {src}")
+        except Exception as e:  # noqa: BLE001
+            raise bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
+        return cls(rank, world, src)
 
 
 @attrs.frozen

@@ -18,6 +18,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import BucketPost
 from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes
+from lorapub.wire.messages import TorchControl
 from lorapub.wire.collective import barrier, post_abort
 
 from .http_bytes import HTTPBytes
@@ -130,7 +131,7 @@ class TorchDistributed(HTTPBytes):
             if not stored and why is not None:  # the others must not wait for a rank that will not come
                 source.abort(token, why)
 
-        return BucketPost("torch", json_bytes({"rank": rank, "world_size": world, "src": 0}), "application/json",
+        return BucketPost("torch", json_bytes(TorchControl(rank, world, 0).to_json()), "application/json",
                           settle=settle)
 
 

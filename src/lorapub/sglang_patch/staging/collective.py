@@ -15,6 +15,7 @@ from lorapub.core.manifest import Bucket
 from lorapub.sglang_patch.staging.buffers import Buffer
 from lorapub.sglang_patch.staging.landing import Group, Stash
 from lorapub.wire.collective import barrier, post_abort
+from lorapub.wire.messages import TorchControl
 from lorapub.wire.refusal import Refused, bad, refuse
 from lorapub.wire.safetensors import raw_spans
 
@@ -67,12 +68,8 @@ def ranks_of(stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> tuple[
     group = stash.group
     if group is None:
         raise refuse(f"attempt {stash.token} has no process group here (it failed or ended)", "STAGE_FAILED")
-    try:
-        rank, world, src = int(control["rank"]), int(control["world_size"]), int(control.get("src", 0))
-        if not (0 < rank < world and 0 <= src < world and src != rank):
-            raise ValueError(f"rank {rank}, world {world}, src {src}")
-    except Exception as e:  # noqa: BLE001
-        raise bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
+    sent = TorchControl.from_json(control)
+    rank, world, src = sent.rank, sent.world_size, sent.src
     if group["ranks"] not in (None, (rank, world, src)):
         raise bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
     return rank, world, src

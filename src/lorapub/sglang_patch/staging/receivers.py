@@ -139,8 +139,13 @@ async def read_all(chunks: AsyncIterator[bytes] | None, limit: int) -> bytes:
 
 
 async def read_control(chunks: AsyncIterator[bytes] | None) -> Any:
-    """The small JSON object a shared-memory or torch bucket's body is."""
-    return json.loads(await read_all(chunks, 1 << 16) or b"{}")
+    """The small JSON object a shared-memory or torch bucket's body is (:class:`~lorapub.wire.messages.ShmControl`,
+    :class:`~lorapub.wire.messages.TorchControl`, decoded where it is used)."""
+    text = await read_all(chunks, 1 << 16)
+    try:
+        return json.loads(text or b"{}")
+    except ValueError:
+        raise bad(f"a bucket's control body that is not JSON: {text[:80]!r}") from None
 
 
 async def drain(chunks: AsyncIterator[bytes]) -> None:
