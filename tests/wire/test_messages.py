@@ -215,3 +215,37 @@ def test_the_staging_answers_a_refusal_in_its_one_body():
         assert e.to_json() == {"error": {"message": e.message, "code": e.code}}
     with pytest.raises(Refused):
         Refused.from_json(401, {"error": "Unauthorized"})  # SGLang's own middleware: not a staging refusal
+
+
+async def test_the_diff_forms_literal_state_is_a_state_reply(tmp_path):
+    """The 0.5.17 diff form's state route is source in SGLang's own file (a literal answer): it decodes as
+    the StateReply the runtime form and the double build."""
+    import types
+    import uuid
+
+    from lorapub.sglang_patch import release_0517
+    from lorapub.sglang_patch.staging import EngineStaging
+
+    class Counter:
+        def value(self) -> int:
+            return 2
+
+    ref = types.SimpleNamespace(lora_id="id-1", lora_path="/p", pinned=True)
+    registry = types.SimpleNamespace(get_all_adapters=lambda: {"n": ref}, _counters={"id-1": Counter()})
+    tm = types.SimpleNamespace(lora_registry=registry, server_args=types.SimpleNamespace(max_loaded_loras=4),
+                               _lorapub_pending_unloads=lambda: {"old": "id-0"})
+    staging = EngineStaging(types.SimpleNamespace(adapters=dict, max_loaded_loras=lambda: None), incarnation="life",
+                            stash_root=str(tmp_path))
+    route = types.SimpleNamespace(get=lambda path: (lambda f: f))
+    namespace = {"uuid": uuid, "app": route, "auth_level": lambda level: (lambda f: f),
+                 "AuthLevel": types.SimpleNamespace(ADMIN_OPTIONAL=None), "_LORAPUB_STAGING": staging,
+                 "_global_state": types.SimpleNamespace(tokenizer_manager=tm)}
+    try:
+        exec(release_0517.HTTP_ROUTE, namespace)
+        answer = _over_the_wire(await namespace["lorapub_state"]())
+    finally:
+        staging.close()
+    state = StateReply.from_json(answer)
+    assert state.adapters == {"n": AdapterEntry("id-1", "/p", True, 2)} and state.pending_unloads == {"old": "id-0"}
+    assert (state.sglang, state.patch, state.managed_patch, state.max_loaded_loras) == ("0.5.17", "diff", True, 4)
+    assert state.staging == staging.staging_report()
