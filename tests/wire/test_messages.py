@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry
-from lorapub.core.staging.messages import Receipt
+from lorapub.core.staging.messages import Receipt, Refusal
 from lorapub.wire.messages import (
     AdapterEntry,
     AttemptReport,
@@ -34,6 +34,7 @@ from lorapub.wire.messages import (
     StagingReport,
     StateReply,
     TorchControl,
+    TorchOptions,
     receipt_from_json,
     receipt_to_json,
 )
@@ -82,8 +83,10 @@ def torch_controls(draw: Any) -> TorchControl:
     return TorchControl(rank, world, draw(st.integers(0, world - 1).filter(lambda src: src != rank)))
 
 
+torch_options = st.builds(TorchOptions, st.text(min_size=1), st.integers(1, 65535), st.sampled_from(["gloo", "nccl"]),
+                          st.sampled_from(["cpu", "cuda:0"]), st.floats(0.001, 1e6))
 bodies = st.one_of(
-    states, st.builds(ShmControl, st.from_regex(SHM_NAME, fullmatch=True)), torch_controls(),
+    states, torch_options, st.builds(ShmControl, st.from_regex(SHM_NAME, fullmatch=True)), torch_controls(),
     begins,
     st.builds(EndBody, tokens, st.text() | st.none()),
     st.builds(CleanupBody, tokens),
@@ -124,10 +127,15 @@ def test_a_refusals_body_survives_its_codec(status, code, message):
     assert (back.status, back.code, back.message) == (status, code, message)
 
 
+@given(st.builds(Refusal, st.integers(400, 599), st.text(), st.text()))
+def test_the_machines_refusal_and_the_raised_one_are_one_refusal(value):
+    assert Refused.of(value).value() == value
+
+
 DECODERS = [BeginBody.from_json, EndBody.from_json, CleanupBody.from_json, ReleaseBody.from_json,
             StageReply.from_json, EndReply.from_json, CleanupReply.from_json, ReleaseReply.from_json,
             StateReply.from_json, StagingReport.from_json, AttemptReport.from_json, AdapterEntry.from_json,
-            ShmControl.from_json, TorchControl.from_json, receipt_from_json, lambda v: Refused.from_json(409, v)]
+            ShmControl.from_json, TorchControl.from_json, TorchOptions.from_json, receipt_from_json, lambda v: Refused.from_json(409, v)]
 
 
 @pytest.mark.parametrize("decode", DECODERS)
@@ -162,6 +170,8 @@ BROKEN = [
     (states, "staging", {"attempts": {"t": {"token": "t"}}}), (states, "managed_prefix", 3),
     (st.builds(ShmControl, st.from_regex(SHM_NAME, fullmatch=True)), "name", "../etc/passwd"),
     (torch_controls(), "rank", 0), (torch_controls(), "world_size", 1), (torch_controls(), "src", -1),
+    (torch_options, "port", 0), (torch_options, "backend", "mpi"), (torch_options, "timeout", -1),
+    (torch_options, "device", None), (torch_options, "host", None),
 ]
 
 
@@ -176,7 +186,7 @@ def test_a_body_with_a_broken_field_is_refused(strategy, field, value, data):
         type(body).from_json(sent)
     assert (e.value.status, e.value.code) == (400, "STAGE_INVALID")
     del sent[field]
-    if field in ("token", "plan", "digest", "lora_name", "incarnation", "name", "rank", "world_size"):  # required
+    if field in ("token", "plan", "digest", "lora_name", "incarnation", "name", "rank", "world_size", "host", "port"):
         with pytest.raises(Refused):
             type(body).from_json(sent)
 

@@ -20,7 +20,7 @@ from lorapub.wire.routes import FORMATS, LOAD_FORMS, SHM_NAME, TRANSPORTS
 
 __all__ = ["AdapterEntry", "AttemptReport", "BeginBody", "BeginSent", "BucketParams", "BucketSent", "CleanupBody",
            "CleanupReply", "EndBody", "EndReply", "ReleaseBody", "ReleaseReply", "StageReply", "StagingReport",
-           "StateReply", "ShmControl", "TorchControl", "receipt_from_json", "receipt_to_json"]
+           "StateReply", "ShmControl", "TorchControl", "TorchOptions", "receipt_from_json", "receipt_to_json"]
 
 
 def _object(value: object, what: str) -> Mapping[str, Any]:
@@ -118,6 +118,38 @@ class BeginSent:
         if load not in LOAD_FORMS:
             raise bad(f"unknown load form {load!r}; one of {LOAD_FORMS}")
         return BeginBody(self.token, self.incarnation, self.lora_name, digest, plan, transport, load)
+
+
+@attrs.frozen
+class TorchOptions:
+    """A begin's ``transport`` for the torch transport: the group store the engine joins (``host``,
+    ``port``), the collective's ``backend`` (``gloo`` or ``nccl``), the ``device`` it receives on, and the
+    seconds it waits for the group (``timeout``)."""
+
+    host: str
+    port: int
+    backend: str = "gloo"
+    device: str = "cpu"
+    timeout: float = 60.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "torch", "host": self.host, "port": self.port, "backend": self.backend,
+                "device": self.device, "timeout": self.timeout}
+
+    @classmethod
+    def from_json(cls, value: object) -> TorchOptions:
+        try:
+            body = _object(value, "a torch transport")
+            host, port = body["host"], int(body["port"])
+            if not isinstance(host, str) or not host:
+                raise ValueError(f"host {host!r}")
+            timeout, backend = float(body.get("timeout", 60.0)), body.get("backend", "gloo")
+            device = body.get("device", "cpu")
+            if backend not in ("gloo", "nccl") or not 0 < port < 65536 or not timeout > 0 or not isinstance(device, str):
+                raise ValueError(f"backend {backend!r}, port {port}, timeout {timeout}, device {device!r}")
+        except Exception as e:  # noqa: BLE001
+            raise bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}") from None
+        return cls(host, port, backend, device, timeout)
 
 
 @attrs.frozen

@@ -1,8 +1,11 @@
-"""A definite refusal from the engine-side staging: an HTTP status and a stable code, and its body."""
+"""A definite refusal from the engine-side staging, raised: the staging machine's ``Refusal`` value
+(``lorapub.core.staging.messages``, where its codes are defined) as an exception, and its body."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from lorapub.core.staging.messages import Refusal, invalid, refusal
 
 __all__ = ["Refused", "refuse", "bad"]
 
@@ -13,6 +16,15 @@ class Refused(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+    @classmethod
+    def of(cls, value: Refusal) -> Refused:
+        """The machine's refusal, raised."""
+        return cls(value.status, value.code, value.message)
+
+    def value(self) -> Refusal:
+        """The refusal as the machine's value (what its commands carry)."""
+        return Refusal(self.status, self.code, self.message)
 
     def to_json(self) -> dict[str, Any]:
         """The refusal's body: ``{"error": {"message": ..., "code": ...}}`` (its status is the HTTP status)."""
@@ -29,8 +41,8 @@ class Refused(Exception):
 
 
 def refuse(message: str, code: str = "STAGE_REFUSED", status: int = 409) -> Refused:
-    return Refused(status, code, message)
+    return Refused.of(refusal(message, code, status))
 
 
 def bad(message: str) -> Refused:
-    return Refused(400, "STAGE_INVALID", message)
+    return Refused.of(invalid(message))

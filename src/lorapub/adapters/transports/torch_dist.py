@@ -18,7 +18,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import BucketPost
 from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes
-from lorapub.wire.messages import TorchControl
+from lorapub.wire.messages import TorchControl, TorchOptions
 from lorapub.wire.collective import barrier, post_abort
 
 from .http_bytes import HTTPBytes
@@ -111,8 +111,7 @@ class TorchDistributed(HTTPBytes):
         if source is None:  # a caller that hands the buckets' bytes itself (no collective to join)
             return {"kind": "http"}
         self._attempts[request.token] = source
-        return {"kind": self.kind, "host": self.host, "port": source.port, "backend": self.backend,
-                "device": self.device, "timeout": self.timeout}
+        return TorchOptions(self.host, source.port, self.backend, self.device, self.timeout).to_json()
 
     async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
         if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload):

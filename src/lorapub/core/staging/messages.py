@@ -62,7 +62,8 @@ __all__ = [
 # -- values -------------------------------------------------------------------------------------------
 @attrs.frozen
 class Refusal:
-    """A definite no: the HTTP status and stable code the caller gets."""
+    """A definite no: the HTTP status and stable code the caller gets (raised on the wire as
+    ``lorapub.wire.refusal.Refused``, whose ``to_json`` is the refusal's body)."""
 
     status: int
     code: str

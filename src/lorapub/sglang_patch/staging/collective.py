@@ -15,34 +15,26 @@ from lorapub.core.manifest import Bucket
 from lorapub.sglang_patch.staging.buffers import Buffer
 from lorapub.sglang_patch.staging.landing import Group, Stash
 from lorapub.wire.collective import barrier, post_abort
-from lorapub.wire.messages import TorchControl
+from lorapub.wire.messages import TorchControl, TorchOptions
 from lorapub.wire.refusal import Refused, bad, refuse
 from lorapub.wire.safetensors import raw_spans
 
 __all__ = ["drop_group", "ranks_of", "receive", "start_join", "transport_problem"]
 
 
-def _settings(transport: Mapping[str, Any]) -> tuple[str, int, float, str]:
-    host, port = str(transport["host"]), int(transport["port"])
-    timeout = float(transport.get("timeout", 60.0))
-    backend = transport.get("backend", "gloo")
-    if backend not in ("gloo", "nccl") or not 0 < port < 65536 or not timeout > 0:
-        raise ValueError(f"backend {backend!r}, port {port}, timeout {timeout}")
-    return host, port, timeout, backend
-
-
 def transport_problem(transport: Mapping[str, Any]) -> Refused | None:
     """What is wrong with a torch transport's parameters (None: nothing)."""
     try:
-        _settings(transport)
-    except Exception as e:  # noqa: BLE001
-        return bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}")
+        TorchOptions.from_json(transport)
+    except Refused as e:
+        return e
     return None
 
 
 def start_join(stash: Stash) -> None:
     """Connect to the attempt's group store in the background (its parameters were checked at begin)."""
-    host, port, timeout, _ = _settings(stash.transport)
+    options = TorchOptions.from_json(stash.transport)
+    host, port, timeout = options.host, options.port, options.timeout
     done = threading.Event()
     group: Group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
     stash.group = group
@@ -82,9 +74,8 @@ def receive(stash: Stash, group: Group, bucket: Bucket, ranks: tuple[int, int, i
     import torch.distributed as dist
 
     rank, world, src = ranks
-    t = stash.transport
-    timeout = float(t.get("timeout", 60.0))
-    device = t.get("device", "cpu")
+    options = TorchOptions.from_json(stash.transport)
+    timeout, device = options.timeout, options.device
     if not group["done"].wait(timeout):
         raise TimeoutError(f"the group store was not reached within {timeout:g}s")
     tcp_store = group["store"]
@@ -96,7 +87,7 @@ def receive(stash: Stash, group: Group, bucket: Bucket, ranks: tuple[int, int, i
     pg = group["pg"]
     if pg is None:  # the group forms once, at the first bucket, with every party there
         barrier(store, "join", world, timeout)
-        if t.get("backend", "gloo") == "gloo":
+        if options.backend == "gloo":
             pg = group["pg"] = dist.ProcessGroupGloo(store, rank, world, span)
         else:  # pragma: no cover - needs GPUs
             nccl_opts = dist.ProcessGroupNCCL.Options()

@@ -107,7 +107,7 @@ def managed_prefix_of(hooks: Any) -> str:
 def _raise(reply: Any) -> Any:
     """The reply, or the refusal it is raised."""
     if isinstance(reply, m.Refusal):
-        raise Refused(reply.status, reply.code, reply.message)
+        raise Refused.of(reply)
     return reply
 
 

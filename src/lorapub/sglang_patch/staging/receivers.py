@@ -30,7 +30,7 @@ __all__ = ["BeginRequest", "begin_request", "bucket_request", "drain", "fill", "
 
 
 def refusal_of(e: Refused | None) -> Refusal | None:
-    return None if e is None else Refusal(e.status, e.code, e.message)
+    return None if e is None else e.value()
 
 
 @attrs.frozen
