@@ -14,7 +14,7 @@ import pytest
 from lorapub.adapters.sglang_http import SGLangHTTP
 from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
+from lorapub.wire.routes import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.core.version import VersionState
 from lorapub.errors import EngineError
 from lorapub.runtime.deployment import Deployment, deploy

@@ -11,7 +11,7 @@ import pytest
 
 from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import SGLangWireEngine
-from lorapub.core.identity import STATE_ROUTE
+from lorapub.wire.routes import STATE_ROUTE
 from lorapub.errors import EngineError
 from lorapub.runtime.deployment import deploy
 from lorapub.runtime.overwrite import FIXED_LORA_NAME

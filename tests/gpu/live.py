@@ -30,7 +30,7 @@ import aiohttp
 from lorapub import CapacityError, Deadlines, Deployment, EngineError, LorapubError, deploy
 from lorapub.adapters.sglang_overwrite import SGLangOverwriteAdmin
 from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
-from lorapub.core.identity import RECLAIM_HEADER
+from lorapub.wire.routes import RECLAIM_HEADER
 from lorapub.demo.workload import WorkloadSpec, run_workload
 from tests.gpu import servers as srv
 from tests.gpu import provenance_live

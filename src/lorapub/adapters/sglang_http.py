@@ -18,9 +18,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from lorapub.core.identity import STATE_ROUTE, check_id
+from lorapub.core.identity import check_id
 from lorapub.errors import EngineClosed, EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.wire.codec import json_or_text
+from lorapub.wire.messages import StateReply
+from lorapub.wire.refusal import Refused
+from lorapub.wire.routes import STATE_ROUTE
 
 __all__ = [
     "SERVER_KEEP_ALIVE_S", "IDLE_CONNECTION_S", "MAX_ENGINE_TEXT", "ClientOptions", "OwnedHTTPSession", "SGLangHTTP",
@@ -292,24 +295,27 @@ class SGLangHTTP(OwnedHTTPSession):
 
     async def state(self) -> EngineState:
         """The state route of lorapub's SGLang patch: incarnation, adapters, refs, pending unloads."""
+        return cast(EngineState, (await self._state())[1])  # decoded (checked) by StateReply
+
+    async def state_reply(self) -> StateReply:
+        """The state route's answer as its typed value (:class:`~lorapub.wire.messages.StateReply`)."""
+        return (await self._state())[0]
+
+    async def _state(self) -> tuple[StateReply, dict[str, Any]]:
         status, body = await self.request("GET", STATE_ROUTE, timeout=self.probe_timeout)
         if status == 404 and self.require_patch:
             raise EngineError(f"{self.name} lacks lorapub's SGLang patch ({STATE_ROUTE} is missing)", engine=self.name)
         if status != 200:
             raise self.refusal(STATE_ROUTE, status, body)
         body = self.json_object(STATE_ROUTE, status, body)
-        adapters = body.get("adapters", {})
-        if (
-            not isinstance(body.get("incarnation"), str)
-            or not isinstance(adapters, dict)
-            or not all(isinstance(v, dict) for v in adapters.values())
-            or not isinstance(body.get("pending_unloads", {}), dict)
-            or not isinstance(body.get("max_loaded_loras"), (int, type(None)))
-        ):
-            raise EngineError(f"{self.name} {STATE_ROUTE} answered a malformed state: {engine_message(body)}", engine=self.name)
-        if self.require_patch and not body.get("managed_patch"):
+        try:
+            reply = StateReply.from_json(body)
+        except Refused as e:
+            raise EngineError(f"{self.name} {STATE_ROUTE} answered a malformed state ({e.message}): {engine_message(body)}",
+                              engine=self.name) from None
+        if self.require_patch and not reply.managed_patch:
             raise EngineError(f"{self.name} runs without lorapub's managed-adapter patch (implicit reload possible)")
-        return cast(EngineState, body)  # its incarnation, adapters, pending unloads and limit checked above
+        return reply, body
 
     async def admin(self, path: str, body: Mapping[str, Any] | None = None, *, expect_json: bool = True) -> Any:
         """POST an admin route with the admin key; anything but 200 is a definite :class:`EngineError`,

@@ -11,19 +11,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping, Unpack
+from typing import Any, Callable, Mapping, TypeVar, Unpack
 
 import aiohttp
 
 from lorapub.adapters.body_sender import shared_sender
-from lorapub.adapters.sglang_http import ClientOptions, EngineState, SGLangHTTP, _status_text, engine_message
+from lorapub.adapters.sglang_http import ClientOptions, EngineState, SGLangHTTP, _status_text
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import RECLAIM_HEADER, AttemptToken
+from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import EndTimings, EngineLimits, HeldAdapter, Inventory, StagedAttempt, Transport
-from lorapub.wire.codec import json_or_text, plan_to_json, token_from_json, token_params, token_to_json
-from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
+from lorapub.wire.codec import json_or_text
+from lorapub.wire.messages import (
+    BeginBody,
+    BucketParams,
+    CleanupBody,
+    CleanupReply,
+    EndBody,
+    EndReply,
+    ReleaseBody,
+    ReleaseReply,
+    StageReply,
+)
+from lorapub.wire.refusal import Refused
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RECLAIM_HEADER, RELEASE_ROUTE
 
 from lorapub.adapters.transports import (  # the transports, importable from here as before
     HTTPBytes,
@@ -38,6 +50,7 @@ from lorapub.adapters.transports import (  # the transports, importable from her
 )
 
 logger = logging.getLogger(__name__)
+_Reply = TypeVar("_Reply")
 
 # -- the engine adapter ----------------------------------------------------------------------------------
 #: The transport of an engine no deployment gave one (buckets as HTTP bodies).
@@ -130,29 +143,16 @@ class SGLangWireEngine:
         return await self.client.state()
 
     async def incarnation(self) -> str:
-        return (await self.client.state())["incarnation"]
+        return (await self.client.state_reply()).incarnation
 
     async def inventory(self) -> Inventory:
         """The state route, as lorapub reads it: the managed adapters with their native refs,
         and what the engine-side staging holds."""
-        state = await self.client.state()
-        adapters = {
-            name: HeldAdapter(name, int(a.get("refs") or 0), a.get("lora_id"), bool(a.get("pinned")))
-            for name, a in state.get("adapters", {}).items()
-        }
-        attempts = (state.get("staging") or {}).get("attempts") or {}
-        staged = []
-        for a in (attempts.values() if isinstance(attempts, dict) else ()):
-            if not isinstance(a, dict) or a.get("loaded"):
-                continue
-            try:
-                token = token_from_json(a.get("token"))
-            except Exception:  # noqa: BLE001 - an attempt this client cannot name: left to the engine's aging
-                continue
-            staged.append(StagedAttempt(token, str(a.get("lora_name")), a.get("idle_s")))
-        prefix = state.get("managed_prefix")
-        return Inventory(state["incarnation"], adapters, tuple(staged), prefix if isinstance(prefix, str) else None,
-                         stamps=state.get("stamps") is True)
+        state = await self.client.state_reply()
+        adapters = {name: HeldAdapter(name, a.refs, a.lora_id, a.pinned) for name, a in state.adapters.items()}
+        attempts = state.staging.attempts.values() if state.staging is not None else ()
+        staged = tuple(StagedAttempt(a.token, a.lora_name, a.idle_s) for a in attempts if not a.loaded)
+        return Inventory(state.incarnation, adapters, staged, state.managed_prefix, stamps=state.stamps)
 
     async def limits(self) -> EngineLimits:
         """SGLang's ``--max-loaded-loras`` / ``--max-loras-per-batch``, from its ``/server_info``
@@ -164,7 +164,7 @@ class SGLangWireEngine:
                 return EngineLimits(_int_or_none(body.get("max_loaded_loras")), _int_or_none(body.get("max_loras_per_batch")))
             if status not in (404, 405):
                 raise self.client.refusal(path, status, body)
-        return EngineLimits(_int_or_none((await self.client.state()).get("max_loaded_loras")), None)
+        return EngineLimits(_int_or_none((await self.client.state_reply()).max_loaded_loras), None)
 
     async def _probe(self, lora_name: str) -> None:
         status, body = await self.client.request(
@@ -186,8 +186,8 @@ class SGLangWireEngine:
         if status in (401, 403):  # refused at the door: nothing was looked at
             raise self.client.refusal("/unload_lora_adapter", status, body)
         # "does not exist": an earlier unload whose reply was lost, or never loaded. Check, don't assume.
-        state = await self.client.state()
-        if lora_name not in state.get("adapters", {}) and lora_name not in state.get("pending_unloads", {}):
+        state = await self.client.state_reply()
+        if lora_name not in state.adapters and lora_name not in state.pending_unloads:
             return
         raise EngineError(f"{self.name}: unload of {lora_name} failed: {_status_text(status, body)}")
 
@@ -198,10 +198,19 @@ class SGLangWireEngine:
         return await self.client.generate(payload)
 
     # -- the staging routes of lorapub's SGLang patch ---------------------------------------------
-    async def _stage(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def _stage(self, path: str, body: dict[str, Any], decode: Callable[[object], _Reply],
+                     timeout: float | None = None) -> _Reply:
         status, reply = await self.client.request("POST", path, json_body=body,
                                                   timeout=timeout if timeout is not None else self.client.probe_timeout)
-        return self._staged(path, status, reply)
+        return self._decoded(path, decode, self._staged(path, status, reply))
+
+    def _decoded(self, path: str, decode: Callable[[object], _Reply], reply: dict[str, Any]) -> _Reply:
+        """A staging route's 200 reply as its typed value (:mod:`lorapub.wire.messages`); a malformed one is
+        a definite :class:`EngineError`."""
+        try:
+            return decode(reply)
+        except Refused as e:
+            raise EngineError(f"{self.name} {path} answered {e.message}", engine=self.name) from None
 
     def _staged(self, path: str, status: int, reply: object) -> dict[str, Any]:
         if status == 404 and self.client.require_patch:
@@ -211,23 +220,11 @@ class SGLangWireEngine:
             raise self.client.refusal(path, status, reply)
         return self.client.json_object(path, status, reply)
 
-    def _incarnation(self, path: str, reply: Mapping[str, Any]) -> str:
-        """The engine's life a staging reply names: text, or a definite :class:`EngineError`."""
-        incarnation = reply.get("incarnation")
-        if not isinstance(incarnation, str):
-            raise EngineError(f"{self.name} {path} answered without its incarnation: {engine_message(reply)}",
-                              engine=self.name)
-        return incarnation
-
     # -- publication ------------------------------------------------------------------------------
     async def begin(self, request: SendBegin) -> str:
-        body = {
-            "token": token_to_json(request.token), "incarnation": request.incarnation,
-            "lora_name": request.lora_name, "digest": request.digest, "plan": plan_to_json(request.plan),
-            "transport": dict(self.transport.begin_options(request, self.name)), "load": self.transport.load,
-        }
-        reply = await self._stage(BEGIN_ROUTE, body)
-        incarnation = self._incarnation(BEGIN_ROUTE, reply)
+        body = BeginBody(request.token, request.incarnation, request.lora_name, request.digest, request.plan,
+                         self.transport.begin_options(request, self.name), self.transport.load)
+        incarnation = (await self._stage(BEGIN_ROUTE, body.to_json(), StageReply.from_json)).incarnation
         self._lives[request.token] = incarnation
         return incarnation
 
@@ -235,9 +232,9 @@ class SGLangWireEngine:
         return self._lives.get(token) or await self.incarnation()
 
     async def receive_bucket(self, token: AttemptToken, index: int, payload: Any) -> str:
-        params = {**token_params(token), "index": str(index), "incarnation": await self._life(token)}
+        life = await self._life(token)
         post = await self.transport.bucket_request(token, index, payload, self.name)
-        params["format"] = post.format
+        params = BucketParams(token, index, life, post.format).to_params()
         headers = {**self.client._authorization(True), "Content-Type": post.content_type}
         if post.length is not None:
             headers["Content-Length"] = str(post.length)
@@ -252,7 +249,8 @@ class SGLangWireEngine:
                 async with self.client.http.post(url, params=params, data=post.body, headers=headers, timeout=t) as r:
                     status, raw = r.status, await r.read()
             text = raw.decode("utf-8", errors="replace")
-            incarnation = self._incarnation(BUCKET_ROUTE, self._staged(BUCKET_ROUTE, status, json_or_text(text)))
+            reply = self._staged(BUCKET_ROUTE, status, json_or_text(text))
+            incarnation = self._decoded(BUCKET_ROUTE, StageReply.from_json, reply).incarnation
             stored = True
             return incarnation
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
@@ -273,28 +271,27 @@ class SGLangWireEngine:
     async def end(self, token: AttemptToken) -> ReadyLocal:
         inc = await self._life(token)
         t0 = time.monotonic()
-        receipt = await self._stage(END_ROUTE, {"token": token_to_json(token), "incarnation": inc},
-                                    self.load_timeout)
+        receipt = (await self._stage(END_ROUTE, EndBody(token, inc).to_json(), EndReply.from_json,
+                                     self.load_timeout)).receipt
         t1 = time.monotonic()
-        name, digest = receipt.get("lora_name"), receipt.get("digest")
-        if receipt.get("incarnation") != inc or not isinstance(name, str) or not isinstance(digest, str):
-            raise EngineError(f"{self.name} {END_ROUTE} answered a malformed receipt: {receipt}", engine=self.name)
+        name, digest = receipt.lora_name, receipt.digest
+        if receipt.incarnation != inc:
+            raise EngineError(f"{self.name} {END_ROUTE} answered a receipt of another life: {receipt}",
+                              engine=self.name)
         await self._probe(name)
         t2 = time.monotonic()
-        state = await self.client.state()
-        found = receipt.get("timings")
-        timings = found if isinstance(found, dict) else {}
-        self._end_timings[token] = EndTimings({k: v for k, v in timings.items() if isinstance(v, (int, float))},
+        state = await self.client.state_reply()
+        self._end_timings[token] = EndTimings({"verify_wait": receipt.verify_wait, "load": receipt.load_s},
                                               stage=t1 - t0, probe=t2 - t1, state=time.monotonic() - t2)
         while len(self._end_timings) > 16:  # a few recent ones, for reports
             self._end_timings.pop(next(iter(self._end_timings)))
-        if state["incarnation"] != inc:
-            raise EngineError(f"{self.name} restarted during end ({inc} -> {state['incarnation']})")
-        entry = state["adapters"].get(name)
-        if entry is None or not entry.get("pinned") or entry.get("lora_id") != receipt.get("lora_id"):
+        if state.incarnation != inc:
+            raise EngineError(f"{self.name} restarted during end ({inc} -> {state.incarnation})")
+        entry = state.adapters.get(name)
+        if entry is None or not entry.pinned or entry.lora_id != receipt.lora_id:
             raise EngineError(f"{self.name}: {name} is not loaded pinned from this attempt")
         self._lives.pop(token, None)
-        return ReadyLocal(self.name, token, digest, inc, entry.get("lora_id"))
+        return ReadyLocal(self.name, token, digest, inc, entry.lora_id)
 
     def end_timings(self, token: AttemptToken) -> EndTimings | None:
         """Where ``end`` of ``token`` spent its time (:class:`~lorapub.ports.ReportsEndTimings`), handed
@@ -305,9 +302,9 @@ class SGLangWireEngine:
         # The engine tombstones the attempt first and waits for its in-flight operation, so nothing
         # of it can be loaded after this answer; then the exact name is unloaded if this attempt
         # loaded it (another attempt of the same version — a re-provisioning — may hold that name).
-        reply = await self._stage(CLEANUP_ROUTE, {"token": token_to_json(token)}, self.load_timeout)
-        if "loaded" not in reply or reply["loaded"] or await self._left_behind(lora_name):
-            # (a staging that does not say: unloaded to be safe)
+        reply = await self._stage(CLEANUP_ROUTE, CleanupBody(token).to_json(), CleanupReply.from_json,
+                                  self.load_timeout)
+        if reply.must_unload or await self._left_behind(lora_name):  # (a staging that does not say: unloaded to be safe)
             await self._unload(lora_name, f"cleanup-{token}")
         self._lives.pop(token, None)
         return await self.incarnation()
@@ -317,16 +314,15 @@ class SGLangWireEngine:
         attempt just cleaned up, which ended after the cleanup tombstoned it (the staging then
         answers ``loaded: null`` for a load that did happen). A name another attempt holds or is
         loading (a re-provisioning of the same version) is that attempt's, and stays."""
-        state = await self.client.state()
-        if lora_name not in state.get("adapters", {}):
+        state = await self.client.state_reply()
+        if lora_name not in state.adapters:
             return False
-        attempts = (state.get("staging") or {}).get("attempts") or {}
-        return not any(isinstance(a, dict) and a.get("lora_name") == lora_name
-                       for a in (attempts.values() if isinstance(attempts, dict) else ()))
+        attempts = state.staging.attempts.values() if state.staging is not None else ()
+        return not any(a.lora_name == lora_name for a in attempts)
 
     async def reclaim(self, lora_name: str, reclaim_id: str) -> None:
         await self._unload(lora_name, reclaim_id)
-        await self._stage(RELEASE_ROUTE, {"lora_name": lora_name})  # the engine frees what it still kept
+        await self._stage(RELEASE_ROUTE, ReleaseBody(lora_name).to_json(), ReleaseReply.from_json)  # it frees what it kept
 
 
 __all__ = ["DEFAULT_TRANSPORT", "HTTPBytes", "RawBucket", "SGLangWireEngine", "SameHostIPC", "SharedDir", "ShmBucket",

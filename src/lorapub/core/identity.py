@@ -1,15 +1,21 @@
-"""Identities of versions, attempts and sessions. Pure values, hashable, ordered."""
+"""Identities of versions, attempts and sessions. Pure values, hashable, ordered.
+
+The protocol's route, header and environment variable names are in :mod:`lorapub.wire.routes`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import re
+import warnings
+from typing import Any
 
 import attrs
 
 from lorapub.errors import InvalidInput
 
 __all__ = [
-    "LORA_NAME_PREFIX", "MANAGED_PREFIX", "MANAGED_PREFIX_ENV", "RECLAIM_HEADER", "STATE_ROUTE", "DIGEST_PREFIX_LEN",
+    "LORA_NAME_PREFIX", "MANAGED_PREFIX", "DIGEST_PREFIX_LEN",
     "check_id", "check_digest", "VersionKey", "check_name_prefix", "lora_name_for", "is_managed_name",
     "epoch_of_name", "AttemptToken", "new_nonce", "born_of", "SessionKey",
 ]
@@ -17,14 +23,9 @@ __all__ = [
 LORA_NAME_PREFIX = "relax_policy_lora"
 #: The default start of every managed adapter name (a deployment may name its own, see
 #: :func:`check_name_prefix`); the SGLang patch protects the names that start with the prefix it is
-#: launched with (``SGLANG_LORAPUB_MANAGED_PREFIX``, this by default).
+#: launched with (``lorapub.wire.routes.MANAGED_PREFIX_ENV``, this by default).
 MANAGED_PREFIX = LORA_NAME_PREFIX + "@"
-MANAGED_PREFIX_ENV = "SGLANG_LORAPUB_MANAGED_PREFIX"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}@")
-#: The header that authorises the unload of a managed adapter (reclaim or cleanup).
-RECLAIM_HEADER = "X-Lorapub-Reclaim-Id"
-#: The route lorapub's SGLang patch adds: incarnation, adapters, native refs, pending unloads.
-STATE_ROUTE = "/lorapub/state"
 DIGEST_PREFIX_LEN = 12
 # Matched with ``fullmatch``: ``$`` would also match before a trailing newline.
 _ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -147,3 +148,18 @@ class SessionKey:
 
     def __str__(self) -> str:
         return f"{self.deployment_epoch}/{self.session_id}/{self.nonce}"
+
+
+#: Names that moved to the staging protocol (``lorapub.wire``), where both sides of it read them.
+_MOVED = {"MANAGED_PREFIX_ENV": "lorapub.wire.routes", "RECLAIM_HEADER": "lorapub.wire.routes",
+          "STATE_ROUTE": "lorapub.wire.routes"}
+
+
+def __getattr__(name: str) -> Any:
+    """A moved name, read from its new module with a :class:`DeprecationWarning` naming it (an old import
+    keeps working until it is changed; the core itself never reads these)."""
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"lorapub.core.identity.{name} moved: from {where} import {name}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(where), name)

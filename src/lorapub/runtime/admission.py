@@ -12,7 +12,8 @@ from typing import Any, Awaitable, Callable, Mapping, ParamSpec, Protocol, TypeV
 
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
-from lorapub.core.identity import MANAGED_PREFIX_ENV, AttemptToken, check_id
+from lorapub.core.identity import AttemptToken, check_id
+from lorapub.wire.routes import MANAGED_PREFIX_ENV
 from lorapub.core.registry import Fleet
 from lorapub.errors import EngineCapacityError, EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import (

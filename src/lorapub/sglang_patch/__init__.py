@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER
+from lorapub.core.identity import MANAGED_PREFIX
 from lorapub.sglang_patch import provenance as _provenance
 from lorapub.sglang_patch import release_0517, release_0523
 from lorapub.sglang_patch.edits import edited_source, install_method, install_methods
 from lorapub.sglang_patch.routes import INCARNATION, state_of
 from lorapub.sglang_patch.routes import add_staging_routes as _add_staging_routes
 from lorapub.sglang_patch.routes import add_state_route as _add_state_route
+from lorapub.wire.routes import RECLAIM_HEADER
 from lorapub.sglang_patch.targets import (
     RELEASES,
     SUPPORTED,

@@ -9,7 +9,8 @@ import runpy
 
 
 def main() -> None:
-    from lorapub.core.identity import MANAGED_PREFIX, MANAGED_PREFIX_ENV, check_name_prefix
+    from lorapub.core.identity import MANAGED_PREFIX, check_name_prefix
+    from lorapub.wire.routes import MANAGED_PREFIX_ENV
     from lorapub.sglang_patch import apply, verify
     from lorapub.sglang_patch.routes import add_state_route
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapub.core.identity import RECLAIM_HEADER
+from lorapub.wire.routes import RECLAIM_HEADER
 from lorapub.sglang_patch.targets import is_managed
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import uuid
 from typing import Any, Awaitable, Callable
 
-from lorapub.core.identity import STATE_ROUTE
 from lorapub.sglang_patch import staging as _staging
 from lorapub.sglang_patch.metrics import serve_engine_series
 from lorapub.sglang_patch.staging import max_loaded_loras as _max_loaded_loras
 from lorapub.sglang_patch.targets import PatchMismatch
-from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE
+from lorapub.wire.messages import AdapterEntry, StateReply
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, PREFIX, RELEASE_ROUTE, STATE_ROUTE
 
 INCARNATION = uuid.uuid4().hex  # one per server process life
 #: The engine-side staging of this server life (set when the staging routes are added).
@@ -33,36 +33,29 @@ def _pending_unloads(tm: Any) -> dict[str, Any]:
     return dict(pending)
 
 
-def adapter_table(registry: Any) -> dict[str, dict[str, Any]]:
+def adapter_entries(registry: Any) -> dict[str, AdapterEntry]:
     """SGLang's LoRA registry as the state route reports it: each name's id, path, pin and native
     request count (both forms of the patch, both releases)."""
     counters = registry._counters  # SGLang keeps its per-adapter request counts here, in both releases
-    return {
-        name: {
-            "lora_id": ref.lora_id,
-            "lora_path": ref.lora_path,
-            "pinned": bool(ref.pinned),
-            "refs": counters[ref.lora_id].value() if ref.lora_id in counters else 0,
-        }
-        for name, ref in registry.get_all_adapters().items()
-    }
+    return {name: AdapterEntry(ref.lora_id, ref.lora_path, bool(ref.pinned),
+                               counters[ref.lora_id].value() if ref.lora_id in counters else 0)
+            for name, ref in registry.get_all_adapters().items()}
+
+
+def adapter_table(registry: Any) -> dict[str, dict[str, Any]]:
+    """:func:`adapter_entries` as JSON (the diff form's state route answers it)."""
+    return {name: entry.to_json() for name, entry in adapter_entries(registry).items()}
 
 
 def state_of(tm: Any, release: str, form: str) -> dict[str, Any]:
-    registry = tm.lora_registry
-    return {
-        "incarnation": INCARNATION,
-        "sglang": release,
-        "patch": form,
-        "managed_patch": form != "observe",
-        "managed_prefix": getattr(type(tm), "lorapub_managed_prefix", None) if form != "observe" else None,
+    managed = form != "observe"
+    return StateReply(
+        INCARNATION, adapter_entries(tm.lora_registry), _pending_unloads(tm), _max_loaded_loras(tm), managed,
+        getattr(type(tm), "lorapub_managed_prefix", None) if managed else None,
         # its responses with a managed adapter carry a provenance stamp (docs/provenance.md)
-        "stamps": form != "observe" and bool(getattr(type(tm), "lorapub_stamps", False)),
-        "max_loaded_loras": _max_loaded_loras(tm),
-        "adapters": adapter_table(registry),
-        "pending_unloads": _pending_unloads(tm),
-        "staging": STAGING.report() if STAGING is not None else None,
-    }
+        managed and bool(getattr(type(tm), "lorapub_stamps", False)),
+        STAGING.staging_report() if STAGING is not None else None, release, form,
+    ).to_json()
 
 
 def _admin_level(app: Any) -> Any:

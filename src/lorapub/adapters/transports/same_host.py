@@ -24,6 +24,7 @@ from lorapub.errors import EngineError, InvalidInput
 from lorapub.ports import BucketPost
 from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes
+from lorapub.wire.messages import ShmControl
 from lorapub.wire.collective import running_kernel
 
 from .http_bytes import HTTPBytes
@@ -457,7 +458,7 @@ class SameHostIPC(HTTPBytes):
         if not isinstance(payload, ShmBucket):
             return await super().bucket_request(token, index, payload, engine)
         # the file goes once every engine read it, or at once when one could not (the attempt is over)
-        return BucketPost("shm", json_bytes({"name": payload.name}), "application/json",
+        return BucketPost("shm", json_bytes(ShmControl(payload.name).to_json()), "application/json",
                           settle=lambda stored, why: payload.read_by(engine, ok=stored))
 
 

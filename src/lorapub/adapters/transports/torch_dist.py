@@ -18,6 +18,7 @@ from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import BucketPost
 from lorapub.snapshot import Snapshot, tensor_bytes
 from lorapub.wire.codec import json_bytes
+from lorapub.wire.messages import TorchControl, TorchOptions
 from lorapub.wire.collective import barrier, post_abort
 
 from .http_bytes import HTTPBytes
@@ -110,8 +111,7 @@ class TorchDistributed(HTTPBytes):
         if source is None:  # a caller that hands the buckets' bytes itself (no collective to join)
             return {"kind": "http"}
         self._attempts[request.token] = source
-        return {"kind": self.kind, "host": self.host, "port": source.port, "backend": self.backend,
-                "device": self.device, "timeout": self.timeout}
+        return TorchOptions(self.host, source.port, self.backend, self.device, self.timeout).to_json()
 
     async def bucket_request(self, token: AttemptToken, index: int, payload: Any, engine: str) -> BucketPost:
         if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload):
@@ -130,7 +130,7 @@ class TorchDistributed(HTTPBytes):
             if not stored and why is not None:  # the others must not wait for a rank that will not come
                 source.abort(token, why)
 
-        return BucketPost("torch", json_bytes({"rank": rank, "world_size": world, "src": 0}), "application/json",
+        return BucketPost("torch", json_bytes(TorchControl(rank, world, 0).to_json()), "application/json",
                           settle=settle)
 
 

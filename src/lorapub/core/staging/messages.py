@@ -62,7 +62,8 @@ __all__ = [
 # -- values -------------------------------------------------------------------------------------------
 @attrs.frozen
 class Refusal:
-    """A definite no: the HTTP status and stable code the caller gets."""
+    """A definite no: the HTTP status and stable code the caller gets (raised on the wire as
+    ``lorapub.wire.refusal.Refused``, whose ``to_json`` is the refusal's body)."""
 
     status: int
     code: str
@@ -79,7 +80,9 @@ def invalid(message: str) -> Refusal:
 
 @attrs.frozen
 class Receipt:
-    """What an end loaded: answered by the end, and by a cleanup as what it must unload."""
+    """What an end loaded: answered by the end, and by a cleanup as what it must unload (its JSON:
+    ``lorapub.wire.messages.receipt_to_json``). ``verify_wait``: the seconds the end waited for the last
+    SHA-256 checks; ``load_s``: the engine's load."""
 
     incarnation: str
     lora_name: str
@@ -89,12 +92,6 @@ class Receipt:
     load: str
     verify_wait: float = 0.0
     load_s: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"incarnation": self.incarnation, "lora_name": self.lora_name, "digest": self.digest,
-                "lora_id": self.lora_id, "lora_path": self.lora_path, "load": self.load,
-                # where end's time went: the last SHA-256 checks, then the engine's load
-                "timings": {"verify_wait": self.verify_wait, "load": self.load_s}}
 
 
 # -- replies ------------------------------------------------------------------------------------------

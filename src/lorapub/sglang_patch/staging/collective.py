@@ -15,33 +15,26 @@ from lorapub.core.manifest import Bucket
 from lorapub.sglang_patch.staging.buffers import Buffer
 from lorapub.sglang_patch.staging.landing import Group, Stash
 from lorapub.wire.collective import barrier, post_abort
+from lorapub.wire.messages import TorchControl, TorchOptions
 from lorapub.wire.refusal import Refused, bad, refuse
 from lorapub.wire.safetensors import raw_spans
 
 __all__ = ["drop_group", "ranks_of", "receive", "start_join", "transport_problem"]
 
 
-def _settings(transport: Mapping[str, Any]) -> tuple[str, int, float, str]:
-    host, port = str(transport["host"]), int(transport["port"])
-    timeout = float(transport.get("timeout", 60.0))
-    backend = transport.get("backend", "gloo")
-    if backend not in ("gloo", "nccl") or not 0 < port < 65536 or not timeout > 0:
-        raise ValueError(f"backend {backend!r}, port {port}, timeout {timeout}")
-    return host, port, timeout, backend
-
-
 def transport_problem(transport: Mapping[str, Any]) -> Refused | None:
     """What is wrong with a torch transport's parameters (None: nothing)."""
     try:
-        _settings(transport)
-    except Exception as e:  # noqa: BLE001
-        return bad(f"a torch transport needs host, port, backend (gloo|nccl) and timeout: {e}")
+        TorchOptions.from_json(transport)
+    except Refused as e:
+        return e
     return None
 
 
 def start_join(stash: Stash) -> None:
     """Connect to the attempt's group store in the background (its parameters were checked at begin)."""
-    host, port, timeout, _ = _settings(stash.transport)
+    options = TorchOptions.from_json(stash.transport)
+    host, port, timeout = options.host, options.port, options.timeout
     done = threading.Event()
     group: Group = {"done": done, "store": None, "pg": None, "error": None, "ranks": None}
     stash.group = group
@@ -67,12 +60,8 @@ def ranks_of(stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> tuple[
     group = stash.group
     if group is None:
         raise refuse(f"attempt {stash.token} has no process group here (it failed or ended)", "STAGE_FAILED")
-    try:
-        rank, world, src = int(control["rank"]), int(control["world_size"]), int(control.get("src", 0))
-        if not (0 < rank < world and 0 <= src < world and src != rank):
-            raise ValueError(f"rank {rank}, world {world}, src {src}")
-    except Exception as e:  # noqa: BLE001
-        raise bad(f"a torch bucket names rank (1..world-1), world_size and src: {e}") from None
+    sent = TorchControl.from_json(control)
+    rank, world, src = sent.rank, sent.world_size, sent.src
     if group["ranks"] not in (None, (rank, world, src)):
         raise bad(f"bucket {bucket.index} names ranks {(rank, world, src)}; the group has {group['ranks']}")
     return rank, world, src
@@ -85,9 +74,8 @@ def receive(stash: Stash, group: Group, bucket: Bucket, ranks: tuple[int, int, i
     import torch.distributed as dist
 
     rank, world, src = ranks
-    t = stash.transport
-    timeout = float(t.get("timeout", 60.0))
-    device = t.get("device", "cpu")
+    options = TorchOptions.from_json(stash.transport)
+    timeout, device = options.timeout, options.device
     if not group["done"].wait(timeout):
         raise TimeoutError(f"the group store was not reached within {timeout:g}s")
     tcp_store = group["store"]
@@ -99,7 +87,7 @@ def receive(stash: Stash, group: Group, bucket: Bucket, ranks: tuple[int, int, i
     pg = group["pg"]
     if pg is None:  # the group forms once, at the first bucket, with every party there
         barrier(store, "join", world, timeout)
-        if t.get("backend", "gloo") == "gloo":
+        if options.backend == "gloo":
             pg = group["pg"] = dist.ProcessGroupGloo(store, rank, world, span)
         else:  # pragma: no cover - needs GPUs
             nccl_opts = dist.ProcessGroupNCCL.Options()

@@ -16,6 +16,8 @@ import tempfile
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Protocol
 
+import attrs
+
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken
 from lorapub.core.manifest import Bucket
 from lorapub.sglang_patch.env import env_number
@@ -32,8 +34,21 @@ from lorapub.sglang_patch.staging.receivers import (
     receive_bytes,
     refusal_of,
 )
-from lorapub.wire.codec import manifest_digest, token_from_json, token_to_json
-from lorapub.wire.refusal import Refused, bad, refuse
+from lorapub.wire.codec import manifest_digest
+from lorapub.wire.messages import (
+    AttemptReport,
+    BeginSent,
+    BucketSent,
+    CleanupBody,
+    CleanupReply,
+    EndBody,
+    EndReply,
+    ReleaseBody,
+    ReleaseReply,
+    StageReply,
+    StagingReport,
+)
+from lorapub.wire.refusal import Refused, refuse
 
 __all__ = ["DEFAULT_IDLE_S", "IDLE_ENV", "EngineHooks", "EngineStaging", "idle_timeout_setting", "managed_prefix_of"]
 
@@ -56,6 +71,12 @@ class StagingObserver(Protocol):
     """What sees each command the machine handles (lorapub's engine series, sglang_patch.metrics)."""
 
     def observe(self, before: machine.StagingState, command: Any, out: machine.Outcome) -> None: ...
+
+
+class _Reply(Protocol):
+    """A staging route's answer (:mod:`lorapub.wire.messages`)."""
+
+    def to_json(self) -> dict[str, Any]: ...
 
 
 class EngineHooks(Protocol):
@@ -86,7 +107,7 @@ def managed_prefix_of(hooks: Any) -> str:
 def _raise(reply: Any) -> Any:
     """The reply, or the refusal it is raised."""
     if isinstance(reply, m.Refusal):
-        raise Refused(reply.status, reply.code, reply.message)
+        raise Refused.of(reply)
     return reply
 
 
@@ -218,35 +239,35 @@ class EngineStaging:
         version = token.version
         return os.path.join(self.stash_root, f"{version.deployment_epoch}-{version.version_id}-a{token.seq}")
 
-    async def _answer(self, work: Awaitable[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    async def _answer(self, work: Awaitable[_Reply]) -> tuple[int, dict[str, Any]]:
         try:
-            return 200, await work
+            return 200, (await work).to_json()
         except Refused as e:
-            return e.status, {"error": {"message": e.message, "code": e.code}}
+            return e.status, e.to_json()
         finally:
             self._arm()  # a sweep is due while anything is staged
 
     # -- introspection (the state route reports it) ---------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """Every staged attempt (keyed by its token's text): its ``token``, ``lora_name``, ``phase``
-        (``receiving``, ``failed`` or ``loaded``), the ``buckets`` received of ``planned``, ``bytes``
-        held and ``idle_s``, the seconds since an operation last drove it (``driving``: one runs now).
-        ``reserved``: the bytes attempts still receiving will hold (the budget counts them too)."""
+        """:meth:`staging_report` as JSON (the diff form of the patch puts it in its state route's answer)."""
+        return self.staging_report().to_json()
+
+    def staging_report(self) -> StagingReport:
+        """What this staging holds, as the state route reports it: every staged attempt (keyed by its
+        token's text) with its phase, buckets, bytes and idle seconds; ``reserved``: the bytes attempts
+        still receiving will hold (the budget counts them too)."""
         self._arm()
         now, state = _now(), self._state
         attempts = {}
         for a in state.attempts.values():
             stash = self._stashes.get(a.token)
-            attempts[str(a.token)] = {
-                "token": token_to_json(a.token), "lora_name": a.lora_name,
-                "phase": "loaded" if a.receipt is not None else "failed" if a.failed else "receiving",
-                "buckets": sorted(a.held), "planned": len(a.sizes), "bytes": a.held_bytes,
-                "loaded": a.receipt is not None, "folder": stash is not None and stash.folder is not None,
-                "transport": a.transport, "load": a.load,
-                "idle_s": round(max(0.0, now - a.last_driven), 3), "driving": a.driving > 0}
-        return {"attempts": attempts, "bytes": state.held_bytes, "reserved": state.reserved_bytes,
-                "tombstones": len(state.tombstones), "collectives": self.collectives,
-                "idle_timeout_s": self.idle_timeout, "aged_out": state.aged_out}
+            attempts[str(a.token)] = AttemptReport(
+                a.token, a.lora_name, "loaded" if a.receipt is not None else "failed" if a.failed else "receiving",
+                tuple(sorted(a.held)), len(a.sizes), a.held_bytes, a.receipt is not None,
+                stash is not None and stash.folder is not None, a.transport, a.load,
+                round(max(0.0, now - a.last_driven), 3), a.driving > 0)
+        return StagingReport(attempts, state.held_bytes, state.reserved_bytes, len(state.tombstones), self.collectives,
+                             self.idle_timeout, state.aged_out)
 
     def close(self) -> None:
         """Free every stash of this life (the server is going away). Only in the process that made
@@ -336,32 +357,32 @@ class EngineStaging:
     async def begin(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         return await self._answer(self._begin(body))
 
-    async def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(body, Mapping):
-            raise bad("begin takes a JSON object")
-        token = token_from_json(body.get("token"))
+    async def _begin(self, body: Any) -> StageReply:
+        sent = BeginSent.from_json(body)  # no JSON object, or no token: refused now
+        token = sent.token
         # Age out what nobody drives first: a vanished publisher's stash never blocks this begin (its
         # capacity check). Nothing after this awaits, so what it checks still holds when it acts.
         await self.sweep()
-        request = begin_request(body, token, managed_prefix_of(self.hooks))
+        request = begin_request(sent, managed_prefix_of(self.hooks))
         adapters = self.hooks.adapters() if request.problem is None else {}
         limit = self.hooks.max_loaded_loras() if request.problem is None else None
         out = self._handle(m.Begin(
-            token, body.get("incarnation"), request.digest, request.lora_name, request.sizes, request.load,
+            token, sent.incarnation, sent.digest, sent.lora_name, request.sizes, request.load,
             request.kind, request.problem, request.late_problem, frozenset(adapters), limit, _now()))
         if _raise(out.reply).duplicate:  # the same answer, nothing set up twice
-            return {"incarnation": self.incarnation, "duplicate": True}
-        if request.plan is None:  # only a begin with a problem has none, and the machine refused it above
+            return StageReply(self.incarnation, duplicate=True)
+        if request.body is None:  # only a begin with a problem has none, and the machine refused it above
             raise machine.ProtocolError(f"begin of {token} accepted without a bucket plan")
-        stash = self._stashes[token] = Stash(token, request.plan, request.transport, request.load)
+        begun = request.body
+        stash = self._stashes[token] = Stash(token, begun.plan, begun.transport, begun.load)
         for effect in self._run(out.effects):
             if isinstance(effect, m.PrepareFolder):
                 try:
                     landing.prepare_peft_file(stash, self.folder_of(token), request.header)
                 except OSError as e:
                     self._do(m.Abandon(token))
-                    raise refuse(f"the engine cannot write {request.lora_name}'s folder: {e}", "STAGE_DISK") from None
-        return {"incarnation": self.incarnation, "duplicate": False}
+                    raise refuse(f"the engine cannot write {begun.lora_name}'s folder: {e}", "STAGE_DISK") from None
+        return StageReply(self.incarnation, duplicate=False)
 
     # -- receive ------------------------------------------------------------------------------------------
     async def receive(self, params: Mapping[str, str], chunks: AsyncIterator[bytes] | None,
@@ -374,24 +395,27 @@ class EngineStaging:
         return status, body
 
     async def _receive(self, params: Mapping[str, str], chunks: AsyncIterator[bytes] | None,
-                       length: int | None) -> dict[str, Any]:
-        token = token_from_json(params)
-        index, fmt, problem = bucket_request(params)
-        _raise(self._do(m.Receive(token, params.get("incarnation"), problem, _now()))[0])
+                       length: int | None) -> StageReply:
+        sent = BucketSent.from_params(params)  # no token: refused now
+        token = sent.token
+        bucket, problem = bucket_request(sent)
+        _raise(self._do(m.Receive(token, sent.incarnation, problem, _now()))[0])
         try:  # its idle time starts again when this ends
-            return await self._receive_into(self._stashes[token], index, fmt, chunks, length)
+            if bucket is None:  # only parameters with a problem have none, and the machine refused them above
+                raise machine.ProtocolError(f"bucket of {token} admitted without its index and format")
+            return await self._receive_into(self._stashes[token], bucket.index, bucket.format, chunks, length)
         finally:
             self._do(m.Leave(token, _now()))
 
     async def _receive_into(self, stash: Stash, index: int, fmt: str, chunks: AsyncIterator[bytes] | None,
-                            length: int | None) -> dict[str, Any]:
+                            length: int | None) -> StageReply:
         token = stash.token
         async with stash.lock:
             reply, later = self._do(m.Arrive(token, index, fmt, length, _now()))
             if isinstance(_raise(reply), m.Accepted):  # a duplicate: nothing stored twice, no second collective
                 if chunks is not None:
                     await drain(chunks)
-                return {"incarnation": self.incarnation, "duplicate": True}
+                return StageReply(self.incarnation, duplicate=True)
             bucket = stash.plan.buckets[index]
             if isinstance(reply, m.Join):  # a duplicate while the first runs: its outcome, never a second collective
                 await read_control(chunks)
@@ -412,14 +436,14 @@ class EngineStaging:
                     raise
                 return self._store(token, index, buf, spans)
         answer = await asyncio.shield(running)  # it runs on even if this caller goes away
-        return {**answer, "duplicate": True} if duplicate else answer
+        return attrs.evolve(answer, duplicate=True) if duplicate else answer
 
-    def _store(self, token: AttemptToken, index: int, buf: Buffer, spans: list[tuple[int, int]]) -> dict[str, Any]:
+    def _store(self, token: AttemptToken, index: int, buf: Buffer, spans: list[tuple[int, int]]) -> StageReply:
         self._landed[(token, index)] = (buf, spans)  # kept and checked, or closed (cleaned up meanwhile)
         _raise(self._do(m.Stored(token, index, buf.nbytes, _now()))[0])
-        return {"incarnation": self.incarnation, "duplicate": False}
+        return StageReply(self.incarnation, duplicate=False)
 
-    async def _collect(self, stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> dict[str, Any]:
+    async def _collect(self, stash: Stash, bucket: Bucket, control: Mapping[str, Any]) -> StageReply:
         token, index = stash.token, bucket.index
         try:
             try:
@@ -451,22 +475,21 @@ class EngineStaging:
     async def end(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         return await self._answer(self._end(body))
 
-    async def _end(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(body, Mapping):
-            raise bad("end takes a JSON object")
-        token = token_from_json(body.get("token"))
-        _raise(self._do(m.End(token, body.get("incarnation"), _now()))[0])
+    async def _end(self, body: Any) -> EndReply:
+        sent = EndBody.from_json(body)
+        token = sent.token
+        _raise(self._do(m.End(token, sent.incarnation, _now()))[0])
         try:
             return await self._end_of(self._stashes[token])
         finally:
             self._do(m.Leave(token, _now()))
 
-    async def _end_of(self, stash: Stash) -> dict[str, Any]:
+    async def _end_of(self, stash: Stash) -> EndReply:
         token = stash.token
         async with stash.lock:
             reply, _ = self._do(m.Finish(token, _now()))
             if isinstance(_raise(reply), m.Receipted):  # a duplicate end: the same receipt, nothing loaded twice
-                return dict(reply.receipt.to_json(), duplicate=True)
+                return EndReply(reply.receipt, duplicate=True)
             fails = False
             try:
                 started = _now()
@@ -481,7 +504,7 @@ class EngineStaging:
                 self._do(m.LoadFailed(token))
                 raise
             reply, _ = self._do(m.Loaded(token, receipt))  # the staged bytes go: the engine holds the adapter
-            return dict(_raise(reply).receipt.to_json(), duplicate=False)
+            return EndReply(_raise(reply).receipt, duplicate=False)
 
     async def _load(self, stash: Stash, started: float) -> m.Receipt:
         """The fresh, pinned load through the engine (``dir``: the folder on the engine's own disk, its
@@ -526,10 +549,8 @@ class EngineStaging:
         caller unloads it)."""
         return await self._answer(self._cleanup(body))
 
-    async def _cleanup(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(body, Mapping):
-            raise bad("cleanup takes a JSON object")
-        token = token_from_json(body.get("token"))
+    async def _cleanup(self, body: Any) -> CleanupReply:
+        token = CleanupBody.from_json(body).token
         reply, _ = self._do(m.Cleanup(token, _now()))  # from now on begin / bucket / end of it are refused
         if isinstance(reply, m.Wait):
             try:
@@ -537,19 +558,17 @@ class EngineStaging:
                     reply, _ = self._do(m.Discard(token))
             finally:
                 self._do(m.Leave(token, _now()))
-        return {"incarnation": self.incarnation, "loaded": None if reply.loaded is None else reply.loaded.to_json()}
+        return CleanupReply(self.incarnation, reply.loaded)
 
     async def release(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         """After ``lora_name`` was unloaded (reclaimed): free what its attempt still keeps here."""
         return await self._answer(self._release(body))
 
-    async def _release(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        name = body.get("lora_name") if isinstance(body, Mapping) else None
-        if not isinstance(name, str):
-            raise bad("release takes {\"lora_name\": ...}")
+    async def _release(self, body: Any) -> ReleaseReply:
+        name = ReleaseBody.from_json(body).lora_name
         reply, _ = self._do(m.Release(name, name in self.hooks.adapters(), _now()))
         tokens = _raise(reply).tokens
-        freed = []
+        freed: list[str] = []
         try:
             for token in tokens:
                 stash = self._stashes.get(token)
@@ -563,4 +582,4 @@ class EngineStaging:
         finally:
             for token in tokens:
                 self._do(m.Leave(token, _now()))
-        return {"incarnation": self.incarnation, "freed": freed}
+        return ReleaseReply(self.incarnation, tuple(freed))

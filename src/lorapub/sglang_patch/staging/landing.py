@@ -16,8 +16,8 @@ from lorapub.core.identity import AttemptToken
 from lorapub.core.manifest import Bucket, BucketPlan
 from lorapub.sglang_patch.staging.buffers import NOFOLLOW, Buffer, close_all
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
+from lorapub.wire.messages import ShmControl, StageReply
 from lorapub.wire.refusal import bad, refuse
-from lorapub.wire.routes import SHM_NAME
 from lorapub.wire.safetensors import raw_spans
 
 if TYPE_CHECKING:  # torch is imported only where a torch transport is used
@@ -57,7 +57,7 @@ class Stash:
         self.lock = asyncio.Lock()
         self.buckets: dict[int, tuple[Buffer, list[tuple[int, int]]]] = {}
         self.verifying: dict[int, asyncio.Future[None]] = {}
-        self.inflight: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.inflight: dict[int, asyncio.Future[StageReply]] = {}
         self.folder: str | None = None
         self.peft: tuple[str, dict[int, int]] | None = None
         self.group: Group | None = None
@@ -111,9 +111,7 @@ def from_shm(stash: Stash, bucket: Bucket, control: Mapping[str, Any],
              shm_dir: str) -> tuple[Buffer, list[tuple[int, int]]]:
     """A bucket the publisher wrote once, for every engine on its host, into a shared-memory file."""
     shared = stash.load == "tensors"
-    name = control.get("name")
-    if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
-        raise bad(f"shared-memory bucket name {name!r:.80} is not a lorapub bucket file")
+    name = ShmControl.from_json(control).name
     path = os.path.join(shm_dir, name)
     try:  # read-write only where torch maps the file for SGLang's scheduler (it maps pages writable)
         fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | NOFOLLOW)

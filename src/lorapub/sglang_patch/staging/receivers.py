@@ -1,28 +1,28 @@
-"""The thin receivers: a staging message's body as the machine's command, and a bucket's bytes off
-the wire into their landing.
-
-Parsing only: what is wrong with a message is captured as a refusal value the machine answers in
-its turn (after the tombstone, the life and a duplicate), so a message is refused for the same
-reason whichever way it came.
+"""The thin receivers: a staging message, decoded by its one codec (:mod:`lorapub.wire.messages`),
+checked against this engine as the machine's command takes it; a bucket's bytes off the wire into their
+landing. What is wrong with a message is captured as a refusal value the machine answers in its turn
+(after the tombstone, the life and a duplicate), so a message is refused for the same reason whichever
+way it came.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator
 
 import attrs
 
-from lorapub.core.identity import MANAGED_PREFIX_ENV, AttemptToken, lora_name_for
+from lorapub.core.identity import lora_name_for
 from lorapub.core.manifest import Bucket, BucketPlan
+from lorapub.core.staging.messages import Refusal
 from lorapub.sglang_patch.staging import collective
 from lorapub.sglang_patch.staging.buffers import Buffer
 from lorapub.sglang_patch.staging.landing import Stash, from_shm, landing
-from lorapub.core.staging.messages import Refusal
-from lorapub.wire.codec import manifest_digest, plan_from_json
+from lorapub.wire.codec import manifest_digest
+from lorapub.wire.messages import BeginBody, BeginSent, BucketParams, BucketSent
 from lorapub.wire.refusal import Refused, bad, refuse
-from lorapub.wire.routes import FORMATS, LOAD_FORMS
+from lorapub.wire.routes import MANAGED_PREFIX_ENV
 from lorapub.wire.safetensors import raw_spans, safetensors_header, safetensors_layout
 
 __all__ = ["BeginRequest", "begin_request", "bucket_request", "drain", "fill", "read_all", "read_control",
@@ -30,90 +30,79 @@ __all__ = ["BeginRequest", "begin_request", "bucket_request", "drain", "fill", "
 
 
 def refusal_of(e: Refused | None) -> Refusal | None:
-    return None if e is None else Refusal(e.status, e.code, e.message)
+    return None if e is None else e.value()
 
 
 @attrs.frozen
 class BeginRequest:
-    """A begin's body, parsed: ``problem`` / ``late_problem`` as the machine's ``Begin`` takes them;
-    ``header``: a dir load's safetensors header."""
+    """A begin as the machine's ``Begin`` takes it: the body as sent, the checked body (None: ``problem``
+    says what is wrong with it), ``late_problem`` (what only a new attempt meets) and ``header``, a dir
+    load's safetensors header."""
 
-    lora_name: Any  # as the body gave them (checked unless there is a problem)
-    digest: Any
-    plan: BucketPlan | None = None
-    transport: dict[str, Any] = attrs.field(factory=dict)
-    load: Any = "dir"
+    sent: BeginSent
+    body: BeginBody | None = None
     header: bytes = b""
     problem: Refusal | None = None
     late_problem: Refusal | None = None
 
     @property
+    def plan(self) -> BucketPlan | None:
+        return None if self.body is None else self.body.plan
+
+    @property
+    def load(self) -> str:
+        return "dir" if self.body is None else self.body.load
+
+    @property
     def kind(self) -> str:
-        return str(self.transport.get("kind", "http"))  # one of http, shm, torch (checked)
+        return "http" if self.body is None else self.body.kind  # one of http, shm, torch (checked)
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(b.nbytes for b in self.plan.buckets) if self.plan is not None else ()
+        return () if self.body is None else tuple(b.nbytes for b in self.body.plan.buckets)
 
 
-def _checked(body: Mapping[str, Any], token: AttemptToken, prefix: str) -> tuple[BucketPlan, dict[str, Any], str]:
-    digest: Any = body.get("digest")  # a JSON value: the checks below say what it is
-    lora_name = body.get("lora_name")
-    plan = plan_from_json(body.get("plan"))
-    try:
-        expected_name = lora_name_for(token.version, digest, prefix)
-    except Exception:  # noqa: BLE001
-        raise bad(f"digest {digest!r:.80} is not a SHA-256 hex digest") from None
-    if lora_name != expected_name:
-        raise bad(f"lora_name {lora_name!r} is not the managed name of {token.version} ({expected_name}): this "
-                  f"engine protects names starting with {prefix!r} (launch it with {MANAGED_PREFIX_ENV} set to the "
-                  "deployment's name_prefix)")
-    if plan.digest != digest or manifest_digest(plan) != digest:
-        raise Refused(400, "STAGE_DIGEST", f"the bucket plan does not describe digest {str(digest)[:12]}")
-    transport = dict(body.get("transport") or {"kind": "http"})
-    kind = transport.get("kind", "http")
-    if kind not in ("http", "shm", "torch"):
-        raise bad(f"unknown transport {kind!r}")
-    load = body.get("load", "dir")
-    if load not in LOAD_FORMS:
-        raise bad(f"unknown load form {load!r}; one of {LOAD_FORMS}")
-    if load == "tensors" or kind == "torch":
+def _checked(sent: BeginSent, prefix: str) -> BeginBody:
+    """The body, checked against this engine: its managed name, its plan's digest, torch where needed."""
+    body = sent.checked()
+    expected_name = lora_name_for(body.token.version, body.digest, prefix)
+    if body.lora_name != expected_name:
+        raise bad(f"lora_name {body.lora_name!r} is not the managed name of {body.token.version} ({expected_name}): "
+                  f"this engine protects names starting with {prefix!r} (launch it with {MANAGED_PREFIX_ENV} set to "
+                  "the deployment's name_prefix)")
+    if body.plan.digest != body.digest or manifest_digest(body.plan) != body.digest:
+        raise Refused(400, "STAGE_DIGEST", f"the bucket plan does not describe digest {body.digest[:12]}")
+    if body.load == "tensors" or body.kind == "torch":
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise refuse(f"{kind} transport / {load} load needs torch in the engine process") from None
-    return plan, transport, load
+            raise refuse(f"{body.kind} transport / {body.load} load needs torch in the engine process") from None
+    return body
 
 
-def begin_request(body: Mapping[str, Any], token: AttemptToken, prefix: str) -> BeginRequest:
-    """A begin's body (a JSON object) for ``token``; ``prefix``: the names the engine protects."""
-    digest, lora_name = body.get("digest"), body.get("lora_name")
+def begin_request(sent: BeginSent, prefix: str) -> BeginRequest:
+    """A begin as sent; ``prefix``: the names the engine protects."""
     try:
-        plan, transport, load = _checked(body, token, prefix)
+        body = _checked(sent, prefix)
     except Refused as e:
-        return BeginRequest(lora_name, digest, problem=refusal_of(e))
+        return BeginRequest(sent, problem=refusal_of(e))
     header, late = b"", None
     try:
-        if load == "dir":  # refuses a dtype it cannot store
-            header = safetensors_header([e for b in plan.buckets for e in b.entries])
-        if transport.get("kind") == "torch":
-            late = collective.transport_problem(transport)
+        if body.load == "dir":  # refuses a dtype it cannot store
+            header = safetensors_header([e for b in body.plan.buckets for e in b.entries])
+        if body.kind == "torch":
+            late = collective.transport_problem(body.transport)
     except Refused as e:
         late = e
-    return BeginRequest(lora_name, digest, plan, transport, load, header, None, refusal_of(late))
+    return BeginRequest(sent, body, header, None, refusal_of(late))
 
 
-def bucket_request(params: Mapping[str, str]) -> tuple[int, str, Refusal | None]:
-    """(index, format, what is wrong with them) of a bucket's query parameters."""
-    problem, index = None, -1
+def bucket_request(sent: BucketSent) -> tuple[BucketParams | None, Refusal | None]:
+    """A bucket's query parameters as sent: checked, or what is wrong with them."""
     try:
-        index = int(params.get("index", ""))
-    except ValueError:
-        problem = bad(f"bucket index {params.get('index')!r} is not an int")
-    fmt = params.get("format", "raw")
-    if problem is None and fmt not in FORMATS:
-        problem = bad(f"unknown bucket format {fmt!r}")
-    return index, fmt, refusal_of(problem)
+        return sent.checked(), None
+    except Refused as e:
+        return None, refusal_of(e)
 
 
 # -- body streams -------------------------------------------------------------------------------------
@@ -150,8 +139,13 @@ async def read_all(chunks: AsyncIterator[bytes] | None, limit: int) -> bytes:
 
 
 async def read_control(chunks: AsyncIterator[bytes] | None) -> Any:
-    """The small JSON object a shared-memory or torch bucket's body is."""
-    return json.loads(await read_all(chunks, 1 << 16) or b"{}")
+    """The small JSON object a shared-memory or torch bucket's body is (:class:`~lorapub.wire.messages.ShmControl`,
+    :class:`~lorapub.wire.messages.TorchControl`, decoded where it is used)."""
+    text = await read_all(chunks, 1 << 16)
+    try:
+        return json.loads(text or b"{}")
+    except ValueError:
+        raise bad(f"a bucket's control body that is not JSON: {text[:80]!r}") from None
 
 
 async def drain(chunks: AsyncIterator[bytes]) -> None:

@@ -12,9 +12,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from lorapub.core.identity import STATE_ROUTE
 from lorapub.testing._sglang_registry import registry_root
-from lorapub.wire.routes import ROUTES
+from lorapub.wire.routes import ROUTES, STATE_ROUTE
 
 __all__ = ["NORMAL", "ADMIN_OPTIONAL", "ADMIN_FORCE", "ROUTE_AUTH_LEVELS", "decide_request_auth"]
 

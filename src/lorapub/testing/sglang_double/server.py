@@ -16,12 +16,12 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from lorapub.core.identity import RECLAIM_HEADER, STATE_ROUTE
 from lorapub.sglang_patch import provenance
 from lorapub.testing import numeric
 from lorapub.testing.sglang_double.auth import NORMAL, ROUTE_AUTH_LEVELS
 from lorapub.testing.sglang_double.engine import DoubleEngine, next_token, token_logprob
-from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RELEASE_ROUTE
+from lorapub.wire.messages import AdapterEntry, StateReply
+from lorapub.wire.routes import BEGIN_ROUTE, BUCKET_ROUTE, CLEANUP_ROUTE, END_ROUTE, RECLAIM_HEADER, RELEASE_ROUTE, STATE_ROUTE
 
 __all__ = ["BODY_LIMIT", "SGLangDouble"]
 
@@ -162,26 +162,14 @@ class SGLangDouble(DoubleEngine):
         if refused is not None:
             return refused
         adapters = {
-            name: {
-                "lora_id": ref.lora_id,
-                "lora_path": ref.lora_path,
-                "pinned": bool(ref.pinned),
-                "refs": self.lora_registry._counters[ref.lora_id].value(),
-            }
+            name: AdapterEntry(ref.lora_id, ref.lora_path, bool(ref.pinned),
+                               self.lora_registry._counters[ref.lora_id].value())
             for name, ref in self.lora_registry.get_all_adapters().items()
         }
-        return web.json_response(
-            {
-                "incarnation": self.incarnation,
-                "max_loaded_loras": self.max_loaded_loras,
-                "managed_patch": self.managed_patch,
-                "managed_prefix": self.managed_prefix if self.managed_patch else None,
-                "stamps": self.managed_patch,
-                "adapters": adapters,
-                "pending_unloads": dict(self.pending_unloads),
-                "staging": self.staging.report(),
-            }
-        )
+        return web.json_response(StateReply(
+            self.incarnation, adapters, self.pending_unloads, self.max_loaded_loras, self.managed_patch,
+            self.managed_prefix if self.managed_patch else None, self.managed_patch, self.staging.staging_report(),
+        ).to_json())
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
