@@ -91,13 +91,12 @@ def test_the_relax_frozen_copies_wrapper_names_the_deployments_copy_store():
 @pytest.mark.parametrize("name", ["STATE_ROUTE", "RECLAIM_HEADER", "MANAGED_PREFIX_ENV"])
 def test_the_protocols_names_moved_from_the_core_to_wire(name):
     """The route, header and environment variable names are the staging protocol's (lorapub.wire.routes):
-    the old import still answers them, with a warning naming the new one."""
+    the old import is an error naming the new one."""
     from lorapub.wire import routes
 
-    with pytest.warns(DeprecationWarning, match=f"from lorapub.wire.routes import {name}"):
-        namespace: dict = {}
-        exec(f"from lorapub.core.identity import {name}", namespace)
-    assert namespace[name] == getattr(routes, name)
+    with pytest.raises(ImportError, match=f"from lorapub.wire.routes import {name}"):
+        exec(f"from lorapub.core.identity import {name}", {})
+    assert isinstance(getattr(routes, name), str)
     import lorapub.core.identity as identity
     assert name not in identity.__all__
     with pytest.raises(AttributeError):

@@ -5,9 +5,7 @@ The protocol's route, header and environment variable names are in :mod:`lorapub
 
 from __future__ import annotations
 
-import importlib
 import re
-import warnings
 from typing import Any
 
 import attrs
@@ -150,16 +148,15 @@ class SessionKey:
         return f"{self.deployment_epoch}/{self.session_id}/{self.nonce}"
 
 
-#: Names that moved to the staging protocol (``lorapub.wire``), where both sides of it read them.
+#: Names that moved to the staging protocol (``lorapub.wire.routes``), where both sides of it read them.
 _MOVED = {"MANAGED_PREFIX_ENV": "lorapub.wire.routes", "RECLAIM_HEADER": "lorapub.wire.routes",
           "STATE_ROUTE": "lorapub.wire.routes"}
 
 
 def __getattr__(name: str) -> Any:
-    """A moved name, read from its new module with a :class:`DeprecationWarning` naming it (an old import
-    keeps working until it is changed; the core itself never reads these)."""
+    """A moved name is an error naming its new module (the core never imports ``lorapub.wire``)."""
     where = _MOVED.get(name)
     if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"lorapub.core.identity.{name} moved: from {where} import {name}", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(where), name)
+    # ImportError (not AttributeError, which ``from … import`` would replace with its own words)
+    raise ImportError(f"lorapub.core.identity.{name} moved: use `from {where} import {name}`", name=name)

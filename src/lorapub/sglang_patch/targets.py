@@ -14,8 +14,9 @@ import os
 
 import attrs
 
-# Defined once, in the core; the runtime form and the HTTP adapter share them.
-from lorapub.core.identity import MANAGED_PREFIX, RECLAIM_HEADER, STATE_ROUTE
+# Defined once: the naming value in the core, the protocol's names in wire (the HTTP adapter reads them there too).
+from lorapub.core.identity import MANAGED_PREFIX
+from lorapub.wire.routes import RECLAIM_HEADER, STATE_ROUTE
 
 TM_FILE = "srt/managers/tokenizer_manager.py"
 MIXIN_FILE = "srt/managers/tokenizer_control_mixin.py"
