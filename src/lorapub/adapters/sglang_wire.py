@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Mapping, TypeVar, Unpack
+from typing import Any, Awaitable, Callable, Mapping, TypeVar, Unpack
 
 import aiohttp
 
@@ -278,11 +278,20 @@ class SGLangWireEngine:
         if receipt.incarnation != inc:
             raise EngineError(f"{self.name} {END_ROUTE} answered a receipt of another life: {receipt}",
                               engine=self.name)
-        await self._probe(name)
-        t2 = time.monotonic()
-        state = await self.client.state_reply()
+        # The exact-version probe and the state check overlap: both only read the engine, and a restart
+        # between them fails the probe (a new life holds nothing) or shows in the state's incarnation.
+        state_read = asyncio.ensure_future(_timed(self.client.state_reply()))
+        try:
+            await self._probe(name)
+            t2 = time.monotonic()
+            state, state_s = await state_read
+        finally:
+            if not state_read.done():
+                state_read.cancel()
+            elif not state_read.cancelled():
+                state_read.exception()  # retrieved: the probe's error is the one raised
         self._end_timings[token] = EndTimings({"verify_wait": receipt.verify_wait, "load": receipt.load_s},
-                                              stage=t1 - t0, probe=t2 - t1, state=time.monotonic() - t2)
+                                              stage=t1 - t0, probe=t2 - t1, state=state_s)
         while len(self._end_timings) > 16:  # a few recent ones, for reports
             self._end_timings.pop(next(iter(self._end_timings)))
         if state.incarnation != inc:
@@ -324,6 +333,12 @@ class SGLangWireEngine:
         await self._unload(lora_name, reclaim_id)
         await self._stage(RELEASE_ROUTE, ReleaseBody(lora_name).to_json(), ReleaseReply.from_json)  # it frees what it kept
 
+
+
+async def _timed(aw: Awaitable[_Reply]) -> tuple[_Reply, float]:
+    """``aw``'s result and the seconds it took."""
+    t0 = time.monotonic()
+    return await aw, time.monotonic() - t0
 
 __all__ = ["DEFAULT_TRANSPORT", "HTTPBytes", "RawBucket", "SGLangWireEngine", "SameHostIPC", "SharedDir", "ShmBucket",
            "ShmBucketSource", "TorchBucketSource", "TorchDistributed", "WireBucketSource"]
