@@ -8,11 +8,12 @@ See docs/design.md, "The staging machine".
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import attrs
 from pyrsistent import PMap, PSet, pmap, pset
 
+from lorapub.core.door import Table, on
 from lorapub.core.identity import AttemptToken
 from lorapub.core.staging.messages import (
     Abandon,
@@ -457,17 +458,16 @@ def close(state: StagingState, c: Close) -> Outcome:
     return Outcome(attrs.evolve(state, attempts=pmap(), closed=True), None, effects)
 
 
-COMMANDS: dict[type, Callable[[StagingState, Any], Outcome]] = {
-    Begin: begin, Abandon: abandon, Receive: receive, Arrive: arrive, Stored: stored, Lost: lost,
-    CollectFailed: collect_failed, End: end, Finish: finish, Loaded: loaded, LoadFailed: load_failed,
-    Cleanup: cleanup, Discard: discard, Release: release, Forget: forget, Leave: leave, Sweep: sweep, Close: close,
-}
+#: The door's table: each command type and its transition, ``(state, command: ThatCommand) -> Outcome``.
+COMMANDS: Table[StagingState, Outcome] = Table(
+    "staging",
+    on(Begin, begin), on(Abandon, abandon), on(Receive, receive), on(Arrive, arrive), on(Stored, stored),
+    on(Lost, lost), on(CollectFailed, collect_failed), on(End, end), on(Finish, finish), on(Loaded, loaded),
+    on(LoadFailed, load_failed), on(Cleanup, cleanup), on(Discard, discard), on(Release, release),
+    on(Forget, forget), on(Leave, leave), on(Sweep, sweep), on(Close, close),
+)
 
 
-def handle(state: StagingState, command: Any) -> Outcome:
-    """The one door: apply ``command`` to ``state``."""
-    try:
-        transition = COMMANDS[type(command)]
-    except KeyError:
-        raise ProtocolError(f"{command!r} is not a staging command") from None
-    return transition(state, command)
+def handle(state: StagingState, command: object) -> Outcome:
+    """The one door: apply ``command`` to ``state`` (InvalidInput: not a staging command)."""
+    return COMMANDS(state, command)
