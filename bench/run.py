@@ -814,19 +814,19 @@ def publish_decisions(state, version: str, n_buckets: int):
 
     digest, plan = fake_plan(version, tensors=n_buckets, cap=64)
     key = VersionKey(state.epoch, version)
-    out = R.reserve(state, key, digest, plan)
+    out = R.reserve(state, R.Reserve(key, digest, plan))
     state, token, n = out.state, out.reply.token, 1
     for e, inc in state.engines.items():
-        state = R.record_prepared(state, token, e, inc).state
+        state = R.record_prepared(state, R.RecordPrepared(token, e, inc)).state
         n += 1
     for i in range(len(plan)):
         for p in (SOURCE, *state.engines):
-            state = R.record_bucket_done(state, token, p, i, state.engines.get(p)).state
+            state = R.record_bucket_done(state, R.RecordBucketDone(token, p, i, state.engines.get(p))).state
             n += 1
     for e, inc in state.engines.items():
-        state = R.record_ready(state, ReadyLocal(e, token, digest, inc)).state
+        state = R.record_ready(state, R.RecordReady(ReadyLocal(e, token, digest, inc))).state
         n += 1
-    state = R.commit(state, key, token, state.default_revision).state
+    state = R.commit(state, R.Commit(key, token, state.default_revision)).state
     return state, n + 1
 
 

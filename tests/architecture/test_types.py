@@ -55,3 +55,27 @@ def test_deploy_types_every_option_of_deployment():
                if p.kind is p.KEYWORD_ONLY and name not in {"epoch", "stash_dir"}}
     typed = {name: getattr(t, "__forward_arg__", t) for name, t in DeploymentOptions.__annotations__.items()}
     assert typed == options
+
+
+def test_mypy_refuses_a_door_row_whose_handler_takes_another_command(tmp_path):
+    """``on(Command, handler)``: the handler's command parameter must be that command (the registry's and
+    the staging machine's tables are checked so by mypy --strict)."""
+    pytest.importorskip("mypy.api", reason="mypy is not installed (.ci/install installs it)")
+    snippet = tmp_path / "rows.py"
+    snippet.write_text(
+        "from lorapub.core.door import Table, on\n"
+        "from lorapub.core.registry import Commit, Outcome, RegistryState, Reserve, commit, reserve\n"
+        "from lorapub.core.staging import machine as M\n"
+        "from lorapub.core.staging.messages import Begin\n"
+        "good: Table[RegistryState, Outcome] = Table('r', on(Reserve, reserve), on(Commit, commit))\n"
+        "bad: Table[RegistryState, Outcome] = Table('r', on(Reserve, commit))\n"
+        "wrong: Table[M.StagingState, M.Outcome] = Table('s', on(Begin, M.end))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir",
+         str(ROOT / ".mypy_cache"), "--strict", "--no-error-summary", str(snippet)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert [int(line.split(":")[1]) for line in errors] == [6, 7], done.stdout + done.stderr
+    assert all('Argument 2 to "on"' in line for line in errors), done.stdout

@@ -29,7 +29,7 @@ class SessionIndexMachine(RegistryMachine):
             return
         deadlines = {r.lease_until for r in self.state.sessions.values() if r.lease_until is not None}
         for now in {self.now, self.now + 500.0, *deadlines, *(d + 1e-3 for d in deadlines)}:
-            by_index, by_scan = R.expire_leases(self.state, now), expire_by_scan(self.state, now)
+            by_index, by_scan = R.expire_leases(self.state, R.ExpireLeases(now)), expire_by_scan(self.state, now)
             assert by_index.reply == by_scan.reply and by_index.effects == by_scan.effects
             assert by_index.state == by_scan.state
 

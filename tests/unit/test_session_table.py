@@ -275,7 +275,7 @@ def test_expire_leases_reads_only_what_is_due_and_agrees_with_a_scan():
     state = R.handle(state, RenewLeases(tuple(keys[::2]), now=10_040)).state
     state = R.handle(state, CloseAndRelease(keys[1], now=10_041)).state
     for now in (10_099.5, 10_120, 10_141, 10_400, 10_700):
-        by_index = R.expire_leases(state, now)
+        by_index = R.expire_leases(state, R.ExpireLeases(now))
         by_scan = expire_by_scan(state, now)
         assert by_index.state == by_scan.state and by_index.reply == by_scan.reply
         assert by_index.effects == by_scan.effects
@@ -286,6 +286,6 @@ def test_expire_leases_reads_only_what_is_due_and_agrees_with_a_scan():
 
 def test_a_clock_reading_that_is_not_a_number_takes_the_scan(bound_state):
     state = R.handle(bound_state, OpenSession(SessionKey(EP, "nan", "n"), now=math.nan)).state
-    assert R.expire_leases(state, math.nan) == expire_by_scan(state, math.nan)
-    out = R.expire_leases(state, 200.0)  # a NaN deadline is never ">= now": due at once, as before
+    assert R.expire_leases(state, R.ExpireLeases(math.nan)) == expire_by_scan(state, math.nan)
+    out = R.expire_leases(state, R.ExpireLeases(200.0))  # a NaN deadline is never ">= now": due at once, as before
     assert SessionKey(EP, "nan", "n") in {k for k, r in out.state.sessions.items() if r.state is SessionState.EXPIRED}

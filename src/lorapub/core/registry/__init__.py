@@ -1,15 +1,15 @@
 """The registry's decisions: versions, attempts, sessions and reclaim in one state.
 
-The single writer of default, capacity, refs and tombstones: ``handle(state, command) -> Outcome`` gives
-the new state, the reply and the effects the I/O layer must perform; a rejection raises a typed
-:mod:`lorapub.errors` error and changes nothing. The command values live in :mod:`lorapub.core.commands`
-(importable from here), each with one transition function below of the same name in snake case.
+The single writer of default, capacity, refs and tombstones: ``handle(state, command) -> Outcome`` gives the
+new state, the reply and the effects to run; a rejection raises
+a typed error and changes nothing. Each command (:mod:`lorapub.core.commands`) has one handler of its name in
+snake case, ``(state, command) -> Outcome``, in the door's tables (:mod:`lorapub.core.door`).
 See docs/design.md, "Shape".
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -54,8 +54,8 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
     RetryReclaim,
     StartReprovision,
 )
+from lorapub.core.door import Table, on
 from lorapub.core.effects import Effect
-from lorapub.errors import InvalidInput
 
 from .state import (
     as_effects,
@@ -131,7 +131,8 @@ __all__ = [
     "record_ready", "record_failure", "record_unknown", "record_cleaned", "retry_cleanup", "commit", "query_attempt",
     "open_session", "bind_first", "rebind", "begin_close", "close_and_release", "forget_sessions", "renew_leases",
     "expire_sessions", "expire_leases", "authorize_dispatch", "read_sessions_of", "claim_reclaim", "record_unloaded",
-    "retry_reclaim", "start_reprovision", "record_lost", "abort_stale", "read_fleet", "COMMANDS", "handle", "Result",
+    "retry_reclaim", "start_reprovision", "record_lost", "abort_stale", "read_fleet", "read_version", "list_reclaimable", "read_state", "COMMANDS",
+    "TRANSITIONS", "QUERY_HANDLERS", "handle", "Result",
     "AbortStale", "AuthorizeDispatch", "BeginClose", "BindFirst", "CancelWait", "ClaimReclaim", "CloseAndRelease",
     "ExpireLeases", "ExpireSessions", "Command", "Commit", "ForgetSessions", "ListReclaimable", "OpenSession",
     "QUERIES", "QueryAttempt", "ReadFleet", "ReadSessionsOf", "ReadState", "ReadVersion", "Rebind",
@@ -143,44 +144,50 @@ __all__ = [
 
 
 # -- the one door ----------------------------------------------------------------
-# Tables keyed by a command's type: each entry takes that type's fields (a transition) or the
-# command itself (a query), which no one callable type says for every key.
-TRANSITIONS: dict[type, Callable[..., Outcome]] = {
-    RegisterEngine: register_engine, Reserve: reserve, CancelWait: cancel_wait, RecordPrepared: record_prepared,
-    RecordBucketDone: record_bucket_done, RecordReady: record_ready, RecordFailure: record_failure,
-    RecordUnknown: record_unknown, RecordCleaned: record_cleaned, RetryCleanup: retry_cleanup, Commit: commit,
-    OpenSession: open_session, BindFirst: bind_first, Rebind: rebind, BeginClose: begin_close,
-    CloseAndRelease: close_and_release,
-    ForgetSessions: forget_sessions, ClaimReclaim: claim_reclaim, RecordUnloaded: record_unloaded,
-    RetryReclaim: retry_reclaim, RenewLeases: renew_leases, ExpireSessions: expire_sessions,
-    ExpireLeases: expire_leases,
-    StartReprovision: start_reprovision, AbortStale: abort_stale, RecordLost: record_lost,
-    AddEngine: add_engine, DrainEngine: drain_engine, RemoveEngine: remove_engine,
-    MarkSuspect: mark_suspect,
-}
+def read_version(state: RegistryState, c: ReadVersion) -> Outcome:
+    return Outcome(state, state.version(c.key))
 
-QUERY_HANDLERS: dict[type, Callable[[RegistryState, Any], object]] = {
-    AuthorizeDispatch: lambda state, c: authorize_dispatch(state, c.key),
-    QueryAttempt: lambda state, c: query_attempt(state, c.token),
-    ReadVersion: lambda state, c: state.version(c.key),
-    ListReclaimable: lambda state, c: state.reclaimable(),
-    ReadState: lambda state, c: state,
-    ReadFleet: lambda state, c: read_fleet(state, c.now),
-    ReadSessionsOf: lambda state, c: read_sessions_of(state, c.version, c.limit),
-}
+
+def list_reclaimable(state: RegistryState, c: ListReclaimable) -> Outcome:
+    return Outcome(state, state.reclaimable())
+
+
+def read_state(state: RegistryState, c: ReadState) -> Outcome:
+    return Outcome(state, state)
+
+
+#: Each command type and its transition, ``(state, command: ThatCommand) -> Outcome`` (see :mod:`lorapub.core.door`).
+TRANSITIONS: Table[RegistryState, Outcome] = Table(
+    "registry",
+    on(RegisterEngine, register_engine), on(Reserve, reserve), on(CancelWait, cancel_wait),
+    on(RecordPrepared, record_prepared), on(RecordBucketDone, record_bucket_done), on(RecordReady, record_ready),
+    on(RecordFailure, record_failure), on(RecordUnknown, record_unknown), on(RecordCleaned, record_cleaned),
+    on(RetryCleanup, retry_cleanup), on(Commit, commit), on(OpenSession, open_session), on(BindFirst, bind_first),
+    on(Rebind, rebind), on(BeginClose, begin_close), on(CloseAndRelease, close_and_release),
+    on(ForgetSessions, forget_sessions), on(ClaimReclaim, claim_reclaim), on(RecordUnloaded, record_unloaded),
+    on(RetryReclaim, retry_reclaim), on(RenewLeases, renew_leases), on(ExpireSessions, expire_sessions),
+    on(ExpireLeases, expire_leases), on(StartReprovision, start_reprovision), on(AbortStale, abort_stale),
+    on(RecordLost, record_lost), on(AddEngine, add_engine), on(DrainEngine, drain_engine),
+    on(RemoveEngine, remove_engine), on(MarkSuspect, mark_suspect),
+)
+
+#: The queries: the same shape; each answers ``Outcome(state, reply)`` and never changes the state.
+QUERY_HANDLERS: Table[RegistryState, Outcome] = Table(
+    "registry query",
+    on(AuthorizeDispatch, authorize_dispatch), on(QueryAttempt, query_attempt), on(ReadVersion, read_version),
+    on(ListReclaimable, list_reclaimable), on(ReadState, read_state), on(ReadFleet, read_fleet),
+    on(ReadSessionsOf, read_sessions_of),
+)
 
 COMMANDS: tuple[type, ...] = (*TRANSITIONS, *QUERY_HANDLERS)
 
 
 def handle(state: RegistryState, command: Command) -> Outcome:
-    """The one door: apply ``command`` to ``state``. A query returns the state unchanged."""
-    query = QUERY_HANDLERS.get(type(command))
-    if query is not None:
-        return Outcome(state, query(state, command))
-    transition = TRANSITIONS.get(type(command))
-    if transition is None:
-        raise InvalidInput(f"{command!r} is not a registry command")
-    outcome = transition(state, *(getattr(command, f.name) for f in attrs.fields(type(command))))
+    """The one door: apply ``command`` to ``state`` through its table's handler (InvalidInput: not a
+    registry command). A query returns the state unchanged."""
+    if type(command) in QUERY_HANDLERS:
+        return QUERY_HANDLERS(state, command)
+    outcome = TRANSITIONS(state, command)
     if outcome.state.members:  # a joining member may hold every needed version now (docs/elastic.md)
         admitted = admit_joined(outcome.state)
         if admitted is not outcome.state:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from lorapub.core.commands import AddEngine, DrainEngine, RegisterEngine, RemoveEngine
 from lorapub.core import attempt as att
 from lorapub.core.effects import Effect, Ignored
 from lorapub.core.identity import check_id
@@ -26,15 +27,16 @@ def _member(state: RegistryState, engine: str) -> Membership:
     return state.membership(engine)
 
 
-def add_engine(state: RegistryState, engine: str, incarnation: str) -> Outcome:
+def add_engine(state: RegistryState, c: AddEngine) -> Outcome:
     """``engine`` joins: JOINING until it holds every needed version (the reconciler loads them there,
     as on an engine that restarted holding nothing), then SERVING. The reply is its membership."""
+    engine, incarnation = c.engine, c.incarnation
     check_id("engine name", engine)
     if not isinstance(incarnation, str) or not incarnation:
         raise InvalidInput(f"an engine's incarnation is a non-empty str, got {incarnation!r}")
     effects: list[Effect] = []
     if engine in state.engines:
-        out = register_engine(state, engine, incarnation)  # a new incarnation: a restart
+        out = register_engine(state, RegisterEngine(engine, incarnation))  # a new incarnation: a restart
         state, effects = out.state, list(out.effects)
         if state.membership(engine) is Membership.DRAINING:  # rejoins: loaded again with what it lacks
             state = attrs.evolve(state, members=state.members.set(engine, Membership.JOINING))
@@ -65,8 +67,9 @@ def admit_joined(state: RegistryState) -> RegistryState:
     return state if members is state.members else attrs.evolve(state, members=members)
 
 
-def drain_engine(state: RegistryState, engine: str) -> Outcome:
+def drain_engine(state: RegistryState, c: DrainEngine) -> Outcome:
     """``engine`` takes no new binding and is left out of new publications; the reply is its membership."""
+    engine = c.engine
     if _member(state, engine) is Membership.DRAINING:
         return Outcome(state, Membership.DRAINING, [Ignored(f"{engine} is already draining")])
     others = state.in_state(Membership.SERVING) - {engine}
@@ -79,10 +82,11 @@ def drain_engine(state: RegistryState, engine: str) -> Outcome:
     return Outcome(state, Membership.DRAINING)
 
 
-def remove_engine(state: RegistryState, engine: str, force: bool = False) -> Outcome:
+def remove_engine(state: RegistryState, c: RemoveEngine) -> Outcome:
     """``engine`` leaves: it no longer holds any version as the registry counts them, reclaims stop
     waiting for it, and what attempts asked of it counts as cleaned. Without ``force`` only a draining
     member goes, once no publication still needs it."""
+    engine, force = c.engine, c.force
     membership = _member(state, engine)
     if membership is not Membership.DRAINING and not force:
         raise EngineNotDrained(

@@ -6,6 +6,10 @@ from typing import Callable, Concatenate, ParamSpec
 
 import attrs
 
+from lorapub.core.commands import (
+    CancelWait, Commit, MarkSuspect, QueryAttempt, RecordBucketDone, RecordCleaned, RecordFailure, RecordPrepared,
+    RecordReady, RecordUnknown, RegisterEngine, Reserve, RetryCleanup,
+)
 from lorapub.core import attempt as att
 from lorapub.core import reclaim as rec
 from lorapub.core.attempt import Attempt, Phase, ReadyLocal, TargetState
@@ -47,9 +51,10 @@ def drop_holdings(state: RegistryState, engine: str) -> RegistryState:
     return attrs.evolve(state, versions=versions)
 
 
-def register_engine(state: RegistryState, engine: str, incarnation: str) -> Outcome:
+def register_engine(state: RegistryState, c: RegisterEngine) -> Outcome:
     """Record that a member restarted: attempts bound to its old life abort. An engine that is not a
     member changes nothing (it joins by ``AddEngine``; a removed one is not re-added by a late probe)."""
+    engine, incarnation = c.engine, c.incarnation
     old = state.engines.get(engine)
     if old is None:
         return Outcome(state, None, [Ignored(f"engine {engine} is not a member; AddEngine adds it")])
@@ -108,10 +113,7 @@ def _capacity_refusal(state: RegistryState) -> CapacityError:
                          waiting_on_engines=engines)
 
 
-def reserve(
-    state: RegistryState, key: VersionKey, digest: str, plan: BucketPlan, publisher: str = "",
-    wait: float | None = None, now: float | None = None,
-) -> Outcome:
+def reserve(state: RegistryState, c: Reserve) -> Outcome:
     """Take a logical slot for ``key`` and start its attempt (begin on every engine).
 
     Same key and digest again sends nothing and joins the existing attempt, except that the
@@ -120,6 +122,7 @@ def reserve(
     slot (or another attempt running) becomes the waiting publication and is answered
     :class:`Waiting`; the newest call always wins: it supersedes the waiting one.
     """
+    key, digest, plan, publisher, wait, now = c.key, c.digest, c.plan, c.publisher, c.wait, c.now
     check_epoch(state, key.deployment_epoch, f"version {key}")
     check_digest(digest)
     by = state.superseded.get(key)
@@ -221,8 +224,9 @@ def _wait(
     return Outcome(state, reply)
 
 
-def cancel_wait(state: RegistryState, key: VersionKey) -> Outcome:
+def cancel_wait(state: RegistryState, c: CancelWait) -> Outcome:
     """The caller of the waiting publication ``key`` stopped waiting."""
+    key = c.key
     if state.waiter is None or state.waiter.key != key:
         return Outcome(state, False)
     return Outcome(attrs.evolve(state, waiter=None), True)
@@ -278,9 +282,10 @@ def _step_reprovision(state: RegistryState, new: Attempt, effects: list[Effect])
     return Outcome(state, new.phase, effects)
 
 
-def mark_suspect(state: RegistryState, key: VersionKey, engine: str, reason: str) -> Outcome:
+def mark_suspect(state: RegistryState, c: MarkSuspect) -> Outcome:
     """A resident version the canary saw drift is suspect from now on (its first reason kept);
     the reply says whether this call marked it. Nothing else changes: bound sessions keep it."""
+    key, engine, reason = c.key, c.engine, c.reason
     version = state.version(key)
     if version.state not in SERVING or version.suspect is not None:
         return Outcome(state, False)
@@ -288,44 +293,50 @@ def mark_suspect(state: RegistryState, key: VersionKey, engine: str, reason: str
     return Outcome(attrs.evolve(state, versions=state.versions.set(key, marked)), True)
 
 
-def record_prepared(state: RegistryState, token: AttemptToken, engine: str, incarnation: str) -> Outcome:
+def record_prepared(state: RegistryState, c: RecordPrepared) -> Outcome:
+    token, engine, incarnation = c.token, c.engine, c.incarnation
     return step_attempt(state, token, att.on_prepared, engine, incarnation)
 
 
-def record_bucket_done(
-    state: RegistryState, token: AttemptToken, party: str, index: int, incarnation: str | None = None
-) -> Outcome:
+def record_bucket_done(state: RegistryState, c: RecordBucketDone) -> Outcome:
+    token, party, index, incarnation = c.token, c.party, c.index, c.incarnation
     return step_attempt(state, token, att.on_bucket_done, party, index, incarnation)
 
 
-def record_ready(state: RegistryState, receipt: ReadyLocal) -> Outcome:
+def record_ready(state: RegistryState, c: RecordReady) -> Outcome:
+    receipt = c.receipt
     return step_attempt(state, receipt.token, att.on_ready, receipt)
 
 
-def record_failure(state: RegistryState, token: AttemptToken, engine: str, reason: str) -> Outcome:
+def record_failure(state: RegistryState, c: RecordFailure) -> Outcome:
     """A definite failure of one target (or of the source): the attempt aborts."""
+    token, engine, reason = c.token, c.engine, c.reason
     return step_attempt(state, token, att.abort, f"{engine}: {reason}")
 
 
-def record_unknown(state: RegistryState, token: AttemptToken, engine: str, operation: str) -> Outcome:
+def record_unknown(state: RegistryState, c: RecordUnknown) -> Outcome:
     """No answer from ``engine`` for ``operation``: an active attempt aborts (it can never
     commit), an unanswered cleanup keeps its slot and blocks publication."""
+    token, engine, operation = c.token, c.engine, c.operation
     a = state.attempts.get(token)
     if a is not None and a.phase is Phase.ABORTED:
         return step_attempt(state, token, att.on_cleanup_unknown, engine)
     return step_attempt(state, token, att.abort, f"{engine}: outcome of {operation} unknown")
 
 
-def record_cleaned(state: RegistryState, token: AttemptToken, engine: str, incarnation: str) -> Outcome:
+def record_cleaned(state: RegistryState, c: RecordCleaned) -> Outcome:
+    token, engine, incarnation = c.token, c.engine, c.incarnation
     return step_attempt(state, token, att.on_cleaned, engine, incarnation)
 
 
-def retry_cleanup(state: RegistryState, token: AttemptToken) -> Outcome:
+def retry_cleanup(state: RegistryState, c: RetryCleanup) -> Outcome:
+    token = c.token
     return step_attempt(state, token, att.retry_cleanup)
 
 
-def commit(state: RegistryState, key: VersionKey, token: AttemptToken, expected_default_revision: int) -> Outcome:
+def commit(state: RegistryState, c: Commit) -> Outcome:
     """Make ``key`` the default. A replay of a commit that happened returns its receipt."""
+    key, token, expected_default_revision = c.key, c.token, c.expected_default_revision
     version = state.version(key)
     a = state.attempt(token)
     if token.version != key:
@@ -385,10 +396,11 @@ def reclaim_eligible(state: RegistryState, key: VersionKey | None) -> list[Effec
     return []
 
 
-def query_attempt(state: RegistryState, token: AttemptToken) -> AttemptStatus:
+def query_attempt(state: RegistryState, c: QueryAttempt) -> Outcome:
+    token = c.token
     a = state.attempt(token)
     v = state.versions[token.version]
-    return AttemptStatus(
+    return Outcome(state, AttemptStatus(
         token, a.phase, v.state, v.commit if a.phase is Phase.COMMITTED else None,
         tuple((t.engine, t.state.value) for t in a.targets), a.publisher,
-    )
+    ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import attrs
 
+from lorapub.core.commands import ClaimReclaim, RecordUnloaded, RetryReclaim
 from lorapub.core import reclaim as rec
 from lorapub.core.effects import Ignored
 from lorapub.core.identity import VersionKey
@@ -16,7 +17,8 @@ __all__ = ['claim_reclaim', 'record_unloaded', 'retry_reclaim']
 
 
 # -- reclaim -------------------------------------------------------------------
-def claim_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
+def claim_reclaim(state: RegistryState, c: ClaimReclaim) -> Outcome:
+    key = c.key
     version = state.version(key)
     new, effects = rec.claim(version, rec.reclaim_id_for(version, state.reclaim_seq + 1))
     if new is version:
@@ -27,8 +29,9 @@ def claim_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
     return Outcome(state, new.reclaim_id, effects)
 
 
-def record_unloaded(state: RegistryState, key: VersionKey, reclaim_id: str, engine: str) -> Outcome:
+def record_unloaded(state: RegistryState, c: RecordUnloaded) -> Outcome:
     """One engine's UNLOADED receipt for ``reclaim_id`` (a late one from a removed engine changes nothing)."""
+    key, reclaim_id, engine = c.key, c.reclaim_id, c.engine
     if engine not in state.engines:
         return Outcome(state, state.version(key).state, [Ignored(f"UNLOADED from {engine}, which is not a member")])
     version = state.version(key)
@@ -36,7 +39,8 @@ def record_unloaded(state: RegistryState, key: VersionKey, reclaim_id: str, engi
     return Outcome(attrs.evolve(state, versions=state.versions.set(key, new)), new.state, effects)
 
 
-def retry_reclaim(state: RegistryState, key: VersionKey) -> Outcome:
+def retry_reclaim(state: RegistryState, c: RetryReclaim) -> Outcome:
+    key = c.key
     version = state.version(key)
     if version.state is not VersionState.RECLAIMING:
         return Outcome(state, version.state, [Ignored(f"{key} is {version.state.value}; nothing to retry")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import attrs
 
+from lorapub.core.commands import AbortStale, ReadFleet, RecordLost, StartReprovision
 from lorapub.core import attempt as att
 from lorapub.core import reclaim as rec
 from lorapub.core.attempt import Phase
@@ -20,9 +21,10 @@ __all__ = ['abort_stale', 'read_fleet', 'record_lost', 'start_reprovision']
 
 
 # -- recovery --------------------------------------------------------------------
-def start_reprovision(state: RegistryState, key: VersionKey, engine: str) -> Outcome:
+def start_reprovision(state: RegistryState, c: StartReprovision) -> Outcome:
     """Load a needed version again on an engine that lost it; the reply is the attempt token
     (None when nothing is to do: not needed, already held, or already being loaded)."""
+    key, engine = c.key, c.engine
     version = state.version(key)
     if engine not in state.engines:
         raise UnknownEngine(f"engine {engine} is not registered")
@@ -44,10 +46,11 @@ def start_reprovision(state: RegistryState, key: VersionKey, engine: str) -> Out
     return Outcome(state, token, effects)
 
 
-def record_lost(state: RegistryState, engine: str, key: VersionKey) -> Outcome:
+def record_lost(state: RegistryState, c: RecordLost) -> Outcome:
     """``engine`` no longer holds ``key`` although it did not restart (an operator unloaded it):
     it leaves the version's holders (sessions go to another holder; it is re-provisioned where
     still needed), and a reclaim has nothing left to unload there."""
+    engine, key = c.engine, c.key
     if engine not in state.engines:
         raise UnknownEngine(f"engine {engine} is not registered")
     version = state.version(key)
@@ -60,13 +63,15 @@ def record_lost(state: RegistryState, engine: str, key: VersionKey) -> Outcome:
     return Outcome(attrs.evolve(state, versions=state.versions.set(key, version)), True)
 
 
-def abort_stale(state: RegistryState, token: AttemptToken, reason: str) -> Outcome:
+def abort_stale(state: RegistryState, c: AbortStale) -> Outcome:
     """Abort an active attempt whose publisher stopped (cleanup follows on every target)."""
+    token, reason = c.token, c.reason
     state.attempt(token)
     return step_attempt(state, token, att.abort, reason)
 
 
-def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
+def read_fleet(state: RegistryState, c: ReadFleet) -> Outcome:
+    now = c.now
     needed = state.needed()
     cleaning, active = [], {}
     for token, a in state.attempts.items():
@@ -74,7 +79,7 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
             cleaning.append(token)
         elif a.phase in att.ACTIVE:
             active[token] = att.progress(a)
-    return Fleet(
+    return Outcome(state, Fleet(
         epoch=state.epoch,
         engines=dict(state.engines),
         default=state.default,
@@ -103,4 +108,4 @@ def read_fleet(state: RegistryState, now: float | None = None) -> Fleet:
                     if v.state in HELD_BY_ENGINES or v.state in (VersionState.LOADING, VersionState.ABORTED)},
         joining=state.in_state(Membership.JOINING),
         draining=state.in_state(Membership.DRAINING),
-    )
+    ))

@@ -7,6 +7,10 @@ from typing import Iterable
 
 import attrs
 
+from lorapub.core.commands import (
+    AuthorizeDispatch, BeginClose, BindFirst, CloseAndRelease, ExpireLeases, ExpireSessions, ForgetSessions,
+    OpenSession, ReadSessionsOf, Rebind, RenewLeases,
+)
 from lorapub.core import group as grp
 from lorapub.core import session as ses
 from lorapub.core.identity import SessionKey, VersionKey, check_id
@@ -120,7 +124,8 @@ def _join_group(state: RegistryState, found: SessionRecord | None, key: SessionK
     return attrs.evolve(state, groups=state.groups.set(group, grp.joined(state.groups.get(group), group))), group
 
 
-def open_session(state: RegistryState, key: SessionKey, now: float | None = None, group: str | None = None) -> Outcome:
+def open_session(state: RegistryState, c: OpenSession) -> Outcome:
+    key, now, group = c.key, c.now, c.group
     found = _session(state, key)
     _refuse_beyond_window(state, key, found, now, "open")
     record = ses.opened(found, key)
@@ -139,12 +144,13 @@ def _drop_ref(state: RegistryState, key: VersionKey | None) -> RegistryState:
     return attrs.evolve(state, versions=state.versions.set(key, drop_session_ref(state.versions[key])))
 
 
-def bind_first(state: RegistryState, key: SessionKey, now: float | None = None, group: str | None = None) -> Outcome:
+def bind_first(state: RegistryState, c: BindFirst) -> Outcome:
     """Bind to the current default on first generation (the lease starts); later calls return
     the same binding and change nothing (leases are renewed in batches, by ``RenewLeases``).
 
     A group member binds its group's version: the group's first generation binds the group
     (one ref, held by the group), every later member the same version."""
+    key, now, group = c.key, c.now, c.group
     record = _session(state, key)
     _refuse_beyond_window(state, key, record, now, "bind")
     if record is not None and record.state is SessionState.BOUND:
@@ -184,10 +190,11 @@ def bind_first(state: RegistryState, key: SessionKey, now: float | None = None, 
     return Outcome(state, _binding(state, record))
 
 
-def rebind(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+def rebind(state: RegistryState, c: Rebind) -> Outcome:
     """``on_stale="rebind"``: a session (its whole group, for a member) whose version is retiring
     moves to the current default; a member adopts its group's newer version. Anything else
     returns the binding unchanged."""
+    key, now = c.key, c.now
     record = ses.require_dispatchable(_session(state, key), key)
     if state.on_stale != "rebind":
         _refuse_if_stale(state, record)
@@ -209,7 +216,8 @@ def rebind(state: RegistryState, key: SessionKey, now: float | None = None) -> O
     return Outcome(state, _binding(state, record))
 
 
-def begin_close(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+def begin_close(state: RegistryState, c: BeginClose) -> Outcome:
+    key, now = c.key, c.now
     found = _session(state, key)
     if found is None and _beyond_window(state, key, now):
         return Outcome(state, SessionState.CLOSED)  # long over: nothing to record
@@ -235,8 +243,9 @@ def _ended(
     return state, dropped
 
 
-def close_and_release(state: RegistryState, key: SessionKey, now: float | None = None) -> Outcome:
+def close_and_release(state: RegistryState, c: CloseAndRelease) -> Outcome:
     """Release the session ref exactly once and keep a CLOSED tombstone (for the window)."""
+    key, now = c.key, c.now
     found = _session(state, key)
     if found is None and _beyond_window(state, key, now):
         return Outcome(state, SessionState.CLOSED)
@@ -246,8 +255,9 @@ def close_and_release(state: RegistryState, key: SessionKey, now: float | None =
     return Outcome(state, record.state, [fx for k in dropped for fx in reclaim_eligible(state, k)])
 
 
-def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome:
+def forget_sessions(state: RegistryState, c: ForgetSessions) -> Outcome:
     """Drop CLOSED tombstones the caller knows can get no late message any more."""
+    keys = c.keys
     drop: dict[SessionKey, None] = {}
     for key in keys:
         record = state.sessions.get(key)
@@ -256,9 +266,10 @@ def forget_sessions(state: RegistryState, keys: Iterable[SessionKey]) -> Outcome
     return Outcome(attrs.evolve(state, sessions=state.sessions.remove_many(drop)), len(drop))
 
 
-def renew_leases(state: RegistryState, keys: Iterable[SessionKey], now: float | None = None) -> Outcome:
+def renew_leases(state: RegistryState, c: RenewLeases) -> Outcome:
     """Renew the leases of live sessions; the reply names the sessions that are gone
     (expired or unknown here), so their worker refuses them locally too."""
+    keys, now = c.keys, c.now
     lease = _lease_until(state, now)
     renewed = []
     gone = []
@@ -274,8 +285,9 @@ def renew_leases(state: RegistryState, keys: Iterable[SessionKey], now: float | 
     return Outcome(attrs.evolve(state, sessions=state.sessions.update(renewed)), tuple(gone))
 
 
-def expire_sessions(state: RegistryState, keys: Iterable[SessionKey], now: float | None = None) -> Outcome:
+def expire_sessions(state: RegistryState, c: ExpireSessions) -> Outcome:
     """Expire these sessions now (their worker saw them idle): the live ones become EXPIRED."""
+    keys, now = c.keys, c.now
     due = []
     for key in keys:
         record = _session(state, key)
@@ -284,13 +296,14 @@ def expire_sessions(state: RegistryState, keys: Iterable[SessionKey], now: float
     return _expire(state, due, [], now)
 
 
-def expire_leases(state: RegistryState, now: float | None = None) -> Outcome:
+def expire_leases(state: RegistryState, c: ExpireLeases) -> Outcome:
     """Sessions whose worker stopped renewing: EXPIRED tombstone, ref released once; and the
     tombstones of sessions born before the window are forgotten (closed groups too, a window
     after they closed), and a waiting publication whose caller stopped waiting is dropped.
 
     The session table indexes leases by deadline and tombstones by birth, so a pass reads
     only the sessions that are due: O(due · log n), not a scan of every session."""
+    now = c.now
     if now is None:
         return Outcome(state, ())
     state = _forget_old(state, now)
@@ -352,19 +365,21 @@ def _expire(state: RegistryState, due: list[SessionKey], forget: list[SessionKey
                    [fx for key in sorted(released) for fx in reclaim_eligible(state, key)])
 
 
-def authorize_dispatch(state: RegistryState, key: SessionKey) -> Binding:
+def authorize_dispatch(state: RegistryState, c: AuthorizeDispatch) -> Outcome:
     """The binding a new backend request must carry; refused once closing, stale or reclaiming."""
+    key = c.key
     record = ses.require_dispatchable(_session(state, key), key)
     _refuse_if_stale(state, record)
     binding = _binding(state, record)
     version = state.versions[binding.version]
     if not version.dispatchable:
         raise VersionReclaiming(f"version {version.key} is {version.state.value}; dispatch refused")
-    return binding
+    return Outcome(state, binding)
 
 
-def read_sessions_of(state: RegistryState, key: VersionKey, limit: int = 8) -> "SessionsOf":
+def read_sessions_of(state: RegistryState, c: ReadSessionsOf) -> Outcome:
     """Who holds refs on ``key``: a scan of the sessions (for health and error messages only)."""
+    key, limit = c.version, c.limit
     state.version(key)
     sessions = 0
     names: list[tuple[str, str, float | None]] = []
@@ -374,4 +389,4 @@ def read_sessions_of(state: RegistryState, key: VersionKey, limit: int = 8) -> "
             if len(names) < limit:
                 names.append((skey.session_id, record.state.value, record.lease_until))
     groups = [(g, r.members) for g, r in sorted(state.groups.items()) if r.holds_ref and r.version == key]
-    return SessionsOf(key, sessions, len(groups), tuple(names), tuple(groups[:limit]))
+    return Outcome(state, SessionsOf(key, sessions, len(groups), tuple(names), tuple(groups[:limit])))

@@ -212,8 +212,10 @@ class RegistryState:
 
 @attrs.frozen
 class Outcome:
+    """What one command decided: the new state, the reply (its type is the one the command names) and the
+    effects the I/O layer must run."""
+
     state: RegistryState
-    # what the command answers: its type depends on the command (see each transition and query)
     reply: Any = None
     effects: tuple[Effect, ...] = attrs.field(default=(), converter=as_effects)
 
