@@ -69,3 +69,32 @@ def test_a_table_takes_one_row_per_command():
     with pytest.raises(ValueError, match="two"):
         Table("registry", on(C.ReadState, R.read_state), on(C.ReadState, R.read_state))
 
+
+def test_each_decision_records_its_facts_and_a_replay_records_none():
+    """A READY taken, a commit that retires, a claim, each unload counted and the reclaim: facts of the
+    transition that decided them; a late READY, a replayed commit or claim and a duplicate unload: none."""
+    from lorapub.core import facts as F
+    from lorapub.core.attempt import ReadyLocal
+    from tests.unit.test_core_rows import E, key, publish, run_to_ready
+
+    state = R.new_registry(3, E)
+    state, token_a = publish(state, "A")
+    state, token_b = run_to_ready(state, "B", ready_on=("e0",))
+    digest_b = state.versions[key("B")].digest
+    out = R.handle(state, C.RecordReady(ReadyLocal("e1", token_b, digest_b, E["e1"])))
+    assert out.facts == (F.Readied(key("B"), "e1"),)
+    late = R.handle(out.state, C.RecordReady(ReadyLocal("e1", token_a, state.versions[key("A")].digest, E["e1"])))
+    assert late.facts == ()
+    out = R.handle(out.state, C.Commit(key("B"), token_b, out.state.default_revision))
+    assert out.facts == (F.Retired(key("A"), key("B")),)
+    assert R.handle(out.state, C.Commit(key("B"), token_b, 0)).facts == ()  # a replay
+    out = R.handle(out.state, C.ClaimReclaim(key("A")))
+    rid = out.reply
+    assert out.facts == (F.Claimed(key("A"), rid),)
+    assert R.handle(out.state, C.ClaimReclaim(key("A"))).facts == ()
+    out = R.handle(out.state, C.RecordUnloaded(key("A"), rid, "e0"))
+    assert out.facts == (F.Unloaded(key("A"), "e0"),)
+    assert R.handle(out.state, C.RecordUnloaded(key("A"), rid, "e0")).facts == ()  # a duplicate receipt
+    out = R.handle(out.state, C.RecordUnloaded(key("A"), rid, "e1"))
+    assert out.facts == (F.Unloaded(key("A"), "e1"), F.Reclaimed(key("A")))
+    assert R.handle(out.state, C.ReadState()).facts == ()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
+from typing import Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
 
-from lorapub.core.commands import ClaimReclaim, Command, Commit, RecordReady, RecordUnloaded, Returns
-from lorapub.core.effects import Ignored
+from lorapub.core.commands import Returns
+from lorapub.core.facts import Claimed, Fact, Readied, Reclaimed, Retired, Unloaded
 from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Result
-from lorapub.core.version import CommitReceipt, VersionState
 from lorapub.errors import InvalidInput, LorapubError
 from lorapub.events import (
     EngineReady,
@@ -86,8 +85,9 @@ class Observers:
 class ObservedRegistry:
     """A :class:`~lorapub.ports.Registry` whose every answer is also a
     :class:`~lorapub.events.RegistryDecided` (command, seconds, ok or the error's code), and whose
-    answers that record a decision become its event: an engine READY, a retirement, a reclaim
-    claimed, an unload, a version reclaimed. A replayed command's answer is not a second event.
+    answers' facts (:mod:`lorapub.core.facts`, what the registry decided) become their events: an engine
+    READY, a retirement, a reclaim claimed, an unload, a version reclaimed. A replayed command decides
+    nothing new, so it is not a second event.
     ``clock``: the deployment's, which a reclaim's age (claimed to reclaimed, its retries' backoff
     included) is read from."""
 
@@ -95,8 +95,7 @@ class ObservedRegistry:
         self.inner = inner
         self.observers = observers
         self.clock: Clock = clock or SystemClock()
-        self._claims: dict[VersionKey, tuple[str, float]] = {}  # reclaim claimed here -> (id, when)
-        self._retired: dict[VersionKey, None] = {}  # retirements told (the newest few)
+        self._claims: dict[VersionKey, float] = {}  # reclaim claimed here -> when
 
     async def handle(self, command: Returns[R_]) -> Result[R_]:
         started = time.perf_counter()  # how long the registry took to decide, for the event: a duration, no timer
@@ -104,7 +103,7 @@ class ObservedRegistry:
         try:
             result = await self.inner.handle(command)
             if self.observers:
-                self._derive(command, result)
+                self._tell(result.facts)
             return result
         except LorapubError as e:
             outcome = e.code
@@ -116,28 +115,23 @@ class ObservedRegistry:
             if self.observers:
                 self.observers(RegistryDecided(type(command).__name__, time.perf_counter() - started, outcome))
 
-    def _derive(self, command: object, result: Result[Any]) -> None:
-        reply, emit = result.reply, self.observers
-        if isinstance(command, RecordReady):
-            if not any(isinstance(fx, Ignored) for fx in result.effects):  # a late READY changes nothing
-                emit(EngineReady(command.receipt.token.version, command.receipt.engine))
-        elif isinstance(command, Commit) and isinstance(reply, CommitReceipt) and reply.retired is not None:
-            if reply.retired not in self._retired:  # a replayed commit answers the same receipt
-                self._retired[reply.retired] = None
-                while len(self._retired) > 256:
-                    del self._retired[next(iter(self._retired))]
-                emit(VersionRetired(reply.retired, reply.version))
-        elif isinstance(command, ClaimReclaim) and isinstance(reply, str):
-            if self._claims.get(command.key, ("",))[0] != reply:
-                self._claims[command.key] = (reply, self.clock.monotonic())
-                emit(ReclaimClaimed(command.key, reply))
-        elif isinstance(command, RecordUnloaded):
-            if any(isinstance(fx, Ignored) for fx in result.effects):  # a late or replayed receipt changes nothing
-                return
-            emit(VersionUnloaded(command.key, command.engine))
-            if reply is VersionState.RECLAIMED:
-                claimed = self._claims.pop(command.key, None)
-                emit(VersionReclaimed(command.key, self.clock.monotonic() - claimed[1] if claimed else 0.0))
+    def _tell(self, facts: tuple[Fact, ...]) -> None:
+        """Each fact the registry decided (:mod:`lorapub.core.facts`) as its event; a reclaim's age is
+        read from this observer's clock, from the claim it saw to the reclaim."""
+        emit = self.observers
+        for fact in facts:
+            if isinstance(fact, Readied):
+                emit(EngineReady(fact.version, fact.engine))
+            elif isinstance(fact, Retired):
+                emit(VersionRetired(fact.version, fact.by))
+            elif isinstance(fact, Claimed):
+                self._claims[fact.version] = self.clock.monotonic()
+                emit(ReclaimClaimed(fact.version, fact.reclaim_id))
+            elif isinstance(fact, Unloaded):
+                emit(VersionUnloaded(fact.version, fact.engine))
+            elif isinstance(fact, Reclaimed):
+                claimed = self._claims.pop(fact.version, None)
+                emit(VersionReclaimed(fact.version, self.clock.monotonic() - claimed if claimed is not None else 0.0))
 
     def __getattr__(self, name: str) -> object:  # the inner registry's own reads (e.g. a store's state)
         return getattr(self.inner, name)

@@ -150,7 +150,7 @@ class LocalRegistry:
                 self._save(outcome.state, applied)  # durable before the reply leaves
                 self._state = outcome.state
             self.transitions += 1
-        return Result(outcome.reply, outcome.effects)
+        return Result(outcome.reply, outcome.effects, outcome.facts)
 
     def apply_many(self, commands: list[Command]) -> list[Result[Any] | LorapubError]:
         """Apply commands in order, each answered on its own (a rejection is returned, not
@@ -170,7 +170,7 @@ class LocalRegistry:
             if not isinstance(command, R.QUERIES) and outcome.state is not state:
                 state = outcome.state
                 changed.append((state, command))
-            answers.append(Result(outcome.reply, outcome.effects))
+            answers.append(Result(outcome.reply, outcome.effects, outcome.facts))
         if changed:
             save_many = getattr(self._store, "save_many", None)
             try:

@@ -1,7 +1,7 @@
 """The registry's decisions: versions, attempts, sessions and reclaim in one state.
 
 The single writer of default, capacity, refs and tombstones: ``handle(state, command) -> Outcome`` gives the
-new state, the reply and the effects to run; a rejection raises
+new state, the reply, the effects to run and the facts decided (:mod:`lorapub.core.facts`); a rejection raises
 a typed error and changes nothing. Each command (:mod:`lorapub.core.commands`) has one handler of its name in
 snake case, ``(state, command) -> Outcome``, in the door's tables (:mod:`lorapub.core.door`).
 See docs/design.md, "Shape".
@@ -56,6 +56,7 @@ from lorapub.core.commands import (  # noqa: F401 - the command values are part 
 )
 from lorapub.core.door import Table, on
 from lorapub.core.effects import Effect
+from lorapub.core.facts import Fact, as_facts
 
 from .state import (
     as_effects,
@@ -201,8 +202,9 @@ R = TypeVar("R")
 @attrs.frozen
 class Result(Generic[R]):
     """What a registry answers, in process or across an actor boundary: the reply (of the type the
-    command names, :class:`~lorapub.core.commands.Returns`) and the effects the caller must run, never
-    the state."""
+    command names, :class:`~lorapub.core.commands.Returns`), the effects the caller must run and the
+    facts the decision established (:mod:`lorapub.core.facts`), never the state."""
 
     reply: R
     effects: tuple[Effect, ...] = attrs.field(default=(), converter=as_effects)
+    facts: tuple[Fact, ...] = attrs.field(default=(), converter=as_facts)

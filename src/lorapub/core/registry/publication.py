@@ -14,6 +14,7 @@ from lorapub.core import attempt as att
 from lorapub.core import reclaim as rec
 from lorapub.core.attempt import Attempt, Phase, ReadyLocal, TargetState
 from lorapub.core.effects import Effect, Ignored, ReadyToCommit, ReclaimEligible
+from lorapub.core.facts import Readied, Retired
 from lorapub.core.identity import AttemptToken, VersionKey, check_digest, lora_name_for
 from lorapub.core.manifest import BucketPlan
 from lorapub.core.version import SERVING, CommitReceipt, Version, VersionState, advance
@@ -305,7 +306,10 @@ def record_bucket_done(state: RegistryState, c: RecordBucketDone) -> Outcome:
 
 def record_ready(state: RegistryState, c: RecordReady) -> Outcome:
     receipt = c.receipt
-    return step_attempt(state, receipt.token, att.on_ready, receipt)
+    out = step_attempt(state, receipt.token, att.on_ready, receipt)
+    if any(isinstance(fx, Ignored) for fx in out.effects):  # late, unknown or of a past life: applied nowhere
+        return out
+    return attrs.evolve(out, facts=(Readied(receipt.token.version, receipt.engine),))
 
 
 def record_failure(state: RegistryState, c: RecordFailure) -> Outcome:
@@ -369,7 +373,8 @@ def commit(state: RegistryState, c: Commit) -> Outcome:
     )
     state, retiring = _retire_beyond_lag(state)
     eligible = sorted({*([retired] if retired is not None else []), *retiring})
-    return Outcome(state, receipt, [fx for k in eligible for fx in reclaim_eligible(state, k)])
+    return Outcome(state, receipt, [fx for k in eligible for fx in reclaim_eligible(state, k)],
+                   [Retired(retired, key)] if retired is not None else [])
 
 
 def _retire_beyond_lag(state: RegistryState) -> tuple[RegistryState, list[VersionKey]]:

@@ -8,6 +8,7 @@ import attrs
 from lorapub.core.commands import ClaimReclaim, RecordUnloaded, RetryReclaim
 from lorapub.core import reclaim as rec
 from lorapub.core.effects import Ignored
+from lorapub.core.facts import Claimed, Fact, Reclaimed, Unloaded
 from lorapub.core.identity import VersionKey
 from lorapub.core.version import VersionState, advance
 
@@ -26,7 +27,7 @@ def claim_reclaim(state: RegistryState, c: ClaimReclaim) -> Outcome:
     if not new.reclaim_pending:  # every holder restarted: nothing is loaded anywhere
         new = advance(new, VersionState.RECLAIMED)
     state = attrs.evolve(state, versions=state.versions.set(key, new), reclaim_seq=state.reclaim_seq + 1)
-    return Outcome(state, new.reclaim_id, effects)
+    return Outcome(state, new.reclaim_id, effects, [Claimed(key, new.reclaim_id or "")])
 
 
 def record_unloaded(state: RegistryState, c: RecordUnloaded) -> Outcome:
@@ -36,7 +37,12 @@ def record_unloaded(state: RegistryState, c: RecordUnloaded) -> Outcome:
         return Outcome(state, state.version(key).state, [Ignored(f"UNLOADED from {engine}, which is not a member")])
     version = state.version(key)
     new, effects = rec.confirm(version, reclaim_id, engine)
-    return Outcome(attrs.evolve(state, versions=state.versions.set(key, new)), new.state, effects)
+    if new is version:  # late, duplicate or foreign: counted nothing
+        return Outcome(state, new.state, effects)
+    facts: list[Fact] = [Unloaded(key, engine)]
+    if new.state is VersionState.RECLAIMED:
+        facts.append(Reclaimed(key))
+    return Outcome(attrs.evolve(state, versions=state.versions.set(key, new)), new.state, effects, facts)
 
 
 def retry_reclaim(state: RegistryState, c: RetryReclaim) -> Outcome:

@@ -12,6 +12,7 @@ from lorapub.core import _fields
 from lorapub.core import attempt as att
 from lorapub.core.attempt import Attempt, Phase
 from lorapub.core.effects import Effect
+from lorapub.core.facts import Fact, as_facts
 from lorapub.core.identity import MANAGED_PREFIX, AttemptToken, SessionKey, VersionKey, check_name_prefix
 from lorapub.core.group import GroupRecord
 from lorapub.core.session import SessionRecord
@@ -212,12 +213,13 @@ class RegistryState:
 
 @attrs.frozen
 class Outcome:
-    """What one command decided: the new state, the reply (its type is the one the command names) and the
-    effects the I/O layer must run."""
+    """What one command decided: the new state, the reply (its type is the one the command names), the
+    effects the I/O layer must run, and the facts the decision established (:mod:`lorapub.core.facts`)."""
 
     state: RegistryState
     reply: Any = None
     effects: tuple[Effect, ...] = attrs.field(default=(), converter=as_effects)
+    facts: tuple[Fact, ...] = attrs.field(default=(), converter=as_facts)
 
 
 @attrs.frozen
