@@ -276,3 +276,25 @@ def test_a_helper_that_ended_between_loads_is_replaced_without_failing_a_load(tm
     scheduler.process_input_requests([Req("b", peft_folder(tmp_path, "next", seed=1))])
     assert replies(scheduler, 2)["success"]  # no load was in flight: none fails
     assert preparer.helper.process.pid != idle
+
+
+def test_a_helper_dying_while_idle_fails_no_load_even_when_the_load_reaches_it_first(tmp_path, stop):
+    """Seen live: a helper killed while idle took seconds to end (its CUDA context's teardown), and the
+    next load was sent to it before it was gone. A load the helper never took is resent once to the
+    helper that replaces it; a load it took and died on still fails (the test above)."""
+    scheduler, manager, preparer, _ = serving(RELEASES[-1])
+    stop(preparer)
+    scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+    assert replies(scheduler, 1)["success"]
+    dying = preparer.helper.process.pid
+    os.kill(dying, signal.SIGSTOP)  # alive to the client, but it takes nothing any more
+    try:
+        scheduler.process_input_requests([Req("b", peft_folder(tmp_path, "next", seed=1))])
+        pump(scheduler, lambda: preparer.tokens, "the load's hand-over to the helper")
+        time.sleep(0.2)  # the job is (most likely) in the stopped helper's pipe now; either way none may fail
+    finally:
+        os.kill(dying, signal.SIGKILL)
+    out = replies(scheduler, 2)
+    assert out["success"], out
+    assert "b" in manager.loras and preparer.helper.process.pid != dying
+    assert preparer.helper.wanted == set()

@@ -39,6 +39,9 @@ class HelperError(RuntimeError):
 class HelperDied(HelperError):
     """The helper process ended while it prepared (or before it could prepare) a load."""
 
+    #: whether it had taken the load (a death before that is resent once to the helper that replaces it)
+    took_job = True
+
 
 class HelperHung(HelperError):
     """The helper did not answer within its deadline; it was killed."""
@@ -186,24 +189,42 @@ class HelperClient:
         """``job`` prepared by the helper (started if there is none): its shipped buffer. Raises a
         :class:`HelperError`; one that died or hung is replaced by a new one for the next load."""
         try:
-            self._ensure_ready(job)
             try:
-                self.conn.send(("prepare", job))
-            except OSError:
-                pass  # it died: the wait below says so
-            deadline = time.monotonic() + self.deadline_s
-            while True:
-                msg = self._receive(deadline, job)
-                if msg[0] == "shipped":
-                    shipped: Shipped = msg[1]
-                    if shipped.token == job.token:
-                        return shipped
-                    self.release(shipped.token, opened=False)  # an earlier load's, never opened
-                elif msg[0] == "failed" and msg[1] == job.token:
-                    raise HelperFailed(f"lorapub's preparing helper could not prepare {job.lora_name}: {msg[2]}")
+                return self._prepare_once(job)
+            except HelperDied as e:
+                if e.took_job:
+                    raise
+                # it died before it took this load (killed, or dying, while idle): not this load's doing,
+                # so the load goes once to the helper that replaced it
+                logger.warning("lorapub: %s; %s goes to the new helper", e, job.lora_name)
+                return self._prepare_once(job)
         except BaseException:
             self.abandon(job.token)
             raise
+
+    def _prepare_once(self, job: Job) -> Shipped:
+        self._ensure_ready(job)
+        try:
+            self.conn.send(("prepare", job))
+        except OSError:
+            pass  # it died: the wait below says so
+        deadline = time.monotonic() + self.deadline_s
+        taken = False
+        while True:
+            try:
+                msg = self._receive(deadline, job)
+            except HelperDied as e:
+                e.took_job = taken
+                raise
+            if msg[0] == "taken" and msg[1] == job.token:
+                taken = True
+            elif msg[0] == "shipped":
+                shipped: Shipped = msg[1]
+                if shipped.token == job.token:
+                    return shipped
+                self.release(shipped.token, opened=False)  # an earlier load's, never opened
+            elif msg[0] == "failed" and msg[1] == job.token:
+                raise HelperFailed(f"lorapub's preparing helper could not prepare {job.lora_name}: {msg[2]}")
 
     def _receive(self, deadline: float, job: Job, starting: bool = False) -> Any:
         """The helper's next message before ``deadline``; its death or silence is killed, restarted and raised."""
@@ -219,13 +240,15 @@ class HelperClient:
                 raise HelperHung(f"lorapub's preparing helper process (pid {pid}) did not {what} {job.lora_name} "
                                  f"within {limit:g} s; it was killed and the load failed; the next load runs on "
                                  f"a restarted helper")
-            ready = multiprocessing.connection.wait([conn, process.sentinel], remaining)
+            # Its sentinel and pipe end can outlive it in a process it started (torch's shared-memory manager
+            # inherits them), so its exit is also polled.
+            ready = multiprocessing.connection.wait([conn, process.sentinel], min(remaining, 0.25))
             if conn in ready:
                 try:
                     return conn.recv()
                 except (EOFError, OSError):
                     pass  # its end closed: it died
-            elif process.sentinel not in ready:
+            elif process.sentinel not in ready and process.is_alive():
                 continue
             process.join(5)
             code = process.exitcode
@@ -443,6 +466,7 @@ def serve(conn: Any, kit: Kit) -> None:
             return
         if msg[0] == "prepare":
             job: Job = msg[1]
+            conn.send(("taken", job.token))  # from here a death is this load's (the client resends one before it)
             try:
                 t0 = time.perf_counter()
                 adapter = process(kit, job)
