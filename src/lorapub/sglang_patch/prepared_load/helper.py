@@ -441,6 +441,9 @@ def serve(conn: Any, kit: Kit) -> None:
         chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     dtype = getattr(torch, kit.dtype, None) if kit.dtype else None
     process = _resolve(kit.processor)
+    if kit.processor == SGLANG_PROCESSOR:  # before "ready": live, these imports made a new helper's first load 2.7 s
+        importlib.import_module("sglang.srt.lora.lora")
+        importlib.import_module("sglang.srt.lora.lora_config")
     live: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # token -> (buffer, its reduction's arguments)
 
     def free(token: int, opened: bool) -> None:
