@@ -1,6 +1,6 @@
 """elastic.py on live SGLang: three patched SGLang servers on one GPU, booted as live.py boots two.
 
-All three boot first (a server's boot is minutes, not what is measured); elastic.py starts with e0 and e1
+All three boot first, one after another (a server's boot is minutes, not what is measured); elastic.py starts with e0 and e1
 in the router's list and the trainer's topology, adds e2 under load, then drains and removes e0. Adapter B
 of bench/live_online's 4B-shaped model, lorapub's bytes over HTTP. Run by elastic.sh beside it, with the
 SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_RELAX_MAX_LORAS (each server's LoRA slots, default 5:
@@ -40,12 +40,18 @@ async def main() -> int:
     t0 = time.monotonic()
     online.build_model()
     print(f"model built in {time.monotonic() - t0:.0f} s", flush=True)
-    engines = [srv.start(f"e{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT, patched=True,
+    def boot(i: int) -> srv.Server:
+        return srv.start(f"e{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT, patched=True,
                          max_lora_rank=64, mem_fraction=0.26, target_modules=online.ALL_LINEAR, decode_graphs=True,
                          max_loras=MAX_LORAS, env=engine_env(LorapubConfig()))
-               for i in range(3)]
+
+    # One at a time: each server sizes its KV pool from the memory free when it starts, and three booting
+    # at once on an 80 GB card each saw the others' weights as its own (no memory left for the KV cache).
+    engines: list[srv.Server] = []
     try:
-        await srv.wait_healthy(engines)
+        for i in range(3):
+            engines.append(boot(i))
+            await srv.wait_healthy(engines)
         warm = await srv.warm_up(engines, os.path.join(online.MODEL, "A"))
         print(f"servers up {[round(s.boot_s) for s in engines]} s, warm-up {warm}", flush=True)
         cmd = [sys.executable, os.path.join(HERE, "elastic.py"), *(a for s in engines for a in ("--engine-url", s.url)),
