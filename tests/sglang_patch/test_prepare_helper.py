@@ -298,3 +298,22 @@ def test_a_helper_dying_while_idle_fails_no_load_even_when_the_load_reaches_it_f
     assert out["success"], out
     assert "b" in manager.loras and preparer.helper.process.pid != dying
     assert preparer.helper.wanted == set()
+
+
+def test_a_helper_killed_while_it_starts_fails_no_load(tmp_path, stop):
+    """Seen live: the helper started after a death was killed before it was ready, and the load waiting
+    for it failed. A helper that dies starting took no load: the load goes once to its replacement."""
+    scheduler, manager, preparer, _ = serving(RELEASES[-1])
+    stop(preparer)
+    starting = preparer.helper.process.pid  # started with the preparer, not yet ready (it imports torch)
+    os.kill(starting, signal.SIGSTOP)  # it never gets ready
+    try:
+        scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+        pump(scheduler, lambda: preparer.tokens, "the load waiting for the helper to be ready")
+        time.sleep(0.2)
+    finally:
+        os.kill(starting, signal.SIGKILL)
+    out = replies(scheduler, 1)
+    assert out["success"], out
+    assert "a" in manager.loras and preparer.helper.process.pid != starting
+    assert preparer.helper.wanted == set()

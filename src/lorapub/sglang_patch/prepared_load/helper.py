@@ -194,8 +194,8 @@ class HelperClient:
             except HelperDied as e:
                 if e.took_job:
                     raise
-                # it died before it took this load (killed, or dying, while idle): not this load's doing,
-                # so the load goes once to the helper that replaced it
+                # it died before it took this load (killed, or dying, while idle or starting): not this
+                # load's doing, so the load goes once to the helper that replaced it
                 logger.warning("lorapub: %s; %s goes to the new helper", e, job.lora_name)
                 return self._prepare_once(job)
         except BaseException:
@@ -203,7 +203,11 @@ class HelperClient:
             raise
 
     def _prepare_once(self, job: Job) -> Shipped:
-        self._ensure_ready(job)
+        try:
+            self._ensure_ready(job)
+        except HelperDied as e:
+            e.took_job = False  # it died starting (live: killed before it was ready): it took nothing
+            raise
         try:
             self.conn.send(("prepare", job))
         except OSError:
