@@ -58,6 +58,23 @@ class Release:
         return self.base or self.version
 
 
+#: Functions both releases have to the letter, each relied on unchanged.
+_SAME_IN_0517_AND_0523 = {
+    # the pool's slot clearing, which slot images rely on
+    (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
+        "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
+    # what the preparing helper (prepared_load/helper.py) runs in its own process: the adapter built with
+    # the manager's arguments, its config, and its weights' processing
+    (LORA_FILE, "LoRAAdapter", "__init__"):
+        "6c8b31889dc5c2d0ff89c40a4c8f90fa1048988bd4ca7ad7ed5c7c996eee4b81",
+    (LORA_FILE, "LoRAAdapter", "initialize_weights"):
+        "bc574e811d121ee35135a8138ead263b2471a031d9f52304a365b32f719bbdb1",
+    (LORA_FILE, "LoRAAdapter", "initialize_weights_from_tensors"):
+        "734c9bc5a27587dc8a94fd2d962ffb919c3df1af9d58520d1b6fc5f52bb5341f",
+    (LORA_CONFIG_FILE, "LoRAConfig", "__init__"):
+        "576bd5c617388530a801d1d59a337db163b4200e6c4b1f462a015f866d4f90d8",
+}
+
 _FINGERPRINTS_0517 = {
     # patched: exactly-once release at every terminal, orphans of discarded requests
     (TM_FILE, TM, "_handle_batch_output"):
@@ -87,18 +104,7 @@ _FINGERPRINTS_0517 = {
     # ... and the slot fill its slot images replay, with the pool's slot buffers it names
     (MEM_POOL_FILE, POOL, "load_lora_weight_to_buffer"):
         "b09e9e460b105624e757f3f8e61d6e8ec9a6c77108d2323763a9437c54a23e30",
-    (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
-        "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
-    # relied on unchanged by the preparing helper (prepared_load/helper.py), which runs them in its own
-    # process: the adapter built with the manager's arguments, its config, and its weights' processing
-    (LORA_FILE, "LoRAAdapter", "__init__"):
-        "6c8b31889dc5c2d0ff89c40a4c8f90fa1048988bd4ca7ad7ed5c7c996eee4b81",
-    (LORA_FILE, "LoRAAdapter", "initialize_weights"):
-        "bc574e811d121ee35135a8138ead263b2471a031d9f52304a365b32f719bbdb1",
-    (LORA_FILE, "LoRAAdapter", "initialize_weights_from_tensors"):
-        "734c9bc5a27587dc8a94fd2d962ffb919c3df1af9d58520d1b6fc5f52bb5341f",
-    (LORA_CONFIG_FILE, "LoRAConfig", "__init__"):
-        "576bd5c617388530a801d1d59a337db163b4200e6c4b1f462a015f866d4f90d8",
+    **_SAME_IN_0517_AND_0523,
 }
 
 RELEASES: dict[str, Release] = {
@@ -133,18 +139,7 @@ RELEASES: dict[str, Release] = {
                 "7ad5ad02b5c660eeb07a18fb32e3c9e00c6f8a8a42c2d5a61f8ceb38f131db17",
             (MEM_POOL_FILE, POOL, "load_lora_weight_to_buffer"):
                 "f8c86078e6b20444af0238b5d6b498b2e0a895a0c905134c23fe8be44b79d1f0",
-            (MEM_POOL_FILE, POOL, "_clear_buffer_slot_for_base"):
-                "e47bd573f068f58f2dcc4e8bf935a673f1540aaf7328e098a52942d2d9d6d8ea",
-        # relied on unchanged by the preparing helper (prepared_load/helper.py), which runs them in its own
-        # process: the adapter built with the manager's arguments, its config, and its weights' processing
-        (LORA_FILE, "LoRAAdapter", "__init__"):
-            "6c8b31889dc5c2d0ff89c40a4c8f90fa1048988bd4ca7ad7ed5c7c996eee4b81",
-        (LORA_FILE, "LoRAAdapter", "initialize_weights"):
-            "bc574e811d121ee35135a8138ead263b2471a031d9f52304a365b32f719bbdb1",
-        (LORA_FILE, "LoRAAdapter", "initialize_weights_from_tensors"):
-            "734c9bc5a27587dc8a94fd2d962ffb919c3df1af9d58520d1b6fc5f52bb5341f",
-        (LORA_CONFIG_FILE, "LoRAConfig", "__init__"):
-            "576bd5c617388530a801d1d59a337db163b4200e6c4b1f462a015f866d4f90d8",
+            **_SAME_IN_0517_AND_0523,
         },
         absent=(RELAX_ROUTE,),
     ),
