@@ -1,6 +1,6 @@
 #!/bin/bash
 # Pack the part of AReaL 1.0.4 that the live side-by-side imports and the accelerator machine lacks, into
-# .areal/ (about 4 MB; never committed), from .ci/install's .cache/areal/1.0.4; then check it (check_pack.py).
+# .areal/ (about 1.3 MB; never committed), from .ci/install's .cache/areal/1.0.4; then check it (check_pack.py).
 # run.sh unpacks it on the machine. The machine's image and the SGLang bundle already hold torch, transformers,
 # tokenizers, huggingface_hub, openai, httpx, numba, uvloop, aiofiles, einops, click, jinja2 and the rest; what
 # they lack:
