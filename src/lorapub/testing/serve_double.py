@@ -90,9 +90,7 @@ async def main(name: str, stash: str, shm: str | None, *, max_loras_per_batch: i
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    server = site._server
-    assert isinstance(server, asyncio.Server)  # a TCPSite's, once started
-    control = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    control = f"http://127.0.0.1:{runner.addresses[0][1]}"  # the port the OS chose (asyncio's server or uvloop's)
     print(f"URL {double.url} {control}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
     await runner.cleanup()

@@ -124,9 +124,9 @@ class SGLangDouble(DoubleEngine):
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.Server)  # a TCPSite's, once started
-        port = server.sockets[0].getsockname()[1]
+        # the port the OS chose for port 0 (the runner's addresses: its server is asyncio's or, once AReaL has
+        # installed uvloop's policy, uvloop's, which is no asyncio.Server)
+        port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
         return self
 
