@@ -15,9 +15,14 @@ ROOT=$PWD
 SGL=${LORAPUB_SGL_DIR:-.sgl}
 export LIVE_AREAL_DEADLINE=$(( S + ${LIVE_AREAL_BUDGET_S:-1100} ))
 {
-  if [ ! -f .cache/areal/1.0.4/.complete ] && [ -f .areal/areal-min.tar.xz ]; then  # pack.sh's part of AReaL
-    mkdir -p .cache/areal/1.0.4 && xz -dc .areal/areal-min.tar.xz | tar -x -C .cache/areal/1.0.4 \
-      && touch .cache/areal/1.0.4/.complete || exit 2
+  if [ -f .areal/areal-min.tar.xz ]; then  # pack.sh's part of AReaL, unpacked again whenever it changed
+    sum=$(sha256sum .areal/areal-min.tar.xz | cut -d' ' -f1)
+    stamp=.cache/areal/1.0.4/.pack-sha256  # only a folder made from a pack has it: .ci/install's is never replaced
+    if [ ! -f .cache/areal/1.0.4/.complete ] || { [ -f "$stamp" ] && [ "$(cat "$stamp")" != "$sum" ]; }; then
+      if [ -f "$stamp" ]; then rm -rf .cache/areal/1.0.4; fi
+      mkdir -p .cache/areal/1.0.4 && xz -dc .areal/areal-min.tar.xz | tar -x -C .cache/areal/1.0.4 \
+        && echo "$sum" > "$stamp" && touch .cache/areal/1.0.4/.complete || exit 2
+    fi
   fi
   [ -f .cache/areal/1.0.4/.complete ] || { echo "AReaL 1.0.4 is not under .cache/areal/1.0.4 (bench/live_areal/pack.sh)"; exit 2; }
   # the bundle, unless an earlier run on this machine unpacked it (a second run need not carry .sgl)
