@@ -139,7 +139,7 @@ class HelperClient:
         if process is not None:
             if process.is_alive():
                 process.kill()
-            process.join(10)
+            _wait_for_exit(process, 10.0)
             if why:
                 logger.warning("lorapub: the preparing helper process (pid %s) was stopped: %s", process.pid, why)
         if conn is not None:
@@ -152,7 +152,7 @@ class HelperClient:
             except OSError:
                 pass
             if self.process is not None:
-                self.process.join(5)
+                _wait_for_exit(self.process, 5.0)
         self.stop()
 
     def _restart(self) -> None:
@@ -254,7 +254,7 @@ class HelperClient:
                     pass  # its end closed: it died
             elif process.sentinel not in ready and process.is_alive():
                 continue
-            process.join(5)
+            _wait_for_exit(process, 5.0)
             code = process.exitcode
             self.stop()
             self._restart()
@@ -405,6 +405,14 @@ def pack(adapter: Any, dtype: Any, device: Any, stream: Any = None,
         k = (k + 1) % len(chunks)
     stream.synchronize()
     return buf, entries
+
+
+def _wait_for_exit(process: Any, timeout: float) -> None:
+    """``process.join(timeout)`` by polling its exit: join waits on its sentinel, which a process it started
+    (torch's shared-memory manager) can hold open long after it ended."""
+    end = time.monotonic() + timeout
+    while process.is_alive() and time.monotonic() < end:
+        time.sleep(0.01)
 
 
 def _resolve(spec: str) -> Callable[[Kit, Job], Any]:
