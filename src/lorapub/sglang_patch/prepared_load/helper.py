@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from .reading import read_peft_folder, weight_places
+
 __all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
            "Job", "Kit", "Shipped", "StaleHandle", "kit_for", "pack", "process_with", "sglang_process"]
 
@@ -128,9 +130,6 @@ class HelperClient:
         theirs.close()
         self.process, self.conn, self.ready = process, mine, False
         logger.info("lorapub: started the preparing helper process (pid %s) for %s", process.pid, self.kit.device)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
 
     def stop(self, why: str = "") -> None:
         """Kill the helper now (its buffers go with it) and forget it."""
@@ -334,8 +333,6 @@ def process_with(adapter_cls: Any, config_cls: Any, kit: Kit, job: Job) -> Any:
     """``job``'s adapter built by ``adapter_cls`` (SGLang's LoRAAdapter) from its folder: a plain PEFT
     folder mapped (:func:`read_peft_folder`) and handed to ``initialize_weights_from_tensors``, any other
     layout read by the adapter's own ``initialize_weights``."""
-    from .reading import read_peft_folder
-
     config = config_cls(job.lora_path, base_vocab_size=kit.base_vocab_size)
     adapter = adapter_cls(job.lora_id, config, kit.base_hf_config, kit.load_config, None, base_model=None)
     object.__setattr__(adapter, "_moe_is_gated_by_layer", dict(kit.moe_gated))  # as built from the base model
@@ -347,16 +344,6 @@ def process_with(adapter_cls: Any, config_cls: Any, kit: Kit, job: Job) -> Any:
     return adapter
 
 
-def _dicts(adapter: Any) -> list[tuple[int | str, dict[str, Any]]]:
-    """The adapter's weight dicts, as :func:`reading.weight_dicts` walks them, each with its place."""
-    found: list[tuple[int | str, dict[str, Any]]] = [(i, layer.weights) for i, layer in enumerate(adapter.layers)]
-    for attr in ("embedding_layers", "added_tokens_embeddings"):
-        d = getattr(adapter, attr, None)
-        if d:
-            found.append((attr, d))
-    return found
-
-
 def pack(adapter: Any, dtype: Any, device: Any, stream: Any = None,
          chunks: list[Any] | None = None) -> tuple[Any, list[Entry]]:
     """Every weight of ``adapter`` (floating ones cast to ``dtype``) in one flat ``uint8`` buffer on
@@ -365,7 +352,7 @@ def pack(adapter: Any, dtype: Any, device: Any, stream: Any = None,
     import torch
 
     slots, entries, total = [], [], 0
-    for where, d in _dicts(adapter):
+    for where, d in weight_places(adapter):
         for name, t in d.items():
             if isinstance(dtype, torch.dtype) and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)  # rounding to nearest even, as the device cast would

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from . import iterations
 from .gate import PrefillGate
 from .helper import CHUNK_BYTES, HelperClient, HelperError, kit_for
+from .reading import weight_places
 from .settings import IMAGE_ENV, gate_budget, gate_scope, helper_deadline, helper_start_deadline, switch_interval, trace_setting
 from .slot_image import IMAGE_ATTR, build_slot_image, make_resident
 
@@ -258,11 +259,7 @@ class Preparer:
         import torch
 
         adapter = self.new_adapter(ref, config)
-        dicts: dict[int | str, dict[str, Any]] = {i: layer.weights for i, layer in enumerate(adapter.layers)}
-        for attr in ("embedding_layers", "added_tokens_embeddings"):
-            found = getattr(adapter, attr, None)
-            if found is not None:
-                dicts[attr] = found
+        dicts = dict(weight_places(adapter))
         step = self.gate.step
         for e in entries:
             step()

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from lorapub.wire.dtypes import SAFETENSORS_DTYPES
 
-__all__ = ["SAFETENSORS_CODES", "read_peft_folder", "weight_dicts"]
+__all__ = ["SAFETENSORS_CODES", "read_peft_folder", "weight_places"]
 
 
 #: safetensors code -> torch dtype name, for the dtypes lorapub publishes (another folder's dtype: SGLang's reader)
@@ -73,10 +73,13 @@ def read_peft_folder(path: Any, step: Callable[[], None] | None = None) -> dict[
 
 
 
-def weight_dicts(adapter: Any) -> list[dict[str, Any]]:
-    """An adapter's weight dicts: each layer's, then its lm_head/embedding and added-token ones (the
-    order the helper ships them in, ``helper.Entry.where`` naming each)."""
-    return [layer.weights for layer in adapter.layers] + [
-        d for d in (getattr(adapter, "embedding_layers", None), getattr(adapter, "added_tokens_embeddings", None))
-        if d]
-
+def weight_places(adapter: Any) -> list[tuple[int | str, dict[str, Any]]]:
+    """An adapter's weight dicts, each with its place (``helper.Entry.where``): each layer's by its index,
+    then its ``embedding_layers`` and ``added_tokens_embeddings`` where it has them. The helper ships
+    weights in this order; the scheduler's process fills a new adapter's dicts by these places."""
+    found: list[tuple[int | str, dict[str, Any]]] = [(i, layer.weights) for i, layer in enumerate(adapter.layers)]
+    for attr in ("embedding_layers", "added_tokens_embeddings"):
+        d = getattr(adapter, attr, None)
+        if d is not None:
+            found.append((attr, d))
+    return found
