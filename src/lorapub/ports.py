@@ -302,7 +302,7 @@ class Registry(Protocol):
 
     Every command is a value from :mod:`lorapub.core.registry` and every answer a
     :class:`~lorapub.core.registry.Result`; a rejection raises its typed error.
-    :class:`~lorapub.runtime.registry.LocalRegistry` (in process) and
+    :class:`~lorapub.local_registry.LocalRegistry` (in process) and
     :class:`~lorapub.adapters.ray_registry.RayRegistry` (a Ray actor) implement it.
     A call whose reply is lost raises :class:`~lorapub.errors.OutcomeUnknown`; every
     command is safe to replay.

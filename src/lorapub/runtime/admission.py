@@ -10,6 +10,7 @@ import logging
 import warnings
 from typing import Any, Awaitable, Callable, Mapping, ParamSpec, Protocol, TypeVar, runtime_checkable
 
+from lorapub._moved import moved
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, check_id
@@ -26,7 +27,7 @@ from lorapub.ports import (
 )
 
 __all__ = ["check_engines", "check_operations", "with_lifecycle", "release_adapter", "close_adapter", "hand_transport", "check_status_address", "transport_name", "check_limits",
-           "check_protects", "answer_within", "refuse_moved_options", "check_epoch"]
+           "check_protects", "answer_within", "refuse_moved_options"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -58,18 +59,6 @@ def refuse_moved_options(init: Callable[_P, None]) -> Callable[_P, None]:
 def _declares(obj: object, name: str) -> bool:
     """``obj`` (its class or itself) sets ``name``: not an attribute a mock makes up when asked."""
     return getattr(type(obj), name, None) is not None or getattr(obj, "__dict__", {}).get(name) is not None
-
-
-def check_epoch(epoch: object) -> int:
-    """A deployment's ``epoch=``: an int >= 0, and the message says what it is for (a run id string is
-    the usual mistake)."""
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        raise InvalidInput(
-            f"epoch= must be an int >= 0 that grows with each trainer run, got {epoch!r} ({type(epoch).__name__}): "
-            "it numbers this run's versions (e.g. 7-step41) and a newer run's adapters are never touched by an "
-            "older one's; pass the run's number, or int(time.time()) taken once at its start"
-        )
-    return epoch
 
 
 #: What every engine adapter does (EngineAdmin without its lifecycle, which older adapters lack).
@@ -366,3 +355,8 @@ async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: 
             f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix} (or give the deployment "
             f"name_prefix={protected!r})", engine=name,
         )
+
+
+#: check_epoch checks a deployment's epoch beside the keys the epoch numbers (the registry in this
+#: process checks it too, beneath the runtime).
+__getattr__ = moved(__name__, {"check_epoch": "lorapub.core.identity"})

@@ -62,9 +62,10 @@ from lorapub.runtime.publication_report import PublicationReport
 from lorapub.runtime.publisher import Publisher
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.tasks import TaskOwner
-from lorapub.runtime.reconciler import Health, Reconciler
-from lorapub.runtime.clock import RegistryClock, SystemClock
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.health import Health
+from lorapub.runtime.reconciler import Reconciler
+from lorapub.clock import RegistryClock, SystemClock
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.settings import DeploymentOptions, DeploymentSettings, check_copies
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService

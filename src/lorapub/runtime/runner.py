@@ -39,7 +39,7 @@ from lorapub.core.commands import (
 )
 from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown, UnknownEngine, VersionMissing
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.engines import shared
 from lorapub.probe import Mismatch, Probe, compare, observe
 
