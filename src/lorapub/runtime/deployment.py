@@ -301,15 +301,15 @@ class Deployment:
 
     def _check_shared_settings(self, fleet: Fleet) -> None:
         """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
-        asked: dict[str, object] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
+        asked: dict[str, tuple[object, object]] = {"capacity": (self.capacity, fleet.capacity),
+                                                    "name_prefix": (self.name_prefix, fleet.name_prefix)}
         if self.max_lag is not None:
-            asked.update(max_lag=self.max_lag)
+            asked.update(max_lag=(self.max_lag, fleet.max_lag))
         if self._on_stale_asked is not None:  # left out: the shared registry's own (made by the same rule)
-            asked.update(on_stale=self._on_stale_asked)
+            asked.update(on_stale=(self._on_stale_asked, fleet.on_stale))
         if self.avoid_suspect:
-            asked.update(avoid_suspect=True)
-        for name, value in asked.items():
-            has = getattr(fleet, name)
+            asked.update(avoid_suspect=(True, fleet.avoid_suspect))
+        for name, (value, has) in asked.items():
             if value is not None and value != has:
                 raise InvalidInput(
                     f"{name}={value!r} was asked for, but the registry this deployment uses has {name}={has!r} "

@@ -314,7 +314,7 @@ class Reconciler:
             del self._canary_last[gone]
         for key, engines in sorted(fleet.holders.items()):
             snapshot = self.publisher.frozen.get(key)
-            probe = getattr(snapshot, "probe", None)
+            probe = snapshot.probe if snapshot is not None else None
             name = fleet.lora_names.get(key)
             if probe is None or name is None or key in fleet.suspect:
                 continue
@@ -453,7 +453,7 @@ class Reconciler:
             self.registry, self.engines,
             publisher.source_factory(snapshot, snapshot.plan(publisher.bucket_cap_bytes)), self.deadlines,
             # the numeric READY gate holds for a re-provisioned load too
-            probe=getattr(snapshot, "probe", None),
+            probe=snapshot.probe,
             lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),
             left=self.fleet.left,
         )

@@ -235,7 +235,7 @@ class EffectRunner:
 
     async def _timed(self, fx: _Executable, runlog: RunLog) -> Sequence[Effect]:
         phase = self._PHASES.get(type(fx), "other")
-        engine = getattr(fx, "engine", None)
+        engine = None if isinstance(fx, TransferBucket) else fx.engine  # a bucket goes to several engines
         runlog.mark(phase, engine)
         try:
             return await self._execute(fx, runlog)
