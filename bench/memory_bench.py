@@ -53,7 +53,7 @@ from pyrsistent import pmap  # noqa: E402
 from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.identity import SessionKey, new_nonce  # noqa: E402
 from lorapub.core.session import SessionRecord, SessionState  # noqa: E402
-from lorapub.runtime.registry import LocalRegistry, MemoryStore  # noqa: E402
+from lorapub.local_registry import LocalRegistry, MemoryStore  # noqa: E402
 from lorapub.adapters.stores import SQLiteStore  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -55,7 +55,7 @@ from lorapub.errors import (  # noqa: E402
     PublicationSuperseded,
 )
 from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
-from lorapub.runtime.registry import LocalRegistry  # noqa: E402
+from lorapub.local_registry import LocalRegistry  # noqa: E402
 from lorapub.core.registry import BindFirst, CloseAndRelease  # noqa: E402
 from lorapub.demo.workload import WorkloadResult, WorkloadSpec, percentile, run_workload  # noqa: E402
 from lorapub.snapshot import Snapshot  # noqa: E402

@@ -50,7 +50,7 @@ from lorapub.core import registry as R  # noqa: E402
 from lorapub.core.attempt import ReadyLocal  # noqa: E402
 from lorapub.core.effects import SOURCE  # noqa: E402
 from lorapub.core.identity import SessionKey, VersionKey  # noqa: E402
-from lorapub.runtime.registry import LocalRegistry, MemoryStore  # noqa: E402
+from lorapub.local_registry import LocalRegistry, MemoryStore  # noqa: E402
 from lorapub.adapters.stores import FileStore, SQLiteStore  # noqa: E402
 from lorapub.core.manifest import BucketPlan, Manifest, TensorEntry  # noqa: E402
 

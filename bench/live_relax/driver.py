@@ -58,7 +58,7 @@ from lorapub.integrations.relax import (
     engine_name,
     validate_args,
 )
-from lorapub.runtime.registry import LocalRegistry  # noqa: E402
+from lorapub.local_registry import LocalRegistry  # noqa: E402
 from lorapub.testing.fixtures import lora_snapshot  # noqa: E402
 
 from tests.integrations import relax_harness as harness  # noqa: E402

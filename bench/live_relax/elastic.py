@@ -35,7 +35,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "src"), os.path.dirname(os.path.abspath
 from lorapub import Deadlines  # noqa: E402
 from lorapub.adapters.sglang_wire import SGLangWireEngine  # noqa: E402
 from lorapub.integrations.relax import DEFAULT_NAME_PREFIX, engine_name  # noqa: E402
-from lorapub.runtime.registry import LocalRegistry  # noqa: E402
+from lorapub.local_registry import LocalRegistry  # noqa: E402
 
 import driver  # noqa: E402  (bench/live_relax/driver.py: the versions, the adapter sync, the registry)
 from tests.integrations import relax_harness as harness  # noqa: E402

@@ -326,7 +326,7 @@ class ReconcilePassed(Event):
     seconds: float
     ok: bool
     blockers: int
-    # what the pass found (lorapub.runtime.reconciler.Health, with the registry's fleet view) and the
+    # what the pass found (lorapub.health.Health, with the registry's fleet view) and the
     # sessions open in this process: the gauges' source, never logged
     health: object = attrs.field(default=None, metadata={"log": False})
     sessions_here: int = attrs.field(default=0, metadata={"log": False})

@@ -22,7 +22,8 @@ from lorapub.core.version import VersionState
 R = TypeVar("R")
 
 __all__ = [
-    "EngineAdmin", "EndTimings", "ReportsEndTimings", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
+    "EngineAdmin", "Closes", "Releases", "ChecksTransport",
+    "EndTimings", "ReportsEndTimings", "EngineLimits", "ReportsLimits", "HeldAdapter", "StagedAttempt", "Inventory", "ReportsInventory",
     "OverwriteAdmin", "GenerationTarget", "RoutedSession", "Routing", "BucketSource", "Registry", "RegistryStore", "CopyStore", "Clock", "AttemptToken",
     "Phase", "ReadyLocal", "SendBegin", "VersionState",
 ]
@@ -72,6 +73,21 @@ class EngineAdmin(Protocol):
         """Close lorapub's own connections but leave the adapter usable (its next call opens new ones):
         what a refused ``Deployment.start()`` or ``add_engine`` does, so that a refusal leaks nothing
         and the same adapter may be offered again. A no-op where there is nothing to close."""
+
+
+@runtime_checkable
+class Closes(Protocol):
+    """An adapter with :meth:`EngineAdmin.close`: what the deployment asks of one written before
+    EngineAdmin declared it (it wraps such an adapter, and calls its ``close`` only where it has one)."""
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Releases(Protocol):
+    """An adapter with :meth:`EngineAdmin.release` (as :class:`Closes`, for ``release``)."""
+
+    async def release(self) -> None: ...
 
 
 @attrs.frozen
@@ -283,9 +299,9 @@ class Transport(Protocol):
 class TakesTransport(Protocol):
     """An :class:`EngineAdmin` whose buckets travel its deployment's :class:`Transport`.
 
-    It may also define ``can_use_transport(transport) -> bool`` (False: :meth:`use_transport` would
-    refuse it): a deployment then asks every engine before it hands any the transport, so a refused
-    deployment leaves no engine holding it."""
+    It may also be a :class:`ChecksTransport` (``can_use_transport(transport) -> bool``; False:
+    :meth:`use_transport` would refuse it): a deployment then asks every engine before it hands any the
+    transport, so a refused deployment leaves no engine holding it."""
 
     name: str
 
@@ -297,12 +313,20 @@ class TakesTransport(Protocol):
 
 
 @runtime_checkable
+class ChecksTransport(Protocol):
+    """A :class:`TakesTransport` engine that can say beforehand whether it would take a transport."""
+
+    def can_use_transport(self, transport: Transport) -> bool:
+        """False: :meth:`TakesTransport.use_transport` would refuse ``transport``."""
+
+
+@runtime_checkable
 class Registry(Protocol):
     """The single writer of versions, attempts, sessions and reclaims, through one door.
 
     Every command is a value from :mod:`lorapub.core.registry` and every answer a
     :class:`~lorapub.core.registry.Result`; a rejection raises its typed error.
-    :class:`~lorapub.runtime.registry.LocalRegistry` (in process) and
+    :class:`~lorapub.local_registry.LocalRegistry` (in process) and
     :class:`~lorapub.adapters.ray_registry.RayRegistry` (a Ray actor) implement it.
     A call whose reply is lost raises :class:`~lorapub.errors.OutcomeUnknown`; every
     command is safe to replay.

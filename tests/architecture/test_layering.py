@@ -3,8 +3,9 @@ on the source.
 
 Levels, each importing only those beneath it (``docs/design.md``, "Shape"):
 demo -> integrations, testing -> adapters -> the public face (``lorapub``) -> runtime, sglang_patch
--> snapshot -> probe -> wire, ports -> core -> errors. wire is the staging protocol both the publisher's adapter and
-the engine-side staging speak; sglang_patch runs inside the SGLang server.
+-> snapshot -> probe -> local_registry -> clock, health -> wire, ports -> core -> errors. wire is the staging
+protocol both the publisher's adapter and the engine-side staging speak; sglang_patch runs inside the SGLang
+server. The adapters import the ports and the values beside them, never the runtime.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _modules():
 #: A package's level: a module imports only its own package and packages of lower levels. "lorapub" is
 #: the public face (``from lorapub import Deployment``), above the runtime it re-exports.
 LEVELS = {
-    "errors": 0, "core": 1, "events": 1.5, "wire": 2, "ports": 2, "probe": 2.4, "snapshot": 2.5, "runtime": 3, "sglang_patch": 3, "lorapub": 4,
+    "_moved": 0, "errors": 0, "core": 1, "events": 1.5, "wire": 2, "ports": 2, "clock": 2.1, "health": 2.1, "local_registry": 2.2, "probe": 2.4, "snapshot": 2.5, "runtime": 3, "sglang_patch": 3, "lorapub": 4,
     "adapters": 5, "integrations": 6, "testing": 6, "cli": 6.5, "demo": 7, "__main__": 8,
 }
 #: No module grows past this: one concept per module.
@@ -87,6 +88,67 @@ def test_no_module_imports_upward():
     assert not broken, broken
 
 
+def _runtime_faces() -> frozenset[str]:
+    """The public face's names that live in the runtime: ``from lorapub import Deployment`` reaches it."""
+    return frozenset(name for name in lorapub.__all__
+                     if (getattr(lorapub, name).__module__ or "").startswith("lorapub.runtime"))
+
+
+def _runtime_reached(module: str, path: pathlib.Path, faces: frozenset[str]) -> list[str]:
+    """Each import in ``path`` (module ``module``) that reaches the runtime: ``import``, ``from``,
+    relative, under ``TYPE_CHECKING`` or inside a function alike, and the public face's runtime names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    reached = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            if base == "lorapub":
+                reached += [f"lorapub.{a.name} (the public face's, from {_runtime_module(a.name)})"
+                            for a in node.names if a.name in faces]
+        else:
+            continue
+        reached += [t for t in targets if t == "lorapub.runtime" or t.startswith("lorapub.runtime.")]
+    return reached
+
+
+def _runtime_module(name: str) -> str:
+    return str(getattr(lorapub, name).__module__)
+
+
+def test_the_adapters_never_import_the_runtime():
+    """Adapters implement the ports: they import ``lorapub.ports`` and the values beside it, never
+    ``lorapub.runtime`` (not for a type either), nor the public face's names that live there."""
+    faces = _runtime_faces()
+    assert {"Deployment", "Session"} <= faces
+    broken = [f"{name} imports {what}" for name, path in _modules() if name.startswith("lorapub.adapters")
+              for what in sorted(set(_runtime_reached(name, path, faces)))]
+    assert not broken, broken
+
+
+def test_the_adapter_check_sees_every_form_of_import(tmp_path):
+    """The check itself can fail: each way of reaching the runtime is seen."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import lorapub.runtime.deployment as d\n"
+        "from lorapub import Deployment, errors\n"
+        "if TYPE_CHECKING:\n"
+        "    from lorapub.runtime.reconciler import Reconciler\n"
+        "def f():\n"
+        "    from ...runtime import sessions\n"
+        "from lorapub.ports import Registry\n"
+    )
+    assert sorted(_runtime_reached("lorapub.adapters.x.m", path, _runtime_faces())) == [
+        "lorapub.Deployment (the public face's, from lorapub.runtime.deployment)",
+        "lorapub.runtime", "lorapub.runtime.deployment", "lorapub.runtime.reconciler",
+        "lorapub.runtime.reconciler.Reconciler", "lorapub.runtime.sessions",
+    ]
 
 
 def test_no_module_is_over_the_size_limit():
@@ -179,7 +241,7 @@ def _blocked(code: str, blocked: set[str]) -> subprocess.CompletedProcess:
 
 def test_public_face_and_runtime_import_without_torch_ray_aiohttp_or_sglang():
     out = _blocked(
-        "import lorapub, lorapub.runtime.deployment, lorapub.runtime.registry\n"
+        "import lorapub, lorapub.runtime.deployment, lorapub.local_registry\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in {'torch','ray','aiohttp','sglang'}]\n"
         "assert not bad, bad\n"
         "print('ok')\n",

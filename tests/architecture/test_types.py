@@ -1,9 +1,9 @@
 """The typed public face and the runtime behind it: the core, the staging protocol, the ports, the errors,
-the events, the runtime, the snapshot, the probe and the adapters pass ``mypy --strict``, and so do the Relax
-and AReaL integrations, the test kit (``lorapub.testing``, but for its verbatim copy of SGLang's files, which
-pyproject's ``exclude`` keeps out of the directories mypy walks), the SGLang patch (``lorapub.sglang_patch``;
-SGLang's own objects it patches are ``Any`` there), the commands (``lorapub.demo``, ``lorapub.cli``) and the
-package's ``__init__`` and ``__main__``: all of ``src/lorapub``.
+the events, the runtime, the snapshot, the probe, the clocks, health, the in-process registry and the adapters
+pass ``mypy --strict``, and so do the Relax and AReaL integrations, the test kit (``lorapub.testing``, but for
+its verbatim copy of SGLang's files, which pyproject's ``exclude`` keeps out of the directories mypy walks), the
+SGLang patch (``lorapub.sglang_patch``; SGLang's own objects it patches are ``Any`` there), the commands
+(``lorapub.demo``, ``lorapub.cli``) and the package's ``__init__`` and ``__main__``: all of ``src/lorapub``.
 
 The configuration is pyproject.toml's ``[tool.mypy]`` (strict for these paths; what they import is
 read for its types, not checked). .ci/install installs the pinned mypy, so CI always runs this.
@@ -22,7 +22,8 @@ import lorapub
 SRC = pathlib.Path(lorapub.__file__).parent
 ROOT = SRC.parent.parent
 STRICT = [SRC / "core", SRC / "wire", SRC / "ports.py", SRC / "errors.py", SRC / "events.py",
-          SRC / "runtime", SRC / "snapshot.py", SRC / "probe.py", SRC / "adapters",
+          SRC / "runtime", SRC / "snapshot.py", SRC / "probe.py", SRC / "clock.py", SRC / "health.py",
+          SRC / "local_registry.py", SRC / "_moved.py", SRC / "adapters",
           SRC / "integrations", SRC / "testing", SRC / "sglang_patch",
           SRC / "demo", SRC / "cli", SRC / "__init__.py", SRC / "__main__.py"]
 

@@ -8,7 +8,7 @@ import pytest
 from lorapub import InvalidInput
 from lorapub.integrations.relax.copies import LocalCopies
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.testing import MemoryEngine, lora_snapshot
 from tests.e2e.conftest import FAST
 

@@ -13,7 +13,7 @@ from lorapub.core.registry import Membership
 from lorapub.core.version import VersionState
 from lorapub.errors import EngineError
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.adapters.stores import SQLiteStore
 from lorapub.testing import MemoryEngine, SGLangDouble, lora_snapshot
 from tests.e2e.conftest import FAST

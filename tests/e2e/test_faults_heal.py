@@ -24,7 +24,7 @@ from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core.commands import CancelWait, CloseAndRelease, ExpireLeases, ReadState, RecordPrepared
 from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing import FaultyRegistry, MemoryEngine, SGLangDouble, lora_snapshot
 from tests.helpers.waiting import until as _until

@@ -12,7 +12,7 @@ import pytest
 from lorapub import Deployment, VersionKey
 from lorapub.core.commands import Reserve
 from lorapub.core.version import VersionState
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing import MemoryEngine, lora_snapshot
 

@@ -348,7 +348,7 @@ async def test_with_max_lag_set_a_stale_session_rebinds_by_default_and_every_res
 
 def test_one_rule_sets_the_on_stale_default_wherever_a_registry_is_made():
     from lorapub.core.registry import check_max_lag, new_registry
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
 
     assert check_max_lag(2) == "rebind" and check_max_lag(None) == "error" and check_max_lag(2, "error") == "error"
     assert new_registry(1, {"e0": "i"}, capacity=4, max_lag=2).on_stale == "rebind"

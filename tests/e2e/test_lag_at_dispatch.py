@@ -14,7 +14,7 @@ import pytest
 
 from lorapub import BindingStale, Deployment
 from lorapub.core.commands import AuthorizeDispatch, ClaimReclaim, ReadFleet
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.testing import MemoryEngine, lora_snapshot
 from tests.e2e.conftest import FAST
 

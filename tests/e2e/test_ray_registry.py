@@ -124,7 +124,7 @@ async def test_a_corrupted_store_reaches_callers_as_store_corrupted(ray_cluster,
 
 async def test_a_store_of_another_epoch_is_refused_through_the_actor(ray_cluster, tmp_path):
     from lorapub.errors import EpochMismatch
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
     from lorapub.adapters.stores import SQLiteStore
 
     path = str(tmp_path / "registry.db")

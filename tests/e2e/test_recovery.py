@@ -21,7 +21,7 @@ from lorapub.errors import (
 )
 from lorapub.runtime.deployment import Deployment
 from lorapub.runtime.publisher import PublicationFailed
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.testing import FaultyRegistry, lora_snapshot
 from tests.e2e.conftest import FAST
 from tests.helpers.waiting import until

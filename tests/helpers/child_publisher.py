@@ -19,7 +19,7 @@ import sys
 from lorapub import Deployment
 from lorapub.adapters.sglang_wire import SGLangWireEngine
 from lorapub.core import commands
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.testing import lora_snapshot
 
 

@@ -44,7 +44,7 @@ from lorapub.integrations.relax import (
     engine_name,
     validate_args,
 )
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.testing import SGLangDouble, lora_snapshot, peft_lora_state_dict
 
 from tests.integrations import relax_harness as harness

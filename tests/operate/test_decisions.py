@@ -244,7 +244,7 @@ def _json_lines(logger_name: str = "lorapub"):
 
 async def test_a_lease_expiry_found_by_the_reconciler_names_the_sessions():
     from lorapub.events import SessionsExpired
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
 
     now = [1000.0]
     engines = _engines()

@@ -45,7 +45,7 @@ async def test_the_documented_durable_registry_resumes_what_it_published(tmp_pat
 
 
 async def test_a_refused_local_registry_leaves_no_store_behind(tmp_path):
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
     from lorapub.adapters.stores import SQLiteStore
 
     path = str(tmp_path / "registry.db")

@@ -14,7 +14,7 @@ import pytest
 
 from lorapub import Deployment
 from lorapub.errors import InvalidInput
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.status import Status
 from lorapub.adapters.stores import SQLiteStore
 from lorapub.testing import MemoryEngine, lora_snapshot

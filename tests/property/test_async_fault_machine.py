@@ -29,7 +29,7 @@ from lorapub.core.identity import VersionKey
 from lorapub.core.registry import Membership
 from lorapub.errors import LorapubError
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.testing import FaultyRegistry, MemoryEngine
 
 from .test_fault_machine import ENGINES, GEN, SNAPSHOTS, TINY, TTL, FaultMachine

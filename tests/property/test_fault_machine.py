@@ -34,7 +34,7 @@ from lorapub.core.session import SessionState
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
 from lorapub.runtime.deployment import Deployment
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import LocalState
 from lorapub.testing import FaultyRegistry, MemoryEngine, lora_snapshot

@@ -17,7 +17,7 @@ from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
 from lorapub.runtime.deployment import Deployment
 from lorapub.probe import compare
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.testing import MemoryEngine, lora_snapshot, peft_config, reference_probe
 from lorapub.testing.numeric import model_logprobs

@@ -20,7 +20,7 @@ from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.core.registry import Commit, RecordBucketDone, RecordPrepared, RecordReady, Reserve
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.sessions import LocalState, SessionService
 from lorapub.testing.fixtures import fake_plan
 

@@ -21,7 +21,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from lorapub.core import registry as R
 from lorapub.errors import LorapubError
 from lorapub.core.commands import stamped
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.adapters.stores import SQLiteStore
 from tests.property.test_registry_machine import WINDOW, EPOCH, SESSION_POOL, RegistryMachine
 

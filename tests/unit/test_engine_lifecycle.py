@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from lorapub.errors import InvalidInput
-from lorapub.ports import EngineAdmin, ReportsInventory, ReportsLimits, TakesTransport
+from lorapub.ports import ChecksTransport, EngineAdmin, ReportsEndTimings, ReportsInventory, ReportsLimits, TakesTransport
+from lorapub.runtime import admission
 from lorapub.runtime.admission import check_engines, with_lifecycle
 from lorapub.runtime.deployment import Deployment
 from lorapub.testing import MemoryEngine, lora_snapshot
@@ -97,3 +98,45 @@ async def test_an_old_adapter_publishes_serves_and_closes():
     assert e2.inner.serves(a.lora_name)
     await dep.close()  # own_engines: the one with close() is closed, the other has nothing to close
     assert closing.closed == 1
+
+
+async def test_the_runtime_reads_nothing_through_the_wrappers_pass_through(monkeypatch):
+    """The wrapper passes the embedder's own reads of its adapter through (``__getattr__``); the runtime
+    asks by type only: with that pass-through answering nothing, an old adapter still publishes, serves,
+    joins and closes."""
+    asked = []
+
+    def nothing(self, name):
+        asked.append(name)
+        raise AttributeError(name)
+
+    monkeypatch.setattr(admission._Lifecycle, "__getattr__", nothing)
+    await test_an_old_adapter_publishes_serves_and_closes()
+    assert not {name for name in asked if not name.startswith("_")} - {
+        "limits", "end_timings", "transport", "use_transport", "can_use_transport"}, asked  # isinstance's look-ups
+
+
+def test_the_wrapper_keeps_each_optional_protocol_only_where_the_adapter_has_it():
+    class Full(OldEngine):
+        transport = "t"
+
+        async def limits(self):
+            return None
+
+        def end_timings(self, token):
+            return None
+
+        def use_transport(self, transport):
+            self.transport = transport
+
+        def can_use_transport(self, transport):
+            return transport == "ok"
+
+    held = check_engines({"e0": Full(MemoryEngine("e0"))})["e0"]
+    for protocol in (ReportsInventory, ReportsLimits, ReportsEndTimings, TakesTransport, ChecksTransport):
+        assert isinstance(held, protocol), protocol
+    assert held.can_use_transport("ok") and not held.can_use_transport("no")
+    held.use_transport("ok")
+    assert held.transport == "ok" == held.inner.transport
+    bare = check_engines({"e0": OldEngine(MemoryEngine("e0"), inventory=False)})["e0"]
+    assert not {"inventory", "limits", "end_timings", "transport", "use_transport", "can_use_transport"} & set(dir(type(bare)))

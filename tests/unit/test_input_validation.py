@@ -340,7 +340,7 @@ def test_reclaim_settings_are_refused_naming_the_argument_and_the_value_given(na
 def test_a_local_registry_refuses_an_epoch_that_is_not_an_int(epoch):
     """As Deployment(epoch=) does: a run id string would name every version after it and break later reads
     (lorapub status --store among them)."""
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
 
     with pytest.raises(InvalidInput) as e:
         LocalRegistry(epoch, {"e0": "e0-life0"})

@@ -101,3 +101,21 @@ def test_the_protocols_names_moved_from_the_core_to_wire(name):
     assert name not in identity.__all__
     with pytest.raises(AttributeError):
         identity.NO_SUCH_NAME  # noqa: B018 - other names are plain AttributeErrors
+
+
+@pytest.mark.parametrize("old, name, where", [
+    ("lorapub.runtime.registry", "LocalRegistry", "lorapub.local_registry"),
+    ("lorapub.runtime.registry", "MemoryStore", "lorapub.local_registry"),
+    ("lorapub.runtime.clock", "SystemClock", "lorapub.clock"),
+    ("lorapub.runtime.clock", "RegistryClock", "lorapub.clock"),
+    ("lorapub.runtime.clock", "Elapsed", "lorapub.clock"),
+    ("lorapub.runtime.admission", "check_epoch", "lorapub.core.identity"),
+])
+def test_the_registry_and_its_clock_moved_beneath_the_runtime(old, name, where):
+    """The in-process registry and what it needs moved beside the ports (an adapter runs it): the old
+    path is no second way, but an error naming the new one."""
+    with pytest.raises(ImportError, match=f"{old}.{name} moved: use `from {where} import {name}`"):
+        exec(f"from {old} import {name}", {})
+    assert getattr(importlib.import_module(where), name) is not None  # the pointer is right
+    with pytest.raises(AttributeError):
+        importlib.import_module(old).NO_SUCH_NAME  # noqa: B018 - other names are plain AttributeErrors

@@ -57,7 +57,7 @@ async def test_a_registry_that_does_not_answer_the_recheck_changes_no_verdict():
     """The recheck reads the registry's record of lives; a lost reply there attests nothing and
     refuses nothing more: a forged life is still PROVENANCE_MISMATCH, never an unknown outcome."""
     from lorapub.core.commands import ReadFleet
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
     from lorapub.testing import FaultyRegistry
 
     e0 = MemoryEngine("e0")

@@ -20,7 +20,7 @@ from lorapub.core.commands import BindFirst, CloseAndRelease, ExpireLeases, Open
 from lorapub.core.identity import SessionKey, VersionKey, new_nonce
 from lorapub.core.session import LEASED, TOMBSTONES, SessionRecord, SessionState
 from lorapub.core.session_table import SessionTable
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.adapters.stores import FileStore, SQLiteStore
 from tests.unit.test_core_rows import EP, E, publish
 

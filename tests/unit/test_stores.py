@@ -21,7 +21,7 @@ from lorapub.core.registry import (
     RecordReady, Reserve,
 )
 from lorapub.errors import EpochMismatch, StoreCorrupted, StoreError
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.adapters.stores import FileStore, SQLiteStore
 from lorapub.testing.fixtures import fake_plan
 from tests.unit.test_core_rows import E, EP, publish
@@ -467,7 +467,7 @@ _CRASH = textwrap.dedent("""
     import os, sys
     from lorapub.core.identity import SessionKey
     from lorapub.core.registry import BindFirst, CloseAndRelease
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
     from lorapub.adapters.stores import SQLiteStore
     registry = LocalRegistry(3, {"e0": "x"}, store=SQLiteStore(sys.argv[1]))
     command = {"bind": BindFirst, "close": CloseAndRelease}[sys.argv[2]](SessionKey(3, "victim", "n"))
@@ -508,7 +508,7 @@ _ACKNOWLEDGE = textwrap.dedent("""
     import sys, time
     from lorapub.core.identity import SessionKey
     from lorapub.core.registry import BindFirst
-    from lorapub.runtime.registry import LocalRegistry
+    from lorapub.local_registry import LocalRegistry
     from lorapub.adapters.stores import SQLiteStore
     registry = LocalRegistry(3, {"e0": "x"}, store=SQLiteStore(sys.argv[1]))
     for i in range(int(sys.argv[2])):
@@ -742,7 +742,7 @@ def test_a_stored_capacity_too_small_for_its_max_lag_resumes_with_a_warning(tmp_
     state = attrs.evolve(registry.state, capacity=2, max_lag=1)  # what a release before the check could store
     registry._save(state, None)
     registry.close()
-    with caplog.at_level("WARNING", logger="lorapub.runtime.registry"):
+    with caplog.at_level("WARNING", logger="lorapub.local_registry"):
         resumed = LocalRegistry(EP, E, store=FileStore(str(tmp_path / "r.pickle")))
     assert (resumed.state.capacity, resumed.state.max_lag) == (2, 1)  # resumed, not refused
     assert "capacity 2 cannot serve max_lag=1" in caplog.text and "capacity=3 or more" in caplog.text

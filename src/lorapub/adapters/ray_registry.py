@@ -1,5 +1,5 @@
 """The registry as a named Ray actor, so every rollout process shares one single writer: the actor
-runs a :class:`~lorapub.runtime.registry.LocalRegistry` one call at a time, typed errors come back
+runs a :class:`~lorapub.local_registry.LocalRegistry` one call at a time, typed errors come back
 as the same lorapub class, and only a lost reply is :class:`~lorapub.errors.OutcomeUnknown`.
 See docs/design.md, "Durable store".
 """
@@ -23,7 +23,7 @@ from lorapub.core.registry import (
     COMMANDS, DEFAULT_LEASE_TTL, RegistryState, Result, check_capacity, check_max_lag, check_room_for_lag)
 from lorapub.ports import RegistryStore
 from lorapub.core.identity import MANAGED_PREFIX
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.local_registry import LocalRegistry
 from lorapub.adapters.stores import SQLiteStore
 
 R_ = TypeVar("R_")  # a command's reply type
@@ -212,7 +212,7 @@ RegistryActor = ray.remote(num_cpus=0)(_RegistryActor)
 class RayRegistry:
     """A :class:`~lorapub.ports.Registry` over a named actor (create once, look up from any process).
 
-    The actor runs a :class:`~lorapub.runtime.registry.LocalRegistry` with Ray's default
+    The actor runs a :class:`~lorapub.local_registry.LocalRegistry` with Ray's default
     one-call-at-a-time concurrency: each command is applied whole before the next call starts.
     Every typed error raised in the actor (a rejection, and a store that cannot be read, is
     corrupted, belongs to another epoch or cannot save) crosses the process boundary as (code,

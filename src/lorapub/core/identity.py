@@ -14,7 +14,7 @@ from lorapub.errors import InvalidInput
 
 __all__ = [
     "LORA_NAME_PREFIX", "MANAGED_PREFIX", "DIGEST_PREFIX_LEN",
-    "check_id", "check_digest", "VersionKey", "check_name_prefix", "lora_name_for", "is_managed_name",
+    "check_id", "check_epoch", "check_digest", "VersionKey", "check_name_prefix", "lora_name_for", "is_managed_name",
     "epoch_of_name", "AttemptToken", "new_nonce", "born_of", "SessionKey",
 ]
 
@@ -44,6 +44,18 @@ def check_id(kind: str, value: object) -> str:
 def _check_epoch(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidInput(f"deployment_epoch must be a non-negative int, got {value!r}")
+
+
+def check_epoch(epoch: object) -> int:
+    """A deployment's ``epoch=`` (its keys' ``deployment_epoch``): an int >= 0, and the message says
+    what it is for (a run id string is the usual mistake)."""
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise InvalidInput(
+            f"epoch= must be an int >= 0 that grows with each trainer run, got {epoch!r} ({type(epoch).__name__}): "
+            "it numbers this run's versions (e.g. 7-step41) and a newer run's adapters are never touched by an "
+            "older one's; pass the run's number, or int(time.time()) taken once at its start"
+        )
+    return epoch
 
 
 def check_digest(digest: object) -> str:

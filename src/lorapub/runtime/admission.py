@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
+import types
 import warnings
 from typing import Any, Awaitable, Callable, Mapping, ParamSpec, Protocol, TypeVar, runtime_checkable
 
+from lorapub._moved import moved
 from lorapub.core.attempt import ReadyLocal
 from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken, check_id
@@ -17,8 +20,15 @@ from lorapub.wire.routes import MANAGED_PREFIX_ENV
 from lorapub.core.registry import Fleet
 from lorapub.errors import EngineCapacityError, EngineError, InvalidInput, OutcomeUnknown
 from lorapub.ports import (
+    ChecksTransport,
+    Closes,
+    EndTimings,
     EngineAdmin,
+    EngineLimits,
+    Inventory,
     OverwriteAdmin,
+    Releases,
+    ReportsEndTimings,
     ReportsInventory,
     ReportsLimits,
     TakesTransport,
@@ -26,7 +36,7 @@ from lorapub.ports import (
 )
 
 __all__ = ["check_engines", "check_operations", "with_lifecycle", "release_adapter", "close_adapter", "hand_transport", "check_status_address", "transport_name", "check_limits",
-           "check_protects", "answer_within", "refuse_moved_options", "check_epoch"]
+           "check_protects", "answer_within", "refuse_moved_options"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -57,27 +67,14 @@ def refuse_moved_options(init: Callable[_P, None]) -> Callable[_P, None]:
 
 def _declares(obj: object, name: str) -> bool:
     """``obj`` (its class or itself) sets ``name``: not an attribute a mock makes up when asked."""
-    return getattr(type(obj), name, None) is not None or getattr(obj, "__dict__", {}).get(name) is not None
+    return inspect.getattr_static(obj, name, None) is not None
 
 
-def check_epoch(epoch: object) -> int:
-    """A deployment's ``epoch=``: an int >= 0, and the message says what it is for (a run id string is
-    the usual mistake)."""
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        raise InvalidInput(
-            f"epoch= must be an int >= 0 that grows with each trainer run, got {epoch!r} ({type(epoch).__name__}): "
-            "it numbers this run's versions (e.g. 7-step41) and a newer run's adapters are never touched by an "
-            "older one's; pass the run's number, or int(time.time()) taken once at its start"
-        )
-    return epoch
+@runtime_checkable
+class _Named(Protocol):
+    """An adapter that gives itself a name (checked: it names stash folders, routes and log fields)."""
 
-
-#: What every engine adapter does (EngineAdmin without its lifecycle, which older adapters lack).
-_OPERATIONS = ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")
-#: The optional protocols' members an adapter admitted without its lifecycle keeps (ReportsInventory,
-#: ReportsLimits, ReportsEndTimings, TakesTransport): its wrapper has each only where the adapter has
-#: it, so that ``isinstance`` on those protocols answers of the wrapper as of the adapter.
-_OPTIONAL = ("inventory", "limits", "end_timings", "use_transport", "can_use_transport")
+    name: object
 
 
 @runtime_checkable
@@ -95,11 +92,24 @@ class _Operations(Protocol):
     async def generate(self, payload: Mapping[str, object]) -> dict[str, Any]: ...
 
 
+def _doing(operation: str) -> type:
+    """A runtime-checkable protocol of one of :class:`_Operations`' operations alone."""
+    return runtime_checkable(types.new_class(f"_Does_{operation}", (Protocol,),
+                                             exec_body=lambda ns: ns.update({operation: vars(_Operations)[operation]})))
+
+
+#: What every engine adapter does (EngineAdmin without its lifecycle, which older adapters lack), one
+#: protocol each: an adapter refused names each it lacks.
+_OPERATIONS = {operation: _doing(operation)
+               for operation in ("incarnation", "begin", "receive_bucket", "end", "cleanup", "reclaim", "generate")}
+
+
 class _Lifecycle:
     """An engine adapter written before :class:`~lorapub.ports.EngineAdmin` declared ``close()`` and
     ``release()``, as the deployment holds it: every call goes to the adapter, and the lifecycle method
     it lacks is a no-op (one it has is its own). Made once, when the engine is admitted; what the
-    runtime holds then is an EngineAdmin, called directly."""
+    runtime holds then is an EngineAdmin, called directly. The embedder's own reads of anything else
+    pass through to its adapter; the runtime reads nothing that way (it asks by type)."""
 
     def __init__(self, inner: _Operations) -> None:
         self.inner = inner
@@ -108,7 +118,7 @@ class _Lifecycle:
     def __repr__(self) -> str:
         return repr(self.inner)
 
-    def __getattr__(self, name: str) -> object:  # anything else the embedder reads of its own adapter
+    def __getattr__(self, name: str) -> object:  # the embedder's own reads of its adapter: a pass-through
         if name == "inner":  # not set yet (a copy being made): never looked up on itself
             raise AttributeError(name)
         return getattr(self.inner, name)
@@ -135,29 +145,60 @@ class _Lifecycle:
         return await self.inner.generate(payload)
 
     async def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            await close()
+        if isinstance(self.inner, Closes):
+            await self.inner.close()
 
     async def release(self) -> None:
-        release = getattr(self.inner, "release", None)
-        if callable(release):
-            await release()
+        if isinstance(self.inner, Releases):
+            await self.inner.release()
 
 
-def _forward(member: str) -> Callable[..., object]:
-    def forwarded(self: _Lifecycle, *args: object, **kwargs: object) -> object:
-        return getattr(self.inner, member)(*args, **kwargs)
-    forwarded.__name__ = member
-    return forwarded
+async def _inventory(self: _Lifecycle) -> Inventory:
+    assert isinstance(self.inner, ReportsInventory)
+    return await self.inner.inventory()
+
+
+async def _limits(self: _Lifecycle) -> EngineLimits:
+    assert isinstance(self.inner, ReportsLimits)
+    return await self.inner.limits()
+
+
+def _end_timings(self: _Lifecycle, token: AttemptToken) -> EndTimings | None:
+    assert isinstance(self.inner, ReportsEndTimings)
+    return self.inner.end_timings(token)
+
+
+def _transport(self: _Lifecycle) -> Transport:
+    assert isinstance(self.inner, TakesTransport)
+    return self.inner.transport
+
+
+def _use_transport(self: _Lifecycle, transport: Transport) -> None:
+    assert isinstance(self.inner, TakesTransport)
+    self.inner.use_transport(transport)
+
+
+def _can_use_transport(self: _Lifecycle, transport: Transport) -> bool:
+    assert isinstance(self.inner, ChecksTransport)
+    return self.inner.can_use_transport(transport)
+
+
+#: The optional protocols an adapter admitted without its lifecycle keeps, and their members: its
+#: wrapper has each protocol's only where the adapter is one, so that ``isinstance`` on those
+#: protocols answers of the wrapper as of the adapter.
+_OPTIONAL: dict[type, dict[str, object]] = {
+    ReportsInventory: {"inventory": _inventory},
+    ReportsLimits: {"limits": _limits},
+    ReportsEndTimings: {"end_timings": _end_timings},
+    TakesTransport: {"transport": property(_transport), "use_transport": _use_transport},
+    ChecksTransport: {"can_use_transport": _can_use_transport},
+}
 
 
 @functools.cache
-def _lifecycle_class(members: frozenset[str]) -> type[_Lifecycle]:
-    """:class:`_Lifecycle` with exactly ``members`` of the optional protocols (forwarded)."""
-    namespace: dict[str, object] = {m: _forward(m) for m in members if m != "transport"}
-    if "transport" in members:
-        namespace["transport"] = property(lambda self: self.inner.transport)
+def _lifecycle_class(protocols: frozenset[type]) -> type[_Lifecycle]:
+    """:class:`_Lifecycle` with the members of exactly ``protocols`` of the optional ones (forwarded)."""
+    namespace = {name: member for protocol in protocols for name, member in _OPTIONAL[protocol].items()}
     return type("_Lifecycle", (_Lifecycle,), namespace) if namespace else _Lifecycle
 
 
@@ -170,9 +211,7 @@ def with_lifecycle(engine: object, known: object = None) -> EngineAdmin:
     if isinstance(known, _Lifecycle) and known.inner is engine:
         return known
     assert isinstance(engine, _Operations), "with_lifecycle follows check_operations"
-    members = frozenset((*(m for m in _OPTIONAL if callable(getattr(engine, m, None))),
-                         *(("transport",) if hasattr(engine, "transport") else ())))
-    return _lifecycle_class(members)(engine)
+    return _lifecycle_class(frozenset(p for p in _OPTIONAL if isinstance(engine, p)))(engine)
 
 
 def check_operations(key: object, engine: object) -> None:
@@ -180,7 +219,7 @@ def check_operations(key: object, engine: object) -> None:
     INVALID_INPUT naming what it lacks."""
     if isinstance(engine, EngineAdmin):
         return
-    missing = [m for m in _OPERATIONS if not callable(getattr(engine, m, None))]
+    missing = [operation for operation, doing in _OPERATIONS.items() if not isinstance(engine, doing)]
     if not missing:
         return
     hint = (" — it is an engine of the switched-off path (OverwriteAdmin): with enabled=True pass "
@@ -195,7 +234,7 @@ def check_operations(key: object, engine: object) -> None:
 def name_of(offered: object) -> str:
     """The name an adapter offered alone (``add_engine``) gives itself, checked: it names stash folders,
     routes and log fields."""
-    name = getattr(offered, "name", None)
+    name = offered.name if isinstance(offered, _Named) else None
     check_id("engine name", name)
     assert isinstance(name, str)
     return name
@@ -208,7 +247,7 @@ def check_engines(engines: object) -> dict[str, EngineAdmin]:
         raise InvalidInput("engines must be a non-empty mapping of engine name -> engine adapter")
     for key, engine in engines.items():
         check_id("engine name", key)  # it names stash folders, routes and log fields
-        name = getattr(engine, "name", None)
+        name = engine.name if isinstance(engine, _Named) else None
         if name != key:
             raise InvalidInput(
                 f"engine map key {key!r} differs from the adapter's name {name!r}; the registry addresses "
@@ -257,8 +296,7 @@ def hand_transport(engines: Mapping[str, EngineAdmin], transport: object) -> Tra
     # Every engine is asked before any is handed the transport: one given another earlier (by another
     # deployment) refuses here, and no engine of this failed deployment is left holding it.
     for name, engine in sorted(takers.items()):
-        can = getattr(engine, "can_use_transport", None)  # optional (TakesTransport's docstring)
-        if can is not None and not can(transport):
+        if isinstance(engine, ChecksTransport) and not engine.can_use_transport(transport):  # optional
             raise InvalidInput(f"engine {name} already sends buckets {engine.transport!r}; it cannot also send them "
                                f"{transport!r} (one transport per engine adapter: build another for this deployment)")
     for engine in takers.values():
@@ -366,3 +404,8 @@ async def check_protects(name: str, engine: EngineAdmin, prefix: str, deadline: 
             f"{prefix!r}…: launch it with {MANAGED_PREFIX_ENV}={prefix} (or give the deployment "
             f"name_prefix={protected!r})", engine=name,
         )
+
+
+#: check_epoch checks a deployment's epoch beside the keys the epoch numbers (the registry in this
+#: process checks it too, beneath the runtime).
+__getattr__ = moved(__name__, {"check_epoch": "lorapub.core.identity"})

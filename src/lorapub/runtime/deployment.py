@@ -62,9 +62,10 @@ from lorapub.runtime.publication_report import PublicationReport
 from lorapub.runtime.publisher import Publisher
 from lorapub.runtime.reclaimer import Reclaimer
 from lorapub.runtime.tasks import TaskOwner
-from lorapub.runtime.reconciler import Health, Reconciler
-from lorapub.runtime.clock import RegistryClock, SystemClock
-from lorapub.runtime.registry import LocalRegistry
+from lorapub.health import Health
+from lorapub.runtime.reconciler import Reconciler
+from lorapub.clock import RegistryClock, SystemClock
+from lorapub.local_registry import LocalRegistry
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.settings import DeploymentOptions, DeploymentSettings, check_copies
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL, LIVE, Session, SessionService
@@ -300,15 +301,15 @@ class Deployment:
 
     def _check_shared_settings(self, fleet: Fleet) -> None:
         """A registry made elsewhere (shared) has its own settings: a different one asked here is an error."""
-        asked: dict[str, object] = {"capacity": self.capacity, "name_prefix": self.name_prefix}
+        asked: dict[str, tuple[object, object]] = {"capacity": (self.capacity, fleet.capacity),
+                                                    "name_prefix": (self.name_prefix, fleet.name_prefix)}
         if self.max_lag is not None:
-            asked.update(max_lag=self.max_lag)
+            asked.update(max_lag=(self.max_lag, fleet.max_lag))
         if self._on_stale_asked is not None:  # left out: the shared registry's own (made by the same rule)
-            asked.update(on_stale=self._on_stale_asked)
+            asked.update(on_stale=(self._on_stale_asked, fleet.on_stale))
         if self.avoid_suspect:
-            asked.update(avoid_suspect=True)
-        for name, value in asked.items():
-            has = getattr(fleet, name)
+            asked.update(avoid_suspect=(True, fleet.avoid_suspect))
+        for name, (value, has) in asked.items():
             if value is not None and value != has:
                 raise InvalidInput(
                     f"{name}={value!r} was asked for, but the registry this deployment uses has {name}={has!r} "

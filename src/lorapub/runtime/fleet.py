@@ -19,7 +19,7 @@ from lorapub.core.session import Binding
 from lorapub.errors import LorapubError, OutcomeUnknown, UnknownEngine
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry, ReportsInventory
 from lorapub.runtime.admission import answer_within
-from lorapub.runtime.clock import Elapsed, SystemClock
+from lorapub.clock import Elapsed, SystemClock
 from lorapub.runtime.engines import shared
 from lorapub.runtime.lives import LivesSeen
 

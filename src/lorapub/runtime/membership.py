@@ -40,7 +40,7 @@ from lorapub.runtime.admission import (
     with_lifecycle,
 )
 from lorapub.runtime.fleet import FleetView, incarnation_of
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.reconciler import Reconciler
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner, OnEligible

@@ -26,7 +26,7 @@ from lorapub.events import (
     VersionUnloaded,
 )
 from lorapub.ports import Clock, Registry
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 
 R_ = TypeVar("R_")  # a command's reply type
 

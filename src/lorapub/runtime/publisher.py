@@ -54,7 +54,7 @@ from lorapub.events import (
     PublishWaiting,
 )
 from lorapub.ports import BucketSource, Clock, CopyStore, EndTimings, EngineAdmin, Registry, ReportsEndTimings
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.frozen import FrozenCopies
 from lorapub.runtime.progress import progress_listener

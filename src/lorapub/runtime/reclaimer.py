@@ -13,7 +13,7 @@ from lorapub.core.identity import VersionKey
 from lorapub.core.version import VersionState
 from lorapub.errors import LorapubError
 from lorapub.ports import Clock, EngineAdmin, Registry
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.retry import RetryPolicy
 from lorapub.runtime.runner import Deadlines, EffectRunner

@@ -14,8 +14,6 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Hashable, Mapping
 
-import attrs
-
 from lorapub.core.commands import (
     AbortStale,
     ExpireLeases,
@@ -32,6 +30,7 @@ from lorapub.core.identity import AttemptToken, VersionKey, epoch_of_name
 from lorapub.core.registry import Fleet
 from lorapub.core.version import VersionState
 from lorapub.errors import EngineError, LorapubError
+from lorapub.health import Blocker, Health
 from lorapub.events import (
     EngineReprovisioned,
     EngineRestarted,
@@ -44,7 +43,7 @@ from lorapub.events import (
     VersionSuspected,
 )
 from lorapub.ports import Clock, EngineAdmin, Inventory, Registry
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.fleet import FleetView, Life
 from lorapub.probe import Probe, compare, observe
 from lorapub.runtime.provenance import unstamped
@@ -57,40 +56,9 @@ from lorapub.runtime.tasks import TaskOwner
 from lorapub.snapshot import Snapshot
 from lorapub.runtime.engines import shared
 
-__all__ = ["Blocker", "Health", "Reconciler"]
+__all__ = ["Reconciler"]
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class Blocker:
-    """One thing that keeps the deployment from being healthy, and why."""
-
-    # engine_unreachable | reprovisioning | cleanup_pending | reclaim_pending | publication_waiting |
-    # orphan_pending | attempt_running | reconcile_failed | version_suspect | starting (no pass has finished)
-    kind: str
-    subject: str
-    detail: str
-
-
-@attrs.frozen
-class Health:
-    """The typed status of the last reconciliation pass."""
-
-    healthy: bool
-    blockers: tuple[Blocker, ...]
-    fleet: Fleet | None
-    passes: int
-    failed_passes: int
-    #: what is worth knowing but blocks nothing, e.g. an engine whose turns are unattested (it does
-    #: not stamp its responses: docs/provenance.md, "Stamp")
-    notes: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        if self.healthy:
-            return "healthy" + "".join(f"; note: {n}" for n in self.notes)
-        return "; ".join(f"{b.kind} {b.subject}: {b.detail}" for b in self.blockers)
-
 
 
 def _said(life: Life) -> Inventory | str | Exception:
@@ -346,7 +314,7 @@ class Reconciler:
             del self._canary_last[gone]
         for key, engines in sorted(fleet.holders.items()):
             snapshot = self.publisher.frozen.get(key)
-            probe = getattr(snapshot, "probe", None)
+            probe = snapshot.probe if snapshot is not None else None
             name = fleet.lora_names.get(key)
             if probe is None or name is None or key in fleet.suspect:
                 continue
@@ -485,7 +453,7 @@ class Reconciler:
             self.registry, self.engines,
             publisher.source_factory(snapshot, snapshot.plan(publisher.bucket_cap_bytes)), self.deadlines,
             # the numeric READY gate holds for a re-provisioned load too
-            probe=getattr(snapshot, "probe", None),
+            probe=snapshot.probe,
             lora_name=next((fx.lora_name for fx in result.effects if isinstance(fx, SendBegin)), None),
             left=self.fleet.left,
         )

@@ -39,7 +39,7 @@ from lorapub.core.commands import (
 )
 from lorapub.errors import EngineError, InvalidInput, LorapubError, OutcomeUnknown, UnknownEngine, VersionMissing
 from lorapub.ports import BucketSource, Clock, EngineAdmin, Registry
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.engines import shared
 from lorapub.probe import Mismatch, Probe, compare, observe
 
@@ -235,7 +235,7 @@ class EffectRunner:
 
     async def _timed(self, fx: _Executable, runlog: RunLog) -> Sequence[Effect]:
         phase = self._PHASES.get(type(fx), "other")
-        engine = getattr(fx, "engine", None)
+        engine = None if isinstance(fx, TransferBucket) else fx.engine  # a bucket goes to several engines
         runlog.mark(phase, engine)
         try:
             return await self._execute(fx, runlog)

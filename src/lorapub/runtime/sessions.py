@@ -42,7 +42,7 @@ from lorapub.errors import (
 )
 from lorapub.events import Observer, ProvenanceMismatched, RequestDispatched, SessionBound, SessionRebound, SessionsExpired, SessionStale
 from lorapub.ports import Clock, EngineAdmin, GenerationTarget, Registry, RoutedSession, Routing
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.runtime.fleet import FleetView
 from lorapub.runtime.provenance import attest, stamp_said
 from lorapub.runtime.runner import EffectRunner, OnEligible

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, TypedDict, cast
 
 import attrs
 
-from lorapub.core.identity import check_name_prefix
+from lorapub.core.identity import check_epoch, check_name_prefix
 from lorapub.core.registry import (
     DEFAULT_CAPACITY,
     DEFAULT_LEASE_TTL,
@@ -22,7 +22,7 @@ from lorapub.core.registry import (
 from lorapub.errors import InvalidInput
 from lorapub.events import Observer
 from lorapub.ports import Clock, CopyStore, Registry, Routing, Transport
-from lorapub.runtime.admission import check_epoch, check_status_address
+from lorapub.runtime.admission import check_status_address
 from lorapub.runtime.runner import Deadlines
 from lorapub.runtime.sessions import DEFAULT_IDLE_TTL
 from lorapub.runtime.status import check_bind

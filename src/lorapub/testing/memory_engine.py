@@ -17,7 +17,7 @@ from lorapub.core.effects import SendBegin
 from lorapub.core.identity import AttemptToken
 from lorapub.errors import EngineError, InvalidInput, OutcomeUnknown, VersionMissing
 from lorapub.ports import Clock, EngineLimits, HeldAdapter, Inventory, StagedAttempt
-from lorapub.runtime.clock import SystemClock
+from lorapub.clock import SystemClock
 from lorapub.testing import numeric
 from lorapub.wire.codec import manifest_digest
 from lorapub.wire.refusal import Refused

@@ -20,7 +20,7 @@ from lorapub.errors import EngineError, EngineUnavailable, InvalidInput, Lorapub
 from lorapub.ports import EngineAdmin
 
 if TYPE_CHECKING:
-    from lorapub.runtime.reconciler import Health
+    from lorapub.health import Health
 
 __all__ = [
     "WorkerJoined", "WorkerLeft", "WorkerRestarted", "WorkerUnreachable", "WorkerQuarantined", "WorkerHealed",
