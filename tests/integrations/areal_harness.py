@@ -212,6 +212,19 @@ def save_adapter(path: str, seed: int) -> None:
         json.dump(peft_config(), f)
 
 
+def save_adapter_bf16(path: str, seed: int) -> None:
+    """:func:`save_adapter` in bfloat16, as AReaL's FSDP trainer saves a bf16 model's LoRA (numpy has no
+    bfloat16: a reader that loads with numpy fails on it)."""
+    import safetensors.torch
+    import torch
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in peft_lora_state_dict(seed).items()}
+    safetensors.torch.save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(), f)
+
+
 def train_step_update(engine: Any, meta: Any, version: int, seed: int, save: Any = None) -> Any:
     """One update the way ``FSDPEngine._update_weights_from_disk`` runs it on rank 0: pause, hand the
     rollout engine the update, save the adapter, announce it through name_resolve, wait, continue.

@@ -208,6 +208,23 @@ def test_grpo_groups_bind_one_version_per_prompt(fleet, area):
         engine.destroy()
 
 
+def test_a_bfloat16_adapter_as_areals_trainer_saves_it_is_published_and_served(fleet, area):
+    """AReaL's trainer saves a bf16 model's LoRA in bfloat16 (a live run's every update failed on reading it
+    with numpy): the update is published, both servers hold it, and trajectories run on it."""
+    pytest.importorskip("torch")
+    engine, meta = _engine(fleet, area)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0, save=H.save_adapter_bf16)
+        engine.submit(PROMPT, workflow=_workflow(max_turns=2), group_size=2)
+        trajectories = engine.wait(1, timeout=30)
+        assert [len(turns) for traj in trajectories for turns in _turn_versions(traj)] == [2, 2]
+        assert _failed(fleet) == []
+        names = [fleet.on_loop(lambda d=d: sorted(d.registered())) for d in fleet.doubles]
+        assert names[0] == names[1] and any("-v0-" in n for n in names[0]), names
+    finally:
+        engine.destroy()
+
+
 def test_a_restarted_server_is_healed_and_no_request_fails(fleet, area):
     """A server that crashed between waves (a crash mid-request loses that request on either path) comes
     back empty: lorapub sends what it refuses to the other holder, re-provisions it, and the next

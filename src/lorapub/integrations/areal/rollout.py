@@ -22,6 +22,7 @@ import uuid
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from lorapub import Deployment, PublicationFailed, PublicationReport, Session, Snapshot
+from lorapub.snapshot import load_safetensors
 from lorapub.ports import EngineAdmin
 
 from .config import LorapubAReaLConfig, version_id
@@ -41,15 +42,14 @@ def engine_name(address: str) -> str:
 
 def read_adapter(path: str) -> Snapshot:
     """The PEFT adapter AReaL's trainer saved under ``path``, frozen in memory (AReaL may delete the folder
-    once the update is done: ``clear_checkpoint_after_load``)."""
-    import safetensors.numpy
-
+    once the update is done: ``clear_checkpoint_after_load``). Read with torch where it is installed (AReaL's
+    trainer saves bfloat16, which numpy has no dtype for: a live run's every update failed so), else numpy."""
     missing = [name for name in ADAPTER_FILES if not os.path.isfile(os.path.join(path, name))]
     if missing:
         raise FileNotFoundError(
             f"{path} holds no PEFT adapter ({', '.join(missing)} missing): lorapub publishes the LoRA adapter "
             "AReaL's trainer saves for a disk update (actor.weight_update_mode: disk, actor.use_lora: true)")
-    tensors = safetensors.numpy.load_file(os.path.join(path, ADAPTER_FILES[0]))
+    tensors = load_safetensors(os.path.join(path, ADAPTER_FILES[0]))
     with open(os.path.join(path, ADAPTER_FILES[1])) as f:
         serving_config = json.load(f)
     return Snapshot(tensors, serving_config)
