@@ -42,11 +42,15 @@ def _stop(signum, frame):
 
 async def one_path(path: str, online, patched: bool) -> int:
     env = {"SGLANG_LORAPUB_MANAGED_PREFIX": "lorapub@"} if patched else None
-    servers = [srv.start(f"{path}{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT, patched=patched,
-                         max_lora_rank=64, mem_fraction=0.40, target_modules=online.ALL_LINEAR, decode_graphs=True,
-                         max_loras=SLOTS, env=env) for i in range(2)]
+    # One at a time: a server sizes its KV pool from the memory free when it starts, and one booting beside
+    # another counts the other's weights as its own (live, 80 GB: "no GPU memory for the KV cache").
+    servers: list[srv.Server] = []
     try:
-        await srv.wait_healthy(servers)
+        for i in range(2):
+            servers.append(srv.start(f"{path}{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT,
+                                     patched=patched, max_lora_rank=64, mem_fraction=0.40,
+                                     target_modules=online.ALL_LINEAR, decode_graphs=True, max_loras=SLOTS, env=env))
+            await srv.wait_healthy(servers)
         warm = await srv.warm_up(servers, os.path.join(online.MODEL, "A"))
         print(f"{path}: servers up {[round(s.boot_s) for s in servers]} s, warm-up {warm}", flush=True)
         cmd = [sys.executable, os.path.join(ROOT, "bench", "areal_side_by_side.py"), "--paths", path,
@@ -71,9 +75,10 @@ async def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     online = _live_online()
     online.build_model()
-    rc_areal = await one_path("areal", online, patched=False)  # AReaL's path on stock SGLang
-    rc_lorapub = await one_path("lorapub", online, patched=True)
-    return rc_areal or rc_lorapub
+    # LIVE_AREAL_PATHS: which paths run, in order (default both: AReaL's on stock SGLang, then lorapub's)
+    rcs = [await one_path(path, online, patched=path == "lorapub")
+           for path in os.environ.get("LIVE_AREAL_PATHS", "areal lorapub").split()]
+    return next((rc for rc in rcs if rc), 0)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,25 @@ import driver  # noqa: E402  (bench/live_relax/driver.py: the versions, the adap
 from tests.integrations import relax_harness as harness  # noqa: E402
 
 
+async def until_healthy(url: str, timeout: float) -> float:
+    """Seconds until ``url`` answers /health (live, the third server boots while the first two serve: a
+    router lists a worker once it is healthy)."""
+    import aiohttp
+
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        while True:
+            try:
+                async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return time.monotonic() - started
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
+            await asyncio.sleep(1.0)
+
+
 def topology(urls: list[str]) -> dict[int, dict]:
     return {i: {"ip": urllib.parse.urlsplit(u).hostname, "port": urllib.parse.urlsplit(u).port}
             for i, u in enumerate(urls)}
@@ -142,6 +161,7 @@ async def run(args) -> dict:
         mark("step1 published on e0, e1")
         load = [asyncio.create_task(rollouts(w)) for w in range(args.workers)]
         await asyncio.sleep(args.phase_s)
+        report["e2_boot_wait_s"] = round(await until_healthy(urls[2], args.boot_timeout), 1)  # 0 once it is up
 
         phase[0] = "e2 joins"
         relax.worker_urls = list(urls)  # the router lists the third server; so does the coordinator
@@ -204,6 +224,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--phase-s", type=float, default=20.0, help="seconds of load in each phase")
     parser.add_argument("--join-timeout", type=float, default=120.0)
+    parser.add_argument("--boot-timeout", type=float, default=420.0,
+                        help="how long the third server may take to answer /health before it joins")
     parser.add_argument("--decode-delay", type=float, default=0.002, help="the doubles' decode time a token, s")
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--prefill-per-token", type=float, default=20e-6)

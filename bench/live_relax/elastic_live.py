@@ -1,6 +1,7 @@
 """elastic.py on live SGLang: three patched SGLang servers on one GPU, booted as live.py boots two.
 
-All three boot first, one after another (a server's boot is minutes, not what is measured); elastic.py starts with e0 and e1
+e0 and e1 boot first, one after another (a server's boot is minutes, not what is measured), then e2 boots
+while they serve and joins once it is healthy; elastic.py starts with e0 and e1
 in the router's list and the trainer's topology, adds e2 under load, then drains and removes e0. Adapter B
 of bench/live_online's 4B-shaped model, lorapub's bytes over HTTP. Run by elastic.sh beside it, with the
 SGLang bundle on PYTHONPATH. Env: OUT (results), LIVE_RELAX_MAX_LORAS (each server's LoRA slots, default 5:
@@ -47,13 +48,16 @@ async def main() -> int:
 
     # One at a time: each server sizes its KV pool from the memory free when it starts, and three booting
     # at once on an 80 GB card each saw the others' weights as its own (no memory left for the KV cache).
+    # The third boots while the first two serve, as an engine added to a running fleet does: elastic.py
+    # lets it join once it answers /health (booting all three first left elastic.py 40 s of a 450 s run).
     engines: list[srv.Server] = []
     try:
-        for i in range(3):
+        for i in range(2):
             engines.append(boot(i))
             await srv.wait_healthy(engines)
         warm = await srv.warm_up(engines, os.path.join(online.MODEL, "A"))
-        print(f"servers up {[round(s.boot_s) for s in engines]} s, warm-up {warm}", flush=True)
+        engines.append(boot(2))
+        print(f"e0, e1 up {[round(s.boot_s) for s in engines[:2]]} s, warm-up {warm}; e2 booting", flush=True)
         cmd = [sys.executable, os.path.join(HERE, "elastic.py"), *(a for s in engines for a in ("--engine-url", s.url)),
                "--adapter", os.path.join(online.MODEL, "B"), "--transport", "http", "--capacity", str(MAX_LORAS - 2),
                "--max-new-tokens", "64", "--phase-s", "40", "--json", os.path.join(OUT, "elastic.json"),
