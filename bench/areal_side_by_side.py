@@ -27,6 +27,7 @@ answers are not counted (only each ``agenerate``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -104,6 +105,13 @@ def copy_adapter(adapters: list[str]) -> Any:
     return save
 
 
+def _saved_as_trainers_save() -> Any:
+    """On the doubles, the adapter in bfloat16 as a bf16 model's trainer saves it (the live adapters are
+    bf16: a reader that took numpy for it failed every live update, not one on the doubles), where torch is
+    installed; else float32."""
+    return H.save_adapter_bf16 if importlib.util.find_spec("torch") is not None else H.save_adapter
+
+
 class Trainer:
     """The updates, as AReaL's FSDP trainer makes them; remembers the newest version it completed."""
 
@@ -146,7 +154,7 @@ def run_path(name: str, args: argparse.Namespace, area: str) -> dict[str, Any]:
     engine.initialize(addr=fleet.addresses)
     meta = WeightUpdateMeta.from_disk(f"bench-{name}", "t0", area, use_lora=True, lora_name=H.LORA_NAME,
                                       lora_keep_versions=args.offpolicyness + 2)
-    trainer = Trainer(engine, meta, copy_adapter(args.adapters) if args.adapters else None)
+    trainer = Trainer(engine, meta, copy_adapter(args.adapters) if args.adapters else _saved_as_trainers_save())
     inner = engine._engine
     calls: list[dict[str, Any]] = []
     original = inner.agenerate
@@ -304,9 +312,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"method: AReaL 1.0.4's RemoteSGLangEngine, WorkflowExecutor, GroupedRolloutWorkflow and MultiTurnWorkflow on "
           f"{where};")
     print(f"  {args.rounds} rounds x {args.episodes} prompts x {args.group} samples x {args.turns} turns x "
-          f"{args.tokens} tokens ({args.decode_delay * 1000:g} ms/token); {args.updates} updates/round "
-          f"{args.interval:g} s apart in FSDPEngine's order; round 1's 2nd update fails to load on e1; e0 restarts "
-          f"between rounds (doubles only); max_head_offpolicyness {args.offpolicyness} (lorapub: max_lag, capacity "
+          f"{args.tokens} tokens{'' if args.urls else f' ({args.decode_delay * 1000:g} ms/token)'}; {args.updates} "
+          f"updates/round {args.interval:g} s apart in FSDPEngine's order; "
+          f"{'no fault injected (live)' if args.urls else 'the 2nd update of round 1 fails to load on e1; e0 restarts between rounds'}; "
+          f"max_head_offpolicyness {args.offpolicyness} (lorapub: max_lag, capacity "
           f"{args.offpolicyness + 2}; AReaL: lora_keep_versions {args.offpolicyness + 2}); every call counted")
     first = next(iter(results.values()))
     keys = [k for k in first if k not in ("path", "update errors", "update seconds", "request errors (first 3)", "refused answers (first 8)")]
