@@ -422,3 +422,46 @@ def test_an_update_whose_folder_holds_no_adapter_is_a_typed_error(fleet, area):
         assert _turn_versions(engine.wait(1, timeout=30)[0]) == [[0]]
     finally:
         engine.destroy()
+
+
+def test_after_destroy_calls_are_refused_typed(fleet, area):
+    """After ``destroy`` the engine's lorapub is closed: a generation or a publication is DEPLOYMENT_CLOSED
+    (a typed lorapub error), not a bare RuntimeError."""
+    import asyncio
+
+    from areal.api import ModelRequest
+
+    from lorapub import DeploymentClosed
+
+    engine, meta = _engine(fleet, area)
+    H.train_step_update(engine, meta, 0, seed=0)
+    engine.destroy()
+    initial = area / "initial_lora"
+    H.save_adapter(str(initial), seed=0)
+    with pytest.raises(DeploymentClosed, match="new engine"):
+        engine.publish_initial(str(initial))
+    request = ModelRequest(rid="late", input_ids=[1, 2, 3], gconfig=H.gconfig(max_new_tokens=2))
+    with pytest.raises(DeploymentClosed):
+        asyncio.run(engine.agenerate(request))
+
+
+def test_offload_still_pauses_the_servers_first_and_onload_continues_them(fleet, area):
+    """RLTrainer's colocated offload is ``pause`` (the executor), ``pause_generation``, ``offload``; its onload is
+    ``onload``, ``continue_generation``. lorapub drops the two generation calls (updates need no pause), so its
+    ``offload`` sends the servers' pause itself before their memory is released (a request still running
+    there must stop first), and its ``onload`` sends the continue after the memory is back."""
+    engine, _ = _engine(fleet, area)
+    try:
+        inner = engine._engine
+        sent = []
+        inner._run_request_on_all_servers = lambda req: sent.append(req.endpoint)  # the servers' side
+        engine.pause()
+        engine.pause_generation()  # not sent
+        engine.offload()
+        assert sent == ["/pause_generation", "/release_memory_occupation"]
+        engine.onload()
+        engine.continue_generation()  # not sent
+        engine.resume()
+        assert sent[2:] == ["/resume_memory_occupation", "/continue_generation"]
+    finally:
+        engine.destroy()

@@ -1,7 +1,8 @@
 """AReaL's remote SGLang engine with lorapub: :class:`LorapubSGLangEngine` (imports AReaL 1.0.4).
 
 Off, it is ``RemoteSGLangEngine`` itself. On, six methods of AReaL's ``RemoteInfEngine`` change
-(:class:`LorapubRemoteInfEngine`; ``destroy`` also closes lorapub) and nothing else. See docs/areal.md, "What changes for an AReaL user".
+(:class:`LorapubRemoteInfEngine`; ``destroy`` also closes lorapub, ``offload``/``onload`` send the servers'
+pause/continue themselves, and ``publish_initial`` is added) and nothing else. See docs/areal.md, "What changes for an AReaL user".
 """
 
 from __future__ import annotations
@@ -197,6 +198,17 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
 
     def continue_generation(self) -> None:
         """Not sent (nothing was paused)."""
+
+    def offload(self) -> None:
+        """AReaL's offload, after the servers' pause that :meth:`pause_generation` no longer sends: RLTrainer
+        pauses them before it releases their memory, and a request still running there must stop first."""
+        RemoteInfEngine.pause_generation(self)
+        super().offload()
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        """AReaL's onload, then the servers' continue that :meth:`continue_generation` no longer sends."""
+        super().onload(tags)
+        RemoteInfEngine.continue_generation(self)
 
 
 class LorapubSGLangEngine(RemoteSGLangEngine):

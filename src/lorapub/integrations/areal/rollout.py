@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
-from lorapub import Deployment, InvalidInput, PublicationFailed, PublicationReport, Session, Snapshot
+from lorapub import Deployment, DeploymentClosed, InvalidInput, PublicationFailed, PublicationReport, Session, Snapshot
 from lorapub.snapshot import load_safetensors
 from lorapub.ports import EngineAdmin
 
@@ -95,7 +95,8 @@ class LorapubRollout:
     def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
         if self._loop.is_closed():
             coro.close()
-            raise RuntimeError("this rollout engine's lorapub was closed (destroy())")
+            raise DeploymentClosed("this rollout engine's lorapub was closed (destroy()): make a new engine and "
+                                   "initialize it to generate or publish again")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
