@@ -2,8 +2,9 @@
 
 Both runs drive AReaL 1.0.4's released code: its ``RemoteSGLangEngine`` (lorapub's drop-in
 ``LorapubSGLangEngine``, switched off for AReaL's path and on for lorapub's), its
-``WorkflowExecutor``, ``GroupedRolloutWorkflow`` and ``MultiTurnWorkflow``, and every weight update in
-the order of its FSDP trainer (pause, update from disk, save, name_resolve, continue, set_version).
+``WorkflowExecutor``, ``GroupedRolloutWorkflow`` and ``MultiTurnWorkflow``, and every weight update with
+its FSDP trainer's calls (pause, update from disk, continue, set_version; the adapter saved and its
+name_resolve key written before the update is handed over, which spares AReaL's 1 s poll).
 
 The workload, per round: ``episodes`` prompts of ``group`` samples, ``turns`` turns each, submitted at
 once; meanwhile the trainer makes ``updates`` updates ``interval`` seconds apart. Round 1's second

@@ -246,6 +246,30 @@ def train_step_update(engine: Any, meta: Any, version: int, seed: int, save: Any
     return result
 
 
+def fsdp_update(engine: Any, meta: Any, version: int, seed: int) -> Any:
+    """One update in ``FSDPEngine._update_weights_from_disk``'s own order on rank 0, as AReaL's ``RLTrainer``
+    drives it: pause, hand the rollout engine the update (it waits on name_resolve), save the adapter, add
+    the key for the trainer's version (no ``replace``: a key written before is ``NameEntryExistsError``),
+    wait for the future, continue (not reached when it raises), then ``set_version``. Slower than
+    :func:`train_step_update` by AReaL's name_resolve poll (about 1 s)."""
+    from datetime import datetime
+
+    from areal.utils import name_resolve, names
+
+    versioned = meta.with_version(version)
+    engine.pause_generation()
+    fut = engine.update_weights_from_disk(versioned)
+    time.sleep(0.2)  # the trainer's save takes a while: the engine is already waiting on the key
+    save_adapter(versioned.path, seed)
+    name_resolve.add(names.update_weights_from_disk(engine.config.experiment_name, engine.config.trial_name,
+                                                    engine.get_version()),
+                     str(datetime.now().timestamp()), keepalive_ttl=120)
+    result = fut.result(timeout=60)
+    engine.continue_generation()
+    engine.set_version(version)
+    return result
+
+
 def no_reward(*args: Any, **kwargs: Any) -> float:
     """A reward of 0: MultiTurnWorkflow then runs every turn it may (module level: AReaL pickles it)."""
     return 0.0

@@ -355,3 +355,113 @@ def test_importing_areal_leaves_the_process_event_loops_as_they_were():
         assert type(loop).__module__.startswith("asyncio")
     finally:
         loop.close()
+
+
+def test_the_initial_adapter_is_v0_and_the_trainers_updates_run_in_fsdps_own_order(fleet, area):
+    """AReaL's RLTrainer loads its initial LoRA as ``<lora_name>-v0`` at server launch (``sglang.lora_paths``,
+    which lorapub does not read) and never sends it as an update. ``publish_initial`` publishes it as v0
+    without touching name_resolve: the key for the rollout's version 0 is the one the trainer's first update
+    writes (v0 sent through ``update_weights_from_disk`` would need it written first, and the trainer's own
+    ``name_resolve.add`` then fails). The updates then run in FSDPEngine's order: handed over before the
+    adapter is saved."""
+    from lorapub import PublicationReport
+
+    engine, meta = _engine(fleet, area)
+    try:
+        initial = area / "initial_lora"  # RLTrainer's _save_initial_lora_weights folder
+        H.save_adapter(str(initial), seed=0)
+        report = engine.publish_initial(str(initial))
+        assert isinstance(report, PublicationReport) and report.version.version_id == "v0"
+        assert initial.exists()  # the trainer's own folder: not deleted
+        engine.submit(PROMPT, workflow=_workflow(max_turns=2), group_size=2)
+        assert {v for t in engine.wait(1, timeout=30) for turns in _turn_versions(t) for v in turns} == {0}
+        for version in (1, 2):  # global_step + 1, keyed by the trainer's version before the update
+            H.fsdp_update(engine, meta, version, seed=version)
+            engine.submit(PROMPT, workflow=_workflow(max_turns=1))
+            assert _turn_versions(engine.wait(1, timeout=30)[0]) == [[version]]
+        assert _failed(fleet) == []
+    finally:
+        engine.destroy()
+
+
+def test_publish_initial_refuses_what_it_cannot_publish(fleet, area, tmp_path):
+    """A folder with no PEFT adapter, and the call with lorapub off, are typed refusals that say what to do;
+    nothing was published."""
+    from lorapub import InvalidInput, NoPublishedVersion
+
+    engine, _ = _engine(fleet, area)
+    try:
+        with pytest.raises(InvalidInput, match="adapter_model.safetensors"):
+            engine.publish_initial(str(tmp_path / "nothing-here"))
+        with pytest.raises(NoPublishedVersion):
+            engine.lorapub.run(engine.lorapub.deployment.session("probe").generate({"input_ids": [1]}))
+    finally:
+        engine.destroy()
+    off, _ = _engine(fleet, area, on=False)
+    try:
+        with pytest.raises(InvalidInput, match="sglang.lora_paths"):
+            off.publish_initial(str(tmp_path))
+    finally:
+        off.destroy()
+
+
+def test_an_update_whose_folder_holds_no_adapter_is_a_typed_error(fleet, area):
+    """The trainer announced an update whose folder holds no PEFT adapter: the future raises INVALID_INPUT
+    (not an OSError), naming the files, and the previous version stays the one trajectories bind."""
+    from areal.utils import name_resolve, names
+
+    from lorapub import InvalidInput
+
+    engine, meta = _engine(fleet, area)
+    try:
+        H.train_step_update(engine, meta, 0, seed=0)
+        name_resolve.add(names.update_weights_from_disk("areal-test", "t0", engine.get_version()), "0", replace=True)
+        with pytest.raises(InvalidInput, match="adapter_config.json"):
+            engine.update_weights_from_disk(meta.with_version(1)).result(timeout=30)
+        engine.submit(PROMPT, workflow=_workflow(max_turns=1))
+        assert _turn_versions(engine.wait(1, timeout=30)[0]) == [[0]]
+    finally:
+        engine.destroy()
+
+
+def test_after_destroy_calls_are_refused_typed(fleet, area):
+    """After ``destroy`` the engine's lorapub is closed: a generation or a publication is DEPLOYMENT_CLOSED
+    (a typed lorapub error), not a bare RuntimeError."""
+    import asyncio
+
+    from areal.api import ModelRequest
+
+    from lorapub import DeploymentClosed
+
+    engine, meta = _engine(fleet, area)
+    H.train_step_update(engine, meta, 0, seed=0)
+    engine.destroy()
+    initial = area / "initial_lora"
+    H.save_adapter(str(initial), seed=0)
+    with pytest.raises(DeploymentClosed, match="new engine"):
+        engine.publish_initial(str(initial))
+    request = ModelRequest(rid="late", input_ids=[1, 2, 3], gconfig=H.gconfig(max_new_tokens=2))
+    with pytest.raises(DeploymentClosed):
+        asyncio.run(engine.agenerate(request))
+
+
+def test_offload_still_pauses_the_servers_first_and_onload_continues_them(fleet, area):
+    """RLTrainer's colocated offload is ``pause`` (the executor), ``pause_generation``, ``offload``; its onload is
+    ``onload``, ``continue_generation``. lorapub drops the two generation calls (updates need no pause), so its
+    ``offload`` sends the servers' pause itself before their memory is released (a request still running
+    there must stop first), and its ``onload`` sends the continue after the memory is back."""
+    engine, _ = _engine(fleet, area)
+    try:
+        inner = engine._engine
+        sent = []
+        inner._run_request_on_all_servers = lambda req: sent.append(req.endpoint)  # the servers' side
+        engine.pause()
+        engine.pause_generation()  # not sent
+        engine.offload()
+        assert sent == ["/pause_generation", "/release_memory_occupation"]
+        engine.onload()
+        engine.continue_generation()  # not sent
+        engine.resume()
+        assert sent[2:] == ["/resume_memory_occupation", "/continue_generation"]
+    finally:
+        engine.destroy()

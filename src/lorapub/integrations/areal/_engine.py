@@ -1,7 +1,8 @@
 """AReaL's remote SGLang engine with lorapub: :class:`LorapubSGLangEngine` (imports AReaL 1.0.4).
 
 Off, it is ``RemoteSGLangEngine`` itself. On, six methods of AReaL's ``RemoteInfEngine`` change
-(:class:`LorapubRemoteInfEngine`; ``destroy`` also closes lorapub) and nothing else. See docs/areal.md, "What changes for an AReaL user".
+(:class:`LorapubRemoteInfEngine`; ``destroy`` also closes lorapub, ``offload``/``onload`` send the servers'
+pause/continue themselves, and ``publish_initial`` is added) and nothing else. See docs/areal.md, "What changes for an AReaL user".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from areal.infra.remote_inf_engine import RemoteInfEngine
 from areal.infra.utils.concurrent import get_executor
 from areal.utils import name_resolve, names
 
-from lorapub import PublicationReport
+from lorapub import InvalidInput, PublicationReport
 
 from .config import LorapubAReaLConfig, areal_version, config_of
 from .rollout import LorapubRollout, current_episode, read_adapter
@@ -181,12 +182,33 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
             shutil.rmtree(str(meta.path), ignore_errors=True)
         return report
 
+    def publish_initial(self, path: str, version: int = 0) -> PublicationReport:
+        """Publish the PEFT adapter under ``path`` as ``v<version>``, now: the first version, which AReaL's own
+        path loads at server launch (``sglang.lora_paths``: ``<lora_name>-v0``, RLTrainer's ``initial_lora``)
+        and never sends as an update. No name_resolve key is waited for (the key of the rollout's version 0
+        is the one the trainer's first update writes) and the folder is left in place."""
+        tik = time.perf_counter()
+        report = self.lorapub.publish(read_adapter(path), version, attempts=self.config.request_retries)
+        self.logger.info("lorapub: published v%s on every server in %.2fs", version, time.perf_counter() - tik)
+        return report
+
     def pause_generation(self) -> None:
         """Not sent: a publication needs no pause, and the servers' running requests keep their versions."""
         self.lorapub.skipped_pauses += 1
 
     def continue_generation(self) -> None:
         """Not sent (nothing was paused)."""
+
+    def offload(self) -> None:
+        """AReaL's offload, after the servers' pause that :meth:`pause_generation` no longer sends: RLTrainer
+        pauses them before it releases their memory, and a request still running there must stop first."""
+        RemoteInfEngine.pause_generation(self)
+        super().offload()
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        """AReaL's onload, then the servers' continue that :meth:`continue_generation` no longer sends."""
+        super().onload(tags)
+        RemoteInfEngine.continue_generation(self)
 
 
 class LorapubSGLangEngine(RemoteSGLangEngine):
@@ -207,6 +229,15 @@ class LorapubSGLangEngine(RemoteSGLangEngine):
         self.lorapub_config.check(lora_name=config.lora_name, use_lora=config.use_lora,
                                   max_head_offpolicyness=config.max_head_offpolicyness)
         self._engine = LorapubRemoteInfEngine(config, SGLangBackend(), self.lorapub_config, **deployment_options)
+
+    def publish_initial(self, path: str, version: int = 0) -> PublicationReport:
+        """Publish the initial adapter (a PEFT folder: RLTrainer's ``initial_lora``, or what AReaL's own path
+        would list in ``sglang.lora_paths`` as ``<lora_name>-v0``) as ``v0``, after ``initialize`` and before
+        the first rollout; see :meth:`LorapubRemoteInfEngine.publish_initial`."""
+        if not isinstance(self._engine, LorapubRemoteInfEngine):
+            raise InvalidInput("publish_initial needs rollout.lorapub.enabled: true; AReaL's own path loads its "
+                               "initial adapter at server launch through sglang.lora_paths (<lora_name>-v0=<path>)")
+        return self._engine.publish_initial(path, version)
 
     @property
     def lorapub(self) -> LorapubRollout | None:

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
-from lorapub import Deployment, PublicationFailed, PublicationReport, Session, Snapshot
+from lorapub import Deployment, DeploymentClosed, InvalidInput, PublicationFailed, PublicationReport, Session, Snapshot
 from lorapub.snapshot import load_safetensors
 from lorapub.ports import EngineAdmin
 
@@ -46,9 +46,10 @@ def read_adapter(path: str) -> Snapshot:
     trainer saves bfloat16, which numpy has no dtype for: a live run's every update failed so), else numpy."""
     missing = [name for name in ADAPTER_FILES if not os.path.isfile(os.path.join(path, name))]
     if missing:
-        raise FileNotFoundError(
+        raise InvalidInput(
             f"{path} holds no PEFT adapter ({', '.join(missing)} missing): lorapub publishes the LoRA adapter "
-            "AReaL's trainer saves for a disk update (actor.weight_update_mode: disk, actor.use_lora: true)")
+            "AReaL's trainer saves for a disk update (actor.weight_update_mode: disk, actor.use_lora: true), or "
+            "a folder PEFT's save_pretrained wrote; nothing was published", path=path, missing=missing)
     tensors = load_safetensors(os.path.join(path, ADAPTER_FILES[0]))
     with open(os.path.join(path, ADAPTER_FILES[1])) as f:
         serving_config = json.load(f)
@@ -94,7 +95,8 @@ class LorapubRollout:
     def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
         if self._loop.is_closed():
             coro.close()
-            raise RuntimeError("this rollout engine's lorapub was closed (destroy())")
+            raise DeploymentClosed("this rollout engine's lorapub was closed (destroy()): make a new engine and "
+                                   "initialize it to generate or publish again")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
