@@ -298,6 +298,17 @@ def test_switched_off_it_is_areals_own_engine(fleet, area):
         engine.destroy()
 
 
+def test_an_offpolicyness_meaning_no_limit_is_refused_at_once_naming_what_to_do():
+    """RLTrainer's evaluation engine sets max_head_offpolicyness 10**12 ("no limit"): refused when the engine
+    is made, saying to set a real staleness or to run AReaL's own path, not at initialize with a
+    --max-loaded-loras suggestion no server can take."""
+    config = LorapubAReaLConfig(enabled=True)
+    with pytest.raises(ValueError, match="AReaL's own path") as refused:
+        config.check(lora_name="policy", use_lora=True, max_head_offpolicyness=10**12)
+    assert "rollout.max_head_offpolicyness 1000000000000" in str(refused.value)
+    assert config.check(lora_name="policy", use_lora=True, max_head_offpolicyness=1022) is config
+
+
 def test_selected_through_areals_config():
     """The block rides in AReaL's structured config (OmegaConf, as its YAML loader builds it)."""
     from omegaconf import OmegaConf

@@ -12,6 +12,9 @@ DEFAULT_NAME_PREFIX = "lorapub@"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}@")
 _VERSION_RE = re.compile(r"v(\d+)")
 ON_STALE = ("rebind", "error")
+#: More LoRA slots than any server is launched with (each loaded version holds its weights on the GPU):
+#: a max_head_offpolicyness that needs more means "no limit", which lorapub does not serve
+MAX_SLOTS = 1024
 
 
 @dataclasses.dataclass
@@ -49,6 +52,16 @@ class LorapubAReaLConfig:
             raise ValueError(f"rollout.lorapub.on_stale must be one of {ON_STALE}, got {self.on_stale!r}")
         if max_head_offpolicyness < 0:
             raise ValueError(f"rollout.max_head_offpolicyness must be >= 0, got {max_head_offpolicyness}")
+        if max_head_offpolicyness + 2 > MAX_SLOTS:
+            # RLTrainer's evaluation engine sets 10**12, meaning "no limit": lorapub keeps loaded every version
+            # a trajectory may still use, so "no limit" would be slots no server has (its refusal at
+            # initialize named --max-loaded-loras 1000000000003)
+            raise ValueError(
+                f"rollout.max_head_offpolicyness {max_head_offpolicyness} would keep {max_head_offpolicyness + 2} "
+                f"versions loaded on every server (lorapub unloads none a trajectory may still use); set it to the "
+                f"staleness the trainer accepts, at most {MAX_SLOTS - 2}, with --max-loaded-loras above it. An "
+                "engine meant to have no staleness limit (RLTrainer's evaluation engine) runs AReaL's own path: "
+                "rollout.lorapub.enabled false (docs/areal.md, 'Not covered')")
         capacity = self.capacity_for(max_head_offpolicyness)
         if capacity < max_head_offpolicyness + 2:
             raise ValueError(
