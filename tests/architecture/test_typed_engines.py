@@ -24,9 +24,6 @@ NOT_ENGINES = {
     ("retry", "policy"): "the RetryPolicy value (its fields, by name)",
     ("observers", "self.inner"): "the Registry an ObservedRegistry wraps (its own reads, e.g. a store's state)",
     ("decision_log", "record"): "a logging.LogRecord (the event fields a log call put on it)",
-    ("status", "inv"): "an engine's answer already read (an Inventory, its incarnation or an error)",
-    ("status", "fleet"): "the registry's Fleet view (a store written before `suspect` was kept)",
-    ("status", "health"): "the reconciler's last Health (None before the first pass)",
 }
 #: (module, function, object) -> why it reads an engine: the one delegation, never a probe.
 DELEGATES = {

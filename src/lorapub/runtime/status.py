@@ -16,6 +16,8 @@ from lorapub.core.identity import AttemptToken, VersionKey
 from lorapub.core.registry import Fleet, SessionsOf
 from lorapub.core.version import VersionState
 from lorapub.errors import InvalidInput
+from lorapub.health import Health
+from lorapub.ports import Inventory
 
 __all__ = ["Status", "VersionStatus", "EngineStatus", "AttemptView", "LocalSession", "build_status", "check_bind", "holders"]
 
@@ -159,8 +161,8 @@ def build_status(
     *,
     source: str,
     sessions_of: Mapping[VersionKey, SessionsOf] = {},  # noqa: B006 - read only
-    inventories: Mapping[str, Any] | None = None,  # engine -> Inventory, its incarnation (str: it lists nothing), or the error it raised
-    health: Any = None,
+    inventories: Mapping[str, Inventory | str | BaseException] | None = None,  # engine -> Inventory, its incarnation (str: it lists nothing), or the error it raised
+    health: Health | None = None,
     local: Mapping[str, LocalSession] = {},  # noqa: B006 - read only
     first_seen: Mapping[AttemptToken, float] = {},  # noqa: B006 - read only
     now: float | None = None,
@@ -171,10 +173,11 @@ def build_status(
     now = time.time() if now is None else now  # the report's wall-clock stamp (``at``), no timer
     monotonic = time.monotonic() if monotonic is None else monotonic  # a caller without a deployment's clock
     held: dict[str, dict[str, int]] = {}  # version name -> engine -> running requests
-    answers: dict[str, Any] = dict(inventories or {})
-    for engine, inv in answers.items():
-        for name, adapter in getattr(inv, "adapters", {}).items():
-            held.setdefault(name, {})[engine] = adapter.refs
+    answers: dict[str, Inventory | str | BaseException] = dict(inventories or {})
+    for engine, answer in answers.items():
+        if isinstance(answer, Inventory):
+            for name, adapter in answer.adapters.items():
+                held.setdefault(name, {})[engine] = adapter.refs
     versions = []
     for slot in fleet.slots:
         name = fleet.lora_names.get(slot.version, "")
@@ -186,7 +189,7 @@ def build_status(
             slot.version == fleet.default, dict(sorted(loaded_on.items())),
             _blocked_by(slot.version, slot.state, slot.retiring, sessions_of.get(slot.version), local, loaded_on,
                         slot.unloading_on, fleet.now),
-            getattr(fleet, "suspect", {}).get(slot.version),
+            fleet.suspect.get(slot.version),
         ))
     should: dict[str, list[str]] = {}
     for key, engines in fleet.holders.items():
@@ -195,19 +198,19 @@ def build_status(
     for engine, key in fleet.missing:
         should.setdefault(engine, []).append(str(key))
     names = {name: str(key) for key, name in fleet.lora_names.items()}
-    blockers = tuple((b.kind, b.subject, b.detail) for b in getattr(health, "blockers", ()))
+    blockers = tuple((b.kind, b.subject, b.detail) for b in health.blockers) if health is not None else ()
     engine_rows: list[EngineStatus] = []
     for engine, incarnation in sorted(fleet.engines.items()):
         said = answers.get(engine)
         error = said if isinstance(said, BaseException) else None
-        inv = None if error is not None or isinstance(said, str) else said  # a str: its incarnation alone
+        adapters = said.adapters if isinstance(said, Inventory) else {}  # a str: its incarnation alone
         last = next((d for k, s, d in blockers if s == engine or s.startswith(f"{engine}:")), None)
         engine_rows.append(EngineStatus(
-            engine, incarnation, said if isinstance(said, str) else getattr(inv, "incarnation", None),
+            engine, incarnation, said if isinstance(said, str) else said.incarnation if isinstance(said, Inventory) else None,
             None if inventories is None else error is None and said is not None,
-            tuple(sorted(names[n] for n in getattr(inv, "adapters", {}) if n in names)),
+            tuple(sorted(names[n] for n in adapters if n in names)),
             tuple(sorted(should.get(engine, ()))),
-            sum(a.refs for n, a in getattr(inv, "adapters", {}).items() if n in names),
+            sum(a.refs for n, a in adapters.items() if n in names),
             f"{type(error).__name__}: {error}" if error is not None else last,
             not isinstance(said, str),
         ))
@@ -219,11 +222,11 @@ def build_status(
     return Status(
         epoch=fleet.epoch, at=now, source=source, default=str(fleet.default) if fleet.default else None,
         default_revision=fleet.default_revision, capacity=fleet.capacity, slots_used=len(fleet.slots),
-        max_lag=fleet.max_lag, healthy=getattr(health, "healthy", None), blockers=blockers,
+        max_lag=fleet.max_lag, healthy=health.healthy if health is not None else None, blockers=blockers,
         versions=tuple(versions), engines=tuple(engine_rows), attempts=attempts,
         waiting=str(fleet.waiting.key) if fleet.waiting is not None else None,
         sessions_here=len(local), groups_here=len({s.group for s in local.values() if s.group is not None}),
-        notes=tuple(getattr(health, "notes", ())),
+        notes=health.notes if health is not None else (),
     )
 
 
