@@ -31,10 +31,14 @@ class OldDerivation:
         self.claims: dict[Any, str] = {}
         self.retired: dict[Any, None] = {}
 
-    def __call__(self, command: object, reply: Any, effects: tuple[Any, ...]) -> list[F.Fact]:
+    def __call__(self, command: object, reply: Any, effects: tuple[Any, ...], before: Any) -> list[F.Fact]:
         found: list[F.Fact] = []
         if isinstance(command, RecordReady):
-            if not any(isinstance(fx, Ignored) for fx in effects):
+            # a READY with another digest aborts its attempt: no engine became ready (the old derivation
+            # told it as EngineReady; corrected here as in the core)
+            attempt = before.attempts.get(command.receipt.token)
+            if not any(isinstance(fx, Ignored) for fx in effects) and (
+                    attempt is None or attempt.digest == command.receipt.digest):
                 found.append(F.Readied(command.receipt.token.version, command.receipt.engine))
         elif isinstance(command, Commit) and isinstance(reply, CommitReceipt) and reply.retired is not None:
             if reply.retired not in self.retired:
@@ -63,7 +67,7 @@ class ReportsWhatWasDerived:
             outcome = R.handle(self.state, command)
         except LorapubError as e:
             return e
-        assert list(outcome.facts) == self.derive(command, outcome.reply, outcome.effects), command
+        assert list(outcome.facts) == self.derive(command, outcome.reply, outcome.effects, self.state), command
         if type(command) in R.QUERY_HANDLERS:
             assert outcome.facts == () and outcome.state is self.state
         self.seen += len(outcome.facts)

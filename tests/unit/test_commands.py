@@ -81,6 +81,8 @@ def test_each_decision_records_its_facts_and_a_replay_records_none():
     state, token_a = publish(state, "A")
     state, token_b = run_to_ready(state, "B", ready_on=("e0",))
     digest_b = state.versions[key("B")].digest
+    refused = R.handle(state, C.RecordReady(ReadyLocal("e1", token_b, "f" * 64, E["e1"])))  # another digest
+    assert refused.facts == () and refused.state.attempts[token_b].phase.value == "ABORTED"
     out = R.handle(state, C.RecordReady(ReadyLocal("e1", token_b, digest_b, E["e1"])))
     assert out.facts == (F.Readied(key("B"), "e1"),)
     late = R.handle(out.state, C.RecordReady(ReadyLocal("e1", token_a, state.versions[key("A")].digest, E["e1"])))

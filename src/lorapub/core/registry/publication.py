@@ -306,8 +306,11 @@ def record_bucket_done(state: RegistryState, c: RecordBucketDone) -> Outcome:
 
 def record_ready(state: RegistryState, c: RecordReady) -> Outcome:
     receipt = c.receipt
+    attempt = state.attempts.get(receipt.token)
     out = step_attempt(state, receipt.token, att.on_ready, receipt)
     if any(isinstance(fx, Ignored) for fx in out.effects):  # late, unknown or of a past life: applied nowhere
+        return out
+    if attempt is not None and receipt.digest != attempt.digest:  # another digest: refused, the attempt aborts
         return out
     return attrs.evolve(out, facts=(Readied(receipt.token.version, receipt.engine),))
 
