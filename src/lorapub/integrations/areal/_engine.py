@@ -175,9 +175,7 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
         # the trainer announces the saved adapter through name_resolve, as for AReaL's own load
         name_resolve.wait(names.update_weights_from_disk(self.config.experiment_name, self.config.trial_name,
                                                          model_version), timeout=120)
-        tik = time.perf_counter()
-        report = self.lorapub.publish(read_adapter(str(meta.path)), meta.version, attempts=self.config.request_retries)
-        self.logger.info("lorapub: published v%s on every server in %.2fs", meta.version, time.perf_counter() - tik)
+        report = self._publish_folder(str(meta.path), meta.version)
         if meta.clear_checkpoint_after_load:
             shutil.rmtree(str(meta.path), ignore_errors=True)
         return report
@@ -187,6 +185,10 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
         path loads at server launch (``sglang.lora_paths``: ``<lora_name>-v0``, RLTrainer's ``initial_lora``)
         and never sends as an update. No name_resolve key is waited for (the key of the rollout's version 0
         is the one the trainer's first update writes) and the folder is left in place."""
+        return self._publish_folder(path, version)
+
+    def _publish_folder(self, path: str, version: int) -> PublicationReport:
+        """The PEFT adapter under ``path``, published as ``v<version>`` (retried as AReaL retries a load)."""
         tik = time.perf_counter()
         report = self.lorapub.publish(read_adapter(path), version, attempts=self.config.request_retries)
         self.logger.info("lorapub: published v%s on every server in %.2fs", version, time.perf_counter() - tik)
