@@ -6,10 +6,11 @@ The protocol's route, header and environment variable names are in :mod:`lorapub
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TypeGuard
 
 import attrs
 
+from lorapub._moved import moved
 from lorapub.errors import InvalidInput
 
 __all__ = [
@@ -41,15 +42,19 @@ def check_id(kind: str, value: object) -> str:
 
 
 
+def _is_epoch(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_epoch(value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_epoch(value):
         raise InvalidInput(f"deployment_epoch must be a non-negative int, got {value!r}")
 
 
 def check_epoch(epoch: object) -> int:
     """A deployment's ``epoch=`` (its keys' ``deployment_epoch``): an int >= 0, and the message says
     what it is for (a run id string is the usual mistake)."""
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+    if not _is_epoch(epoch):
         raise InvalidInput(
             f"epoch= must be an int >= 0 that grows with each trainer run, got {epoch!r} ({type(epoch).__name__}): "
             "it numbers this run's versions (e.g. 7-step41) and a newer run's adapters are never touched by an "
@@ -165,10 +170,5 @@ _MOVED = {"MANAGED_PREFIX_ENV": "lorapub.wire.routes", "RECLAIM_HEADER": "lorapu
           "STATE_ROUTE": "lorapub.wire.routes"}
 
 
-def __getattr__(name: str) -> Any:
-    """A moved name is an error naming its new module (the core never imports ``lorapub.wire``)."""
-    where = _MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # ImportError (not AttributeError, which ``from … import`` would replace with its own words)
-    raise ImportError(f"lorapub.core.identity.{name} moved: use `from {where} import {name}`", name=name)
+#: A moved name is an error naming its new module (the core never imports ``lorapub.wire``).
+__getattr__ = moved(__name__, _MOVED)
