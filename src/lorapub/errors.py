@@ -141,8 +141,10 @@ class EpochMismatch(LorapubError):
     code = "EPOCH_MISMATCH"
 
 
-class InvalidInput(LorapubError):
-    """A bad argument (type, range, form); nothing was sent and nothing changed."""
+class InvalidInput(LorapubError, ValueError):
+    """A bad argument (type, range, form) or a call out of order; nothing was sent and nothing changed.
+    Also a ``ValueError``, so a framework's config loader that catches ``ValueError`` reports it as the
+    bad setting it is."""
 
     code = "INVALID_INPUT"
 

@@ -18,7 +18,7 @@ with H.kept_from_areal():  # AReaL swaps the root logger and the event loop poli
     from areal.infra.remote_inf_engine import RemoteInfEngine
     from areal.workflow.multi_turn import MultiTurnWorkflow
 
-    from lorapub import LorapubError
+    from lorapub import InvalidInput, LorapubError
     from lorapub.integrations.areal import (
         LorapubAReaLConfig,
         LorapubInferenceEngineConfig,
@@ -303,9 +303,11 @@ def test_an_offpolicyness_meaning_no_limit_is_refused_at_once_naming_what_to_do(
     is made, saying to set a real staleness or to run AReaL's own path, not at initialize with a
     --max-loaded-loras suggestion no server can take."""
     config = LorapubAReaLConfig(enabled=True)
-    with pytest.raises(ValueError, match="AReaL's own path") as refused:
+    with pytest.raises(InvalidInput, match="AReaL's own path") as refused:
         config.check(lora_name="policy", use_lora=True, max_head_offpolicyness=10**12)
     assert "rollout.max_head_offpolicyness 1000000000000" in str(refused.value)
+    # typed, with the stable code, and still the ValueError AReaL's config loading expects of a bad setting
+    assert refused.value.code == "INVALID_INPUT" and isinstance(refused.value, ValueError)
     assert config.check(lora_name="policy", use_lora=True, max_head_offpolicyness=1022) is config
 
 
@@ -323,9 +325,9 @@ def test_selected_through_areals_config():
     engine.lorapub.close()
     off = LorapubSGLangEngine(OmegaConf.to_object(schema))
     assert type(off._engine) is RemoteInfEngine
-    with pytest.raises(ValueError, match="max_head_offpolicyness \\+ 2"):
+    with pytest.raises(InvalidInput, match="max_head_offpolicyness \\+ 2"):
         LorapubSGLangEngine(config, lorapub={"enabled": True, "capacity": 3})
-    with pytest.raises(ValueError, match="use_lora"):
+    with pytest.raises(InvalidInput, match="use_lora"):
         LorapubSGLangEngine(OmegaConf.to_object(OmegaConf.merge(schema, {"use_lora": False})), lorapub={"enabled": True})
     assert issubclass(LorapubSGLangEngine, RemoteSGLangEngine)
 
@@ -398,7 +400,7 @@ def test_the_initial_adapter_is_v0_and_the_trainers_updates_run_in_fsdps_own_ord
 def test_publish_initial_refuses_what_it_cannot_publish(fleet, area, tmp_path):
     """A folder with no PEFT adapter, and the call with lorapub off, are typed refusals that say what to do;
     nothing was published."""
-    from lorapub import InvalidInput, NoPublishedVersion
+    from lorapub import NoPublishedVersion
 
     engine, _ = _engine(fleet, area)
     try:
@@ -414,6 +416,20 @@ def test_publish_initial_refuses_what_it_cannot_publish(fleet, area, tmp_path):
             off.publish_initial(str(tmp_path))
     finally:
         off.destroy()
+
+
+def test_an_update_before_initialize_is_a_typed_error_naming_the_call(area, tmp_path):
+    """The trainer's update reaches an engine whose lorapub was never started: INVALID_INPUT saying to call
+    initialize() first, not a bare RuntimeError; nothing was published."""
+    config = H.engine_config(offpolicyness=2, fileroot=str(area))
+    engine = LorapubSGLangEngine(config, lorapub=LorapubAReaLConfig(enabled=True, epoch=11))
+    try:
+        H.save_adapter(str(tmp_path), seed=1)
+        with pytest.raises(InvalidInput, match=r"initialize\(\) first") as refused:
+            engine.publish_initial(str(tmp_path))
+        assert refused.value.code == "INVALID_INPUT"
+    finally:
+        engine.lorapub.close()
 
 
 def test_an_update_whose_folder_holds_no_adapter_is_a_typed_error(fleet, area):

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 import lorapub
-from lorapub import Deadlines, Deployment, EngineError, NoPublishedVersion, Snapshot, VersionKey, VersionMissing
+from lorapub import (Deadlines, Deployment, DeploymentClosed, EngineError, InvalidInput, NoPublishedVersion, Snapshot,
+                     VersionKey, VersionMissing)
 from lorapub.adapters.sglang_wire import HTTPBytes, SGLangWireEngine
 from lorapub.core.commands import ReadState
 from lorapub.integrations import relax as relax_lorapub
@@ -623,7 +624,7 @@ def test_relax_pr_377s_options_do_not_clash_but_both_switches_on_are_refused(tmp
     add_arguments(parser)  # different names: both can be declared
     args = parser.parse_args([ENABLE_FLAG, "--enable-versioned-lora-publication"])
     args.lora_rank, args.lora_adapter_mode = 8, True
-    with pytest.raises(ValueError, match=r"--enable-versioned-lora-publication \(Relax PR #377's first design"):
+    with pytest.raises(InvalidInput, match=r"--enable-versioned-lora-publication \(Relax PR #377's first design"):
         validate_args(args)
 
 
@@ -639,7 +640,7 @@ def test_a_name_prefix_clashing_with_relaxs_names_is_refused(prefix, family):
         LorapubConfig(name_prefix=prefix)
     # a prefix must end its names' managed part with '@' (never in an id): "relax_" would make Relax's
     # own fixed name look managed, and is refused for its form already
-    with pytest.raises(ValueError, match="followed by '@'"):
+    with pytest.raises(InvalidInput, match="followed by '@'"):
         check_name_prefix("relax_")
 
 
@@ -680,6 +681,21 @@ async def test_versions_carry_the_integrations_prefix_which_the_engines_must_pro
 # ------------------------------------------------------------------------------------------------
 
 
+def test_a_closed_publisher_refuses_with_deployment_closed():
+    """After close(), a publish call is DEPLOYMENT_CLOSED saying to make a new publisher (not a bare
+    RuntimeError), and close() again is a no-op."""
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args([ENABLE_FLAG])
+    args.lora_rank, args.lora_adapter_mode, args.lora_merge_mode = 8, True, False
+    validate_args(args)
+    publisher = LorapubPublisher(args, engines={})
+    publisher.close()
+    with pytest.raises(DeploymentClosed, match="make a new one") as refused:
+        publisher.publish(lora_snapshot(1), "step1")
+    assert refused.value.code == "DEPLOYMENT_CLOSED"
+    publisher.close()
+
+
 def test_arguments_follow_relaxs_convention_and_the_config_is_one_block(tmp_path):
     parser = argparse.ArgumentParser()
     assert add_arguments(parser) is parser  # Relax chains `parser = add_x_arguments(parser)`
@@ -691,22 +707,22 @@ def test_arguments_follow_relaxs_convention_and_the_config_is_one_block(tmp_path
     block.write_text("capacity: 4\nmax_lag: 2\non_stale: rebind\ntransport: nccl\n")
     on = parser.parse_args([ENABLE_FLAG, CONFIG_FLAG, str(block)])
     on.lora_rank, on.lora_adapter_mode, on.lora_merge_mode = 8, False, False
-    with pytest.raises(ValueError, match="--lora-adapter-mode"):
+    with pytest.raises(InvalidInput, match="--lora-adapter-mode"):
         validate_args(on)
     on.lora_adapter_mode = True
     config = validate_args(on)
     assert (config.capacity, config.max_lag, config.on_stale, config.transport) == (4, 2, "rebind", "nccl")
     assert isinstance(config.epoch, int) and relax_lorapub.config_from_args(on) == config  # fixed once, on args
     bare = parser.parse_args([ENABLE_FLAG])
-    with pytest.raises(ValueError, match="validate_args"):  # an actor never picks its own epoch
+    with pytest.raises(InvalidInput, match="validate_args"):  # an actor never picks its own epoch
         relax_lorapub.RelaxLorapub(bare)
     block.write_text("capacity: 2\nbogus: 1\n")
-    with pytest.raises(ValueError, match="unknown lorapub setting"):
+    with pytest.raises(InvalidInput, match="unknown lorapub setting"):
         LorapubConfig.from_file(str(block))
     block.write_text("capacity: 3\nmax_lag: 2\n")  # max_lag 2 needs 4 slots: refused before any actor starts
-    with pytest.raises(ValueError, match="set capacity: 4 or more, or max_lag: 1 or less"):
+    with pytest.raises(InvalidInput, match="set capacity: 4 or more, or max_lag: 1 or less"):
         LorapubConfig.from_file(str(block))
-    with pytest.raises(ValueError, match="max_lag must be an int"):
+    with pytest.raises(InvalidInput, match="max_lag must be an int"):
         LorapubConfig(max_lag=-1)
     assert relax_lorapub.version_id_for(12) == "step12"
     assert engine_name("http://10.0.0.7:30000/") == "10.0.0.7_30000"
@@ -801,7 +817,7 @@ async def test_an_in_process_registry_is_refused_for_relaxs_own_workers(tmp_path
     # trainer and shards are processes of their own: registries of their own would unload each other's versions
     args = relax_args(tmp_path, enabled=True, settings={"registry": ""})
     pub = relax_lorapub.RelaxLorapub(args, worker_urls=["http://127.0.0.1:9"], deadlines=FAST)
-    with pytest.raises(ValueError, match="set registry: <a Ray actor name>"):
+    with pytest.raises(InvalidInput, match="set registry: <a Ray actor name>"):
         await pub.start()
     await pub.aclose()
 
@@ -877,5 +893,5 @@ async def test_the_trainer_serves_the_fleets_status_where_the_config_says(tmp_pa
 
 @pytest.mark.parametrize("status", ["9464", "host:", "host:http", "host:70000"])
 def test_a_status_address_that_is_not_host_port_is_refused_on_the_driver(status):
-    with pytest.raises(ValueError, match="host:port"):
+    with pytest.raises(InvalidInput, match="host:port"):
         LorapubConfig(status=status)

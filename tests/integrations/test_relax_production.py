@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from lorapub import InvalidInput
 from lorapub.integrations import relax as relax_lorapub
 from lorapub.integrations.relax import LorapubConfig, LorapubPublisher, RelaxLorapub
 
@@ -239,7 +240,7 @@ def test_the_defaults_follow_relaxs_max_staleness_and_rebind():
     assert (config.max_lag, config.capacity) == (1, 3)
     assert relax_lorapub.sglang_overrides(config) == {"max_loras_per_batch": 5, "max_loaded_loras": 5}
     assert LorapubConfig(max_lag=None).resolved().capacity == 2  # sessions keep theirs: 2 slots serve it
-    with pytest.raises(ValueError, match="set capacity: 4 or more"):
+    with pytest.raises(InvalidInput, match="set capacity: 4 or more"):
         LorapubConfig(capacity=3).resolved(SimpleNamespace(max_staleness=2))
 
 

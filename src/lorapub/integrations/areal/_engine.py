@@ -163,7 +163,7 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
         one new trajectories bind)."""
         assert meta.type == "disk"
         if not meta.use_lora:
-            raise ValueError("lorapub publishes LoRA adapters: a full-model disk update needs rollout.lorapub.enabled: false")
+            raise InvalidInput("lorapub publishes LoRA adapters: a full-model disk update needs rollout.lorapub.enabled: false")
         if meta.version is None:
             raise ValueError("Version is required for LoRA update.")
         if self.config.experiment_name is None or self.config.trial_name is None:
@@ -226,7 +226,7 @@ class LorapubSGLangEngine(RemoteSGLangEngine):
         self.lorapub_config = block if block is not None and block.enabled else None
         if self.lorapub_config is None:
             if deployment_options:
-                raise ValueError("deployment options were given but rollout.lorapub is off")
+                raise InvalidInput("deployment options were given but rollout.lorapub is off: set rollout.lorapub.enabled: true, or drop them")
             return  # AReaL's own path
         self.lorapub_config.check(lora_name=config.lora_name, use_lora=config.use_lora,
                                   max_head_offpolicyness=config.max_head_offpolicyness)

@@ -148,7 +148,7 @@ class LorapubRollout:
 
     def _started(self) -> Deployment:
         if self.deployment is None:
-            raise RuntimeError("this rollout engine's lorapub is not started (initialize())")
+            raise InvalidInput("this rollout engine's lorapub is not started: call initialize() first")
         return self.deployment
 
     # -- weight updates ----------------------------------------------------------------------------

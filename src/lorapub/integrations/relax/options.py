@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
+from lorapub import InvalidInput
 from lorapub.ports import Transport
 
 
@@ -54,7 +55,7 @@ MAX_STALENESS = "max_staleness"
 RELAX_DEFAULT_MAX_STALENESS = 1
 
 
-class OptionClash(ValueError):
+class OptionClash(InvalidInput):
     """lorapub's option or engine-side name prefix would collide with one already defined."""
 
 
@@ -62,7 +63,7 @@ def check_name_prefix(prefix: object) -> str:
     """``prefix`` when lorapub may name its versions with it on Relax's engines; else :class:`OptionClash`
     (or ``ValueError`` for a malformed one), naming the Relax name it collides with."""
     if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
-        raise ValueError(
+        raise InvalidInput(
             f"name_prefix must be 1-64 characters of [A-Za-z0-9_.:-] followed by '@' (ids never hold '@', so a "
             f"version's name starts with exactly one managed prefix), got {prefix!r}"
         )
@@ -188,17 +189,17 @@ class LorapubConfig:
     def __post_init__(self) -> None:
         check_name_prefix(self.name_prefix)
         if self.epoch is not None and (not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0):
-            raise ValueError(f"epoch must be a non-negative int, got {self.epoch!r}")
+            raise InvalidInput(f"epoch must be a non-negative int, got {self.epoch!r}")
         if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
                                           or self.capacity < 2):
             # the default holds one slot and a new version needs another: 1 could never publish a second
-            raise ValueError(f"capacity must be an int >= 2 (2 is the RFC's minimum) or null, got {self.capacity!r}")
+            raise InvalidInput(f"capacity must be an int >= 2 (2 is the RFC's minimum) or null, got {self.capacity!r}")
         if self.max_lag is not None and self.max_lag != MAX_STALENESS:
             if not isinstance(self.max_lag, int) or isinstance(self.max_lag, bool) or self.max_lag < 0:
-                raise ValueError(f"max_lag must be an int >= 0 (commits behind the default), {MAX_STALENESS!r} "
+                raise InvalidInput(f"max_lag must be an int >= 0 (commits behind the default), {MAX_STALENESS!r} "
                                  f"(Relax's --max-staleness) or null, got {self.max_lag!r}")
             if self.capacity is not None and self.capacity < self.max_lag + 2:  # the core's check_room_for_lag
-                raise ValueError(f"capacity {self.capacity} cannot serve max_lag={self.max_lag}: the default and the "
+                raise InvalidInput(f"capacity {self.capacity} cannot serve max_lag={self.max_lag}: the default and the "
                                  f"{self.max_lag} version(s) behind it stay usable and the next version needs a slot "
                                  f"of its own — set capacity: {self.max_lag + 2} or more, or max_lag: "
                                  f"{self.capacity - 2} or less")
@@ -207,13 +208,13 @@ class LorapubConfig:
             if value is None and name == "worker_refresh":
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+                raise InvalidInput(f"{name} must be a number of seconds >= 0, got {value!r}")
         if self.on_stale not in ("error", "rebind"):
-            raise ValueError(f"on_stale must be 'error' or 'rebind', got {self.on_stale!r}")
+            raise InvalidInput(f"on_stale must be 'error' or 'rebind', got {self.on_stale!r}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+            raise InvalidInput(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if not isinstance(self.publish_wait, (int, float)) or isinstance(self.publish_wait, bool) or self.publish_wait < 0:
-            raise ValueError(f"publish_wait must be a number of seconds >= 0, got {self.publish_wait!r}")
+            raise InvalidInput(f"publish_wait must be a number of seconds >= 0, got {self.publish_wait!r}")
         if self.status is not None:
             self.status_address()  # refused here, on the driver, not in the trainer's actor
 
@@ -237,7 +238,7 @@ class LorapubConfig:
             return None
         host, _, port = str(self.status).rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"status must be 'host:port' (port 0: any free one), got {self.status!r}")
+            raise InvalidInput(f"status must be 'host:port' (port 0: any free one), got {self.status!r}")
         return host.strip("[]"), int(port)
 
     @classmethod
@@ -246,7 +247,7 @@ class LorapubConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown lorapub setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise InvalidInput(f"unknown lorapub setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
     @classmethod
@@ -261,7 +262,7 @@ class LorapubConfig:
 
             values = yaml.safe_load(text)
         if values is not None and not isinstance(values, Mapping):
-            raise ValueError(f"{path}: lorapub's settings are a mapping, got {type(values).__name__}")
+            raise InvalidInput(f"{path}: lorapub's settings are a mapping, got {type(values).__name__}")
         return cls.from_mapping(values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,13 +292,13 @@ def validate_args(args: Any) -> LorapubConfig | None:
     if config is None:
         return None
     if not getattr(args, "lora_rank", 0) or not getattr(args, "lora_adapter_mode", False):
-        raise ValueError(f"{ENABLE_FLAG} publishes LoRA adapters: it needs --lora-rank > 0 and --lora-adapter-mode")
+        raise InvalidInput(f"{ENABLE_FLAG} publishes LoRA adapters: it needs --lora-rank > 0 and --lora-adapter-mode")
     if getattr(args, "lora_merge_mode", False):
-        raise ValueError(f"{ENABLE_FLAG} cannot version merged weights: drop --lora-merge-mode")
+        raise InvalidInput(f"{ENABLE_FLAG} cannot version merged weights: drop --lora-merge-mode")
     for dest, flag in (("enable_versioned_lora_publication", "--enable-versioned-lora-publication"),
                        ("lora_publication_config", "--lora-publication-config")):
         if getattr(args, dest, None):
-            raise ValueError(
+            raise InvalidInput(
                 f"{ENABLE_FLAG} and {flag} ({RELAX_OPTIONS[flag]}) both publish LoRA versions to the same engines; "
                 "turn one of them off"
             )
@@ -340,7 +341,7 @@ def version_id_for(step: int | str) -> str:
     """The version id of one weight update: ``step<rollout_id>``."""
     version_id = f"step{step}"
     if not ID_RE.fullmatch(version_id):
-        raise ValueError(f"step {step!r} does not make a version id")
+        raise InvalidInput(f"step {step!r} does not make a version id")
     return version_id
 
 

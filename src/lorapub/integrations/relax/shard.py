@@ -11,8 +11,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence, Union
 
-from lorapub import (BindingStale, Deployment, EngineError, EngineUnavailable, LorapubError, NoPublishedVersion,
-                     Session, SessionClosed, UnknownEngine)
+from lorapub import (BindingStale, Deployment, EngineError, EngineUnavailable, InvalidInput, LorapubError,
+                     NoPublishedVersion, Session, SessionClosed, UnknownEngine)
 from lorapub.ports import CopyStore, EngineAdmin, Registry, Transport
 
 from .errors import CONTEXT_MARKERS, chat_error
@@ -92,9 +92,9 @@ class RelaxLorapub:
         self.enabled = self.config is not None
         if self.config is not None and self.config.epoch is None:  # enabled
             # Each actor picking its own epoch would split one run into several deployments.
-            raise ValueError(f"{ENABLE_FLAG}: the epoch is unset; call validate_args(args) on the driver first")
+            raise InvalidInput(f"{ENABLE_FLAG}: the epoch is unset; call validate_args(args) on the driver first")
         if role not in ("shard", "trainer"):
-            raise ValueError(f"role must be 'shard' or 'trainer', got {role!r}")
+            raise InvalidInput(f"role must be 'shard' or 'trainer', got {role!r}")
         self.role = role
         self.deployment: Deployment | None = None
         #: Whether the deployment names versions with ``config.name_prefix`` (None until started).
@@ -153,13 +153,13 @@ class RelaxLorapub:
         if not self._config.registry and self._registry is None and self._given_engines is None:
             # Relax runs its trainer and each rollout shard in processes of their own: registries of
             # their own, under one epoch, would each take the other's versions for orphans and unload them
-            raise ValueError(
+            raise InvalidInput(
                 "lorapub registry: \"\" (in-process) cannot serve Relax's workers: the trainer and every "
                 "shard run in processes of their own, and each would unload the versions the others publish "
                 "and bind — set registry: <a Ray actor name> (the default, lorapub_relax_registry)")
         engines = self._given_engines if self._given_engines is not None else await self._build_engines()
         if not engines:
-            raise RuntimeError("lorapub needs at least one SGLang worker")
+            raise InvalidInput("lorapub needs at least one SGLang worker: Relax's router lists none")
         config = self._config
         assert config.epoch is not None  # __init__ refused an unset epoch
         options: dict[str, Any] = {"capacity": config.capacity, "max_lag": config.max_lag,

@@ -12,7 +12,8 @@ import threading
 import time
 from typing import Any, Callable, Coroutine, TypeVar
 
-from lorapub import CapacityError, Deployment, PublicationBlocked, PublicationReport, PublicationSuperseded, Snapshot
+from lorapub import (CapacityError, Deployment, DeploymentClosed, PublicationBlocked, PublicationReport,
+                     PublicationSuperseded, Snapshot)
 
 from .options import config_from_args, is_enabled, topology_urls, version_id_for
 from .shard import RelaxLorapub
@@ -58,7 +59,7 @@ class LorapubPublisher:
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._loop.is_closed():
             coro.close()
-            raise RuntimeError("this publisher was closed")
+            raise DeploymentClosed("this publisher was closed; make a new one to publish again")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _publish(self, snapshot: Snapshot, version_id: str) -> PublicationReport:
