@@ -272,8 +272,9 @@ def test_agenerate_outside_an_episode_is_a_session_of_its_own(fleet, area):
         def request():
             return ModelRequest(rid="direct", input_ids=[1, 2, 3], gconfig=H.gconfig(max_new_tokens=3))
 
-        with pytest.raises(NoPublishedVersion):
+        with pytest.raises(NoPublishedVersion, match=r"call publish_initial\(") as refused:
             asyncio.run(engine.agenerate(request()))
+        assert refused.value.code == "NO_PUBLISHED_VERSION"
         H.train_step_update(engine, meta, 0, seed=0)
         H.train_step_update(engine, meta, 1, seed=1)
         response = asyncio.run(engine.agenerate(request()))

@@ -21,7 +21,8 @@ import time
 import uuid
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
-from lorapub import Deployment, DeploymentClosed, InvalidInput, PublicationFailed, PublicationReport, Session, Snapshot
+from lorapub import (Deployment, DeploymentClosed, InvalidInput, NoPublishedVersion, PublicationFailed, PublicationReport,
+                     Session, Snapshot)
 from lorapub.snapshot import load_safetensors
 from lorapub.ports import EngineAdmin
 
@@ -174,17 +175,26 @@ class LorapubRollout:
     async def generate(self, episode: Episode | None, member: int, payload: Mapping[str, Any]) -> dict[str, Any]:
         """One request of the trajectory ``member`` of ``episode``, sent once, on its bound version (run on
         this loop). Outside an episode (``agenerate`` called directly) the request is a session of its own."""
-        if episode is None:
-            alone = self._started().session(f"areal-{uuid.uuid4().hex[:16]}")
-            try:
-                return await alone.generate(payload)
-            finally:
-                await alone.close()
-        session = episode.sessions.get(member)
-        if session is None:  # no await between the look-up and the insert: one session per member
-            session = self._started().session(f"{episode.group}.{next(episode.counter)}", group=episode.group)
-            episode.sessions[member] = session
-        return await session.generate(payload)
+        try:
+            if episode is None:
+                alone = self._started().session(f"areal-{uuid.uuid4().hex[:16]}")
+                try:
+                    return await alone.generate(payload)
+                finally:
+                    await alone.close()
+            session = episode.sessions.get(member)
+            if session is None:  # no await between the look-up and the insert: one session per member
+                session = self._started().session(f"{episode.group}.{next(episode.counter)}", group=episode.group)
+                episode.sessions[member] = session
+            return await session.generate(payload)
+        except NoPublishedVersion as e:
+            # No waiting here, unlike Relax's shards: AReaL's trainer publishes v1 only after a batch of
+            # rollouts, so a rollout waiting for it would wait for itself. AReaL's own path has v0 loaded at
+            # launch (sglang.lora_paths); lorapub's has it once publish_initial ran.
+            raise NoPublishedVersion(
+                f"{e.message}: call publish_initial(<the initial adapter folder>) after initialize() and before "
+                "the first rollout (AReaL's own path loads it at launch from sglang.lora_paths; docs/areal.md)"
+            ) from e
 
     async def end_episode(self, episode: Episode) -> None:
         """Release every session of the episode (its versions become reclaimable once nothing else uses them)."""
