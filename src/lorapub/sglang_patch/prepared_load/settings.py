@@ -40,8 +40,8 @@ GATE_BUDGET_ENV = "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"
 #: the whole second behind prefills).
 DEFAULT_GATE_BUDGET_S = 0.15
 #: Seconds the preparing helper process has for one load (read, SGLang's processing, cast, copy to the
-#: device) before it is killed and restarted and the load fails (default 60: a 264 MB adapter takes
-#: well under a second; the margin is for a loaded host and a cold page cache).
+#: device) before it is killed and restarted and the load fails (default 60: a 264 MB adapter took
+#: 4.6-12.1 s live, docs/sglang-patch.md, "Measured live"; the margin is for a loaded host).
 HELPER_DEADLINE_ENV = "LORAPUB_SGLANG_PREPARE_HELPER_DEADLINE_S"
 DEFAULT_HELPER_DEADLINE_S = 60.0
 #: Seconds a newly started helper has to be ready (import torch and SGLang's LoRA code, make its CUDA

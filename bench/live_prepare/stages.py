@@ -1,0 +1,320 @@
+"""Where a preparation of a 264 MB adapter spends its time, in the helper process and beside it.
+
+Live, the preparing helper process (docs/sglang-patch.md, "Prepared loads") took 4.6-12.1 s for the
+4B shape's 264 MB bf16 r=64 adapter, about evenly between SGLang's processing and the cast and copy to
+the device, where the same work took 161-346 ms on the scheduler's preparing thread before the helper
+existed (bench/results/2026-12-07-live-acceptance-elastic-areal-2). This bench takes the servers away
+and times the same steps on an idle GPU, in this process and in a process spawned as the helper is,
+so that the cause has a name:
+
+* probes of the host: touching 264 MB of fresh memory (page faults), copying 264 MB already touched,
+  touching the adapter's file through a copy-on-write mapping (what the helper's reader does), and
+  264 MB host to device from pageable memory and through two pinned 32 MiB chunks (the helper's way);
+* the helper's own steps, with SGLang's own LoRAConfig and LoRAAdapter: read (mapped, the helper's
+  reader; or read into memory, safetensors' reader), SGLang's processing, pack (cast, copy to the
+  device through the pinned chunks), each with torch's default thread count and with one thread;
+* the helper itself (``HelperClient``: spawn, ready, prepare, open the handle, release), end to end.
+
+Each variant runs ``--reps`` times (the first is cold); medians and every repetition are printed and
+written to $OUT/stages.json with the process's CPU affinity, thread count and nice value. Run it through
+run.sh on a GPU machine (the SGLang bundle in .sgl/, lorapub's wheels in .whl/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+MB = 1 << 20
+SHAPES = {  # the 4B shape of bench/live_online (264 MB), and a tiny one for the CPU test of this bench
+    "4b": {"layers": 36, "hidden": 2560, "intermediate": 9728, "q": 4096, "kv": 1024, "rank": 64, "vocab": 151936},
+    "tiny": {"layers": 2, "hidden": 64, "intermediate": 128, "q": 64, "kv": 32, "rank": 4, "vocab": 256},
+}
+SHAPE = dict(SHAPES["4b"])
+#: "sglang": the installed release's LoRA classes; "tests:<root>": the SGLang tree at <root> compiled by the
+#: tests' kit (tests/sglang_patch/sglang_lora.py), for the CPU test of this bench
+CLASSES = os.environ.get("LORAPUB_STAGES_CLASSES", "sglang")
+
+
+def sglang_classes() -> tuple[Any, Any]:
+    """SGLang's LoRAAdapter and LoRAConfig (see CLASSES)."""
+    if CLASSES.startswith("tests:"):
+        from tests.sglang_patch import sglang_lora
+
+        real = sglang_lora.release(CLASSES.removeprefix("tests:"))
+        return real.LoRAAdapter, real.LoRAConfig
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.lora_config import LoRAConfig
+
+    return LoRAAdapter, LoRAConfig
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_adapter(folder: str, seed: int = 0) -> str:
+    """The 4B shape's r=64 bf16 PEFT adapter on every linear module (264 MB), seeded, never downloaded."""
+    import torch
+    from safetensors.torch import save_file
+
+    s = SHAPE
+    dims = {"q_proj": (s["hidden"], s["q"]), "k_proj": (s["hidden"], s["kv"]), "v_proj": (s["hidden"], s["kv"]),
+            "o_proj": (s["q"], s["hidden"]), "gate_proj": (s["hidden"], s["intermediate"]),
+            "up_proj": (s["hidden"], s["intermediate"]), "down_proj": (s["intermediate"], s["hidden"])}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(s["layers"]):
+        for m in MODULES:
+            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            fan_in, fan_out = dims[m]
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(s["rank"], fan_in, generator=g) * 0.01).to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, s["rank"], generator=g) * 0.01).to(torch.bfloat16)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": s["rank"], "lora_alpha": 2 * s["rank"], "target_modules": list(MODULES),
+                   "bias": "none", "task_type": "CAUSAL_LM"}, f)
+    return folder
+
+
+def make_kit(device: str) -> Any:
+    from lorapub.sglang_patch.prepared_load.helper import SGLANG_PROCESSOR, Kit
+
+    s = SHAPE
+    config = BaseConfig(s["layers"], s["hidden"], s["vocab"])
+    if CLASSES.startswith("tests:"):
+        return Kit(device=device, dtype="bfloat16", base_hf_config=config, base_vocab_size=s["vocab"],
+                   processor="tests.sglang_patch.sglang_lora:process", options={"root": CLASSES.removeprefix("tests:")})
+    from sglang.srt.configs.load_config import LoadConfig
+
+    return Kit(device=device, dtype="bfloat16", base_hf_config=config, load_config=LoadConfig(),
+               base_vocab_size=s["vocab"], processor=SGLANG_PROCESSOR)
+
+
+class BaseConfig:
+    """What SGLang's LoRAAdapter reads of the base model's config (picklable: the helper gets it)."""
+
+    def __init__(self, layers: int, hidden: int, vocab: int) -> None:
+        self.num_hidden_layers, self.hidden_size, self.vocab_size = layers, hidden, vocab
+
+
+def where() -> dict[str, Any]:
+    import torch
+
+    return {"pid": os.getpid(), "affinity": len(os.sched_getaffinity(0)), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "nice": os.nice(0)}
+
+
+def ms(t0: float) -> float:
+    return round(1e3 * (time.perf_counter() - t0), 1)
+
+
+def probes(folder: str, device: str) -> dict[str, float]:
+    """The host's costs, each on 264 MB (the adapter's size)."""
+    import torch
+
+    size = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fresh = torch.empty(size, dtype=torch.uint8)
+    fresh.fill_(1)
+    out["touch fresh memory"] = ms(t0)
+    other = torch.empty_like(fresh)
+    other.fill_(0)
+    t0 = time.perf_counter()
+    other.copy_(fresh)
+    out["copy touched memory"] = ms(t0)
+    with open(os.path.join(folder, "adapter_model.safetensors"), "rb", buffering=0) as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    t0 = time.perf_counter()
+    other.copy_(torch.frombuffer(mapped, dtype=torch.uint8))
+    out["copy from the mapped file"] = ms(t0)
+    t0 = time.perf_counter()
+    with open(os.path.join(folder, "adapter_model.safetensors"), "rb", buffering=0) as f:
+        f.readinto(memoryview(other.numpy()))
+    out["read the file into touched memory"] = ms(t0)
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        on_device = torch.empty(size, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        on_device.copy_(fresh)
+        torch.cuda.synchronize()
+        out["to device, pageable"] = ms(t0)
+        chunks = [torch.empty(32 * MB, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        stream = torch.cuda.Stream(device=dev)
+        t0 = time.perf_counter()
+        events: list[Any] = [None, None]
+        for k, base in enumerate(range(0, size, 32 * MB)):
+            end = min(base + 32 * MB, size)
+            if events[k % 2] is not None:
+                events[k % 2].synchronize()
+            chunks[k % 2][:end - base].copy_(fresh[base:end])
+            with torch.cuda.stream(stream):
+                on_device[base:end].copy_(chunks[k % 2][:end - base], non_blocking=True)
+                events[k % 2] = torch.cuda.Event()
+                events[k % 2].record(stream)
+        stream.synchronize()
+        out["to device, two pinned chunks"] = ms(t0)
+        t0 = time.perf_counter()
+        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        out["pin 264 MB"] = ms(t0)
+        pinned.copy_(fresh)
+        t0 = time.perf_counter()
+        on_device.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+        out["to device, from one pinned buffer"] = ms(t0)
+    mapped.close()
+    return out
+
+
+def steps(folder: str, kit: Any, reader: str, threads: int | None) -> dict[str, float]:
+    """The helper's preparation, step by step (SGLang's LoRAConfig and LoRAAdapter)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lorapub.sglang_patch.prepared_load import helper
+    from lorapub.sglang_patch.prepared_load.reading import read_peft_folder
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dev = torch.device(kit.device)
+        chunks = stream = None
+        if dev.type == "cuda":
+            stream = torch.cuda.Stream(device=dev)
+            chunks = [torch.empty(helper.CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        t0 = time.perf_counter()
+        path = os.path.join(folder, "adapter_model.safetensors")
+        tensors = read_peft_folder(folder) if reader == "mapped" else load_file(path)
+        out = {"read": ms(t0)}
+        LoRAAdapter, LoRAConfig = sglang_classes()
+        t0 = time.perf_counter()
+        config = LoRAConfig(folder, base_vocab_size=kit.base_vocab_size)
+        adapter = LoRAAdapter("bench", config, kit.base_hf_config, kit.load_config, None, base_model=None)
+        adapter.initialize_weights_from_tensors(tensors)
+        out["SGLang's processing"] = ms(t0)
+        t0 = time.perf_counter()
+        buf, _ = helper.pack(adapter, torch.bfloat16, dev, stream, chunks)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out["cast and copy to the device"] = ms(t0)
+        out["total"] = round(sum(out.values()), 1)
+        del buf, adapter, tensors
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+VARIANTS = (("mapped", None), ("mapped", 1), ("read", None), ("read", 1))
+
+
+def measure(folder: str, device: str, reps: int) -> dict[str, Any]:
+    """Everything above, in the calling process."""
+    kit = make_kit(device)
+    result: dict[str, Any] = {"where": where(), "probes": [], "steps": {}}
+    for _ in range(reps):
+        result["probes"].append(probes(folder, device))
+    for reader, threads in VARIANTS:
+        name = f"reader {reader}, threads {threads or 'default'}"
+        result["steps"][name] = [steps(folder, kit, reader, threads) for _ in range(reps)]
+    return result
+
+
+def _child(conn: Any, folder: str, device: str, reps: int) -> None:
+    try:
+        conn.send(("ok", measure(folder, device, reps)))
+    except Exception as e:  # noqa: BLE001 - reported by the parent
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+
+
+def spawned(folder: str, device: str, reps: int) -> dict[str, Any]:
+    """``measure`` in a process started with ``spawn``, as the helper is."""
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    process = ctx.Process(target=_child, args=(theirs, folder, device, reps), daemon=True)
+    process.start()
+    status, value = mine.recv()
+    process.join(30)
+    if status != "ok":
+        raise RuntimeError(f"the spawned measurement failed: {value}")
+    return value
+
+
+def helper_end_to_end(folder: str, device: str, reps: int) -> dict[str, Any]:
+    """The real helper: started, ready, then ``reps`` preparations, each opened and released."""
+    from lorapub.sglang_patch.prepared_load.helper import HelperClient
+
+    client = HelperClient(make_kit(device), deadline_s=120.0, start_s=300.0)
+    t0 = time.perf_counter()
+    client.start()
+    prepared: list[dict[str, float]] = []
+    try:
+        for i in range(reps):
+            job = client.new_job(type("Ref", (), {"lora_id": f"bench{i}", "lora_name": f"bench{i}",
+                                                   "lora_path": folder})())
+            t1 = time.perf_counter()
+            shipped = client.prepare(job)
+            waited = ms(t1)
+            t2 = time.perf_counter()
+            opened = client.open(shipped)
+            del opened
+            client.release(shipped.token, True)
+            prepared.append({"prepare (as the scheduler waits)": waited, "open and release": ms(t2),
+                             "helper: processing": round(1e3 * shipped.timings["process_s"], 1),
+                             "helper: pack": round(1e3 * shipped.timings["pack_s"], 1)})
+            if i == 0:
+                prepared[0]["start to first shipped"] = ms(t0)
+    finally:
+        client.close()
+    return {"prepared": prepared}
+
+
+def median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = rows[0].keys()
+    return {k: round(statistics.median(r[k] for r in rows if k in r), 1) for k in keys}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
+    parser.add_argument("--folder", default=None, help="an adapter folder (default: build --shape's)")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "stages.json"))
+    args = parser.parse_args()
+    SHAPE.update(SHAPES[args.shape])
+    folder = args.folder or build_adapter(tempfile.mkdtemp(prefix="lorapub-stages-"))
+    report: dict[str, Any] = {"folder": folder, "bytes": os.path.getsize(os.path.join(folder, "adapter_model.safetensors")),
+                              "reps": args.reps, "device": args.device}
+    print(f"adapter {report['bytes'] / 1e6:.0f} MB at {folder}; {args.reps} repetitions each (the first cold)", flush=True)
+    report["this process"] = measure(folder, args.device, args.reps)
+    report["spawned"] = spawned(folder, args.device, args.reps)
+    report["helper"] = helper_end_to_end(folder, args.device, args.reps)
+    for place in ("this process", "spawned"):
+        r = report[place]
+        print(f"\n== {place}: {r['where']}")
+        for k, v in median_rows(r["probes"]).items():
+            print(f"  {k:<36} {v:>9.1f} ms   (each: {[p[k] for p in r['probes']]})")
+        for name, rows in r["steps"].items():
+            med = median_rows(rows)
+            print(f"  {name:<36} " + ", ".join(f"{k} {v:.0f}" for k, v in med.items()) + " ms (medians)")
+            print(f"  {'':<36} totals: {[row['total'] for row in rows]}")
+    print("\n== the helper (HelperClient), each preparation:")
+    for row in report["helper"]["prepared"]:
+        print("  " + ", ".join(f"{k} {v:.0f} ms" for k, v in row.items()))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/live_prepare/stages.py, the live bench that times a preparation's steps, runs on the CPU with a
+tiny adapter and the SGLang release's own LoRA code (the tests' compiled copy): every step of every
+variant and the real helper's end-to-end preparation are reported (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import sglang_real
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "live_prepare", "stages.py")
+
+
+def test_the_stages_bench_reports_every_step_in_both_places_and_through_the_helper(tmp_path):
+    root = sglang_real.release_root("0.5.17")
+    if root is None:
+        pytest.skip("no SGLang 0.5.17 tree for the release's LoRA code")
+    out = tmp_path / "stages.json"
+    env = {**os.environ, "LORAPUB_STAGES_CLASSES": f"tests:{root}",
+           "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, SCRIPT, "--shape", "tiny", "--device", "cpu", "--reps", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for place in ("this process", "spawned"):
+        assert report[place]["where"]["pid"] > 0
+        assert len(report[place]["probes"]) == 1
+        assert set(report[place]["steps"]) == {"reader mapped, threads default", "reader mapped, threads 1",
+                                               "reader read, threads default", "reader read, threads 1"}
+        for rows in report[place]["steps"].values():
+            assert len(rows) == 1 and all(set(r) == {"read", "SGLang's processing", "cast and copy to the device",
+                                                     "total"} for r in rows)
+    assert report["spawned"]["where"]["pid"] != report["this process"]["where"]["pid"]
+    helper = report["helper"]["prepared"]
+    assert len(helper) == 1 and "start to first shipped" in helper[0]
+    assert all(r["helper: processing"] >= 0 and r["helper: pack"] >= 0 for r in helper)
+    assert "== the helper (HelperClient)" in done.stdout
