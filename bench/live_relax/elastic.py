@@ -60,6 +60,17 @@ async def until_healthy(url: str, timeout: float) -> float:
             await asyncio.sleep(1.0)
 
 
+async def until_file(path: str, timeout: float) -> float:
+    """Seconds until ``path`` exists (live: the servers are up and warm; this process built its versions
+    meanwhile, which took a minute and more beside the servers' boots)."""
+    started = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - started > timeout:
+            raise SystemExit(f"{path} did not appear within {timeout:g} s: the servers did not come up")
+        await asyncio.sleep(0.2)
+    return time.monotonic() - started
+
+
 def topology(urls: list[str]) -> dict[int, dict]:
     return {i: {"ip": urllib.parse.urlsplit(u).hostname, "port": urllib.parse.urlsplit(u).port}
             for i, u in enumerate(urls)}
@@ -81,6 +92,11 @@ async def run(args) -> dict:
     epoch = int(time.time() * 1000)
     relax = driver.relax_args(args, enabled=True, urls=urls[:2], epoch=epoch, folder=folder)
     snapshots = {step: driver.version_snapshot(args, step) for step in range(1, 4)}
+    for snapshot in snapshots.values():
+        snapshot.digest  # noqa: B018 - hashed now, while the servers may still be booting
+    if args.start_after:
+        waited = await until_file(args.start_after, args.boot_timeout)
+        print(f"ready {waited:.1f} s after the versions were built ({args.start_after})", flush=True)
     incarnations = {}
     for u in urls[:2]:
         probe = SGLangWireEngine(engine_name(u), u)
@@ -226,6 +242,9 @@ def main() -> int:
     parser.add_argument("--join-timeout", type=float, default=120.0)
     parser.add_argument("--boot-timeout", type=float, default=420.0,
                         help="how long the third server may take to answer /health before it joins")
+    parser.add_argument("--start-after", metavar="FILE",
+                        help="build the versions, then wait for FILE to exist before the first request (live: "
+                             "the recipe starts this beside the servers' boots and writes FILE once they are up)")
     parser.add_argument("--decode-delay", type=float, default=0.002, help="the doubles' decode time a token, s")
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--prefill-per-token", type=float, default=20e-6)
