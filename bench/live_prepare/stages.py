@@ -13,8 +13,8 @@ so that the cause has a name:
 * the helper's own steps, with SGLang's own LoRAConfig and LoRAAdapter: read (mapped, the helper's
   reader; or read into memory, safetensors' reader), SGLang's processing, pack (cast, copy to the
   device through the pinned chunks), each with torch's default thread count and with one thread, and
-  last with glibc keeping freed memory in the heap (``keep_freed_memory``: a later load then reuses
-  pages already touched);
+  last with glibc keeping freed memory in the heap (``helper.keep_freed_memory``, which the helper does
+  at its start since this bench was written: a later load then reuses pages already touched);
 * the helper itself (``HelperClient``: spawn, ready, prepare, open the handle, release), end to end.
 
 Each variant runs ``--reps`` times (the first is cold); medians and every repetition are printed and
@@ -218,21 +218,6 @@ def steps(folder: str, kit: Any, reader: str, threads: int | None) -> dict[str, 
 VARIANTS = (("mapped", None), ("mapped", 1), ("read", None), ("read", 1))
 
 
-def keep_freed_memory() -> bool:
-    """glibc keeps what this process frees in its heap (no trim; blocks up to 32 MB from the heap, not
-    their own mappings), so a later load reuses pages already touched instead of faulting fresh ones in.
-    For the rest of the process: the last variant measured. False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(libc.mallopt(m_mmap_threshold, 32 * MB))
-    except (OSError, AttributeError):
-        return False
-
-
 def measure(folder: str, device: str, reps: int) -> dict[str, Any]:
     """Everything above, in the calling process."""
     kit = make_kit(device)
@@ -242,7 +227,9 @@ def measure(folder: str, device: str, reps: int) -> dict[str, Any]:
     for reader, threads in VARIANTS:
         name = f"reader {reader}, threads {threads or 'default'}"
         result["steps"][name] = [steps(folder, kit, reader, threads) for _ in range(reps)]
-    if keep_freed_memory():  # last: it holds for the rest of the process
+    from lorapub.sglang_patch.prepared_load.helper import keep_freed_memory
+
+    if keep_freed_memory():  # last: it holds for the rest of the process (the helper does it at its start)
         result["steps"]["reader mapped, threads default, freed memory kept"] = [
             steps(folder, kit, "mapped", None) for _ in range(reps)]
         result["probes, freed memory kept"] = [probes(folder, device) for _ in range(reps)]

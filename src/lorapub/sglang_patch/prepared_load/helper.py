@@ -22,7 +22,8 @@ from typing import Any, Callable
 from .reading import read_peft_folder, weight_places
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
-           "Job", "Kit", "Shipped", "StaleHandle", "kit_for", "pack", "process_with", "sglang_process"]
+           "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "kit_for", "pack", "process_with",
+           "sglang_process"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -421,9 +422,29 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="lorapub-helper-parent", daemon=True).start()
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc keep what this process frees in its heap: no trimming, and blocks up to 32 MB taken
+    from the heap rather than mappings of their own. A helper frees everything a load allocated once
+    it is shipped, and glibc handed that back to the system, so every load touched its memory afresh;
+    page faults are what a host charges most for in a virtual machine, and live each 264 MB load took
+    seconds there (docs/sglang-patch.md, "Measured live"). Kept, a later load reuses pages already
+    touched; the cost is a helper that stays at its largest load's size. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
+
+
 def serve(conn: Any, kit: Kit) -> None:
     """The helper process's loop: prepare, ship, free what the scheduler released."""
     _watch_parent()
+    heap_kept = keep_freed_memory()
     import torch
     import torch.multiprocessing
     from multiprocessing.reduction import ForkingPickler
@@ -488,6 +509,6 @@ def serve(conn: Any, kit: Kit) -> None:
         elif msg[0] == "release":
             free(msg[1], bool(msg[2]))
         elif msg[0] == "stats":
-            conn.send(("stats", {"live": len(live), "pid": os.getpid()}))
+            conn.send(("stats", {"live": len(live), "pid": os.getpid(), "heap_kept": heap_kept}))
         elif msg[0] == "stop":
             return
