@@ -222,17 +222,29 @@ def measure(folder: str, device: str, reps: int) -> dict[str, Any]:
     """Everything above, in the calling process."""
     kit = make_kit(device)
     result: dict[str, Any] = {"where": where(), "probes": [], "steps": {}}
+    tag = f"[pid {os.getpid()}]"  # each line as it is measured: a run stopped at its budget keeps what it did
+    print(f"{tag} {result['where']}", flush=True)
     for _ in range(reps):
         result["probes"].append(probes(folder, device))
+        print(f"{tag} probes: {result['probes'][-1]}", flush=True)
     for reader, threads in VARIANTS:
         name = f"reader {reader}, threads {threads or 'default'}"
-        result["steps"][name] = [steps(folder, kit, reader, threads) for _ in range(reps)]
+        result["steps"][name] = []
+        for _ in range(reps):
+            result["steps"][name].append(steps(folder, kit, reader, threads))
+            print(f"{tag} {name}: {result['steps'][name][-1]}", flush=True)
     from lorapub.sglang_patch.prepared_load.helper import keep_freed_memory
 
     if keep_freed_memory():  # last: it holds for the rest of the process (the helper does it at its start)
-        result["steps"]["reader mapped, threads default, freed memory kept"] = [
-            steps(folder, kit, "mapped", None) for _ in range(reps)]
-        result["probes, freed memory kept"] = [probes(folder, device) for _ in range(reps)]
+        name = "reader mapped, threads default, freed memory kept"
+        result["steps"][name] = []
+        for _ in range(reps):
+            result["steps"][name].append(steps(folder, kit, "mapped", None))
+            print(f"{tag} {name}: {result['steps'][name][-1]}", flush=True)
+        result["probes, freed memory kept"] = []
+        for _ in range(reps):
+            result["probes, freed memory kept"].append(probes(folder, device))
+            print(f"{tag} probes, freed memory kept: {result['probes, freed memory kept'][-1]}", flush=True)
     return result
 
 
@@ -280,6 +292,7 @@ def helper_end_to_end(folder: str, device: str, reps: int) -> dict[str, Any]:
                              "helper: pack": round(1e3 * shipped.timings["pack_s"], 1)})
             if i == 0:
                 prepared[0]["start to first shipped"] = ms(t0)
+            print(f"[helper] {prepared[-1]}", flush=True)
     finally:
         client.close()
     return {"prepared": prepared}
