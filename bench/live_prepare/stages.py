@@ -2,7 +2,7 @@
 
 Live, the preparing helper process (docs/sglang-patch.md, "Prepared loads") took 4.6-12.1 s for the
 4B shape's 264 MB bf16 r=64 adapter, about evenly between SGLang's processing and the cast and copy to
-the device, where the same work took 161-346 ms on the scheduler's preparing thread before the helper
+the device, where the same work took 123-386 ms (median 164) on the scheduler's preparing thread before the helper
 existed (bench/results/2026-12-07-live-acceptance-elastic-areal-2). This bench takes the servers away
 and times the same steps on an idle GPU, in this process and in a process spawned as the helper is,
 so that the cause has a name:
