@@ -61,7 +61,7 @@ class OptionClash(InvalidInput):
 
 def check_name_prefix(prefix: object) -> str:
     """``prefix`` when lorapub may name its versions with it on Relax's engines; else :class:`OptionClash`
-    (or ``ValueError`` for a malformed one), naming the Relax name it collides with."""
+    (or ``InvalidInput`` for a malformed one; both are ``INVALID_INPUT``), naming the Relax name it collides with."""
     if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
         raise InvalidInput(
             f"name_prefix must be 1-64 characters of [A-Za-z0-9_.:-] followed by '@' (ids never hold '@', so a "
