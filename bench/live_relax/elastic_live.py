@@ -42,8 +42,11 @@ async def main() -> int:
     t0 = time.monotonic()
     online.build_model()
     print(f"model built in {time.monotonic() - t0:.0f} s", flush=True)
+    def port(i: int) -> int:
+        return 30400 + 100 * i
+
     def boot(i: int) -> srv.Server:
-        return srv.start(f"e{i}", os.path.join(online.MODEL, "base"), 30400 + 100 * i, OUT, patched=True,
+        return srv.start(f"e{i}", os.path.join(online.MODEL, "base"), port(i), OUT, patched=True,
                          max_lora_rank=64, mem_fraction=0.26, target_modules=online.ALL_LINEAR, decode_graphs=True,
                          max_loras=MAX_LORAS, env=engine_env(LorapubConfig()))
 
@@ -52,7 +55,7 @@ async def main() -> int:
     ready = os.path.join(OUT, "servers-ready")
     if os.path.exists(ready):
         os.remove(ready)
-    urls = [f"http://127.0.0.1:{30400 + 100 * i}" for i in range(3)]
+    urls = [f"http://127.0.0.1:{port(i)}" for i in range(3)]  # srv.Server.url of each, before it exists
     cmd = [sys.executable, os.path.join(HERE, "elastic.py"), *(a for u in urls for a in ("--engine-url", u)),
            "--adapter", os.path.join(online.MODEL, "B"), "--transport", "http", "--capacity", str(MAX_LORAS - 2),
            "--max-new-tokens", "64", "--phase-s", "40", "--json", os.path.join(OUT, "elastic.json"),
