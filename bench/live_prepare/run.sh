@@ -3,7 +3,7 @@
 # (stages.py says what it times and why). From the checkout root, with the SGLang bundle as .sgl/ and
 # lorapub's extra wheels as .whl/ (docs/gpu-acceptance.md, "Reproduce"):   bash bench/live_prepare/run.sh
 # One to five minutes (each line is printed as it is measured); in $OUT: stages.txt (everything printed)
-# and stages.json (every repetition). Env: LIVE_PREPARE_ARGS (extra stages.py arguments; default "--reps 2"),
+# and stages.json (every repetition). Env: LIVE_PREPARE_ARGS (extra stages.py arguments; default "--reps 2 --busy 12"),
 # LIVE_PREPARE_BUDGET_S (default 420). Keep the result under
 # bench/results/<date>-prepare-stages/ with a COMMAND.md saying how it ran.
 set -u -o pipefail
@@ -16,7 +16,7 @@ SGL=${LORAPUB_SGL_DIR:-.sgl}
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 4
   echo "setup $(( $(date +%s) - S )) s"
   PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1 timeout "${LIVE_PREPARE_BUDGET_S:-420}" \
-    python3 bench/live_prepare/stages.py --json "$OUT/stages.json" ${LIVE_PREPARE_ARGS:---reps 2}
+    python3 bench/live_prepare/stages.py --json "$OUT/stages.json" ${LIVE_PREPARE_ARGS:---reps 2 --busy 12}
 } 2>&1 | tee "$OUT/stages.txt"
 rc=${PIPESTATUS[0]}
 echo "total $(( $(date +%s) - S )) s, rc $rc" | tee -a "$OUT/stages.txt"

@@ -248,6 +248,37 @@ def measure(folder: str, device: str, reps: int) -> dict[str, Any]:
     return result
 
 
+def _spin() -> None:  # pragma: no cover - a busy core, until killed
+    while True:
+        pass
+
+
+def busy_host(folder: str, device: str, reps: int, spinners: int) -> dict[str, Any]:
+    """The helper's steps in this process while ``spinners`` processes keep as many cores busy, as a
+    host serving decode batches has them (each scheduler thread, its tokenizer, the clients): torch's
+    default thread count (one per core) against one thread, the scheduler process's count."""
+    kit = make_kit(device)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spin, daemon=True) for _ in range(spinners)]
+    for proc in procs:
+        proc.start()
+    result: dict[str, Any] = {"spinners": spinners, "where": where(), "steps": {}}
+    try:
+        time.sleep(1.0)  # the spinners running
+        for threads in (None, 1):
+            name = f"reader mapped, threads {threads or 'default'}, {spinners} cores busy"
+            result["steps"][name] = []
+            for _ in range(reps):
+                result["steps"][name].append(steps(folder, kit, "mapped", threads))
+                print(f"[busy] {name}: {result['steps'][name][-1]}", flush=True)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.join(5)
+    return result
+
+
 def _child(conn: Any, folder: str, device: str, reps: int) -> None:
     try:
         conn.send(("ok", measure(folder, device, reps)))
@@ -289,7 +320,9 @@ def helper_end_to_end(folder: str, device: str, reps: int) -> dict[str, Any]:
             client.release(shipped.token, True)
             prepared.append({"prepare (as the scheduler waits)": waited, "open and release": ms(t2),
                              "helper: processing": round(1e3 * shipped.timings["process_s"], 1),
-                             "helper: pack": round(1e3 * shipped.timings["pack_s"], 1)})
+                             "helper: pack": round(1e3 * shipped.timings["pack_s"], 1),
+                             "helper: CPU": round(1e3 * shipped.timings.get("cpu_s", float("nan")), 1),
+                             "helper: threads": shipped.timings.get("threads", 0)})
             if i == 0:
                 prepared[0]["start to first shipped"] = ms(t0)
             print(f"[helper] {prepared[-1]}", flush=True)
@@ -309,6 +342,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
     parser.add_argument("--folder", default=None, help="an adapter folder (default: build --shape's)")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="also time the steps with this many cores kept busy by spinning processes")
+    parser.add_argument("--only", default="", help="comma-separated parts to run: this,spawned,busy,helper (default all)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "stages.json"))
     args = parser.parse_args()
     SHAPE.update(SHAPES[args.shape])
@@ -316,10 +352,18 @@ def main() -> int:
     report: dict[str, Any] = {"folder": folder, "bytes": os.path.getsize(os.path.join(folder, "adapter_model.safetensors")),
                               "reps": args.reps, "device": args.device}
     print(f"adapter {report['bytes'] / 1e6:.0f} MB at {folder}; {args.reps} repetitions each (the first cold)", flush=True)
-    report["this process"] = measure(folder, args.device, args.reps)
-    report["spawned"] = spawned(folder, args.device, args.reps)
-    report["helper"] = helper_end_to_end(folder, args.device, args.reps)
-    for place in ("this process", "spawned"):
+    parts = set(args.only.split(",")) if args.only else {"this", "spawned", "busy", "helper"}
+    if "helper" in parts:  # first: the real helper as a server runs it, before anything else warms the host
+        report["helper"] = helper_end_to_end(folder, args.device, args.reps)
+    if "this" in parts:
+        report["this process"] = measure(folder, args.device, args.reps)
+    if "busy" in parts and args.busy:
+        report["busy host"] = busy_host(folder, args.device, args.reps, args.busy)
+    if "spawned" in parts:
+        report["spawned"] = spawned(folder, args.device, args.reps)
+    for place in ("this process", "busy host", "spawned"):
+        if place not in report:
+            continue
         r = report[place]
         print(f"\n== {place}: {r['where']}")
         for probe_set in ("probes", "probes, freed memory kept"):
@@ -332,7 +376,7 @@ def main() -> int:
             print(f"  {name:<36} " + ", ".join(f"{k} {v:.0f}" for k, v in med.items()) + " ms (medians)")
             print(f"  {'':<36} totals: {[row['total'] for row in rows]}")
     print("\n== the helper (HelperClient), each preparation:")
-    for row in report["helper"]["prepared"]:
+    for row in report.get("helper", {}).get("prepared", []):
         print("  " + ", ".join(f"{k} {v:.0f} ms" for k, v in row.items()))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

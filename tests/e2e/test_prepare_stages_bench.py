@@ -26,7 +26,7 @@ def test_the_stages_bench_reports_every_step_in_both_places_and_through_the_help
     env = {**os.environ, "LORAPUB_STAGES_CLASSES": f"tests:{root}",
            "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, SCRIPT, "--shape", "tiny", "--device", "cpu", "--reps", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=240, env=env)
+                           "--busy", "1", "--json", str(out)], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     for place in ("this process", "spawned"):
@@ -43,5 +43,10 @@ def test_the_stages_bench_reports_every_step_in_both_places_and_through_the_help
     assert report["spawned"]["where"]["pid"] != report["this process"]["where"]["pid"]
     helper = report["helper"]["prepared"]
     assert len(helper) == 1 and "start to first shipped" in helper[0]
-    assert all(r["helper: processing"] >= 0 and r["helper: pack"] >= 0 for r in helper)
+    assert all(r["helper: processing"] >= 0 and r["helper: pack"] >= 0 and r["helper: CPU"] >= 0 for r in helper)
+    assert helper[0]["helper: threads"] == 1  # as the scheduler's process runs
+    busy = report["busy host"]
+    assert busy["spinners"] == 1 and set(busy["steps"]) == {"reader mapped, threads default, 1 cores busy",
+                                                            "reader mapped, threads 1, 1 cores busy"}
+    assert all(len(rows) == 1 for rows in busy["steps"].values())
     assert "== the helper (HelperClient)" in done.stdout

@@ -170,6 +170,8 @@ def test_a_load_through_the_helper_holds_exactly_the_weights_sglangs_own_load_gi
     assert stats["live"] == 0  # the helper freed its buffer once the copy was taken
     # glibc keeps what the helper frees, so the next load reuses touched pages (docs/sglang-patch.md)
     assert stats["heap_kept"] is (sys.platform == "linux" and platform.libc_ver()[0] == "glibc")
+    # one torch thread, as SGLang's scheduler process has (settings.HELPER_THREADS_ENV)
+    assert stats["threads"] == 1
 
 
 def test_a_helper_killed_mid_prepare_fails_the_load_and_the_next_load_runs_on_a_new_helper(tmp_path, stop, caplog):

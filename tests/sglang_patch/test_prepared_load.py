@@ -594,6 +594,16 @@ def test_the_gate_budget_is_read_from_the_servers_environment(classes, monkeypat
     assert preparer.gate.budget_s == budget
 
 
+@pytest.mark.parametrize("raw, threads", [(None, 1), ("4", 4), ("0", 1), ("many", 1)])
+def test_the_helpers_thread_count_is_read_from_the_servers_environment(monkeypatch, raw, threads):
+    """One torch thread by default, as SGLang's scheduler process runs; a bad value keeps it, logged."""
+    from lorapub.sglang_patch.prepared_load import settings
+
+    server_env(monkeypatch, settings.HELPER_THREADS_ENV, raw)
+    manager = types.SimpleNamespace(device="cpu", dtype=None, base_hf_config=None, lora_backend=None)
+    assert prepare_helper.kit_for(manager).threads == threads
+
+
 def test_a_prefill_closes_the_gate_while_it_is_launched_and_the_launch_reopens_it(classes, monkeypatch):
     monkeypatch.delenv(prepared_load.GATE_ENV, raising=False)  # the default scope: the launch
     scheduler, manager, preparer = preparing(classes)
@@ -731,12 +741,12 @@ def test_a_preparation_logs_where_its_time_went(classes, caplog):
     import logging
 
     scheduler, manager, preparer = preparing(classes)
-    preparer.helper.timings = {"process_s": 0.050, "pack_s": 0.030}
+    preparer.helper.timings = {"process_s": 0.050, "pack_s": 0.030, "cpu_s": 0.075, "threads": 1}
     with caplog.at_level(logging.INFO):
         scheduler.process_input_requests([Req("a")])
         run_until(scheduler, 1)
     [line] = [r.getMessage() for r in caplog.records if "in the helper process" in r.getMessage()]
-    assert "SGLang's processing 50 ms, cast and copy to the device 30 ms" in line
+    assert "SGLang's processing 50 ms, cast and copy to the device 30 ms; the helper's CPU 75 ms on 1 threads" in line
     assert "handed over in" in line and "0 waits for prefills" in line
 
 

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from .reading import read_peft_folder, weight_places
+from .settings import helper_threads
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
            "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "kit_for", "pack", "process_with",
@@ -73,6 +74,8 @@ class Kit:
     #: "module:function" taking (kit, job) and returning the processed adapter (tests name their own)
     processor: str = SGLANG_PROCESSOR
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: torch's intra-op threads in the helper (settings.HELPER_THREADS_ENV); None: torch's default
+    threads: int | None = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +321,8 @@ def kit_for(manager: Any, processor: str = SGLANG_PROCESSOR, **options: Any) -> 
     base = getattr(manager, "base_hf_config", None)
     return Kit(device=str(manager.device), dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
                base_hf_config=base, load_config=getattr(manager, "load_config", None),
-               base_vocab_size=getattr(base, "vocab_size", None), moe_gated=moe, processor=processor, options=options)
+               base_vocab_size=getattr(base, "vocab_size", None), moe_gated=moe, processor=processor, options=options,
+               threads=helper_threads())
 
 
 # -- the helper's side ----------------------------------------------------------------------------------
@@ -450,6 +454,10 @@ def serve(conn: Any, kit: Kit) -> None:
     from multiprocessing.reduction import ForkingPickler
     from torch.multiprocessing.reductions import reduce_tensor
 
+    if kit.threads:  # as the scheduler's process has it (settings.HELPER_THREADS_ENV says why)
+        torch.set_num_threads(kit.threads)
+    threads = torch.get_num_threads()
+
     # host buffers (tests) shared by name, refcounted: one the scheduler never opens is freed with its tensor
     torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
     device = torch.device(kit.device)
@@ -491,7 +499,7 @@ def serve(conn: Any, kit: Kit) -> None:
             job: Job = msg[1]
             conn.send(("taken", job.token))  # from here a death is this load's (the client resends one before it)
             try:
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 adapter = process(kit, job)
                 t1 = time.perf_counter()
                 buf, entries = pack(adapter, dtype, device, stream, chunks)
@@ -501,7 +509,9 @@ def serve(conn: Any, kit: Kit) -> None:
                 handle = bytes(ForkingPickler.dumps((rebuild, args)))
                 live[job.token] = (buf, args)
                 shipped = Shipped(job.token, handle, tuple(entries), int(buf.numel()),
-                                  {"process_s": t1 - t0, "pack_s": t2 - t1, "cpu_s": time.process_time()})
+                                  {"process_s": t1 - t0, "pack_s": t2 - t1,
+                                   # all its threads' CPU time: far above the wall time, threads contend
+                                   "cpu_s": time.process_time() - cpu0, "threads": threads})
             except Exception as e:  # noqa: BLE001 - the load fails with it; the helper serves the next
                 conn.send(("failed", job.token, f"{type(e).__name__}: {e}"))
                 continue
@@ -509,6 +519,7 @@ def serve(conn: Any, kit: Kit) -> None:
         elif msg[0] == "release":
             free(msg[1], bool(msg[2]))
         elif msg[0] == "stats":
-            conn.send(("stats", {"live": len(live), "pid": os.getpid(), "heap_kept": heap_kept}))
+            conn.send(("stats", {"live": len(live), "pid": os.getpid(), "heap_kept": heap_kept,
+                                 "threads": threads}))
         elif msg[0] == "stop":
             return

@@ -215,10 +215,11 @@ class Preparer:
         t4 = time.perf_counter()
         timings = shipped.timings
         logger.info("lorapub: prepared %s in the helper process in %.0f ms (SGLang's processing %.0f ms, cast and "
-                    "copy to the device %.0f ms), handed over in %.0f ms (of which queued GPU work %.0f ms), adapter "
-                    "built in %.0f ms, slot image %.0f ms, %.0f MB; %s) at %.3f", ref.lora_name, 1e3 * (t1 - t0),
+                    "copy to the device %.0f ms; the helper's CPU %.0f ms on %s threads), handed over in %.0f ms (of "
+                    "which queued GPU work %.0f ms), adapter built in %.0f ms, slot image %.0f ms, %.0f MB; %s) at "
+                    "%.3f", ref.lora_name, 1e3 * (t1 - t0),
                     1e3 * timings.get("process_s", float("nan")), 1e3 * timings.get("pack_s", float("nan")),
-                    1e3 * (t2 - t1), 1e3 * queued_s, 1e3 * (t3 - t2),
+                    1e3 * timings.get("cpu_s", float("nan")), timings.get("threads", "?"), 1e3 * (t2 - t1), 1e3 * queued_s, 1e3 * (t3 - t2),
                     1e3 * (t4 - t3) if image is not None else float("nan"), shipped.total / 1e6, self.gate.reset(),
                     time.time())
         return adapter

@@ -8,8 +8,8 @@ import os
 from lorapub.sglang_patch.env import env_number
 
 __all__ = ["DEFAULT_GATE_BUDGET_S", "DEFAULT_HELPER_DEADLINE_S", "DEFAULT_HELPER_START_S", "ENV", "GATE_BUDGET_ENV",
-           "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV",
-           "enabled", "gate_budget", "gate_scope", "helper_deadline", "helper_start_deadline", "switch_interval",
+           "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "HELPER_THREADS_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV",
+           "enabled", "gate_budget", "gate_scope", "helper_deadline", "helper_start_deadline", "helper_threads", "switch_interval",
            "trace_setting"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
@@ -48,6 +48,12 @@ DEFAULT_HELPER_DEADLINE_S = 60.0
 #: context) before a load that waits for it fails and it is restarted (default 300).
 HELPER_START_ENV = "LORAPUB_SGLANG_PREPARE_HELPER_START_S"
 DEFAULT_HELPER_START_S = 300.0
+#: torch's intra-op thread count in the helper (default 1). SGLang's scheduler process runs with one
+#: (``ModelRunner.load_model`` sets it), so the preparation ran with one before the helper existed; a
+#: spawned helper would otherwise take torch's default, one per core, and each of the ~500 weights' casts
+#: and copies would wait for the slowest of as many threads on a host whose cores the servers keep busy.
+HELPER_THREADS_ENV = "LORAPUB_SGLANG_PREPARE_HELPER_THREADS"
+DEFAULT_HELPER_THREADS = 1
 
 
 def enabled() -> bool:
@@ -92,6 +98,12 @@ def helper_start_deadline(default_s: float = DEFAULT_HELPER_START_S) -> float:
     s = env_number(HELPER_START_ENV, float, lambda n: n > 0, "a number of seconds > 0",
                    f"the default {default_s:g} s holds", logger)
     return default_s if s is None else s
+
+
+def helper_threads(default: int = DEFAULT_HELPER_THREADS) -> int:
+    """``HELPER_THREADS_ENV``; ``default`` when unset or not an integer > 0 (logged)."""
+    n = env_number(HELPER_THREADS_ENV, int, lambda v: v > 0, "an integer > 0", f"the default {default} holds", logger)
+    return default if n is None else n
 
 
 def trace_setting() -> str | None:
