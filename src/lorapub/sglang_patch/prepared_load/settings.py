@@ -103,7 +103,7 @@ def helper_start_deadline(default_s: float = DEFAULT_HELPER_START_S) -> float:
 def helper_threads(default: int = DEFAULT_HELPER_THREADS) -> int:
     """``HELPER_THREADS_ENV``; ``default`` when unset or not an integer > 0 (logged)."""
     n = env_number(HELPER_THREADS_ENV, int, lambda v: v > 0, "an integer > 0", f"the default {default} holds", logger)
-    return default if n is None else n
+    return default if n is None else int(n)
 
 
 def trace_setting() -> str | None:
