@@ -27,7 +27,7 @@ from lorapub.sglang_patch.routes import add_staging_routes, add_state_route
 from lorapub.testing import sglang_double
 from lorapub.wire.routes import CLEANUP_ROUTE, ROUTES
 from tests import sglang_real
-from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
+from tests.sglang_patch.test_lifecycle_gaps import RELEASES, patched_root, root_of
 
 LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter")
 LORAPUB_ROUTES = (("GET", targets.STATE_ROUTE), *ROUTES)
@@ -75,7 +75,7 @@ def release_auth(release: str) -> types.ModuleType:
 @pytest.mark.parametrize("release", RELEASES)
 def test_the_diff_form_marks_the_state_route_like_sglangs_lora_routes(release, tmp_path):
     pristine = route_levels(os.path.join(root_of(release), targets.HTTP_FILE))
-    patched = route_levels(os.path.join(diff_patched_root(release, tmp_path), targets.HTTP_FILE))
+    patched = route_levels(os.path.join(patched_root(release), targets.HTTP_FILE))
     lora = {pristine[("POST", r)] for r in LORA_ROUTES}
     assert lora == {"admin_optional"}, lora  # what SGLang itself does in this release
     for route in LORAPUB_ROUTES:
@@ -182,7 +182,7 @@ async def test_the_runtime_route_admits_exactly_whom_sglang_admits_to_its_lora_r
 # -- the contract double ------------------------------------------------------------------------
 def test_the_double_marks_each_route_as_sglang_does(tmp_path):
     stock = route_levels(os.path.join(root_of("0.5.23"), targets.HTTP_FILE))
-    patched = route_levels(os.path.join(diff_patched_root("0.5.23", tmp_path), targets.HTTP_FILE))
+    patched = route_levels(os.path.join(patched_root("0.5.23"), targets.HTTP_FILE))
     for (method, path), level in sglang_double.ROUTE_AUTH_LEVELS.items():
         sglang = patched if path.startswith("/lorapub/") else stock
         assert sglang[(method, path)] == level, (method, path)

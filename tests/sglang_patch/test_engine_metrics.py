@@ -24,7 +24,7 @@ from tests.sglang_patch import harness
 from tests.sglang_patch.test_auth_levels import asgi_get, sglang_auth_importable  # noqa: F401 - a fixture
 from tests.sglang_patch.test_engine_staging import LIFE, begin_body, bf16_snapshot, chunks_of, new_staging, params, \
     raw_bucket
-from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
+from tests.sglang_patch.test_lifecycle_gaps import RELEASES, patched_root, root_of
 
 prometheus_client = pytest.importorskip("prometheus_client")
 CollectorRegistry = prometheus_client.CollectorRegistry
@@ -305,7 +305,7 @@ async def scrape(app) -> str:
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_the_diff_form_rebinds_the_name_sglangs_lifespan_calls(release, tmp_path):
-    path = os.path.join(diff_patched_root(release, tmp_path), targets.HTTP_FILE)
+    path = os.path.join(patched_root(release), targets.HTTP_FILE)
     tree = ast.parse(open(path).read())
     rebound = [n for n in tree.body if isinstance(n, ast.Assign) and any(
         getattr(t, "id", None) == "add_prometheus_middleware" for t in n.targets)]

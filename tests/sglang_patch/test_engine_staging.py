@@ -27,7 +27,7 @@ from lorapub.testing.fixtures import lora_snapshot, peft_config
 from lorapub.wire.codec import plan_to_json, token_params, token_to_json
 from tests.sglang_patch import harness
 from tests.sglang_patch.test_auth_levels import sglang_auth_importable  # noqa: F401 - a fixture
-from tests.sglang_patch.test_lifecycle_gaps import RELEASES, diff_patched_root, root_of
+from tests.sglang_patch.test_lifecycle_gaps import RELEASES, patched_root, root_of
 
 torch = pytest.importorskip("torch")
 Request = pytest.importorskip("starlette.requests").Request  # module level: FastAPI resolves the annotation here
@@ -51,7 +51,7 @@ def tm_class(request, tmp_path):
     release, form = request.param
     if form == "runtime":
         return harness.build_runtime_patched(root_of(release))
-    return harness.build(diff_patched_root(release, tmp_path), release)
+    return harness.build(patched_root(release), release)
 
 
 def bf16_snapshot(seed: int, *, layers: int = 2, hidden: int = 32) -> Snapshot:
