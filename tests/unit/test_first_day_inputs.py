@@ -58,3 +58,45 @@ def test_tensors_with_values_that_are_not_finite_are_refused_naming_the_tensor(k
 
 def test_integer_and_bool_tensors_have_no_finiteness_to_check():
     Snapshot({"i": np.arange(4, dtype=np.int64), "b": np.array([True, False])}, peft_config(2))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_torch_tensor_not_finite_anywhere_is_refused_in_every_float_format(dtype, value, monkeypatch):
+    """Checked on the bits a chunk at a time (never on torch's intra-op pool): a bad value past the first
+    chunk, in any of the formats a trainer keeps its adapter in, is found."""
+    torch = pytest.importorskip("torch")
+    from lorapub import snapshot
+
+    monkeypatch.setattr(snapshot, "_CHUNK", 7)  # many chunks, and a last one shorter than the rest
+    good = torch.linspace(-3e4, 3e4, 40).to(getattr(torch, dtype))  # large, small, zero, negative: all finite
+    Snapshot({"a.lora_A.weight": good}, peft_config(2))
+    for at in (0, 6, 7, 23, 39):
+        bad = good.clone()
+        bad[at] = value
+        with pytest.raises(InvalidInput, match=r"'a.lora_A.weight'.*\(1 (NaN|infinite) of 40\)"):
+            Snapshot({"a.lora_A.weight": bad}, peft_config(2))
+
+
+def test_a_snapshot_of_cpu_tensors_copies_and_checks_them_off_torchs_intra_op_pool(monkeypatch):
+    """Its copy and finiteness check run in numpy: torch's pool has a thread per core, and on a host the
+    servers keep busy each tensor waited for the slowest of them (docs/sglang-patch.md). The frozen
+    copy still equals the source, is its own memory, and keeps standard strides for a strided source."""
+    torch = pytest.importorskip("torch")
+    source = torch.randn(6, 4).to(torch.bfloat16)
+    strided = torch.randn(4, 6).t()  # not contiguous: torch's own copy, into standard strides
+    grad = torch.randn(3, 3, requires_grad=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's pool was used for a contiguous CPU tensor")
+
+    monkeypatch.setattr(torch, "isfinite", refuse)
+    snap = Snapshot({"a.lora_A.weight": source, "g.lora_A.weight": grad}, peft_config(2))
+    frozen = snap.tensor("a.lora_A.weight")
+    assert torch.equal(frozen, source) and frozen.data_ptr() != source.data_ptr()
+    source.mul_(2)  # the trainer steps on
+    assert not torch.equal(frozen, source)
+    assert torch.equal(snap.tensor("g.lora_A.weight"), grad.detach())
+    monkeypatch.undo()
+    copied = Snapshot({"s.lora_A.weight": strided}, peft_config(2)).tensor("s.lora_A.weight")
+    assert copied.is_contiguous() and torch.equal(copied, strided)
