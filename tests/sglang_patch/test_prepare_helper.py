@@ -323,3 +323,64 @@ def test_a_helper_killed_while_it_starts_fails_no_load(tmp_path, stop):
     assert out["success"], out
     assert "a" in manager.loras and preparer.helper.process.pid != starting
     assert preparer.helper.wanted == set()
+
+
+def test_a_helper_started_with_the_scheduler_is_the_one_its_first_load_runs_on(tmp_path, stop, caplog):
+    """``prestart`` (the scheduler's construction calls it, before SGLang builds the model) spawns the
+    helper before its kit exists; the preparer takes that very process and sends it the kit, and the
+    load through it holds the adapter. Live, a helper started only once the server was up made its first
+    load wait 16-17 s."""
+    import logging
+
+    prepare_helper._take_prestarted()  # none left over from another test in this process
+    prepare_helper.prestart()
+    prepare_helper.prestart()  # one at most
+    [(early, _)] = prepare_helper._prestarted
+    with caplog.at_level(logging.INFO, logger="lorapub.sglang_patch.prepared_load"):
+        scheduler, manager, preparer, _ = serving(RELEASES[-1])
+    stop(preparer)
+    assert preparer.helper.process.pid == early.pid and prepare_helper._prestarted == []
+    assert any("took the preparing helper process started with the scheduler" in r.getMessage() for r in caplog.records)
+    scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+    assert replies(scheduler, 1)["success"] and "a" in manager.loras
+
+
+def test_an_early_helper_that_died_before_it_was_taken_is_replaced_by_a_new_one(tmp_path, stop):
+    prepare_helper._take_prestarted()
+    prepare_helper.prestart()
+    [(early, _)] = prepare_helper._prestarted
+    early.kill()
+    early.join(SLOW)
+    scheduler, manager, preparer, _ = serving(RELEASES[-1])
+    stop(preparer)
+    assert preparer.helper.process.pid != early.pid
+    scheduler.process_input_requests([Req("a", peft_folder(tmp_path))])
+    assert replies(scheduler, 1)["success"] and "a" in manager.loras
+
+
+@pytest.mark.parametrize("args, early", [
+    (dict(enable_lora=True), True),
+    (dict(enable_lora=None, lora_paths=["a=/x"]), True),
+    (dict(enable_lora=False), False),  # no LoRA: no helper
+    (dict(enable_lora=True, tp_size=2), False),  # several ranks keep SGLang's own load
+    (dict(enable_lora=True, dp_size=2), False),
+    (dict(enable_lora=True, device="cpu"), False),
+])
+def test_the_schedulers_construction_starts_the_helper_only_where_loads_will_be_prepared(monkeypatch, args, early):
+    started = []
+    monkeypatch.setattr(prepare_helper, "prestart", lambda: started.append(True))
+    monkeypatch.delenv(prepared_load.ENV, raising=False)
+    made = []
+
+    class Stock:
+        def __init__(self, server_args, port_args, gpu_id):
+            made.append((server_args, port_args, gpu_id))
+
+    prepared_load._wrap_init(Stock)
+    server_args = types.SimpleNamespace(**{"tp_size": 1, "pp_size": 1, "dp_size": 1, "device": "cuda", **args})
+    Stock(server_args, "ports", gpu_id=0)
+    assert made == [(server_args, "ports", 0)]  # SGLang's own construction, as called
+    assert started == ([True] if early else [])
+    monkeypatch.setenv(prepared_load.ENV, "0")  # switched off: never
+    Stock(server_args, "ports", 0)
+    assert started == ([True] if early else [])

@@ -25,7 +25,7 @@ from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_s
 __all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "IMAGE_ATTR",
            "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV", "HelperClient", "HelperDied", "HelperError", "HelperFailed",
            "HelperHung", "PreparationFailed", "PrefillGate", "Preparer", "StaleHandle", "build_slot_image", "enabled",
-           "install", "preparer_of", "read_peft_folder", "route_schedulers", "run_scheduler_process"]
+           "install", "preparer_of", "read_peft_folder", "route_schedulers", "run_scheduler_process", "will_prepare"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -100,6 +100,7 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
         setattr(fn, "__wrapped__", stock)
         fn.__doc__ = stock.__doc__
         setattr(scheduler_cls, fn.__name__, fn)
+    _wrap_init(scheduler_cls)
     _wrap_run_batch(scheduler_cls)
     _wrap_idle_sleep(scheduler_cls)
     setattr(scheduler_cls, MARK, True)
@@ -164,6 +165,35 @@ def _wrap_idle_sleep(scheduler_cls: Any) -> None:
 
     setattr(maybe_sleep_on_idle, "__wrapped__", stock_sleep)
     scheduler_cls.maybe_sleep_on_idle = maybe_sleep_on_idle
+
+
+def will_prepare(server_args: Any) -> bool:
+    """Whether a scheduler with these arguments prepares its loads in a helper (see :func:`preparer_of`,
+    which decides for certain once the model exists): LoRA on, one GPU, on CUDA, the patch not switched off."""
+    single = all(int(getattr(server_args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
+    lora = bool(getattr(server_args, "enable_lora", False) or getattr(server_args, "lora_paths", None))
+    return enabled() and single and lora and getattr(server_args, "device", "cuda") in (None, "cuda")
+
+
+def _wrap_init(scheduler_cls: Any) -> None:
+    """Start the helper as the scheduler starts, before SGLang builds its model: the helper's imports run
+    beside the model's load, and the first adapter load finds it ready (``helper.prestart``)."""
+    stock = scheduler_cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            server_args = kwargs.get("server_args", args[0] if args else None)
+            if will_prepare(server_args):
+                from .helper import prestart
+
+                prestart()
+        except Exception as e:  # noqa: BLE001 - the first load starts it instead
+            logger.warning("lorapub: the preparing helper starts with the first load (%s)", e)
+        stock(self, *args, **kwargs)
+
+    setattr(__init__, "__wrapped__", stock)
+    __init__.__doc__ = stock.__doc__
+    scheduler_cls.__init__ = __init__
 
 
 def run_scheduler_process(*args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ from .reading import read_peft_folder, weight_places
 from .settings import helper_threads
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
-           "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "kit_for", "pack", "process_with",
+           "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "kit_for", "pack", "prestart", "process_with",
            "sglang_process"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
@@ -126,14 +126,19 @@ class HelperClient:
 
     # lifecycle
     def start(self) -> None:
-        """Start a helper (spawn), without waiting for it to be ready: the first load waits."""
-        ctx = multiprocessing.get_context("spawn")
-        mine, theirs = ctx.Pipe()
-        process = ctx.Process(target=serve, args=(theirs, self.kit), name="lorapub-prepare-helper", daemon=True)
-        process.start()
-        theirs.close()
-        self.process, self.conn, self.ready = process, mine, False
-        logger.info("lorapub: started the preparing helper process (pid %s) for %s", process.pid, self.kit.device)
+        """Start a helper, without waiting for it to be ready (the first load waits): the one
+        :func:`prestart` began while the scheduler built its model, when there is one, else a new one."""
+        process, conn = _take_prestarted()
+        how = "took the preparing helper process started with the scheduler"
+        if process is None:
+            process, conn = _spawn()
+            how = "started the preparing helper process"
+        try:
+            conn.send(("kit", self.kit))
+        except OSError:
+            pass  # it died: the first load's wait says so, and starts another
+        self.process, self.conn, self.ready = process, conn, False
+        logger.info("lorapub: %s (pid %s) for %s", how, process.pid, self.kit.device)
 
     def stop(self, why: str = "") -> None:
         """Kill the helper now (its buffers go with it) and forget it."""
@@ -325,6 +330,44 @@ def kit_for(manager: Any, processor: str = SGLANG_PROCESSOR, **options: Any) -> 
                threads=helper_threads())
 
 
+# -- starting one early ---------------------------------------------------------------------------------
+_prestarted: list[tuple[Any, Any]] = []  # (process, our pipe end): at most one, not yet taken by a client
+_prestart_lock = threading.Lock()
+
+
+def _spawn() -> tuple[Any, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    process = ctx.Process(target=serve, args=(theirs,), name="lorapub-prepare-helper", daemon=True)
+    process.start()
+    theirs.close()
+    return process, mine
+
+
+def prestart() -> None:
+    """Start this process's helper now, before its kit exists: it imports torch and SGLang's LoRA code
+    while the scheduler builds its model, and waits for the kit (the device, the pool's dtype) that the
+    first :meth:`HelperClient.start` sends. Live, a helper started once the server was up made the first
+    load on it wait 16-17 s (a joining engine's first version, a warm-up), where its loads took 0.13 s."""
+    with _prestart_lock:
+        if _prestarted:
+            return
+        try:
+            _prestarted.append(_spawn())
+        except Exception as e:  # noqa: BLE001 - the first load starts one instead
+            logger.warning("lorapub: could not start the preparing helper process early (%s)", e)
+
+
+def _take_prestarted() -> tuple[Any, Any]:
+    with _prestart_lock:
+        while _prestarted:
+            process, conn = _prestarted.pop()
+            if process.is_alive():
+                return process, conn
+            conn.close()
+    return None, None
+
+
 # -- the helper's side ----------------------------------------------------------------------------------
 def sglang_process(kit: Kit, job: Job) -> Any:
     """The release's own reading and processing of ``job``'s folder (the helper's default processor)."""
@@ -445,14 +488,27 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
 
 
-def serve(conn: Any, kit: Kit) -> None:
-    """The helper process's loop: prepare, ship, free what the scheduler released."""
+def serve(conn: Any) -> None:
+    """The helper process's loop: import, take the kit, prepare, ship, free what the scheduler released."""
     _watch_parent()
     heap_kept = keep_freed_memory()
     import torch
     import torch.multiprocessing
     from multiprocessing.reduction import ForkingPickler
     from torch.multiprocessing.reductions import reduce_tensor
+
+    try:  # before the kit: a helper started early imports while the scheduler builds its model
+        importlib.import_module("sglang.srt.lora.lora")
+        importlib.import_module("sglang.srt.lora.lora_config")
+    except Exception:  # noqa: BLE001 - no SGLang here (tests' processors bring their own); the processor's import reports
+        pass
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return
+    if msg[0] != "kit":
+        return
+    kit: Kit = msg[1]
 
     if kit.threads:  # as the scheduler's process has it (settings.HELPER_THREADS_ENV says why)
         torch.set_num_threads(kit.threads)
@@ -469,9 +525,6 @@ def serve(conn: Any, kit: Kit) -> None:
         chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     dtype = getattr(torch, kit.dtype, None) if kit.dtype else None
     process = _resolve(kit.processor)
-    if kit.processor == SGLANG_PROCESSOR:  # before "ready": live, these imports made a new helper's first load 2.7 s
-        importlib.import_module("sglang.srt.lora.lora")
-        importlib.import_module("sglang.srt.lora.lora_config")
     live: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # token -> (buffer, its reduction's arguments)
 
     def free(token: int, opened: bool) -> None:
