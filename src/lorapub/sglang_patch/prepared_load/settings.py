@@ -41,7 +41,8 @@ GATE_BUDGET_ENV = "LORAPUB_SGLANG_PREPARE_GATE_BUDGET_MS"
 DEFAULT_GATE_BUDGET_S = 0.15
 #: Seconds the preparing helper process has for one load (read, SGLang's processing, cast, copy to the
 #: device) before it is killed and restarted and the load fails (default 60: a 264 MB adapter took
-#: 4.6-12.1 s live, docs/sglang-patch.md, "Measured live"; the margin is for a loaded host).
+#: 0.12-0.22 s live with one thread, 4.6-12.1 s with torch's default: docs/sglang-patch.md, "Measured live";
+#: the margin is for a loaded host).
 HELPER_DEADLINE_ENV = "LORAPUB_SGLANG_PREPARE_HELPER_DEADLINE_S"
 DEFAULT_HELPER_DEADLINE_S = 60.0
 #: Seconds a newly started helper has to be ready (import torch and SGLang's LoRA code, make its CUDA
