@@ -6,8 +6,9 @@
 # of it the machine lacks, small enough to carry beside the checkout):
 #   bash bench/live_areal/run.sh
 # In $OUT: areal.txt (everything printed), areal-areal.json and areal-lorapub.json (every figure), the
-# servers' logs (gzipped). Env: LIVE_AREAL_ARGS (extra side-by-side arguments), LIVE_AREAL_BUDGET_S
-# (the whole script's time, default 1100 s).
+# servers' logs (gzipped). Env: LIVE_AREAL_PATHS (which paths run, in order; default "areal lorapub"),
+# LIVE_AREAL_ARGS (extra side-by-side arguments, given to every path's run: not the place for --paths),
+# LIVE_AREAL_BUDGET_S (the whole script's time, default 1100 s).
 set -u -o pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s)
