@@ -73,8 +73,8 @@ def _check_tensor(name: str, t: Any) -> str:
 
 # A snapshot's per-tensor work (copy, finiteness) runs in numpy, on the calling thread, never on torch's
 # intra-op pool: that pool has one thread per core, and on a host whose cores the servers keep busy each
-# of an adapter's ~500 tensors waits for the slowest of them (live, a 264 MB adapter took 24 s to publish
-# from a rollout process, 0.1 s of it on the wire; the engine's helper showed the same, 4.6-12.1 s against
+# of an adapter's ~500 tensors waits for the slowest of them (live, a 264 MB adapter spent about 24 s in a
+# rollout process before its first bucket was sent; the engine's helper showed the same, 4.6-12.1 s against
 # 0.13 s with one thread: docs/sglang-patch.md).
 _CHUNK = 1 << 22  # elements checked at a time: bounds the scratch memory of a finiteness check
 
