@@ -15,7 +15,11 @@ so that the cause has a name:
   device through the pinned chunks), each with torch's default thread count and with one thread, and
   last with glibc keeping freed memory in the heap (``helper.keep_freed_memory``, which the helper does
   at its start since this bench was written: a later load then reuses pages already touched);
-* the helper itself (``HelperClient``: spawn, ready, prepare, open the handle, release), end to end.
+* the helper itself (``HelperClient``: spawn, ready, prepare, open the handle, release), end to end;
+* the publisher's side: ``lorapub.Snapshot`` of the adapter's torch tensors against the per-tensor copy and
+  finiteness check on torch's intra-op pool it did before 2026-12-07 (live, a rollout process spent about
+  24 s so beside two busy servers), with torch's default thread count and with one, on an idle host and
+  (``--busy N``) beside N spinning cores.
 
 Each variant runs ``--reps`` times (the first is cold); medians and every repetition are printed and
 written to $OUT/stages.json with the process's CPU affinity, thread count and nice value. Run it through
@@ -248,6 +252,49 @@ def measure(folder: str, device: str, reps: int) -> dict[str, Any]:
     return result
 
 
+def torch_pool_snapshot(tensors: dict[str, Any]) -> None:
+    """The control: what ``Snapshot`` did per tensor until 2026-12-07, on torch's intra-op pool (a copy,
+    a finiteness check), beside the same SHA-256 pass."""
+    import hashlib
+
+    import torch
+
+    for t in tensors.values():
+        frozen = torch.empty(tuple(t.shape), dtype=t.dtype).copy_(t)
+        bool(torch.isfinite(frozen).all())
+        hashlib.sha256(frozen.reshape(-1).view(torch.uint8).numpy().data).hexdigest()
+
+
+def snapshots(folder: str, reps: int, threads_list: tuple[int | None, ...] = (None, 1)) -> dict[str, list[float]]:
+    """The publisher's side: ``lorapub.Snapshot`` of the adapter's torch tensors against the control above,
+    with torch's default thread count and with one (a trainer's process has whatever its framework set)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lorapub.snapshot import Snapshot
+
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        config = json.load(f)
+    out: dict[str, list[float]] = {}
+    before = torch.get_num_threads()
+    try:
+        for threads in threads_list:
+            torch.set_num_threads(threads or before)
+            for name, run in (("lorapub.Snapshot", lambda: Snapshot(tensors, config)),
+                              ("control: per-tensor copy and check on torch's pool", lambda: torch_pool_snapshot(tensors))):
+                key = f"{name}, threads {threads or 'default'}"
+                out[key] = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    run()
+                    out[key].append(ms(t0))
+                print(f"[snapshot] {key}: {out[key]} ms", flush=True)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
 def _spin() -> None:  # pragma: no cover - a busy core, until killed
     while True:
         pass
@@ -265,6 +312,7 @@ def busy_host(folder: str, device: str, reps: int, spinners: int) -> dict[str, A
     result: dict[str, Any] = {"spinners": spinners, "where": where(), "steps": {}}
     try:
         time.sleep(1.0)  # the spinners running
+        result["snapshots"] = snapshots(folder, reps)
         for threads in (None, 1):
             name = f"reader mapped, threads {threads or 'default'}, {spinners} cores busy"
             result["steps"][name] = []
@@ -344,7 +392,8 @@ def main() -> int:
     parser.add_argument("--folder", default=None, help="an adapter folder (default: build --shape's)")
     parser.add_argument("--busy", type=int, default=0,
                         help="also time the steps with this many cores kept busy by spinning processes")
-    parser.add_argument("--only", default="", help="comma-separated parts to run: this,spawned,busy,helper (default all)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated parts to run: snapshot,helper,this,busy,spawned (default all)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "stages.json"))
     args = parser.parse_args()
     SHAPE.update(SHAPES[args.shape])
@@ -352,7 +401,9 @@ def main() -> int:
     report: dict[str, Any] = {"folder": folder, "bytes": os.path.getsize(os.path.join(folder, "adapter_model.safetensors")),
                               "reps": args.reps, "device": args.device}
     print(f"adapter {report['bytes'] / 1e6:.0f} MB at {folder}; {args.reps} repetitions each (the first cold)", flush=True)
-    parts = set(args.only.split(",")) if args.only else {"this", "spawned", "busy", "helper"}
+    parts = set(args.only.split(",")) if args.only else {"this", "spawned", "busy", "helper", "snapshot"}
+    if "snapshot" in parts:  # the publisher's side, on an idle host (``busy`` repeats it beside spinning cores)
+        report["snapshots"] = snapshots(folder, args.reps)
     if "helper" in parts:  # first: the real helper as a server runs it, before anything else warms the host
         report["helper"] = helper_end_to_end(folder, args.device, args.reps)
     if "this" in parts:
@@ -375,6 +426,11 @@ def main() -> int:
             med = median_rows(rows)
             print(f"  {name:<36} " + ", ".join(f"{k} {v:.0f}" for k, v in med.items()) + " ms (medians)")
             print(f"  {'':<36} totals: {[row['total'] for row in rows]}")
+    for place, table in (("idle", report.get("snapshots", {})), ("busy", report.get("busy host", {}).get("snapshots", {}))):
+        if table:
+            print(f"\n== the publisher's snapshot of the adapter, {place} host (ms, each repetition):")
+            for key, runs in table.items():
+                print(f"  {key:<72} median {statistics.median(runs):>8.1f}   {runs}")
     print("\n== the helper (HelperClient), each preparation:")
     for row in report.get("helper", {}).get("prepared", []):
         print("  " + ", ".join(f"{k} {v:.0f} ms" for k, v in row.items()))

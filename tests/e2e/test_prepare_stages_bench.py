@@ -49,4 +49,9 @@ def test_the_stages_bench_reports_every_step_in_both_places_and_through_the_help
     assert busy["spinners"] == 1 and set(busy["steps"]) == {"reader mapped, threads default, 1 cores busy",
                                                             "reader mapped, threads 1, 1 cores busy"}
     assert all(len(rows) == 1 for rows in busy["steps"].values())
+    kinds = {"lorapub.Snapshot", "control: per-tensor copy and check on torch's pool"}
+    for table in (report["snapshots"], busy["snapshots"]):  # idle and busy: each way, each thread count
+        assert set(table) == {f"{k}, threads {t}" for k in kinds for t in ("default", 1)}
+        assert all(len(runs) == 1 and runs[0] > 0 for runs in table.values())
+    assert "== the publisher's snapshot of the adapter, busy host" in done.stdout
     assert "== the helper (HelperClient)" in done.stdout
