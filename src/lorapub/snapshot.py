@@ -72,10 +72,9 @@ def _check_tensor(name: str, t: Any) -> str:
 
 
 # A snapshot's per-tensor work (copy, finiteness) runs in numpy, on the calling thread, never on torch's
-# intra-op pool: that pool has one thread per core, and on a host whose cores the servers keep busy each
-# of an adapter's ~500 tensors waits for the slowest of them (live, a 264 MB adapter spent about 24 s in a
-# rollout process before its first bucket was sent; the engine's helper showed the same, 4.6-12.1 s against
-# 0.13 s with one thread: docs/sglang-patch.md).
+# intra-op pool: that pool has one thread per core, and on a host whose cores the servers keep busy each of
+# an adapter's ~500 tensors can wait for the slowest of them (the engine's helper did: 4.6-12.1 s per 264 MB
+# adapter against 0.13 s with one thread, docs/sglang-patch.md). Here it is also faster on an idle host.
 _CHUNK = 1 << 22  # elements checked at a time: bounds the scratch memory of a finiteness check
 
 

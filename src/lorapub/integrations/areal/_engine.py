@@ -190,8 +190,14 @@ class LorapubRemoteInfEngine(RemoteInfEngine):
     def _publish_folder(self, path: str, version: int) -> PublicationReport:
         """The PEFT adapter under ``path``, published as ``v<version>`` (retried as AReaL retries a load)."""
         tik = time.perf_counter()
-        report = self.lorapub.publish(read_adapter(path), version, attempts=self.config.request_retries)
-        self.logger.info("lorapub: published v%s on every server in %.2fs", version, time.perf_counter() - tik)
+        snapshot = read_adapter(path)
+        read_s = time.perf_counter() - tik
+        report = self.lorapub.publish(snapshot, version, attempts=self.config.request_retries)
+        # each part named: live, a 264 MB update took 14-25 s here with about 1 s of it on the servers
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in report.phases.items())
+        self.logger.info("lorapub: published v%s on every server in %.2fs (read and snapshot %.2fs, the publication "
+                         "%.2fs: waited for a slot %.2fs, %s)", version, time.perf_counter() - tik, read_s, report.seconds,
+                         report.waited, phases)
         return report
 
     def pause_generation(self) -> None:
