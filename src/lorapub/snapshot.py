@@ -139,23 +139,18 @@ def _check_finite(name: str, t: Any) -> None:
                        "uninitialised adapter would serve garbage on every turn; publish a snapshot of finite weights")
 
 
-#: IEEE formats as (unsigned integer of the same width, exponent mask): a value is NaN or infinite
-#: exactly when every exponent bit is set
+#: Every floating format the dtype table admits (lorapub.wire.dtypes), as (unsigned integer of the same
+#: width, exponent mask): a value is NaN or infinite exactly when every exponent bit is set
 _EXPONENTS = {"bfloat16": ("uint16", 0x7F80), "float16": ("uint16", 0x7C00), "float32": ("uint32", 0x7F800000),
               "float64": ("uint64", 0x7FF0000000000000)}
 
 
 def _torch_finite(t: Any) -> bool:
-    """Whether a frozen (CPU, contiguous) floating torch tensor is all finite, checked on its bits in numpy
-    a chunk at a time; torch's own check for a format numpy cannot read bitwise (float8s)."""
+    """Whether a frozen (CPU, standard strides) floating torch tensor is all finite, checked on its bits in
+    numpy a chunk at a time."""
     import numpy as np
 
-    found = _EXPONENTS.get(_dtype(t))
-    if found is None:
-        import torch
-
-        return bool(torch.isfinite(t).all())
-    kind, mask = found
+    kind, mask = _EXPONENTS[_dtype(t)]
     bits = _byte_array(t).view(kind)
     scratch = np.empty(min(bits.size, _CHUNK), dtype=kind)
     for start in range(0, bits.size, _CHUNK):
@@ -174,9 +169,8 @@ def _is_torch(t: object) -> TypeGuard[torch.Tensor]:
 def tensor_bytes(t: Tensor) -> memoryview:
     """A read-only byte view of a frozen tensor's memory (no copy): what is hashed and what travels."""
     if _is_torch(t):
-        import torch
-
-        return t.reshape(-1).view(torch.uint8).numpy().data.cast("B").toreadonly()  # .data: the array's memoryview
+        view: memoryview = _byte_array(t).data  # the array's memoryview
+        return view.cast("B").toreadonly()
     import numpy as np
 
     return np.ascontiguousarray(t).reshape(-1).view(np.uint8).data.cast("B").toreadonly()

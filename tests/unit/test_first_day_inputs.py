@@ -78,6 +78,19 @@ def test_a_torch_tensor_not_finite_anywhere_is_refused_in_every_float_format(dty
             Snapshot({"a.lora_A.weight": bad}, peft_config(2))
 
 
+def test_every_floating_format_the_dtype_table_admits_has_its_exponent_mask():
+    """The finiteness check reads the bits of every floating format a snapshot accepts."""
+    np = pytest.importorskip("numpy")
+    from lorapub import snapshot
+    from lorapub.wire.dtypes import SAFETENSORS_DTYPES
+
+    floating = {name for name, code in SAFETENSORS_DTYPES.items() if code.startswith(("F", "BF"))}
+    assert set(snapshot._EXPONENTS) == floating
+    for name, (kind, mask) in snapshot._EXPONENTS.items():
+        width = np.dtype(kind).itemsize
+        assert width == {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[name] and mask < 1 << (8 * width)
+
+
 def test_a_snapshot_of_cpu_tensors_copies_and_checks_them_off_torchs_intra_op_pool(monkeypatch):
     """Its copy and finiteness check run in numpy: torch's pool has a thread per core, and on a host the
     servers keep busy each tensor waited for the slowest of them (docs/sglang-patch.md). The frozen

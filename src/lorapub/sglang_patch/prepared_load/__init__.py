@@ -41,9 +41,7 @@ def preparer_of(scheduler: Any) -> Preparer | None:
     preparer = None
     try:
         manager = getattr(scheduler.tp_worker.model_runner, "lora_manager", None)
-        args = scheduler.server_args
-        single = all(int(getattr(args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
-        if enabled() and single and manager is not None and getattr(manager.device, "type", manager.device) == "cuda":
+        if enabled() and _one_gpu(scheduler.server_args) and manager is not None and getattr(manager.device, "type", manager.device) == "cuda":
             preparer = Preparer(scheduler, manager)
             from lorapub.sglang_patch.metrics import for_scheduler
 
@@ -167,12 +165,16 @@ def _wrap_idle_sleep(scheduler_cls: Any) -> None:
     scheduler_cls.maybe_sleep_on_idle = maybe_sleep_on_idle
 
 
+def _one_gpu(server_args: Any) -> bool:
+    """No tp, pp or dp above 1: several ranks would have to swap an adapter in on the same iteration."""
+    return all(int(getattr(server_args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
+
+
 def will_prepare(server_args: Any) -> bool:
     """Whether a scheduler with these arguments prepares its loads in a helper (see :func:`preparer_of`,
     which decides for certain once the model exists): LoRA on, one GPU, on CUDA, the patch not switched off."""
-    single = all(int(getattr(server_args, k, 1) or 1) == 1 for k in ("tp_size", "pp_size", "dp_size"))
     lora = bool(getattr(server_args, "enable_lora", False) or getattr(server_args, "lora_paths", None))
-    return enabled() and single and lora and getattr(server_args, "device", "cuda") in (None, "cuda")
+    return enabled() and _one_gpu(server_args) and lora and getattr(server_args, "device", "cuda") in (None, "cuda")
 
 
 def _wrap_init(scheduler_cls: Any) -> None:
