@@ -5,7 +5,9 @@ others idle. Run with the image's python, no PYTHONPATH.
 Env: OUT (results folder), STALL_TOTAL_S (wall budget for this script, default 560), STALL_SITE (the
 SGLang bundle's PYTHONPATH), LORAPUB_SRC (lorapub's source folder), STALL_ORDER (which servers, in
 measuring order: "unpatched,patched" by default; "patched-switch" is the patched server with a 100 us GIL
-switch interval while a preparation runs, "patched-image" the patched server building slot images (both with the default gate),
+switch interval while a preparation runs, "patched-image" the patched server with slot images asked for (the default
+since 2026-12-07, so the same as "patched" since), "patched-no-image" the patched server without slot images (each
+adapter's first batch fills its slot the stock way: the control for slot images by default; all with the default gate),
 "patched-ungated" the patched server whose preparing thread does not step aside for prefill batches,
 "patched-batch-gate" the patched server whose gate stays closed until the scheduler's next loop iteration,
 budget 1 s -- what "patched" was in every run kept in 2026-12-03-load-gap; since 2026-12-06 "patched" steps aside only
@@ -69,6 +71,8 @@ KNOWN = {"unpatched": {"port": 30000, "extra": [], "entry": ["-m", "sglang.launc
                             "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_SWITCH_US="100")},
          "patched-image": {"port": 30003, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                            "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="1")},
+         "patched-no-image": {"port": 30008, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
+                              "env": dict(TRACE, LORAPUB_SGLANG_SLOT_IMAGE="0")},
          "patched-ungated": {"port": 30004, "extra": [], "entry": ["-m", "lorapub.sglang_patch", "launch"],
                              "env": dict(TRACE, LORAPUB_SGLANG_PREPARE_GATE="0")},
          # the gate closed until the next loop iteration, budget 1 s (the rule of runs 7-9); then the

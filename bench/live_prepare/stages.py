@@ -208,7 +208,7 @@ def steps(folder: str, kit: Any, reader: str, threads: int | None) -> dict[str, 
         adapter.initialize_weights_from_tensors(tensors)
         out["SGLang's processing"] = ms(t0)
         t0 = time.perf_counter()
-        buf, _ = helper.pack(adapter, torch.bfloat16, dev, stream, chunks)
+        buf, _, _ = helper.pack(adapter, torch.bfloat16, dev, stream, chunks)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         out["cast and copy to the device"] = ms(t0)

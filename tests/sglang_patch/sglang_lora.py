@@ -94,3 +94,50 @@ def process(kit, job):
             time.sleep(0.01)
     real = release(kit.options["root"])
     return process_with(real.LoRAAdapter, real.LoRAConfig, kit, job)
+
+
+def _last_def(root: str, rel: str, name: str) -> str:
+    """Verbatim source of the last top-level function ``name`` of a file (the one its ``@overload``s name)."""
+    import ast
+
+    path = os.path.join(root, rel)
+    with open(path) as f:
+        src = f.read()
+    node = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name][-1]
+    return "\n".join(src.splitlines()[node.lineno - 1:node.end_lineno]) + "\n"
+
+
+EMPTY_SLOT = object()  # what make_resident looks up in the pool class's module, as SGLang's mem_pool has it
+
+
+@functools.lru_cache(maxsize=4)
+def pool_class(root: str) -> type:
+    """The release's own slot fill: ``LoRAMemoryPool.load_lora_weight_to_buffer`` and the methods it calls
+    for dense adapters, compiled verbatim from ``srt/lora/mem_pool.py`` with the ``srt/lora/utils.py``
+    functions it uses, into a class whose instances the tests give the buffers and attributes a pool has."""
+    import logging
+    import textwrap
+
+    class Placeholder:  # only MoE layers are instances of it
+        pass
+
+    modules = {"sglang.srt.lora.layers": _stub("layers", FusedMoEWithLoRA=Placeholder)}
+
+    def importer(name, globals=None, locals=None, fromlist=(), level=0):
+        if name in modules:
+            return modules[name]
+        return builtins.__import__(name, globals, locals, fromlist, level)
+
+    ns: dict = {"__builtins__": dict(builtins.__dict__, __import__=importer), "__name__": __name__,
+                "logger": logging.getLogger("sglang_mem_pool")}
+    header = ("import re\nimport torch\nfrom typing import Dict, List, Optional, Set, Tuple, Union\n"
+              "_SGLANG_EXPERIMENTAL_LORA_OPTI = False\n")  # an environment switch of the release, off by default
+    utils = "".join(sglang_real.extract(root, "srt/lora/utils.py", f)
+                    for f in ("get_target_module_name", "get_stacked_multiply", "copy_weight_into_buffer"))
+    methods = [sglang_real.extract(root, "srt/lora/mem_pool.py", m, "LoRAMemoryPool")
+               for m in ("load_lora_weight_to_buffer", "_get_maybe_cached_weight_for_transfer")]
+    body = "".join(textwrap.indent(m, "    ") + "\n" for m in methods)
+    src = (header + utils + _last_def(root, "srt/lora/mem_pool.py", "append_cache_key_suffix")
+           + "LoRAAdapter = BaseLayerWithLoRA = object\n\nclass LoRAMemoryPool:\n" + body)
+    exec(compile(src, os.path.join(root, "srt/lora/mem_pool.py"), "exec"), ns)
+    return ns["LoRAMemoryPool"]

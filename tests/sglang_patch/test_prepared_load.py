@@ -414,6 +414,86 @@ def test_a_slot_fill_without_a_fitting_image_is_sglangs_own(monkeypatch):
                                           broken) is None
 
 
+def shipped_views(adapter, plans=None):
+    """``adapter`` as the scheduler's process holds it after a hand-over: its weights packed by the helper's
+    ``pack`` into one buffer (with the slot image after them, where ``plans`` fits), the adapter's weight
+    dicts views of that buffer. Returns the buffer, the entries and the image's spans."""
+    import torch
+
+    buf, entries, spans = prepare_helper.pack(adapter, torch.float32, "cpu", plans=plans)
+    places = dict(prepared_load.reading.weight_places(adapter))
+    for e in entries:
+        places[e.where][e.name] = buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+    return buf, tuple(entries), spans
+
+
+def test_a_recorded_fill_makes_the_next_versions_image_without_running_sglangs_fill():
+    """The first adapter of a layout gets its image from SGLang's own fill, recorded; the plan learned
+    from it makes a later adapter of the same layout (other values: the next version) the very image
+    SGLang's fill makes for it, through the helper's ``pack``, with no fill run."""
+    import torch
+
+    pool_cls = type("Pool", (Pool,), {})
+    pool = pool_cls()
+    manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}])
+    first = lora(r=2, seed=1)
+    buf, key, spans = shipped_views(first)
+    assert spans == ()  # no plan yet: no image from the helper
+    image = prepared_load.build_slot_image(manager, first, learn_from=(buf, key))
+    assert image is not None and image.plan is not None and image.plan.key == key
+    assert {op[0] for op in image.plan.ops} == {"copy", "zero"}  # o_proj, which the adapter lacks, is zeroed
+    assert pool.fills == [("u1", 0, False)]  # SGLang's fill ran once, for the first version
+
+    nxt = lora(r=2, seed=2)  # the next version: same names and shapes, other values
+    buf2, key2, spans2 = shipped_views(nxt, plans={image.plan.key: image.plan})
+    assert key2 == key and len(spans2) == 1 and spans2[0].offset >= max(e.offset + e.nbytes for e in key2)
+    made = prepared_load.slot_image.image_from_flats(pool, [span.of(buf2) for span in spans2], image.plan)
+    assert made is not None and pool.fills == [("u1", 0, False)]  # no fill ran for it
+    want = prepared_load.build_slot_image(manager, nxt)  # what SGLang's own fill makes of it
+    assert [torch.equal(a, b) for a, b in zip(made.sources, want.sources)] == [True] * len(want.sources)
+    assert any(t.any() for t in made.sources) and not torch.equal(made.sources[0], image.sources[0])
+    made.fill(2)
+    assert [torch.equal(b[2], w) for b, w in zip(prepared_load.slot_image.slot_buffers(pool), want.sources)] == [
+        True] * len(want.sources)
+
+    other = lora(r=3, seed=3)  # another rank: another layout, which this plan does not fit
+    assert shipped_views(other, plans={image.plan.key: image.plan})[2] == ()
+    resized = pool_cls(max_r=5)  # a pool of another shape: the plan's image is not used for it
+    assert prepared_load.slot_image.image_from_flats(resized, [span.of(buf2) for span in spans2], image.plan) is None
+
+
+class ComputingPool(Pool):
+    """A fill that copies a tensor it computed from a weight (as SGLang's MoE path scales some)."""
+
+    def load_lora_weight_to_buffer(self, uid, buffer_id, lora_adapter, *args):
+        super().load_lora_weight_to_buffer(uid, buffer_id, lora_adapter, *args)
+        self.lm_head_A_buffer["lm_head"][buffer_id][:1].copy_(lora_adapter.embedding_layers["lm_head.lora_A"][:1] * 2)
+
+
+class AddingPool(Pool):
+    """A fill that writes into the slot with another in-place operation than a copy."""
+
+    def load_lora_weight_to_buffer(self, uid, buffer_id, lora_adapter, *args):
+        super().load_lora_weight_to_buffer(uid, buffer_id, lora_adapter, *args)
+        self.lm_head_A_buffer["lm_head"][buffer_id].add_(1.0)
+
+
+@pytest.mark.parametrize("pool_cls", [ComputingPool, AddingPool])
+def test_a_fill_that_is_no_gather_from_the_shipped_weights_learns_no_plan_and_still_images(pool_cls):
+    import torch
+
+    pool = pool_cls()
+    manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}])
+    adapter = lora(r=2, seed=5)
+    buf, key, _ = shipped_views(adapter)
+    image = prepared_load.build_slot_image(manager, adapter, learn_from=(buf, key))
+    assert image is not None and image.plan is None  # each load of this layout runs SGLang's fill, as before
+    twin = pool_cls()
+    pool_cls.load_lora_weight_to_buffer(twin, "u5", 0, adapter, [{}, {}], None, None)
+    assert [torch.equal(a, b[0]) for a, b in zip(image.sources, prepared_load.slot_image.slot_buffers(twin))] == [
+        True] * len(image.sources)
+
+
 def test_schedulers_start_through_the_patched_entry_unless_the_caller_chose_one():
     def stock_entry(*a, **k):
         raise AssertionError("never called here")
@@ -467,8 +547,9 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
     want = {(i, k): v.clone() for i, layer in enumerate(layers) for k, v in layer.weights.items()}
     want[("embedding_layers", "e")] = adapter.embedding_layers["e"].clone()
     chunks = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
-    buf, entries = prepare_helper.pack(adapter, torch.bfloat16, "cpu", types.SimpleNamespace(synchronize=lambda: None),
-                                       chunks)
+    buf, entries, image = prepare_helper.pack(adapter, torch.bfloat16, "cpu",
+                                              types.SimpleNamespace(synchronize=lambda: None), chunks)
+    assert image == ()  # no plan for this layout: no image
     assert len(entries) == len(want) and buf.numel() >= sum(e.nbytes for e in entries)
     assert all(e.offset % prepare_helper.ALIGN == 0 for e in entries)
     for e in entries:
@@ -477,19 +558,19 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
         expect = t.to(torch.bfloat16) if t.is_floating_point() else t
         assert got.dtype == expect.dtype and got.shape == expect.shape and torch.equal(got, expect), e.name
     # without chunks (a host manager: tests), the same layout in shared memory
-    shared, same = prepare_helper.pack(adapter, torch.bfloat16, "cpu")
+    shared, same, _ = prepare_helper.pack(adapter, torch.bfloat16, "cpu")
     assert same == entries and shared.is_shared()
     assert all(torch.equal(shared[e.offset:e.offset + e.nbytes], buf[e.offset:e.offset + e.nbytes]) for e in entries)
 
 
-def test_slot_images_are_built_only_when_asked_for(classes, monkeypatch):
-    _, _, preparer = preparing(classes)
-    assert not preparer.slot_images  # measured live: the build costs more during the load than it saves
+@pytest.mark.parametrize("raw, on", [(None, True), ("1", True), ("", True), ("0", False), ("off", False)])
+def test_slot_images_are_made_unless_the_server_turns_them_off(classes, monkeypatch, raw, on):
+    server_env(monkeypatch, prepared_load.IMAGE_ENV, raw)
+    assert preparing(classes)[2].slot_images is on
     pool_cls = type("Pool", (Pool,), {})
     prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)
-    assert pool_cls.load_lora_weight_to_buffer is Pool.load_lora_weight_to_buffer  # SGLang's own, untouched
-    monkeypatch.setenv(prepared_load.IMAGE_ENV, "1")
-    assert preparing(classes)[2].slot_images
+    # off: SGLang's own fill, untouched; on: the fill an image serves
+    assert (pool_cls.load_lora_weight_to_buffer is Pool.load_lora_weight_to_buffer) is not on
 
 
 @pytest.mark.parametrize("raw, seconds", [("200", 0.0002), ("0", None), ("-5", None), ("fast", None), ("", None)])

@@ -19,7 +19,7 @@ from .helper import HelperClient, HelperDied, HelperError, HelperFailed, HelperH
 from .preparer import CHUNK_BYTES, PreparationFailed, Preparer, is_extend
 from .reading import read_peft_folder
 from .settings import (ENV, GATE_BUDGET_ENV, GATE_ENV, HELPER_DEADLINE_ENV, HELPER_START_ENV, IMAGE_ENV, MARK, SWITCH_ENV,
-                       TRACE_ENV, enabled, trace_setting)
+                       TRACE_ENV, enabled, slot_images_enabled, trace_setting)
 from .slot_image import IMAGE_ATTR, build_slot_image, install_slot_fill, trace_slot_fills
 
 __all__ = ["CHUNK_BYTES", "ENV", "GATE_BUDGET_ENV", "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "IMAGE_ATTR",
@@ -66,8 +66,8 @@ def install(scheduler_cls: Any = None, manager_cls: Any = None, pool_cls: Any = 
         from sglang.srt.lora.mem_pool import LoRAMemoryPool
 
         pool_cls = LoRAMemoryPool
-    if not getattr(pool_cls, MARK, False):  # opt-in: otherwise SGLang's own method, untouched
-        if os.environ.get(IMAGE_ENV) == "1":
+    if not getattr(pool_cls, MARK, False):
+        if slot_images_enabled():  # off: SGLang's own fill, untouched
             install_slot_fill(pool_cls)
         if trace_setting() is not None:
             trace_slot_fills(pool_cls)

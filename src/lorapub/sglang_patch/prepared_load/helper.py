@@ -19,19 +19,19 @@ import threading
 import time
 from typing import Any, Callable
 
-from .reading import read_peft_folder, weight_places
+from .image_plan import ImagePlan
+from .packing import ALIGN, CHUNK_BYTES, Entry, ImageSpan, pack
+from .reading import read_peft_folder
 from .settings import helper_threads
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
+__all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "ImageSpan", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
            "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "kit_for", "pack", "prestart", "process_with",
            "sglang_process"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
-#: Every weight's place in the shipped buffer starts on a 256-byte boundary.
-ALIGN = 256
-#: Host-to-device copies in the helper go through two pinned chunks of this size (double-buffered).
-CHUNK_BYTES = 32 << 20
+#: Image plans a helper keeps (one per adapter layout; an RL run has one).
+MAX_PLANS = 8
 #: The processing the helper runs by default: the release's own LoRAConfig and LoRAAdapter.
 SGLANG_PROCESSOR = "lorapub.sglang_patch.prepared_load.helper:sglang_process"
 
@@ -87,19 +87,6 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
-    """One weight in the shipped buffer: ``where`` is its weight dict (a layer's index, or the adapter's
-    ``embedding_layers`` / ``added_tokens_embeddings``), then its name, dtype, shape and byte span."""
-
-    where: int | str
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Shipped:
     """A prepared load: the handle of its buffer (torch's reduction, pickled), and each weight in it."""
 
@@ -108,6 +95,8 @@ class Shipped:
     entries: tuple[Entry, ...]
     total: int
     timings: dict[str, float]
+    #: the adapter's slot image after the weights (made from a plan the scheduler taught), or none
+    image: tuple[ImageSpan, ...] = ()
 
 
 # -- the scheduler's side -----------------------------------------------------------------------------
@@ -123,6 +112,7 @@ class HelperClient:
         self.tokens = itertools.count(1)
         self.wanted: set[int] = set()  # shipped or being prepared, and not yet answered nor abandoned
         self.lock = threading.Lock()
+        self.plans: dict[tuple[Entry, ...], ImagePlan] = {}  # what this helper (and any that replaces it) was taught
 
     # lifecycle
     def start(self) -> None:
@@ -135,6 +125,8 @@ class HelperClient:
             how = "started the preparing helper process"
         try:
             conn.send(("kit", self.kit))
+            for plan in self.plans.values():  # a restarted helper makes images as the one before it did
+                conn.send(("plan", plan))
         except OSError:
             pass  # it died: the first load's wait says so, and starts another
         self.process, self.conn, self.ready = process, conn, False
@@ -298,6 +290,18 @@ class HelperClient:
         with self.lock:
             self.wanted.discard(token)
 
+    def teach(self, plan: ImagePlan) -> None:
+        """From now on the helper makes the slot image of every load whose entries are ``plan.key``."""
+        self.plans.pop(plan.key, None)
+        self.plans[plan.key] = plan
+        while len(self.plans) > MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+        if self.conn is not None:
+            try:
+                self.conn.send(("plan", plan))
+            except OSError:  # it died: its replacement is taught at its start
+                pass
+
     def stats(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """The helper's own account (``live``: buffers it still holds), when no load is in flight."""
         self.conn.send(("stats",))
@@ -392,56 +396,6 @@ def process_with(adapter_cls: Any, config_cls: Any, kit: Kit, job: Job) -> Any:
     return adapter
 
 
-def pack(adapter: Any, dtype: Any, device: Any, stream: Any = None,
-         chunks: list[Any] | None = None) -> tuple[Any, list[Entry]]:
-    """Every weight of ``adapter`` (floating ones cast to ``dtype``) in one flat ``uint8`` buffer on
-    ``device``, each at an ``ALIGN``-ed offset, with its :class:`Entry`: through the pinned ``chunks``
-    on ``stream`` where there are chunks (CUDA), else in host shared memory."""
-    import torch
-
-    slots, entries, total = [], [], 0
-    for where, d in weight_places(adapter):
-        for name, t in d.items():
-            if isinstance(dtype, torch.dtype) and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)  # rounding to nearest even, as the device cast would
-            t = t.contiguous()
-            size = t.numel() * t.element_size()
-            slots.append(t)
-            entries.append(Entry(where, name, str(t.dtype).removeprefix("torch."), tuple(t.shape), total, size))
-            total += -(-size // ALIGN) * ALIGN
-    if not chunks:
-        buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
-        for t, e in zip(slots, entries):
-            buf[e.offset:e.offset + e.nbytes].copy_(t.reshape(-1).view(torch.uint8))
-        return buf, entries
-    with torch.cuda.stream(stream):
-        buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-    pending: list[Any] = [None] * len(chunks)
-    k, i = 0, 0
-    chunk_bytes = chunks[0].numel()
-    for base in range(0, total, chunk_bytes):
-        end = min(base + chunk_bytes, total)
-        if pending[k] is not None:
-            pending[k].synchronize()  # the chunk's previous copy has left it
-        chunk = chunks[k]
-        while i < len(slots) and entries[i].offset < end:  # every weight's bytes overlapping [base, end)
-            start, size = entries[i].offset, entries[i].nbytes
-            lo, hi = max(start, base), min(start + size, end)
-            if hi > lo:
-                flat = slots[i].reshape(-1).view(torch.uint8)
-                chunk[lo - base:hi - base].copy_(flat[lo - start:hi - start])
-            if start + size > end:
-                break  # the rest of this weight goes into the next chunk
-            i += 1
-        with torch.cuda.stream(stream):
-            buf[base:end].copy_(chunk[:end - base], non_blocking=True)
-            pending[k] = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's stubs leave it unannotated
-            pending[k].record(stream)
-        k = (k + 1) % len(chunks)
-    stream.synchronize()
-    return buf, entries
-
-
 def _wait_for_exit(process: Any, timeout: float) -> None:
     """``process.join(timeout)`` by polling its exit: join waits on its sentinel, which a process it started
     (torch's shared-memory manager) can hold open long after it ended."""
@@ -526,6 +480,7 @@ def serve(conn: Any) -> None:
     dtype = getattr(torch, kit.dtype, None) if kit.dtype else None
     process = _resolve(kit.processor)
     live: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # token -> (buffer, its reduction's arguments)
+    plans: dict[tuple[Entry, ...], ImagePlan] = {}  # the scheduler's image plans, by the entries they fit
 
     def free(token: int, opened: bool) -> None:
         found = live.pop(token, None)
@@ -555,7 +510,7 @@ def serve(conn: Any) -> None:
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 adapter = process(kit, job)
                 t1 = time.perf_counter()
-                buf, entries = pack(adapter, dtype, device, stream, chunks)
+                buf, entries, image = pack(adapter, dtype, device, stream, chunks, plans)
                 del adapter
                 t2 = time.perf_counter()
                 rebuild, args = reduce_tensor(buf)  # type: ignore[no-untyped-call]
@@ -564,15 +519,21 @@ def serve(conn: Any) -> None:
                 shipped = Shipped(job.token, handle, tuple(entries), int(buf.numel()),
                                   {"process_s": t1 - t0, "pack_s": t2 - t1,
                                    # all its threads' CPU time: far above the wall time, threads contend
-                                   "cpu_s": time.process_time() - cpu0, "threads": threads})
+                                   "cpu_s": time.process_time() - cpu0, "threads": threads}, image)
             except Exception as e:  # noqa: BLE001 - the load fails with it; the helper serves the next
                 conn.send(("failed", job.token, f"{type(e).__name__}: {e}"))
                 continue
             conn.send(("shipped", shipped))
+        elif msg[0] == "plan":  # how to make the slot image of a layout (image_plan.py), learned by the scheduler
+            plan: ImagePlan = msg[1]
+            plans.pop(plan.key, None)
+            plans[plan.key] = plan
+            while len(plans) > MAX_PLANS:  # the oldest first
+                plans.pop(next(iter(plans)))
         elif msg[0] == "release":
             free(msg[1], bool(msg[2]))
         elif msg[0] == "stats":
-            conn.send(("stats", {"live": len(live), "pid": os.getpid(), "heap_kept": heap_kept,
+            conn.send(("stats", {"live": len(live), "plans": len(plans), "pid": os.getpid(), "heap_kept": heap_kept,
                                  "threads": threads}))
         elif msg[0] == "stop":
             return

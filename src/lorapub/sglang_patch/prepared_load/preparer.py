@@ -17,8 +17,8 @@ from . import iterations
 from .gate import PrefillGate
 from .helper import CHUNK_BYTES, HelperClient, HelperError, kit_for
 from .reading import weight_places
-from .settings import IMAGE_ENV, gate_budget, gate_scope, helper_deadline, helper_start_deadline, switch_interval, trace_setting
-from .slot_image import IMAGE_ATTR, build_slot_image, make_resident
+from .settings import gate_budget, gate_scope, helper_deadline, helper_start_deadline, slot_images_enabled, switch_interval, trace_setting
+from .slot_image import IMAGE_ATTR, build_slot_image, image_from_flats, make_resident
 
 __all__ = ["CHUNK_BYTES", "PreparationFailed", "Preparer", "is_extend", "send_reply"]
 
@@ -64,7 +64,8 @@ class Preparer:
             _trace_gc()
         self.switch_s = switch_interval()
         self.saved_switch: float | None = None
-        self.slot_images = os.environ.get(IMAGE_ENV) == "1"
+        self.slot_images = slot_images_enabled()
+        self.unlearnable: set[Any] = set()  # layouts whose fill is no replayable gather: imaged here per load
         self.gate_scope = gate_scope()  # "launch", "batch" or "off" (settings.GATE_ENV)
         self.gate = PrefillGate(enabled=self.gate_scope != "off", budget_s=gate_budget())
         self.metrics: Any = None  # lorapub's engine series (--enable-metrics): each load counted and timed
@@ -207,22 +208,44 @@ class Preparer:
         t2 = time.perf_counter()
         adapter = self._build(ref, config, buffer, shipped.entries)
         t3 = time.perf_counter()
-        image = None
+        image, made = None, "none"
         if self.slot_images:  # the image serves every slot fill; the adapter keeps its device weights for the rest
-            image = build_slot_image(self.manager, adapter, self.stream, self.gate.step)
+            image, made = self._slot_image(adapter, buffer, shipped)
             if image is not None:
                 adapter.__dict__[IMAGE_ATTR] = image
         t4 = time.perf_counter()
         timings = shipped.timings
         logger.info("lorapub: prepared %s in the helper process in %.0f ms (SGLang's processing %.0f ms, cast and "
                     "copy to the device %.0f ms; the helper's CPU %.0f ms on %s threads), handed over in %.0f ms (of "
-                    "which queued GPU work %.0f ms), adapter built in %.0f ms, slot image %.0f ms, %.0f MB; %s) at "
-                    "%.3f", ref.lora_name, 1e3 * (t1 - t0),
+                    "which queued GPU work %.0f ms), adapter built in %.0f ms, slot image %.0f ms (%s), %.0f MB; %s) "
+                    "at %.3f", ref.lora_name, 1e3 * (t1 - t0),
                     1e3 * timings.get("process_s", float("nan")), 1e3 * timings.get("pack_s", float("nan")),
                     1e3 * timings.get("cpu_s", float("nan")), timings.get("threads", "?"), 1e3 * (t2 - t1), 1e3 * queued_s, 1e3 * (t3 - t2),
-                    1e3 * (t4 - t3) if image is not None else float("nan"), shipped.total / 1e6, self.gate.reset(),
+                    1e3 * (t4 - t3) if image is not None else float("nan"), made, shipped.total / 1e6, self.gate.reset(),
                     time.time())
         return adapter
+
+    def _slot_image(self, adapter: Any, buffer: Any, shipped: Any) -> tuple[Any, str]:
+        """The adapter's slot image, and how it was made: shipped by the helper (views of ``buffer``,
+        no work here), else by SGLang's own fill on this thread, recorded so that the helper makes the
+        next one of this layout (image_plan.py)."""
+        plans = getattr(self.helper, "plans", {})
+        plan = plans.get(shipped.entries) if shipped.image else None
+        if plan is not None:
+            image = image_from_flats(self.manager.memory_pool, [span.of(buffer) for span in shipped.image], plan)
+            if image is not None:
+                return image, "made by the helper"
+        learn = shipped.entries not in self.unlearnable and hasattr(self.helper, "teach")
+        image = build_slot_image(self.manager, adapter, self.stream, self.gate.step,
+                                 learn_from=(buffer, shipped.entries) if learn else None)
+        if image is None:
+            return None, "none: SGLang's fill refused it, or the pool's layout is unknown"
+        if image.plan is not None:
+            self.helper.teach(image.plan)
+            return image, "SGLang's fill here; the helper makes the next ones of this layout"
+        if learn:
+            self.unlearnable.add(shipped.entries)
+        return image, "SGLang's fill here"
 
     def _take(self, shipped: Any) -> tuple[Any, float]:
         """The shipped buffer copied into one of this process (one device-to-device copy on the side

@@ -9,8 +9,8 @@ from lorapub.sglang_patch.env import env_number
 
 __all__ = ["DEFAULT_GATE_BUDGET_S", "DEFAULT_HELPER_DEADLINE_S", "DEFAULT_HELPER_START_S", "ENV", "GATE_BUDGET_ENV",
            "GATE_ENV", "HELPER_DEADLINE_ENV", "HELPER_START_ENV", "HELPER_THREADS_ENV", "IMAGE_ENV", "MARK", "SWITCH_ENV", "TRACE_ENV",
-           "enabled", "gate_budget", "gate_scope", "helper_deadline", "helper_start_deadline", "helper_threads", "switch_interval",
-           "trace_setting"]
+           "enabled", "gate_budget", "gate_scope", "helper_deadline", "helper_start_deadline", "helper_threads",
+           "slot_images_enabled", "switch_interval", "trace_setting"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -25,7 +25,9 @@ TRACE_ENV = "LORAPUB_SGLANG_PREPARE_TRACE"
 #: GIL switch interval (microseconds) while a preparation runs; unset: the interpreter's own (5 ms).
 #: Measured live as worse than the default; kept to reproduce that measurement.
 SWITCH_ENV = "LORAPUB_SGLANG_PREPARE_SWITCH_US"
-#: "1": build each adapter's slot image while preparing (off by default: see docs/sglang-patch.md).
+#: "0": no slot images (each adapter's first batch fills its pool slot the stock way). Unset or anything
+#: else: each adapter gets a slot image while it is prepared and is resident at its install
+#: (docs/sglang-patch.md, "Slot images").
 IMAGE_ENV = "LORAPUB_SGLANG_SLOT_IMAGE"
 #: When the preparing thread steps aside for a prefill batch (see PrefillGate): unset or "launch", while the
 #: scheduler thread launches it (the gate opens as SGLang's run_batch returns); "batch", until the
@@ -105,6 +107,13 @@ def helper_threads(default: int = DEFAULT_HELPER_THREADS) -> int:
     """``HELPER_THREADS_ENV``; ``default`` when unset or not an integer > 0 (logged)."""
     n = env_number(HELPER_THREADS_ENV, int, lambda v: v > 0, "an integer > 0", f"the default {default} holds", logger)
     return default if n is None else int(n)
+
+
+def slot_images_enabled() -> bool:
+    """Slot images are on unless ``IMAGE_ENV`` is "0" (or "off")."""
+    import os
+
+    return os.environ.get(IMAGE_ENV, "").strip().lower() not in ("0", "off")
 
 
 def trace_setting() -> str | None:

@@ -1,5 +1,6 @@
-"""Slot images (opt-in): what SGLang's per-weight slot fill would write into a memory-pool slot,
-built while preparing and copied into a slot with one ``_foreach_copy_``."""
+"""Slot images: what SGLang's per-weight slot fill would write into a memory-pool slot, made while
+preparing (by the helper process from a recorded plan, image_plan.py, once one was learned for the
+adapter's layout) and copied into a slot with one ``_foreach_copy_``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import time
 from typing import Any, Callable, Iterator
 
 from . import iterations
+from .image_plan import ImagePlan, image_layout, learn, recorder
 from .settings import MARK
 
-__all__ = ["IMAGE_ATTR", "SLOT_BUFFERS", "SlotImage", "build_slot_image", "install_slot_fill", "make_resident",
-           "slot_buffers", "trace_slot_fills"]
+__all__ = ["IMAGE_ATTR", "SLOT_BUFFERS", "SlotImage", "build_slot_image", "image_from_flats", "image_views",
+           "install_slot_fill", "make_resident", "slot_buffers", "trace_slot_fills"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
 
@@ -41,6 +43,44 @@ def slot_buffers(pool: Any) -> list[Any] | None:
     return found
 
 
+def _slot_views(pool: Any, buffers: list[Any]) -> list[list[Any]]:
+    """Each slot's view of every buffer, made once per pool (thousands of views: not per image)."""
+    cached = getattr(pool, "__dict__", {}).get("_lorapub_slot_views")
+    if cached is not None and len(cached[0]) == len(buffers) and all(a is b for a, b in zip(cached[0], buffers)):
+        views: list[list[Any]] = cached[1]
+        return views
+    views = [[b[slot] for b in buffers] for slot in range(buffers[0].shape[0])]
+    try:
+        pool.__dict__["_lorapub_slot_views"] = (list(buffers), views)
+    except AttributeError:  # a pool without a __dict__: made per image
+        pass
+    return views
+
+
+def image_views(buffers: list[Any], flats: dict[Any, Any]) -> list[Any]:
+    """One slot of each buffer, as a ``(1, *slot)`` view into the image's flat of its dtype: the buffers
+    of a dtype lie one after another in ``buffers``' order (``flats``: dtype -> flat tensor)."""
+    offsets = dict.fromkeys(flats, 0)
+    images = []
+    for b in buffers:
+        n, at = b[0].numel(), offsets[b.dtype]
+        images.append(flats[b.dtype][at:at + n].view((1, *b.shape[1:])))
+        offsets[b.dtype] = at + n
+    return images
+
+
+def image_from_flats(pool: Any, flats: list[Any], plan: ImagePlan) -> SlotImage | None:
+    """The slot image for ``pool`` held in ``flats`` (made by replaying ``plan``: the helper's), or None
+    where the pool's buffers are no longer the layout the plan was learned for."""
+    buffers = slot_buffers(pool) if pool is not None else None
+    if not buffers or image_layout(buffers) != plan.layout or len(flats) != len(plan.flats):
+        return None
+    by_dtype = {f.dtype: f for f in flats}
+    if len(by_dtype) != len(flats):
+        return None
+    return SlotImage(pool, buffers, flats, [im[0] for im in image_views(buffers, by_dtype)], plan)
+
+
 class SlotImage:
     """What SGLang's first batch writes into a memory-pool slot for one adapter, on the device (zeros
     where that fill leaves the slot's earlier contents: past the rank, and modules a layer lacks).
@@ -50,9 +90,12 @@ class SlotImage:
     image into the slot (a few hundred microseconds on the scheduler thread instead of the tens of
     milliseconds SGLang's per-weight Python takes)."""
 
-    def __init__(self, pool: Any, buffers: list[Any], flats: list[Any], sources: list[Any]) -> None:
+    def __init__(self, pool: Any, buffers: list[Any], flats: list[Any], sources: list[Any],
+                 plan: ImagePlan | None = None) -> None:
         self.pool, self.flats, self.sources, self.buffers = pool, flats, sources, buffers
-        self.views = [[b[slot] for b in buffers] for slot in range(buffers[0].shape[0])]  # made once, here
+        self.views = _slot_views(pool, buffers)
+        #: how the helper builds the next image of this layout (learned from this one's build), if it can
+        self.plan = plan
 
     def fits(self, pool: Any, buffer_id: int) -> bool:
         """Still the pool, and every one of the very buffers, this image was made for."""
@@ -100,12 +143,14 @@ class _SteppedAdapter:
         return getattr(self._adapter, name)
 
 
-def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
-                     step: Callable[[], None] | None = None) -> SlotImage | None:
+def build_slot_image(manager: Any, adapter: Any, stream: Any = None, step: Callable[[], None] | None = None,
+                     learn_from: tuple[Any, tuple[Any, ...]] | None = None) -> SlotImage | None:
     """``adapter``'s slot image for ``manager``'s memory pool, or None (the pool's layout is not known,
     or SGLang's own fill refused the adapter: its first batch then runs SGLang's fill, as stock).
     ``step`` is called before each layer SGLang's fill takes, on each of its walks over the layers
-    (the preparing thread's gate)."""
+    (the preparing thread's gate). With ``learn_from`` (the adapter's shipped buffer, and its entries),
+    the fill is recorded, and the image's ``plan`` says how to make the next one of this layout without
+    it (image_plan.py), where the fill is a gather from that buffer."""
     import contextlib
 
     import torch
@@ -118,6 +163,7 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
     while getattr(stock, MARK, False):  # SGLang's own fill, under lorapub's wrappers
         stock = stock.__wrapped__
     context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    plan = None
     try:
         with context:
             by_dtype: dict[Any, list[Any]] = {}
@@ -125,12 +171,7 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
                 by_dtype.setdefault(b.dtype, []).append(b)
             flats = {dtype: torch.zeros(sum(b[0].numel() for b in group), dtype=dtype, device=group[0].device)
                      for dtype, group in by_dtype.items()}
-            offsets = dict.fromkeys(flats, 0)
-            images = []
-            for b in buffers:
-                n, at = b[0].numel(), offsets[b.dtype]
-                images.append(flats[b.dtype][at:at + n].view((1, *b.shape[1:])))
-                offsets[b.dtype] = at + n
+            images = image_views(buffers, flats)
             scratch = copy.copy(pool)  # SGLang's own fill, writing slot 0 of one-slot buffers
             it = iter(images)
             for attr in SLOT_BUFFERS:
@@ -138,15 +179,23 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None,
                                         for k, v in getattr(pool, attr).items()})
             scratch.pin_memory_available = False  # pinning here would stall the scheduler's CUDA calls
             read = adapter if step is None else _SteppedAdapter(adapter, step)
-            stock(scratch, adapter.uid, 0, read, manager.lora_modules, getattr(manager, "embed_tokens_module", None),
-                  getattr(manager, "lm_head_module", None))
+            watch: Any = recorder(list(flats.values()), learn_from[0]) if learn_from is not None else None
+            with watch if watch is not None else contextlib.nullcontext():
+                stock(scratch, adapter.uid, 0, read, manager.lora_modules, getattr(manager, "embed_tokens_module", None),
+                      getattr(manager, "lm_head_module", None))
+            if learn_from is not None:
+                plan = learn(watch, learn_from[1], buffers, list(flats.values()), learn_from[0])
+                if plan is None:
+                    logger.info("lorapub: slot images of %s's layout are built per load on the preparing thread (%s)",
+                                getattr(adapter, "uid", "?"), watch.refused or "replaying the recorded fill "
+                                "did not give the same image")
         if stream is not None:
             stream.synchronize()
     except Exception as e:  # noqa: BLE001 - SGLang's own fill at the first batch reports it, as stock
         logger.info("lorapub: no slot image for %s (%s); its first batch fills the slot the stock way",
                     getattr(adapter, "uid", "?"), e)
         return None
-    return SlotImage(pool, buffers, list(flats.values()), [im[0] for im in images])
+    return SlotImage(pool, buffers, list(flats.values()), [im[0] for im in images], plan)
 
 
 def make_resident(manager: Any, uid: str) -> int | None:
