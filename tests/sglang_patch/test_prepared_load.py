@@ -561,6 +561,19 @@ def test_the_device_copy_holds_every_tensor_exactly_across_chunk_boundaries(monk
     shared, same, _ = prepare_helper.pack(adapter, torch.bfloat16, "cpu")
     assert same == entries and shared.is_shared()
     assert all(torch.equal(shared[e.offset:e.offset + e.nbytes], buf[e.offset:e.offset + e.nbytes]) for e in entries)
+    # with a plan for this layout, the image follows the weights, made from the weights just copied: here
+    # layer 1's "b" (spanning chunks) transposed into the image, and a zeroed stretch
+    b = next(e for e in entries if e.where == 1 and e.name == "b")
+    plan = prepared_load.image_plan.ImagePlan(tuple(entries), (), (("bfloat16", 2000),), (
+        ("copy", 0, (5, 300), (300, 1), 10, "bfloat16", (5, 300), (1, 5), b.offset // 2),
+        ("zero", 0, (10,), (1,), 0)))
+    imaged, _, spans = prepare_helper.pack(adapter, torch.bfloat16, "cpu",
+                                           types.SimpleNamespace(synchronize=lambda: None), chunks, {plan.key: plan})
+    [span] = spans
+    assert span.offset >= buf.numel() - prepare_helper.ALIGN and span.offset % prepare_helper.ALIGN == 0
+    image = span.of(imaged)
+    assert torch.equal(image[10:1510].view(5, 300), want[(1, "b")].t()) and not image[:10].any() and not image[1510:].any()
+    assert all(torch.equal(imaged[e.offset:e.offset + e.nbytes], buf[e.offset:e.offset + e.nbytes]) for e in entries)
 
 
 @pytest.mark.parametrize("raw, on", [(None, True), ("1", True), ("", True), ("0", False), ("off", False)])
