@@ -16,6 +16,11 @@ so that the cause has a name:
   last with glibc keeping freed memory in the heap (``helper.keep_freed_memory``, which the helper does
   at its start since this bench was written: a later load then reuses pages already touched);
 * the helper itself (``HelperClient``: spawn, ready, prepare, open the handle, release), end to end;
+* the adapter's slot image (``--only image``), for a pool of the shape's buffers: SGLang's own slot fill on
+  this thread (the control: every load's image before 2026-12-07), the same fill recorded (a layout's first
+  load since), the recorded plan's replay (what the helper now does for every later load) and the views the
+  scheduler's process builds around the image the helper shipped, each plan-made image checked equal to the
+  fill's;
 * the publisher's side: ``lorapub.Snapshot`` of the adapter's torch tensors against the per-tensor copy and
   finiteness check on torch's intra-op pool it did before 2026-12-07 (live, a rollout process spent about
   24 s so beside two busy servers), with torch's default thread count and with one, on an idle host and
@@ -379,6 +384,117 @@ def helper_end_to_end(folder: str, device: str, reps: int) -> dict[str, Any]:
     return {"prepared": prepared}
 
 
+def sglang_pool_class() -> Any:
+    """SGLang's LoRAMemoryPool (see CLASSES), whose slot fill the image part runs; its instances here get
+    their buffers and attributes from :func:`shape_pool`, not from SGLang's constructor (no model)."""
+    if CLASSES.startswith("tests:"):
+        from tests.sglang_patch import sglang_lora
+
+        return sglang_lora.pool_class(CLASSES.removeprefix("tests:"))
+    from sglang.srt.lora.mem_pool import LoRAMemoryPool
+
+    return LoRAMemoryPool
+
+
+class _Module:
+    """A LoRA-wrapped linear layer as SGLang's fill slices its weights at tensor-parallel size 1 (a view)."""
+
+    def slice_lora_a_weights(self, a: Any) -> Any:
+        return a
+
+    def slice_lora_b_weights(self, b: Any) -> Any:
+        return b[:b.shape[0]]
+
+
+def shape_pool(device: Any, slots: int = 4) -> tuple[Any, list[dict[str, Any]]]:
+    """A memory pool of the shape's buffers (max rank = the adapter's, bf16, ``slots`` slots) and the
+    layers' LoRA modules, as SGLang's fill sees them for the adapter of :func:`build_adapter`."""
+    import torch
+
+    s, r = SHAPE, SHAPE["rank"]
+    mods = {"qkv_proj": (s["hidden"], s["q"] + 2 * s["kv"], 3), "o_proj": (s["q"], s["hidden"], 1),
+            "gate_up_proj": (s["hidden"], 2 * s["intermediate"], 2), "down_proj": (s["intermediate"], s["hidden"], 1)}
+    pool = object.__new__(sglang_pool_class())
+    kw = {"dtype": torch.bfloat16, "device": device}
+    pool.A_buffer = {m: [torch.zeros(slots, c * r, i, **kw) for _ in range(s["layers"])] for m, (i, _, c) in mods.items()}
+    pool.B_buffer = {m: [torch.zeros(slots, o, r, **kw) for _ in range(s["layers"])] for m, (_, o, _) in mods.items()}
+    for attr in ("embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer", "lm_head_B_buffer", "new_embeddings_buffer"):
+        setattr(pool, attr, {})
+    pool.target_modules, pool.num_layer, pool.max_lora_rank, pool.max_loras_per_batch = set(mods), s["layers"], r, slots
+    pool.base_model, pool.tp_rank, pool.strict_loading, pool.experts_shared_outer_loras = None, 0, False, False
+    pool.pin_memory_available, pool.enable_lora_overlap_loading, pool.lora_added_tokens_size = False, False, 0
+    pool.base_hf_config = BaseConfig(s["layers"], s["hidden"], s["vocab"])
+    module = _Module()
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    return pool, [{f"model.layers.{i}.{n}": module for n in names} for i in range(s["layers"])]
+
+
+def images(folder: str, device: str, reps: int) -> dict[str, list[dict[str, float]]]:
+    """The adapter's slot image, made each way on this thread (wall and this thread's CPU time, ms):
+    SGLang's own fill into a one-slot copy of the pool (the control: what every load ran on the
+    scheduler's preparing thread before 2026-12-07), the same fill recorded (a layout's first load since),
+    and from the plan: its replay (in the helper process, since) and the views the scheduler's process
+    builds around the image the helper shipped (every later load; the first of them also makes the
+    pool's slot views, cached after). Each plan-made image is checked equal to the fill's."""
+    import torch
+
+    from lorapub.sglang_patch.prepared_load import helper, slot_image
+    from lorapub.sglang_patch.prepared_load.image_plan import replay
+    from lorapub.sglang_patch.prepared_load.reading import read_peft_folder, weight_places
+
+    dev = torch.device(device)
+    on_cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    kit = make_kit(device)
+    LoRAAdapter, LoRAConfig = sglang_classes()
+    config = LoRAConfig(folder, base_vocab_size=kit.base_vocab_size)
+    adapter = LoRAAdapter("bench", config, kit.base_hf_config, kit.load_config, None, base_model=None)
+    adapter.initialize_weights_from_tensors(read_peft_folder(folder))
+    chunks = [torch.empty(helper.CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)] if on_cuda else None
+    stream = torch.cuda.Stream(device=dev) if on_cuda else None
+
+    def shipped(plans: Any = None) -> tuple[Any, Any, Any]:  # the hand-over: weights as views of one buffer
+        buf, entries, spans = helper.pack(adapter, torch.bfloat16, dev, stream, chunks, plans)
+        held = LoRAAdapter("bench", config, kit.base_hf_config, kit.load_config, None, base_model=None)
+        places = dict(weight_places(held))
+        for e in entries:
+            places[e.where][e.name] = buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+        return held, (buf, tuple(entries)), spans
+
+    pool, modules = shape_pool(dev)
+    manager = type("Manager", (), {"memory_pool": pool, "lora_modules": modules})()
+    held, source, _ = shipped()
+    rows: dict[str, list[dict[str, float]]] = {k: [] for k in (
+        "SGLang's fill (control)", "SGLang's fill, recorded", "the plan's replay (helper)", "views of the shipped image (scheduler)")}
+
+    def timed(name: str, make: Any) -> Any:
+        sync()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = make()
+        sync()
+        rows[name].append({"wall": ms(t0), "CPU": round(1e3 * (time.thread_time() - c0), 1)})
+        return out
+
+    plan = None
+    for _ in range(reps):
+        want = timed("SGLang's fill (control)", lambda: slot_image.build_slot_image(manager, held, stream))
+        learned = timed("SGLang's fill, recorded", lambda: slot_image.build_slot_image(manager, held, stream, learn_from=source))
+        plan = learned.plan
+        if plan is None:
+            raise SystemExit("no image plan was learned from SGLang's fill: the helper cannot make this layout's images")
+        flats = [torch.zeros(n, dtype=getattr(torch, d), device=dev) for d, n in plan.flats]
+        timed("the plan's replay (helper)", lambda: replay(plan, source[0], flats))
+        _, (later, _), spans = shipped({plan.key: plan})
+        made = timed("views of the shipped image (scheduler)",
+                     lambda: slot_image.image_from_flats(pool, [span.of(later) for span in spans], plan))
+        same = all(torch.equal(a, b) for a, b in zip(made.sources, want.sources))
+        rows["views of the shipped image (scheduler)"][-1]["equal to the fill's"] = float(same)
+        print(f"[image] {({k: v[-1] for k, v in rows.items()})}", flush=True)
+    rows["plan"] = [{"ops": float(len(plan.ops)) if plan else 0.0, "image MB": round(sum(
+        n * getattr(torch, d).itemsize for d, n in plan.flats) / 1e6, 1) if plan else 0.0}]
+    return rows
+
+
 def median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     keys = rows[0].keys()
     return {k: round(statistics.median(r[k] for r in rows if k in r), 1) for k in keys}
@@ -393,7 +509,7 @@ def main() -> int:
     parser.add_argument("--busy", type=int, default=0,
                         help="also time the steps with this many cores kept busy by spinning processes")
     parser.add_argument("--only", default="",
-                        help="comma-separated parts to run: snapshot,helper,this,busy,spawned (default all)")
+                        help="comma-separated parts to run: snapshot,helper,image,this,busy,spawned (default all)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "stages.json"))
     args = parser.parse_args()
     SHAPE.update(SHAPES[args.shape])
@@ -401,11 +517,13 @@ def main() -> int:
     report: dict[str, Any] = {"folder": folder, "bytes": os.path.getsize(os.path.join(folder, "adapter_model.safetensors")),
                               "reps": args.reps, "device": args.device}
     print(f"adapter {report['bytes'] / 1e6:.0f} MB at {folder}; {args.reps} repetitions each (the first cold)", flush=True)
-    parts = set(args.only.split(",")) if args.only else {"this", "spawned", "busy", "helper", "snapshot"}
+    parts = set(args.only.split(",")) if args.only else {"this", "spawned", "busy", "helper", "snapshot", "image"}
     if "snapshot" in parts:  # the publisher's side, on an idle host (``busy`` repeats it beside spinning cores)
         report["snapshots"] = snapshots(folder, args.reps)
     if "helper" in parts:  # first: the real helper as a server runs it, before anything else warms the host
         report["helper"] = helper_end_to_end(folder, args.device, args.reps)
+    if "image" in parts:
+        report["images"] = images(folder, args.device, args.reps)
     if "this" in parts:
         report["this process"] = measure(folder, args.device, args.reps)
     if "busy" in parts and args.busy:
@@ -431,6 +549,10 @@ def main() -> int:
             print(f"\n== the publisher's snapshot of the adapter, {place} host (ms, each repetition):")
             for key, runs in table.items():
                 print(f"  {key:<72} median {statistics.median(runs):>8.1f}   {runs}")
+    if "images" in report:
+        print("\n== the adapter's slot image, each way (ms on this thread: wall / CPU, each repetition):")
+        for name, runs in report["images"].items():
+            print(f"  {name:<44} " + "; ".join(", ".join(f"{k} {v:g}" for k, v in run.items()) for run in runs))
     print("\n== the helper (HelperClient), each preparation:")
     for row in report.get("helper", {}).get("prepared", []):
         print("  " + ", ".join(f"{k} {v:.0f} ms" for k, v in row.items()))

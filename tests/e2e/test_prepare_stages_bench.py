@@ -1,6 +1,7 @@
 """bench/live_prepare/stages.py, the live bench that times a preparation's steps, runs on the CPU with a
 tiny adapter and the SGLang release's own LoRA code (the tests' compiled copy): every step of every
-variant and the real helper's end-to-end preparation are reported (no timing is asserted)."""
+variant, the real helper's end-to-end preparation and each way of making the slot image are reported (no
+timing is asserted)."""
 
 from __future__ import annotations
 
@@ -53,5 +54,13 @@ def test_the_stages_bench_reports_every_step_in_both_places_and_through_the_help
     for table in (report["snapshots"], busy["snapshots"]):  # idle and busy: each way, each thread count
         assert set(table) == {f"{k}, threads {t}" for k in kinds for t in ("default", 1)}
         assert all(len(runs) == 1 and runs[0] > 0 for runs in table.values())
+    images = report["images"]  # each way of making the slot image, the plan-made one equal to the fill's
+    assert set(images) == {"SGLang's fill (control)", "SGLang's fill, recorded", "the plan's replay (helper)",
+                           "views of the shipped image (scheduler)", "plan"}
+    assert all(len(rows) == 1 and rows[0]["wall"] >= 0 and rows[0]["CPU"] >= 0
+               for name, rows in images.items() if name != "plan")
+    assert images["views of the shipped image (scheduler)"][0]["equal to the fill's"] == 1.0
+    assert images["plan"][0]["ops"] > 0
+    assert "== the adapter's slot image, each way" in done.stdout
     assert "== the publisher's snapshot of the adapter, busy host" in done.stdout
     assert "== the helper (HelperClient)" in done.stdout

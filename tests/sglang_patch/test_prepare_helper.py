@@ -406,7 +406,7 @@ def real_pool(pool_cls, slots=3, max_r=2 * R):
     pool.target_modules, pool.num_layer, pool.max_lora_rank = set(POOL_MODULES) | {"lm_head"}, LAYERS, max_r
     pool.base_model, pool.tp_rank, pool.strict_loading, pool.experts_shared_outer_loras = None, 0, False, False
     pool.pin_memory_available, pool.enable_lora_overlap_loading, pool.max_loras_per_batch = False, False, slots
-    pool.base_hf_config = types.SimpleNamespace(vocab_size=100)
+    pool.base_hf_config, pool.lora_added_tokens_size = types.SimpleNamespace(vocab_size=100), 0
     pool.buffer_id_to_uid, pool.uid_to_buffer_id, pool.eviction_policy = [sglang_lora.EMPTY_SLOT] * slots, {}, None
     return pool
 

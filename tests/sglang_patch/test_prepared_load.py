@@ -447,8 +447,11 @@ def test_a_recorded_fill_makes_the_next_versions_image_without_running_sglangs_f
     nxt = lora(r=2, seed=2)  # the next version: same names and shapes, other values
     buf2, key2, spans2 = shipped_views(nxt, plans={image.plan.key: image.plan})
     assert key2 == key and len(spans2) == 1 and spans2[0].offset >= max(e.offset + e.nbytes for e in key2)
-    made = prepared_load.slot_image.image_from_flats(pool, [span.of(buf2) for span in spans2], image.plan)
+    steps = []
+    made = prepared_load.slot_image.image_from_flats(pool, [span.of(buf2) for span in spans2], image.plan,
+                                                     step=lambda: steps.append(1))
     assert made is not None and pool.fills == [("u1", 0, False)]  # no fill ran for it
+    assert steps  # its views are made in the preparing thread's gate steps
     want = prepared_load.build_slot_image(manager, nxt)  # what SGLang's own fill makes of it
     assert [torch.equal(a, b) for a, b in zip(made.sources, want.sources)] == [True] * len(want.sources)
     assert any(t.any() for t in made.sources) and not torch.equal(made.sources[0], image.sources[0])

@@ -232,7 +232,8 @@ class Preparer:
         plans = getattr(self.helper, "plans", {})
         plan = plans.get(shipped.entries) if shipped.image else None
         if plan is not None:
-            image = image_from_flats(self.manager.memory_pool, [span.of(buffer) for span in shipped.image], plan)
+            image = image_from_flats(self.manager.memory_pool, [span.of(buffer) for span in shipped.image], plan,
+                                     self.gate.step)
             if image is not None:
                 return image, "made by the helper"
         learn = shipped.entries not in self.unlearnable and hasattr(self.helper, "teach")

@@ -57,28 +57,33 @@ def _slot_views(pool: Any, buffers: list[Any]) -> list[list[Any]]:
     return views
 
 
-def image_views(buffers: list[Any], flats: dict[Any, Any]) -> list[Any]:
+def image_views(buffers: list[Any], flats: dict[Any, Any], step: Callable[[], None] | None = None) -> list[Any]:
     """One slot of each buffer, as a ``(1, *slot)`` view into the image's flat of its dtype: the buffers
-    of a dtype lie one after another in ``buffers``' order (``flats``: dtype -> flat tensor)."""
+    of a dtype lie one after another in ``buffers``' order (``flats``: dtype -> flat tensor). ``step`` is
+    called every 32 views (the preparing thread's gate)."""
     offsets = dict.fromkeys(flats, 0)
     images = []
-    for b in buffers:
+    for i, b in enumerate(buffers):
+        if step is not None and i % 32 == 0:
+            step()
         n, at = b[0].numel(), offsets[b.dtype]
         images.append(flats[b.dtype][at:at + n].view((1, *b.shape[1:])))
         offsets[b.dtype] = at + n
     return images
 
 
-def image_from_flats(pool: Any, flats: list[Any], plan: ImagePlan) -> SlotImage | None:
+def image_from_flats(pool: Any, flats: list[Any], plan: ImagePlan,
+                     step: Callable[[], None] | None = None) -> SlotImage | None:
     """The slot image for ``pool`` held in ``flats`` (made by replaying ``plan``: the helper's), or None
-    where the pool's buffers are no longer the layout the plan was learned for."""
+    where the pool's buffers are no longer the layout the plan was learned for (``step``: as
+    :func:`image_views`)."""
     buffers = slot_buffers(pool) if pool is not None else None
     if not buffers or image_layout(buffers) != plan.layout or len(flats) != len(plan.flats):
         return None
     by_dtype = {f.dtype: f for f in flats}
     if len(by_dtype) != len(flats):
         return None
-    return SlotImage(pool, buffers, flats, [im[0] for im in image_views(buffers, by_dtype)], plan)
+    return SlotImage(pool, buffers, flats, [im[0] for im in image_views(buffers, by_dtype, step)], plan)
 
 
 class SlotImage:
