@@ -913,6 +913,32 @@ def test_the_trace_counts_an_install_time_residency_fill_as_a_fill_not_as_the_in
     assert installed["install"] < 40.0, installed  # SGLang's load of a prepared adapter only
 
 
+def test_a_gc_noted_while_an_iteration_is_recorded_does_not_deadlock_the_scheduler_thread():
+    """The trace's gc callback notes each collection in the current iteration; a collection that an
+    allocation inside the recorder's own locked section sets off runs that callback on the same thread
+    (seen as a hung test: the scheduler thread would hang so on a traced server)."""
+    from lorapub.sglang_patch.prepared_load import iterations
+
+    lines = []
+    recorder = iterations.IterationRecorder(emit=lines.append, every=True)
+    start = recorder._start
+
+    def start_with_a_gc(at):  # a gc inside boundary()'s locked section, noted by the trace's callback
+        recorder.add("gc", 0.004)
+        start(at)
+
+    recorder._start = start_with_a_gc
+    done = threading.Event()
+
+    def iteration():
+        recorder.boundary()
+        done.set()
+
+    threading.Thread(target=iteration, daemon=True).start()
+    assert done.wait(30), "boundary() deadlocked on its own lock"
+    assert [iterations.parse_line(line)["gc"] for line in lines] == [4.0]  # noted in the iteration that ended
+
+
 def test_the_trace_reads_the_preparing_threads_cpu_clock_from_the_scheduler_thread():
     """The recorder reads another thread's CPU time (what it could take of the interpreter), not its own."""
     from lorapub.sglang_patch.prepared_load import iterations

@@ -55,7 +55,9 @@ class IterationRecorder:
         self.prep_clock: Callable[[], float] | None = None  # set by the preparing thread when it starts
         self.open_windows = 0  # preparations submitted and not installed yet
         self.until = 0.0  # record until then (an install's first batches)
-        self.lock = threading.Lock()  # add() may come from the preparing thread (a gc there)
+        # add() may come from the preparing thread (a gc there), and from a gc that an allocation under this
+        # very lock set off on this thread (the trace's gc callback notes it): reentrant, or that gc deadlocks
+        self.lock = threading.RLock()
         self._start(self.now())
 
     def _start(self, at: float) -> None:

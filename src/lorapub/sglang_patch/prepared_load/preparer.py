@@ -319,9 +319,17 @@ def is_extend(batch: Any) -> bool:
         return False
 
 
+_gc_traced = False
+
+
 def _trace_gc() -> None:
+    """Log and note every garbage collection of this process (its callback is registered once)."""
     import gc
 
+    global _gc_traced
+    if _gc_traced:
+        return
+    _gc_traced = True
     started: list[float] = []
 
     def callback(phase: str, info: dict[str, Any]) -> None:
