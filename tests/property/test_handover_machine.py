@@ -282,6 +282,6 @@ class HandOverMachine(RuleBasedStateMachine):
         assert set(self.client.plans) <= stats["plans"]
 
 
-_CAP = 30 if HandOverMachine.TestCase.settings.max_examples <= 250 else HandOverMachine.TestCase.settings.max_examples
+_CAP = 20 if HandOverMachine.TestCase.settings.max_examples <= 250 else HandOverMachine.TestCase.settings.max_examples
 HandOverMachine.TestCase.settings = settings(HandOverMachine.TestCase.settings, max_examples=_CAP, stateful_step_count=25)
 TestHandOverMachine = HandOverMachine.TestCase
