@@ -497,6 +497,31 @@ def test_a_fill_that_is_no_gather_from_the_shipped_weights_learns_no_plan_and_st
         True] * len(image.sources)
 
 
+@pytest.mark.parametrize("broken", ["note", "check"])
+def test_a_recording_that_fails_costs_the_plan_never_the_image(monkeypatch, broken):
+    """Recording SGLang's fill, or checking what was recorded, raising (an unforeseen tensor, a device
+    error) leaves the fill and its image as they would be unwatched; only the plan is lost."""
+    import torch
+
+    from lorapub.sglang_patch.prepared_load import image_plan
+
+    def boom(*a, **k):
+        raise RuntimeError("unforeseen")
+
+    if broken == "note":
+        monkeypatch.setattr(image_plan._recorder_class(), "_note", boom)
+    else:
+        monkeypatch.setattr(prepared_load.slot_image, "learn", boom)
+    pool = Pool()
+    manager = types.SimpleNamespace(memory_pool=pool, lora_modules=[{}, {}])
+    adapter = lora(r=2, seed=6)
+    buf, key, _ = shipped_views(adapter)
+    image = prepared_load.build_slot_image(manager, adapter, learn_from=(buf, key))
+    want = prepared_load.build_slot_image(manager, adapter)
+    assert image is not None and image.plan is None
+    assert [torch.equal(a, b) for a, b in zip(image.sources, want.sources)] == [True] * len(want.sources)
+
+
 def test_schedulers_start_through_the_patched_entry_unless_the_caller_chose_one():
     def stock_entry(*a, **k):
         raise AssertionError("never called here")

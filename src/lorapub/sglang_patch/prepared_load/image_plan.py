@@ -71,7 +71,10 @@ def _recorder_class() -> type:
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             if self.refused is None:
-                self._note(func, args, kwargs)
+                try:
+                    self._note(func, args, kwargs)
+                except Exception as e:  # noqa: BLE001 - recording never breaks the fill it watches
+                    self.refused = f"recording {getattr(func, '__name__', func)} failed: {e}"
             return func(*args, **kwargs)
 
         def _note(self, func: Any, args: Any, kwargs: Any) -> None:

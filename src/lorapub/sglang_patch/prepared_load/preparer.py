@@ -239,6 +239,9 @@ class Preparer:
         learn = shipped.entries not in self.unlearnable and hasattr(self.helper, "teach")
         image = build_slot_image(self.manager, adapter, self.stream, self.gate.step,
                                  learn_from=(buffer, shipped.entries) if learn else None)
+        if image is None and learn:  # never let the recording cost the image: once more, unwatched
+            self.unlearnable.add(shipped.entries)
+            image = build_slot_image(self.manager, adapter, self.stream, self.gate.step)
         if image is None:
             return None, "none: SGLang's fill refused it, or the pool's layout is unknown"
         if image.plan is not None:

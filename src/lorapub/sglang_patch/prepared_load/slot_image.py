@@ -189,7 +189,10 @@ def build_slot_image(manager: Any, adapter: Any, stream: Any = None, step: Calla
                 stock(scratch, adapter.uid, 0, read, manager.lora_modules, getattr(manager, "embed_tokens_module", None),
                       getattr(manager, "lm_head_module", None))
             if learn_from is not None:
-                plan = learn(watch, learn_from[1], buffers, list(flats.values()), learn_from[0])
+                try:
+                    plan = learn(watch, learn_from[1], buffers, list(flats.values()), learn_from[0])
+                except Exception as e:  # noqa: BLE001 - the image stands; only the plan is lost
+                    watch.refused = f"checking the recorded fill failed: {e}"
                 if plan is None:
                     logger.info("lorapub: slot images of %s's layout are built per load on the preparing thread (%s)",
                                 getattr(adapter, "uid", "?"), watch.refused or "replaying the recorded fill "
