@@ -25,7 +25,7 @@ from .reading import read_peft_folder
 from .settings import helper_threads
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "Entry", "HelperClient", "ImageSpan", "HelperDied", "HelperError", "HelperFailed", "HelperHung",
-           "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "kit_for", "pack", "prestart", "process_with",
+           "Job", "Kit", "Shipped", "StaleHandle", "keep_freed_memory", "keep_plan", "kit_for", "pack", "prestart", "process_with",
            "sglang_process"]
 
 logger = logging.getLogger("lorapub.sglang_patch.prepared_load")  # one logger for the whole patch
@@ -292,10 +292,7 @@ class HelperClient:
 
     def teach(self, plan: ImagePlan) -> None:
         """From now on the helper makes the slot image of every load whose entries are ``plan.key``."""
-        self.plans.pop(plan.key, None)
-        self.plans[plan.key] = plan
-        while len(self.plans) > MAX_PLANS:
-            self.plans.pop(next(iter(self.plans)))
+        keep_plan(self.plans, plan)
         if self.conn is not None:
             try:
                 self.conn.send(("plan", plan))
@@ -332,6 +329,15 @@ def kit_for(manager: Any, processor: str = SGLANG_PROCESSOR, **options: Any) -> 
                base_hf_config=base, load_config=getattr(manager, "load_config", None),
                base_vocab_size=getattr(base, "vocab_size", None), moe_gated=moe, processor=processor, options=options,
                threads=helper_threads())
+
+
+def keep_plan(plans: dict[tuple[Entry, ...], ImagePlan], plan: ImagePlan) -> None:
+    """``plan`` kept as the newest in ``plans``, by the entries it fits; past ``MAX_PLANS``, the oldest goes
+    (the client and its helper keep the same ones, taught in the same order)."""
+    plans.pop(plan.key, None)
+    plans[plan.key] = plan
+    while len(plans) > MAX_PLANS:
+        plans.pop(next(iter(plans)))
 
 
 # -- starting one early ---------------------------------------------------------------------------------
@@ -525,11 +531,7 @@ def serve(conn: Any) -> None:
                 continue
             conn.send(("shipped", shipped))
         elif msg[0] == "plan":  # how to make the slot image of a layout (image_plan.py), learned by the scheduler
-            plan: ImagePlan = msg[1]
-            plans.pop(plan.key, None)
-            plans[plan.key] = plan
-            while len(plans) > MAX_PLANS:  # the oldest first
-                plans.pop(next(iter(plans)))
+            keep_plan(plans, msg[1])
         elif msg[0] == "release":
             free(msg[1], bool(msg[2]))
         elif msg[0] == "stats":

@@ -33,7 +33,7 @@ class ImagePlan:
 
 def image_layout(buffers: list[Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """What an image for these slot buffers must hold: each one's dtype and one slot's shape."""
-    return tuple((str(b.dtype).removeprefix("torch."), tuple(b.shape[1:])) for b in buffers)
+    return tuple((_dtype_name(b), tuple(b.shape[1:])) for b in buffers)
 
 
 def _dtype_name(t: Any) -> str:

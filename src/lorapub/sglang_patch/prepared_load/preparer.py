@@ -239,16 +239,15 @@ class Preparer:
         learn = shipped.entries not in self.unlearnable and hasattr(self.helper, "teach")
         image = build_slot_image(self.manager, adapter, self.stream, self.gate.step,
                                  learn_from=(buffer, shipped.entries) if learn else None)
-        if image is None and learn:  # never let the recording cost the image: once more, unwatched
-            self.unlearnable.add(shipped.entries)
-            image = build_slot_image(self.manager, adapter, self.stream, self.gate.step)
+        if learn and (image is None or image.plan is None):
+            self.unlearnable.add(shipped.entries)  # this layout is not recorded again
+            if image is None:  # never let the recording cost the image: once more, unwatched
+                image = build_slot_image(self.manager, adapter, self.stream, self.gate.step)
         if image is None:
             return None, "none: SGLang's fill refused it, or the pool's layout is unknown"
         if image.plan is not None:
             self.helper.teach(image.plan)
             return image, "SGLang's fill here; the helper makes the next ones of this layout"
-        if learn:
-            self.unlearnable.add(shipped.entries)
         return image, "SGLang's fill here"
 
     def _take(self, shipped: Any) -> tuple[Any, float]:
