@@ -396,37 +396,18 @@ def sglang_pool_class() -> Any:
     return LoRAMemoryPool
 
 
-class _Module:
-    """A LoRA-wrapped linear layer as SGLang's fill slices its weights at tensor-parallel size 1 (a view)."""
-
-    def slice_lora_a_weights(self, a: Any) -> Any:
-        return a
-
-    def slice_lora_b_weights(self, b: Any) -> Any:
-        return b[:b.shape[0]]
-
-
 def shape_pool(device: Any, slots: int = 4) -> tuple[Any, list[dict[str, Any]]]:
     """A memory pool of the shape's buffers (max rank = the adapter's, bf16, ``slots`` slots) and the
-    layers' LoRA modules, as SGLang's fill sees them for the adapter of :func:`build_adapter`."""
-    import torch
+    layers' LoRA modules, as SGLang's fill sees them for the adapter of :func:`build_adapter` (made by the
+    tests' SGLang kit, which also serves the tests' pools)."""
+    from tests.sglang_patch.sglang_lora import shaped_pool
 
-    s, r = SHAPE, SHAPE["rank"]
-    mods = {"qkv_proj": (s["hidden"], s["q"] + 2 * s["kv"], 3), "o_proj": (s["q"], s["hidden"], 1),
-            "gate_up_proj": (s["hidden"], 2 * s["intermediate"], 2), "down_proj": (s["intermediate"], s["hidden"], 1)}
-    pool = object.__new__(sglang_pool_class())
-    kw = {"dtype": torch.bfloat16, "device": device}
-    pool.A_buffer = {m: [torch.zeros(slots, c * r, i, **kw) for _ in range(s["layers"])] for m, (i, _, c) in mods.items()}
-    pool.B_buffer = {m: [torch.zeros(slots, o, r, **kw) for _ in range(s["layers"])] for m, (_, o, _) in mods.items()}
-    for attr in ("embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer", "lm_head_B_buffer", "new_embeddings_buffer"):
-        setattr(pool, attr, {})
-    pool.target_modules, pool.num_layer, pool.max_lora_rank, pool.max_loras_per_batch = set(mods), s["layers"], r, slots
-    pool.base_model, pool.tp_rank, pool.strict_loading, pool.experts_shared_outer_loras = None, 0, False, False
-    pool.pin_memory_available, pool.enable_lora_overlap_loading, pool.lora_added_tokens_size = False, False, 0
-    pool.base_hf_config = BaseConfig(s["layers"], s["hidden"], s["vocab"])
-    module = _Module()
-    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-    return pool, [{f"model.layers.{i}.{n}": module for n in names} for i in range(s["layers"])]
+    s = SHAPE
+    modules = {"qkv_proj": (s["hidden"], s["q"] + 2 * s["kv"], 3), "o_proj": (s["q"], s["hidden"], 1),
+               "gate_up_proj": (s["hidden"], 2 * s["intermediate"], 2), "down_proj": (s["intermediate"], s["hidden"], 1)}
+    pool, lora_modules = shaped_pool(sglang_pool_class(), modules, layers=s["layers"], max_r=s["rank"], slots=slots,
+                                     vocab=s["vocab"], device=device)
+    return pool, lora_modules
 
 
 def images(folder: str, device: str, reps: int) -> dict[str, list[dict[str, float]]]:

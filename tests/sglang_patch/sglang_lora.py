@@ -141,3 +141,49 @@ def pool_class(root: str) -> type:
            + "LoRAAdapter = BaseLayerWithLoRA = object\n\nclass LoRAMemoryPool:\n" + body)
     exec(compile(src, os.path.join(root, "srt/lora/mem_pool.py"), "exec"), ns)
     return ns["LoRAMemoryPool"]
+
+
+#: The modules of SGLang's LoRA memory pool for a dense decoder layer, and the part of the layer each is in.
+LAYER_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+class LoRAModule:
+    """A LoRA-wrapped linear layer as SGLang's fill slices its weights at tensor-parallel size 1 (a view, as
+    SGLang's own layers return)."""
+
+    def slice_lora_a_weights(self, a):
+        return a
+
+    def slice_lora_b_weights(self, b):
+        return b[:b.shape[0]]
+
+
+def shaped_pool(pool_cls: type, modules: dict, *, layers: int, max_r: int, slots: int, vocab: int,
+                lm_head_hidden: int | None = None, device="cpu"):
+    """An empty instance of ``pool_cls`` (a release's ``LoRAMemoryPool``, or :func:`pool_class`'s), not made by
+    its constructor (there is no model): bf16 buffers of SGLang's shapes for ``modules`` (name -> input size,
+    output size, stacked parts) on every layer, an lm_head pair where ``lm_head_hidden`` is given, and the
+    attributes the slot fill and ``make_resident`` read. Returns the pool and each layer's LoRA modules."""
+    import sys
+
+    import torch
+
+    pool = object.__new__(pool_cls)
+    kw = {"dtype": torch.bfloat16, "device": device}
+    pool.A_buffer = {m: [torch.zeros(slots, c * max_r, i, **kw) for _ in range(layers)] for m, (i, _, c) in modules.items()}
+    pool.B_buffer = {m: [torch.zeros(slots, o, max_r, **kw) for _ in range(layers)] for m, (_, o, _) in modules.items()}
+    pool.embedding_A_buffer, pool.embedding_B_buffer, pool.new_embeddings_buffer = {}, {}, {}
+    pool.lm_head_A_buffer, pool.lm_head_B_buffer, pool.target_modules = {}, {}, set(modules)
+    if lm_head_hidden is not None:
+        pool.lm_head_A_buffer = {"lm_head": torch.zeros(slots, max_r, lm_head_hidden, **kw)}
+        pool.lm_head_B_buffer = {"lm_head": torch.zeros(slots, vocab, max_r, **kw)}
+        pool.target_modules.add("lm_head")
+    pool.num_layer, pool.max_lora_rank, pool.max_loras_per_batch = layers, max_r, slots
+    pool.base_model, pool.tp_rank, pool.strict_loading, pool.experts_shared_outer_loras = None, 0, False, False
+    pool.pin_memory_available, pool.enable_lora_overlap_loading, pool.lora_added_tokens_size = False, False, 0
+    pool.base_hf_config = types.SimpleNamespace(vocab_size=vocab)
+    empty = getattr(sys.modules.get(pool_cls.__module__), "EMPTY_SLOT", None)  # SGLang's, beside its pool class
+    pool.buffer_id_to_uid, pool.uid_to_buffer_id, pool.eviction_policy = [empty] * slots, {}, None
+    module = LoRAModule()
+    lora_modules = [{f"model.layers.{i}.{LAYER_MODULES[m]}.{m}": module for m in modules} for i in range(layers)]
+    return pool, lora_modules

@@ -391,34 +391,12 @@ POOL_MODULES = {"qkv_proj": (HIDDEN, 2 * HIDDEN, 3), "o_proj": (HIDDEN, HIDDEN, 
                 "gate_up_proj": (HIDDEN, 4 * HIDDEN, 2), "down_proj": (HIDDEN, HIDDEN, 1)}
 
 
-def real_pool(pool_cls, slots=3, max_r=2 * R):
-    """A memory pool of the release's own fill (``sglang_lora.pool_class``) with buffers of SGLang's shapes
-    for the test adapter, at a max rank above the adapter's (the fill writes part of each slot), empty."""
-    pool = pool_cls()
-    bf16 = torch.bfloat16
-    pool.A_buffer = {m: [torch.zeros(slots, c * max_r, i, dtype=bf16) for _ in range(LAYERS)]
-                     for m, (i, _, c) in POOL_MODULES.items()}
-    pool.B_buffer = {m: [torch.zeros(slots, o, max_r, dtype=bf16) for _ in range(LAYERS)]
-                     for m, (_, o, _) in POOL_MODULES.items()}
-    pool.lm_head_A_buffer = {"lm_head": torch.zeros(slots, max_r, HIDDEN, dtype=bf16)}
-    pool.lm_head_B_buffer = {"lm_head": torch.zeros(slots, 100, max_r, dtype=bf16)}
-    pool.embedding_A_buffer, pool.embedding_B_buffer, pool.new_embeddings_buffer = {}, {}, {}
-    pool.target_modules, pool.num_layer, pool.max_lora_rank = set(POOL_MODULES) | {"lm_head"}, LAYERS, max_r
-    pool.base_model, pool.tp_rank, pool.strict_loading, pool.experts_shared_outer_loras = None, 0, False, False
-    pool.pin_memory_available, pool.enable_lora_overlap_loading, pool.max_loras_per_batch = False, False, slots
-    pool.base_hf_config, pool.lora_added_tokens_size = types.SimpleNamespace(vocab_size=100), 0
-    pool.buffer_id_to_uid, pool.uid_to_buffer_id, pool.eviction_policy = [sglang_lora.EMPTY_SLOT] * slots, {}, None
-    return pool
-
-
-class LoRAModule:
-    """A LoRA-wrapped layer as the fill slices its weights at tensor-parallel size 1 (a view, as SGLang's)."""
-
-    def slice_lora_a_weights(self, a):
-        return a
-
-    def slice_lora_b_weights(self, b):
-        return b[:b.shape[0]]
+def real_pool(pool_cls):
+    """An empty memory pool of the release's own fill (``sglang_lora.pool_class``) with buffers of SGLang's
+    shapes for the test adapter, at a max rank above the adapter's (the fill writes part of each slot),
+    and each layer's LoRA modules."""
+    return sglang_lora.shaped_pool(pool_cls, POOL_MODULES, layers=LAYERS, max_r=2 * R, slots=3, vocab=100,
+                                   lm_head_hidden=HIDDEN)
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -434,12 +412,8 @@ def test_the_helper_makes_every_later_versions_slot_image_from_the_fill_recorded
     stock_pool = sglang_lora.pool_class(sglang_real.release_root(release))
     pool_cls = type("Pool", (stock_pool,), {"__module__": sglang_lora.__name__})  # where its EMPTY_SLOT is
     prepared_load.install(type("S", (Scheduler,), {}), type("M", (Manager,), {}), pool_cls)  # fills from images
-    module = LoRAModule()
-    manager.memory_pool = pool = real_pool(pool_cls)
-    manager.lora_modules = [{f"model.layers.{i}.{name}": module for name in
-                             ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
-                            for i in range(LAYERS)]
-    manager.lm_head_module = module
+    pool, manager.lora_modules = real_pool(pool_cls)
+    manager.memory_pool, manager.lm_head_module = pool, sglang_lora.LoRAModule()
     for n, name in enumerate(("v1", "v2", "v3"), 1):
         if name == "v3":
             preparer.helper.stop("a restart between versions")
@@ -450,8 +424,8 @@ def test_the_helper_makes_every_later_versions_slot_image_from_the_fill_recorded
         weights = adapter.layers[0].weights
         made_by_helper = image.flats[0].untyped_storage().data_ptr() == next(iter(weights.values())).untyped_storage().data_ptr()
         assert made_by_helper is (name != "v1"), name
-        twin = real_pool(pool_cls)
-        stock_pool.load_lora_weight_to_buffer(twin, name, 0, adapter, manager.lora_modules, None, module)
+        twin, _ = real_pool(pool_cls)
+        stock_pool.load_lora_weight_to_buffer(twin, name, 0, adapter, manager.lora_modules, None, manager.lm_head_module)
         want = [b[0] for b in prepared_load.slot_image.slot_buffers(twin)]
         assert [torch.equal(a, b) for a, b in zip(image.sources, want)] == [True] * len(want), name
         # resident at its install, in the slot its first batch would take: that batch copies nothing
